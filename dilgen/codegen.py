@@ -1,0 +1,93 @@
+"""IR + target → Triton source text, from the Jinja templates in templates/.
+
+The output depends only on the plan, the generator version and the template text, so
+it is byte-stable: the same spec, target and version always give the same file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import sympy
+
+from . import __version__
+from .ir import AffineMap, Plan, print_expr
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+if not TEMPLATE_DIR.is_dir():  # installed as a wheel: templates ship inside the package
+    TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+FORWARD_TEMPLATE = "attention_fwd.py.jinja"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+        lstrip_blocks=False,
+        autoescape=False,
+    )
+
+
+def template_hash() -> str:
+    """sha256 over every template file (names and bytes), first 16 hex digits."""
+    digest = hashlib.sha256()
+    for path in sorted(TEMPLATE_DIR.glob("*.jinja")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _expr(amap: AffineMap, **names: str) -> str:
+    """Print an index map with some symbols renamed (e.g. u → u_b)."""
+    subs = {sympy.Symbol(k, integer=True, nonnegative=True): sympy.Symbol(v) for k, v in names.items()}
+    return print_expr(amap.expr.subs(subs))
+
+
+def _py_literal(obj: object) -> str:
+    """A JSON value as a Python literal, stable and readable."""
+    text = json.dumps(obj, indent=4, sort_keys=True)
+    return text.replace(": null", ": None").replace(": true", ": True").replace(": false", ": False")
+
+
+def kernel_name(plan: Plan) -> str:
+    return f"{plan.spec['name']}_fwd_kernel"
+
+
+def emit(plan: Plan) -> str:
+    """Render the forward module for `plan`."""
+    env = _environment()
+    env.globals["expr"] = _expr
+    template = env.get_template(FORWARD_TEMPLATE)
+    plan_json = plan.to_json()
+    dot_kwargs = f', input_precision="{plan.config.dot_precision}"' if plan.config.dot_precision else ""
+    source = template.render(
+        plan=plan,
+        q=plan.query,
+        cfg=plan.config,
+        version=__version__,
+        template_hash=template_hash(),
+        plan_key=plan.key(),
+        spec_json=_py_literal(plan.spec),
+        plan_json=_py_literal(plan_json),
+        kernel_name=kernel_name(plan),
+        group=plan.num_heads // plan.num_kv_heads,
+        table_index={t.name: i for i, t in enumerate(plan.tables)},
+        qk_scale=repr(plan.scale * LOG2E),
+        ln2=repr(LN2),
+        dot_kwargs=dot_kwargs,
+    )
+    # Strip trailing spaces that conditional blocks leave behind: byte-stable and tidy.
+    lines = [line.rstrip() for line in source.splitlines()]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def check_syntax(source: str, filename: str = "<generated>") -> None:
+    compile(source, filename, "exec")

@@ -1,0 +1,183 @@
+"""The stages in order: spec → plan (IR) → source → cached module → kernel.
+
+`compile(spec)` returns a `Kernel`: a callable that picks the target from the device of
+its inputs (the GPU's architecture, or Triton's interpreter for CPU tensors) and runs
+the generated module for it, compiling and caching it on first use.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from . import __version__, cache, codegen, planner
+from .ir import Plan
+from .spec import Spec, load_spec
+from .targets import INTERPRETER, Target, get_target, target_for_capability
+
+STAGES = ("plan", "emit", "cache", "import")
+
+
+def toolchain() -> dict[str, str]:
+    import torch
+    import triton
+    return {"torch": torch.__version__, "triton": triton.__version__}
+
+
+def cache_key(spec: Spec, target: Target) -> str:
+    """generator version + spec key + target + toolchain versions + template hash."""
+    return cache.make_key(generator=__version__, spec=spec.key(), target=target.key(),
+                          templates=codegen.template_hash(), **toolchain())
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    """One spec compiled for one target: the plan, the generated source and its module."""
+    spec: Spec
+    target: Target
+    plan: Plan
+    source: str
+    path: Path
+    module: ModuleType
+    cache_hit: bool
+
+    @property
+    def attention(self):
+        return self.module.attention
+
+
+def _dump(spec: Spec, plan: Plan, source: str) -> None:
+    root = cache.dump_dir()
+    if root is None:
+        return
+    folder = root / f"{spec.name}-{plan.target}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "0-spec.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+    (folder / "1-plan.json").write_text(plan.dumps() + "\n")
+    (folder / "2-source.py").write_text(source)
+
+
+def _import_module(path: Path, name: str) -> ModuleType:
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+_MODULES: dict[str, CompiledModule] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def build(spec: Spec, target: Target) -> CompiledModule:
+    """Run every stage for (spec, target); cached in memory and on disk."""
+    key = cache_key(spec, target)
+    with _MODULES_LOCK:
+        hit = _MODULES.get(key)
+        if hit is not None and not cache.always_compile():
+            return hit
+        plan = planner.plan(spec, target)                                  # stage: plan
+        folder = cache.load(key)                                           # stage: cache
+        cache_hit = folder is not None
+        if cache_hit:
+            source = (folder / cache.MODULE).read_text()
+        else:
+            source = codegen.emit(plan)                                    # stage: emit
+            codegen.check_syntax(source, f"{spec.name}.py")
+            info = {"spec": spec.to_json(), "target": target.name, "generator": __version__,
+                    "templates": codegen.template_hash(), **toolchain()}
+            folder = cache.store(key, {cache.MODULE: source.encode(),
+                                       "plan.json": (plan.dumps() + "\n").encode()}, info)
+        _dump(spec, plan, source)
+        module = _import_module(folder / cache.MODULE,
+                                f"dilgen_generated.{spec.name}_{target.name}_{key[:12]}")
+        compiled = CompiledModule(spec, target, plan, source, folder / cache.MODULE, module,
+                                  cache_hit)
+        _MODULES[key] = compiled
+        return compiled
+
+
+def target_for_device(device) -> Target:
+    if device.type == "cuda":
+        import torch
+        major, minor = torch.cuda.get_device_capability(device)
+        return target_for_capability(major, minor)
+    return INTERPRETER
+
+
+class Kernel:
+    """`kernel(q, k, v, return_lse=False)`: dilated attention of one spec (SPEC §3)."""
+
+    def __init__(self, spec: Spec, target: Target | None = None) -> None:
+        self.spec = spec
+        self.fixed_target = target
+
+    def __repr__(self) -> str:
+        return f"<dilgen.Kernel {self.spec.name} key={self.spec.key()[:12]}>"
+
+    def compiled_for(self, device) -> CompiledModule:
+        target = self.fixed_target or target_for_device(device)
+        return build(self.spec, target)
+
+    def plan(self, target: str | Target = "sm90") -> Plan:
+        t = get_target(target) if isinstance(target, str) else target
+        return planner.plan(self.spec, t)
+
+    def __call__(self, q, k, v, *, return_lse: bool = False, group=None):
+        import torch
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group)
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def compile(spec: Spec | str | os.PathLike, target: str | Target | None = None) -> Kernel:  # noqa: A001
+    """Plan, emit and cache `spec` (a Spec or a path to its JSON); return the callable."""
+    if not isinstance(spec, Spec):
+        spec = load_spec(spec)
+    t = get_target(target) if isinstance(target, str) else target
+    if t is not None:
+        build(spec, t)  # emit and cache now, so errors surface at compile time
+    return Kernel(spec, t)
+
+
+def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=None):
+    """One-call form: `dilgen.compile(spec)(q, k, v)` with the kernel kept per spec."""
+    kernel = _KERNELS.get(spec.key())
+    if kernel is None:
+        kernel = _KERNELS[spec.key()] = Kernel(spec)
+    return kernel(q, k, v, return_lse=return_lse, group=group)
+
+
+def write_module(spec: Spec, target: Target, out_dir: str | os.PathLike) -> tuple[Path, Plan]:
+    """Emit `out_dir/<spec.name>.py` for `target` (atomically); return its path and plan."""
+    plan = planner.plan(spec, target)
+    source = codegen.emit(plan)
+    codegen.check_syntax(source, f"{spec.name}.py")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{spec.name}.py"          # the name is validated: no path separators
+    fd, tmp = tempfile.mkstemp(prefix=f".{spec.name}-", suffix=".py", dir=out)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(source)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    init = out / "__init__.py"
+    if not init.exists():
+        init.write_text('"""Modules generated by `dilgen compile`."""\n')
+    _dump(spec, plan, source)
+    return path, plan

@@ -1,0 +1,117 @@
+"""Spec → IR. The only place that decides tiling, query classes and schedules.
+
+Lowering, in SPEC §2 terms (LongNet Eqs. 13-15): branch i with (w, r) keeps, in head h,
+the segment lanes t with t mod r == o, o = h mod r, and reads key lane j of segment s
+at virtual position u_k = s*w + o + r*j. Virtual positions are raster positions, or
+curve positions when a Hilbert order applies (then a table maps them to raster).
+
+Query classes: when r | w for a set of branches that read in the query order, whether
+query u is kept by such a branch depends only on u mod r; with L = lcm of those r, the
+queries of residue class c = (h + d) mod L are kept by exactly the branches with
+r | d. Tiling each class as a lattice u = c + L*m gives tiles whose every row has the
+same key set per branch: no row mask, and no work on rows a branch does not keep.
+"""
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import sympy
+
+from . import ir
+from .hilbert import gilbert_order
+from .spec import Spec, default_grid
+from .targets import Target
+
+MAX_LATTICE = 64  # beyond this, classes are too thin to fill a tile: use row masks
+
+h, d, c, m, s, j, o, u = (ir.SYM[x] for x in "h d c m s j o u".split())
+
+
+def _lcm(values: list[int]) -> int:
+    return reduce(lambda a, b: a * b // math.gcd(a, b), values, 1)
+
+
+def _is_identity(rows: int, cols: int) -> bool:
+    order = gilbert_order(rows, cols)
+    return all(i == p for i, p in enumerate(order))
+
+
+def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
+    """The query order and each branch's order (None = raster, read without a table)."""
+    hil = spec.hilbert
+    if hil is None:
+        return None, [None] * spec.num_branches
+    if hil.scope == "sequence":
+        rows, cols = hil.grid
+        table = None if _is_identity(rows, cols) else ir.TableMap(
+            f"curve_{rows}x{cols}", "sequence", rows, cols)
+        return table, [None] * spec.num_branches   # branches read in the query order
+    orders: list[ir.TableMap | None] = []
+    for i, w in enumerate(spec.segment_lengths):
+        rows, cols = hil.grids[i] if hil.grids is not None else default_grid(w)
+        orders.append(None if _is_identity(rows, cols)
+                      else ir.TableMap(f"segment_{rows}x{cols}", "segment", rows, cols))
+    return None, orders
+
+
+def plan(spec: Spec, target: Target) -> ir.Plan:
+    """Lower a validated spec for one target."""
+    query_order, orders = _branch_orders(spec)
+    itemsize = 4 if spec.dtype == "float32" else 2
+    block_m, block_n, warps, stages = target.block_table(spec.head_dim, itemsize)
+
+    # Branches whose membership follows the query lattice: r | w and no own table.
+    lattice_ok = [orders[i] is None and w % r == 0 and r > 1
+                  for i, (w, r) in enumerate(spec.branches())]
+    lattice = _lcm([r for ok, (w, r) in zip(lattice_ok, spec.branches()) if ok])
+    if lattice > MAX_LATTICE:
+        lattice, lattice_ok = 1, [False] * spec.num_branches
+
+    # A tile covers the virtual range [L*BM*t, L*BM*(t+1)); shrink BM (not below 16,
+    # the smallest tl.dot tile) until that range nests inside every segment if it can.
+    gcd_w = reduce(math.gcd, spec.segment_lengths)
+    bm = block_m
+    while bm > 16 and gcd_w % (lattice * bm) != 0:
+        bm //= 2
+    if gcd_w % (lattice * bm) == 0:
+        block_m = bm
+
+    branches = []
+    for i, (w, r) in enumerate(spec.branches()):
+        order = orders[i]
+        key_map = ir.AffineMap(sympy.expand(s * w + o + r * j))
+        if lattice_ok[i] or r == 1 and order is None:
+            keep_map = None
+        else:
+            # Lane offset of the query inside its segment (in the branch's own order).
+            keep_map = ir.AffineMap(sympy.simplify(sympy.Mod(sympy.Mod(u, w), r)))
+        branches.append(ir.BranchIR(
+            index=i, segment_length=w, dilation=r, key_map=key_map, keep_map=keep_map,
+            order=order, single_segment=(w % (lattice * block_m) == 0),
+            keys_per_query=-(-w // r)))
+
+    # Query classes, longest work first: class d is kept by branches with r | d.
+    work = []
+    for delta in range(lattice):
+        work.append(sum(b.keys_per_query for b in branches
+                        if b.keep_map is not None or delta % b.dilation == 0))
+    class_order = tuple(sorted(range(lattice), key=lambda x: (-work[x], x)))
+    tiling = ir.QueryTiling(
+        lattice=lattice, class_order=class_order,
+        class_work=tuple(work[x] for x in class_order), block_m=block_m,
+        query_map=ir.AffineMap(sympy.expand(c + lattice * m)), order=query_order)
+
+    tables = []
+    for t in [query_order, *orders]:
+        if t is not None and t not in tables:
+            tables.append(t)
+    config = ir.KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps,
+                             num_stages=stages,
+                             dot_precision="ieee" if spec.dtype == "float32" else None)
+    return ir.Plan(
+        spec=spec.to_json(), spec_key=spec.key(), target=target.name,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
+        branches=tuple(branches), config=config, ring=ir.RingIR(spec.ring_size),
+        tables=tuple(tables))

@@ -1,0 +1,206 @@
+"""Run generated kernels: input checks, launch (GPU or Triton's interpreter), autograd.
+
+A generated module needs only this package (and torch, triton): it never plans or emits.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any
+
+import torch
+
+from .tables import table_tensors
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_POISON = os.environ.get("DILGEN_POISON", "") not in ("", "0")
+
+
+class InputError(ValueError):
+    """q, k, v (or the call) do not fit the spec; the message says what to change."""
+
+
+def set_poison(enabled: bool) -> None:
+    """Fill fresh outputs with NaN before each launch, so an unwritten row shows (tests)."""
+    global _POISON
+    _POISON = bool(enabled)
+
+
+def _check_inputs(spec: dict, q: Any, k: Any, v: Any) -> tuple[int, int]:
+    name = spec["name"]
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name}: {label} must have 4 dims (B, N, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    H, Hkv, D = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    B, N = q.shape[0], q.shape[1]
+    if tuple(q.shape[2:]) != (H, D):
+        raise InputError(f"{name}: q has shape {tuple(q.shape)}; the spec wants (B, N, {H}, {D}) "
+                         f"(num_heads={H}, head_dim={D})")
+    for label, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (B, N, Hkv, D):
+            raise InputError(f"{name}: {label} has shape {tuple(t.shape)}; with q of shape "
+                             f"{tuple(q.shape)} it must be ({B}, {N}, {Hkv}, {D}) "
+                             f"(num_kv_heads={Hkv})")
+    if B < 1 or N < 1:
+        raise InputError(f"{name}: empty input (B = {B}, N = {N}); dilated attention needs "
+                         f"B >= 1 and N >= 1")
+    want = _TORCH_DTYPES[spec["dtype"]]
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != want:
+            raise InputError(f"{name}: {label} has dtype {t.dtype} but the spec says "
+                             f"\"{spec['dtype']}\"; pass {label}.to({want}) or change the spec")
+        if t.device != q.device:
+            raise InputError(f"{name}: q is on {q.device} but {label} is on {t.device}; "
+                             f"move all three to one device")
+        if t.stride(-1) != 1:
+            raise InputError(f"{name}: {label} must be contiguous in head_dim (stride(-1) == 1, "
+                             f"got {t.stride(-1)}); pass {label}.contiguous()")
+    if q.device.type not in ("cuda", "cpu"):
+        raise InputError(f"{name}: tensors on {q.device} are not supported; use a CUDA GPU, "
+                         f"or the CPU (Triton's interpreter)")
+    return B, N
+
+
+_INTERPRET_LOCK = threading.RLock()
+
+
+class _interpreting:
+    """Run Triton's interpreter in a process where triton was imported without
+    TRITON_INTERPRET=1: triton.language's own @jit helpers (tl.max, tl.sum, tl.zeros, ...)
+    are then JITFunctions, which the interpreter cannot call; route them through
+    InterpretedFunction for the duration of one launch."""
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+        _INTERPRET_LOCK.acquire()
+        self._cls = JITFunction
+        self._saved = JITFunction.__call__
+        cache: dict[int, Any] = {}
+
+        def call(fn_self, *args, **kwargs):
+            wrapped = cache.get(id(fn_self))
+            if wrapped is None:
+                wrapped = cache[id(fn_self)] = InterpretedFunction(fn_self.fn)
+            return wrapped(*args, **kwargs)
+
+        JITFunction.__call__ = call
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.__call__ = self._saved
+        _INTERPRET_LOCK.release()
+        return False
+
+
+class GeneratedAttention:
+    """The callable of a generated module: `attention(q, k, v, return_lse=False)`.
+
+    q: (B, N, H, D), k and v: (B, N, H_kv, D) of the spec's dtype on one device. Returns
+    out (B, N, H, D) and, with return_lse=True, lse (B, H, N) float32 (natural log).
+    CUDA tensors run the compiled kernel; CPU tensors run the same source in Triton's
+    interpreter.
+    """
+
+    def __init__(self, spec: dict, plan: dict, forward_kernel) -> None:
+        self.spec = spec
+        self.plan = plan
+        self._source_fn = forward_kernel
+        self._jitted: dict[bool, Any] = {}
+        self._lock = threading.Lock()
+        self.launches = 0
+
+    def __repr__(self) -> str:
+        return f"<dilgen attention {self.spec['name']} target={self.plan['target']}>"
+
+    # -- kernels ------------------------------------------------------------------------
+    def _kernel(self, interpret: bool):
+        fn = self._jitted.get(interpret)
+        if fn is None:
+            with self._lock:
+                fn = self._jitted.get(interpret)
+                if fn is None:
+                    if interpret:
+                        from triton.runtime.interpreter import InterpretedFunction
+                        fn = InterpretedFunction(self._source_fn)
+                    else:
+                        import triton
+                        fn = triton.jit(self._source_fn)
+                    self._jitted[interpret] = fn
+        return fn
+
+    def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward launch without autograd: (out, lse)."""
+        B, N = _check_inputs(self.spec, q, k, v)
+        plan, cfg = self.plan, self.plan["config"]
+        H = plan["num_heads"]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+        if _POISON:
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        lattice = plan["query"]["lattice"]
+        class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=q.device)
+        tables = []
+        for t in plan["tables"]:
+            tables.extend(table_tensors(t, N, q.device))
+        block_m = cfg["block_m"]
+        num_m_tiles = math.ceil(math.ceil(N / lattice) / block_m)
+        grid = (lattice * num_m_tiles, B * H)
+        interpret = q.device.type == "cpu"
+        kernel = self._kernel(interpret)
+        launch_opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        args = (
+            q, k, v, out, lse, class_order, *tables,
+            N, num_m_tiles,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            interpret,
+        )
+        if interpret:
+            with _interpreting():
+                kernel[grid](*args)
+        else:
+            kernel[grid](*args, **launch_opts)
+        self.launches += 1
+        return out, lse
+
+    def __call__(self, q, k, v, *, return_lse: bool = False, group=None):
+        ring = self.plan["ring"]["ring_size"]
+        if ring > 1:
+            raise NotImplementedError(
+                f"{self.spec['name']}: ring_size = {ring} needs the ring runtime, which is not "
+                f"built yet; set ring_size to 1 to run on one device")
+        if group is not None:
+            raise InputError(f"{self.spec['name']}: group= applies only to ring_size > 1 specs")
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        if needs_grad:
+            out, lse = _ForwardOnlyFunction.apply(q, k, v, self)
+        else:
+            out, lse = self.forward_raw(q, k, v)
+        return (out, lse) if return_lse else out
+
+
+class _ForwardOnlyFunction(torch.autograd.Function):
+    """Autograd node until the backward kernels land: the forward runs, and a backward
+    call raises instead of returning a wrong gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn):
+        ctx.spec_name = attn.spec["name"]
+        out, lse = attn.forward_raw(q, k, v)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        raise NotImplementedError(
+            f"dilgen ({ctx.spec_name}): the backward pass is not implemented yet; run the "
+            f"forward under torch.no_grad(), or detach q, k, v")

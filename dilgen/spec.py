@@ -1,0 +1,307 @@
+"""The Spec value (SPEC.md §1): load JSON, validate every rule, canonical key.
+
+Imports only the standard library. Every rule violation raises `SpecError` with one
+line naming the source, the field, the value and the rule, e.g.
+``spec.json: dilation_rates[2] = 0: must be >= 1``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+NAME_RE = re.compile(r"[a-z_][a-z0-9_]*\Z")
+HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = ("float16", "bfloat16", "float32")
+HILBERT_SCOPES = ("segment", "sequence")
+MAX_INT = 1 << 40          # larger than any sequence a GPU can hold; guards against 1e300-sized ints
+MAX_BRANCHES = 16
+
+
+class SpecError(ValueError):
+    """A spec breaks a rule of SPEC.md §1. The message is one line, fit for stderr."""
+
+
+def _fail(src: str, path: str, value: Any, rule: str) -> SpecError:
+    shown = json.dumps(value) if not isinstance(value, str) else json.dumps(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return SpecError(f"{src}: {path} = {shown}: {rule}")
+
+
+def _int(src: str, path: str, value: Any, lo: int = 1, hi: int = MAX_INT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(src, path, value, "must be an integer")
+    if value < lo:
+        raise _fail(src, path, value, f"must be >= {lo}")
+    if value > hi:
+        raise _fail(src, path, value, f"must be <= {hi}")
+    return value
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def default_grid(w: int) -> tuple[int, int] | None:
+    """SPEC §2: w = 2^k → rows = 2^floor(k/2), cols = 2^ceil(k/2); None for other w."""
+    if not _is_pow2(w):
+        return None
+    k = w.bit_length() - 1
+    return (1 << (k // 2), 1 << ((k + 1) // 2))
+
+
+@dataclass(frozen=True)
+class Hilbert:
+    """Hilbert ordering: scope "segment" (per-branch grids) or "sequence" (one image)."""
+    scope: str
+    grids: tuple[tuple[int, int], ...] | None = None   # segment scope, one per branch
+    grid: tuple[int, int] | None = None                 # sequence scope
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"scope": self.scope}
+        if self.grids is not None:
+            out["grids"] = [list(g) for g in self.grids]
+        if self.grid is not None:
+            out["grid"] = list(self.grid)
+        return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated dilated-attention spec. Construct with `Spec(...)` or `load_spec(path)`."""
+    name: str
+    num_heads: int
+    head_dim: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    num_kv_heads: int | None = None
+    dtype: str = "bfloat16"
+    causal: bool = False
+    hilbert: Hilbert | None = None
+    ring_size: int = 1
+    softmax_scale: float | None = None
+    source: str = field(default="<spec>", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Normalise containers so that Spec(...) built by hand behaves like a loaded one.
+        raw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+        if isinstance(raw["hilbert"], Hilbert):
+            raw["hilbert"] = raw["hilbert"].to_json()
+        if raw["num_kv_heads"] is None:
+            raw["num_kv_heads"] = raw["num_heads"]
+        for key in ("segment_lengths", "dilation_rates"):
+            if isinstance(raw[key], tuple):
+                raw[key] = list(raw[key])
+        checked = _validate(raw, self.source)
+        for key, value in checked.items():
+            object.__setattr__(self, key, value)
+
+    # ---- derived values -------------------------------------------------------------
+    @property
+    def num_branches(self) -> int:
+        return len(self.segment_lengths)
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def branches(self) -> list[tuple[int, int]]:
+        return list(zip(self.segment_lengths, self.dilation_rates))
+
+    def to_json(self) -> dict:
+        """Canonical JSON form: every field, defaults filled in, fixed order."""
+        return {
+            "name": self.name,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "segment_lengths": list(self.segment_lengths),
+            "dilation_rates": list(self.dilation_rates),
+            "causal": self.causal,
+            "hilbert": None if self.hilbert is None else self.hilbert.to_json(),
+            "ring_size": self.ring_size,
+            "softmax_scale": self.softmax_scale,
+        }
+
+    def key(self) -> str:
+        """sha256 of the canonical JSON (stable across runs and machines)."""
+        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def replace(self, **changes: Any) -> "Spec":
+        data = self.to_json()
+        data.update(changes)
+        return spec_from_dict(data, source=self.source)
+
+
+_REQUIRED = ("name", "num_heads", "head_dim", "segment_lengths", "dilation_rates")
+_ALLOWED = ("name", "num_heads", "num_kv_heads", "head_dim", "dtype", "segment_lengths",
+            "dilation_rates", "causal", "hilbert", "ring_size", "softmax_scale")
+
+
+def _validate(raw: dict, src: str) -> dict:
+    """Check every rule of SPEC §1; return normalised values (tuples, Hilbert objects)."""
+    name = raw["name"]
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise _fail(src, "name", name, "must match [a-z_][a-z0-9_]* (it names a Python module)")
+    if len(name) > 100:
+        raise _fail(src, "name", name, "must be at most 100 characters")
+    num_heads = _int(src, "num_heads", raw["num_heads"], hi=4096)
+    num_kv = _int(src, "num_kv_heads", raw["num_kv_heads"], hi=4096)
+    if num_heads % num_kv:
+        raise _fail(src, "num_kv_heads", num_kv, f"must divide num_heads = {num_heads}")
+    head_dim = raw["head_dim"]
+    if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS or not isinstance(head_dim, int):
+        raise _fail(src, "head_dim", head_dim, "must be one of 16, 32, 64, 128, 256")
+    dtype = raw["dtype"]
+    if dtype not in DTYPES or not isinstance(dtype, str):
+        raise _fail(src, "dtype", dtype, 'must be one of "float16", "bfloat16", "float32"')
+
+    lists = {}
+    for key in ("segment_lengths", "dilation_rates"):
+        value = raw[key]
+        if not isinstance(value, list):
+            raise _fail(src, key, value, "must be a list of integers")
+        if not value:
+            raise _fail(src, key, value, "must not be empty")
+        if len(value) > MAX_BRANCHES:
+            raise _fail(src, key, value, f"must have at most {MAX_BRANCHES} branches")
+        lists[key] = tuple(_int(src, f"{key}[{i}]", x) for i, x in enumerate(value))
+    segs, rates = lists["segment_lengths"], lists["dilation_rates"]
+    if len(segs) != len(rates):
+        raise _fail(src, "dilation_rates", list(rates),
+                    f"must have the same length as segment_lengths ({len(segs)})")
+    if len(set(zip(segs, rates))) != len(segs):
+        # Allowed by the math (a repeated branch counts twice), but almost always a typo.
+        pass
+
+    causal = raw["causal"]
+    if not isinstance(causal, bool):
+        raise _fail(src, "causal", causal, "must be true or false")
+    ring = _int(src, "ring_size", raw["ring_size"], hi=65536)
+    scale = raw["softmax_scale"]
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise _fail(src, "softmax_scale", scale, "must be a number or null")
+        if not math.isfinite(scale) or scale <= 0 or scale > 1e4:
+            raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
+        scale = float(scale)
+
+    hilbert = _validate_hilbert(raw["hilbert"], segs, src)
+    return dict(name=name, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
+                dtype=dtype, segment_lengths=segs, dilation_rates=rates, causal=causal,
+                hilbert=hilbert, ring_size=ring, softmax_scale=scale)
+
+
+def _grid(src: str, path: str, value: Any) -> tuple[int, int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise _fail(src, path, value, "must be a [rows, cols] pair")
+    return (_int(src, f"{path}[0]", value[0]), _int(src, f"{path}[1]", value[1]))
+
+
+def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _fail(src, "hilbert", value, 'must be null or an object like {"scope": "segment"}')
+    unknown = sorted(set(value) - {"scope", "grids", "grid"})
+    if unknown:
+        raise _fail(src, f"hilbert.{unknown[0]}", value[unknown[0]],
+                    "unknown field (allowed: scope, grids, grid)")
+    scope = value.get("scope")
+    if scope not in HILBERT_SCOPES or not isinstance(scope, str):
+        raise _fail(src, "hilbert.scope", scope, 'must be "segment" or "sequence"')
+    if scope == "segment":
+        if "grid" in value:
+            raise _fail(src, "hilbert.grid", value["grid"],
+                        'belongs to scope "sequence"; use "grids" (one per branch) for "segment"')
+        grids_raw = value.get("grids")
+        if grids_raw is None:
+            for i, w in enumerate(segs):
+                if default_grid(w) is None:
+                    raise _fail(src, f"segment_lengths[{i}]", w,
+                                'is not a power of two: Hilbert scope "segment" needs '
+                                '"grids": [[rows, cols], ...] with rows*cols = w')
+            return Hilbert("segment")
+        if not isinstance(grids_raw, list) or len(grids_raw) != len(segs):
+            raise _fail(src, "hilbert.grids", grids_raw,
+                        f"must be a list of {len(segs)} [rows, cols] pairs, one per branch")
+        grids = tuple(_grid(src, f"hilbert.grids[{i}]", g) for i, g in enumerate(grids_raw))
+        for i, ((rows, cols), w) in enumerate(zip(grids, segs)):
+            if rows * cols != w:
+                raise _fail(src, f"hilbert.grids[{i}]", [rows, cols],
+                            f"rows*cols = {rows * cols} must equal segment_lengths[{i}] = {w}")
+        return Hilbert("segment", grids=grids)
+    if "grids" in value:
+        raise _fail(src, "hilbert.grids", value["grids"],
+                    'belongs to scope "segment"; use "grid": [rows, cols] for "sequence"')
+    if "grid" not in value:
+        raise _fail(src, "hilbert.grid", None,
+                    'is required for scope "sequence": the image as [rows, cols]')
+    return Hilbert("sequence", grid=_grid(src, "hilbert.grid", value["grid"]))
+
+
+def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
+    """Validate a decoded JSON object and build a Spec. Raises SpecError."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the spec must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_ALLOWED))
+    if unknown:
+        raise _fail(source, unknown[0], data[unknown[0]],
+                    f"unknown field (allowed: {', '.join(_ALLOWED)})")
+    for key in _REQUIRED:
+        if key not in data:
+            raise SpecError(f"{source}: {key} is missing: it is a required field")
+    raw = dict(data)
+    raw.setdefault("num_kv_heads", raw["num_heads"])
+    raw.setdefault("dtype", "bfloat16")
+    raw.setdefault("causal", False)
+    raw.setdefault("hilbert", None)
+    raw.setdefault("ring_size", 1)
+    raw.setdefault("softmax_scale", None)
+    if raw["num_kv_heads"] is None:
+        raise _fail(source, "num_kv_heads", None, "must be an integer (or left out)")
+    for key in ("segment_lengths", "dilation_rates"):
+        if isinstance(raw[key], list):
+            raw[key] = tuple(raw[key]) if all(isinstance(x, int) and not isinstance(x, bool)
+                                              for x in raw[key]) else raw[key]
+    # Validate once on the raw dict so that the error names the JSON value, then build.
+    checked = _validate({k: (list(v) if isinstance(v, tuple) else v) for k, v in raw.items()},
+                        source)
+    hilbert = checked.pop("hilbert")
+    spec = Spec(**{k: v for k, v in checked.items()},
+                hilbert=hilbert, source=source)
+    return spec
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file. Raises SpecError with a one-line message."""
+    path = Path(path)
+    src = path.name
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read the spec: {exc}") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{src}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except ValueError as exc:
+        raise SpecError(f"{src}: {exc}") from None
+    return spec_from_dict(data, source=src)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"not valid JSON: {name} is not a JSON number")

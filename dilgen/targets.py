@@ -1,0 +1,78 @@
+"""What each architecture can do, and the block choices the planner starts from.
+
+Standard library only. A Target is frozen data with a stable key, like Triton's
+GPUTarget: codegen reads its flags, the planner reads its block table.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str                 # "sm90", "sm80", "interpreter"
+    capability: int | None    # CUDA compute capability as 90, 80; None for the interpreter
+    smem_bytes: int           # shared memory per block the tiles may use
+    max_block_m: int
+    tensor_descriptors: bool  # TMA (sm90): not used by the forward template yet
+
+    def __post_init__(self) -> None:
+        if self.name not in TARGETS_BY_NAME and self.name not in ("sm89", "sm86", "sm100"):
+            raise ValueError(f"unknown target {self.name!r}; known: {', '.join(TARGETS_BY_NAME)}")
+
+    def key(self) -> str:
+        blob = json.dumps(self.__dict__, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def block_table(self, head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
+        """(block_m, block_n, num_warps, num_stages) before lattice constraints."""
+        if self.name == "interpreter":
+            # The interpreter runs each tile op in numpy: fewer, larger tiles run faster,
+            # but tests use short sequences, so keep tiles small enough to cover them.
+            return (16, 16, 1, 1)
+        if self.capability is not None and self.capability >= 90:
+            table = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3),
+                     128: (128, 64, 8, 3), 256: (64, 64, 8, 2)}
+        else:
+            table = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3),
+                     128: (128, 32, 8, 3), 256: (64, 32, 8, 2)}
+        bm, bn, warps, stages = table[head_dim]
+        if itemsize == 4:             # fp32 tiles are twice as large
+            bm, bn, stages = max(bm // 2, 32), max(bn // 2, 32), max(stages - 1, 1)
+        return (bm, bn, warps, stages)
+
+
+SM90 = None  # filled below
+TARGETS_BY_NAME: dict[str, "Target"] = {}
+
+
+def _register(t: Target) -> Target:
+    TARGETS_BY_NAME[t.name] = t
+    return t
+
+
+TARGETS_BY_NAME.update({"sm90": None, "sm80": None, "interpreter": None})  # names for validation
+SM90 = _register(Target("sm90", 90, 227 * 1024, 128, True))
+SM80 = _register(Target("sm80", 80, 163 * 1024, 128, False))
+INTERPRETER = _register(Target("interpreter", None, 1 << 30, 64, False))
+
+
+def get_target(name: str) -> Target:
+    """Target by name ("sm90", "sm80", "interpreter"); other sm numbers map to the
+    nearest family below them."""
+    if name in TARGETS_BY_NAME:
+        return TARGETS_BY_NAME[name]
+    if name.startswith("sm") and name[2:].isdigit():
+        cap = int(name[2:])
+        return SM90 if cap >= 90 else SM80 if cap >= 80 else _unsupported(name)
+    raise ValueError(f"unknown --arch {name!r}: choose one of sm90, sm80, interpreter")
+
+
+def _unsupported(name: str) -> Target:
+    raise ValueError(f"--arch {name}: dilgen needs sm80 (Ampere) or newer")
+
+
+def target_for_capability(major: int, minor: int) -> Target:
+    return get_target(f"sm{major}{minor}")
