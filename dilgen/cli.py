@@ -1,0 +1,161 @@
+"""`dilgen compile / build / explain` (SPEC §4). Exit 0 on success, 2 on a bad spec or
+bad arguments, with one clear line on stderr."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .spec import SpecError, load_spec
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(EXIT_USAGE, f"dilgen: error: {message} (see `dilgen --help`)\n")
+
+
+def _target(name: str):
+    from .targets import get_target
+    try:
+        return get_target(name)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+
+
+def plan_summary(plan, seq_len: int | None = None) -> str:
+    """A one-screen summary of a plan, in words."""
+    q, cfg = plan.query, plan.config
+    lines = [
+        f"spec {plan.spec['name']}  (key {plan.spec_key[:12]})  target {plan.target}",
+        f"  heads {plan.num_heads} (kv {plan.num_kv_heads}), head_dim {plan.head_dim}, "
+        f"{plan.dtype}, {'causal' if plan.causal else 'non-causal'}, scale {plan.scale:.6g}",
+        f"  query tiles: lattice L = {q.lattice} (rows u = {q.query_map.text}), "
+        f"{q.lattice} class(es), block {cfg.block_m} x {cfg.block_n}, "
+        f"{cfg.num_warps} warps, {cfg.num_stages} stages"
+        + (f", query order {q.order.name}" if q.order else ""),
+    ]
+    if q.lattice > 1:
+        classes = ", ".join(f"d={d}:{w}" for d, w in zip(q.class_order, q.class_work))
+        lines.append(f"  classes (delta: keys per query), longest first: {classes}")
+    lines.append("  branches:")
+    for b in plan.branches:
+        lines.append(
+            f"    [{b.index}] w = {b.segment_length:>8}  r = {b.dilation:>3}  key u = {b.key_map.text:<22}"
+            f" {'class' if b.keep_map is None else 'row'} membership,"
+            f" {'one segment per tile' if b.single_segment else 'tiles span segments'}"
+            + (f", table {b.order.name}" if b.order else ""))
+    if seq_len:
+        from .stats import useful_flops
+        lines.append(f"  at N = {seq_len}: {useful_flops(plan, seq_len) / 1e9:.3f} GFLOP useful "
+                     f"per batch element (forward)")
+    lines.append(f"  ring: ring_size {plan.ring.ring_size}"
+                 + (" (single device)" if plan.ring.ring_size == 1 else ""))
+    return "\n".join(lines)
+
+
+def cmd_compile(args) -> int:
+    from .compiler import write_module
+    spec = load_spec(args.spec)
+    target = _target(args.arch)
+    path, plan = write_module(spec, target, args.out)
+    if args.dump_ir:
+        print(plan.dumps())
+        print(f"wrote {path}", file=sys.stderr)
+        return EXIT_OK
+    print(f"wrote {path}")
+    print(plan_summary(plan))
+    return EXIT_OK
+
+
+def cmd_build(args) -> int:
+    from .compiler import build
+    folder = Path(args.specs_dir)
+    if not folder.is_dir():
+        raise SpecError(f"{folder}: not a folder of spec files")
+    paths = sorted(folder.glob("*.json"))
+    if not paths:
+        raise SpecError(f"{folder}: no *.json spec files in it")
+    specs = [load_spec(p) for p in paths]       # validate all before building any
+    targets = [_target(a) for a in (args.arch or ["sm90"])]
+    jobs = [(s, t) for s in specs for t in targets]
+    built = 0
+    for i, (spec, target) in enumerate(jobs, 1):
+        compiled = build(spec, target)
+        built += not compiled.cache_hit
+        _progress(i, len(jobs), f"{spec.name} [{target.name}]")
+    print()
+    if built == 0:
+        print(f"nothing to do: {len(jobs)} kernel(s) already in the cache")
+    else:
+        print(f"built {built} of {len(jobs)} kernel(s); {len(jobs) - built} were up to date")
+    return EXIT_OK
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = width * done // total
+    bar = "#" * filled + "-" * (width - filled)
+    sys.stdout.write(f"\r[{bar}] {done}/{total} {label:<40}")
+    sys.stdout.flush()
+
+
+def cmd_explain(args) -> int:
+    from .planner import plan as make_plan
+    spec = load_spec(args.spec)
+    plan = make_plan(spec, _target(args.arch))
+    print(plan_summary(plan, args.seq_len))
+    if args.png:
+        from .explain import write_pattern_png
+        n = args.seq_len or min(256, max(spec.segment_lengths))
+        path = write_pattern_png(spec, n, args.png, heads=args.heads)
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    parser = _Parser(prog="dilgen", description="Compile dilated-attention specs to Triton kernels.")
+    parser.add_argument("--version", action="version", version=f"dilgen {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("compile", help="validate, plan and emit generated/<name>.py")
+    p.add_argument("spec", help="the spec JSON file")
+    p.add_argument("--arch", default="sm90", help="sm90 (default), sm80 or interpreter")
+    p.add_argument("--out", default="generated", help="output folder (default generated/)")
+    p.add_argument("--dump-ir", action="store_true", help="print the IR as JSON on stdout")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("build", help="ahead-of-time: every spec of a folder into the cache")
+    p.add_argument("specs_dir")
+    p.add_argument("--arch", action="append", help="target(s), repeatable (default sm90)")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("explain", help="the plan in words, and a picture of the pattern")
+    p.add_argument("spec")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length N for numbers")
+    p.add_argument("--png", default=None, help="write a picture of who attends to whom")
+    p.add_argument("--heads", type=int, nargs="*", default=None, help="heads to draw")
+    p.add_argument("--arch", default="sm90")
+    p.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "seq_len", None) is not None and args.seq_len < 1:
+        parser.error(f"--seq-len {args.seq_len}: must be >= 1")
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(f"dilgen: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"dilgen: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

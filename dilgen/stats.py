@@ -1,0 +1,19 @@
+"""Work counts: useful FLOPs by the brief's formula."""
+from __future__ import annotations
+
+
+def forward_flops(segment_lengths, dilation_rates, num_heads: int, head_dim: int, causal: bool,
+                  seq_len: int, batch: int = 1) -> float:
+    """Σ_i 4·B·H·(N/w_i)·(w_i/r_i)²·D for the forward pass; halved when causal.
+    A segment longer than N counts as one segment of length N."""
+    total = 0.0
+    for w, r in zip(segment_lengths, dilation_rates):
+        w = min(w, seq_len)
+        total += 4 * batch * num_heads * (seq_len / w) * (w / r) ** 2 * head_dim
+    return total / 2 if causal else total
+
+
+def useful_flops(plan, seq_len: int, batch: int = 1) -> float:
+    s = plan.spec
+    return forward_flops(s["segment_lengths"], s["dilation_rates"], s["num_heads"],
+                         s["head_dim"], s["causal"], seq_len, batch)
