@@ -106,11 +106,12 @@ class GeneratedAttention:
     interpreter.
     """
 
-    def __init__(self, spec: dict, plan: dict, forward_kernel) -> None:
+    def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
-        self._jitted: dict[bool, Any] = {}
+        self.backward_kernels = backward_kernels   # {name: python function} or None
+        self._jitted: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self.launches = 0
 
@@ -118,19 +119,22 @@ class GeneratedAttention:
         return f"<dilgen attention {self.spec['name']} target={self.plan['target']}>"
 
     # -- kernels ------------------------------------------------------------------------
-    def _kernel(self, interpret: bool):
-        fn = self._jitted.get(interpret)
+    def _kernel(self, interpret: bool, source_fn=None):
+        """The Triton kernel for a generated function: jitted, or interpreted on CPU."""
+        source_fn = source_fn or self._source_fn
+        key = (source_fn.__name__, interpret)
+        fn = self._jitted.get(key)
         if fn is None:
             with self._lock:
-                fn = self._jitted.get(interpret)
+                fn = self._jitted.get(key)
                 if fn is None:
                     if interpret:
                         from triton.runtime.interpreter import InterpretedFunction
-                        fn = InterpretedFunction(self._source_fn)
+                        fn = InterpretedFunction(source_fn)
                     else:
                         import triton
-                        fn = triton.jit(self._source_fn)
-                    self._jitted[interpret] = fn
+                        fn = triton.jit(source_fn)
+                    self._jitted[key] = fn
         return fn
 
     def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,11 +200,20 @@ class _ForwardOnlyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn):
         ctx.spec_name = attn.spec["name"]
+        ctx.attn = attn
         out, lse = attn.forward_raw(q, k, v)
+        if attn.backward_kernels is not None:
+            ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
+        attn = ctx.attn
+        if attn.backward_kernels is not None:
+            from .backward import backward_raw
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse)
+            return dq, dk, dv, None
         raise NotImplementedError(
             f"dilgen ({ctx.spec_name}): the backward pass is not implemented yet; run the "
             f"forward under torch.no_grad(), or detach q, k, v")

@@ -1,0 +1,411 @@
+"""SPEC.md §1: the spec file, its defaults, its canonical key, and its error messages.
+
+Every bad spec of the table below must be refused by `load_spec` with a `SpecError`
+whose message is ONE line naming the file, the field path, the value and the rule, and
+`dilgen compile` on the same file must exit 2 with exactly one stderr line
+"dilgen: error: ..." naming the field, never a traceback.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from dilgen.spec import Hilbert, Spec, SpecError, default_grid, load_spec, spec_from_dict
+
+BASE = {"name": "ok_spec", "num_heads": 4, "head_dim": 64,
+        "segment_lengths": [16, 32], "dilation_rates": [1, 2]}
+
+# The SPEC §1 example, verbatim.
+SPEC_EXAMPLE = {
+    "name": "longnet_base", "num_heads": 16, "num_kv_heads": 16, "head_dim": 128,
+    "dtype": "bfloat16", "segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4],
+    "causal": False, "hilbert": None, "ring_size": 1,
+}
+# sha256 of the canonical JSON of SPEC_EXAMPLE. The key names generated files and cache
+# entries, so it must be stable across runs, machines and releases: if this changes,
+# every cache entry and every generated header changes with it.
+SPEC_EXAMPLE_KEY = "95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32"
+
+DELETE = object()
+
+
+def _write(path: Path, data) -> Path:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _patched(patch: dict) -> dict:
+    data = dict(BASE)
+    for key, value in patch.items():
+        if value is DELETE:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return data
+
+
+def _one_line(msg: str) -> None:
+    assert msg and "\n" not in msg and "\r" not in msg, f"not one line: {msg!r}"
+
+
+# --------------------------------------------------------------------------- good specs
+
+
+def test_minimal_spec_fills_defaults(tmp_path):
+    spec = load_spec(_write(tmp_path / "min.json", BASE))
+    assert spec.name == "ok_spec"
+    assert spec.num_heads == 4 and spec.num_kv_heads == 4
+    assert spec.head_dim == 64
+    assert spec.dtype == "bfloat16"
+    assert spec.segment_lengths == (16, 32) and spec.dilation_rates == (1, 2)
+    assert spec.causal is False
+    assert spec.hilbert is None
+    assert spec.ring_size == 1
+    assert spec.softmax_scale is None
+    assert spec.scale == pytest.approx(1 / math.sqrt(64))
+    assert spec.num_branches == 2 and spec.group_size == 1
+    assert spec.branches() == [(16, 1), (32, 2)]
+    canon = spec.to_json()
+    assert list(canon) == ["name", "num_heads", "num_kv_heads", "head_dim", "dtype",
+                           "segment_lengths", "dilation_rates", "causal", "hilbert",
+                           "ring_size", "softmax_scale"]
+    assert canon["num_kv_heads"] == 4 and canon["dtype"] == "bfloat16"
+    # the canonical form is itself a valid spec that loads back to the same value
+    assert load_spec(_write(tmp_path / "canon.json", canon)) == spec
+
+
+def test_spec_example_loads_and_key_is_pinned(tmp_path):
+    spec = load_spec(_write(tmp_path / "longnet_base.json", SPEC_EXAMPLE))
+    assert spec.key() == SPEC_EXAMPLE_KEY
+    blob = json.dumps(spec.to_json(), sort_keys=True, separators=(",", ":"))
+    assert spec.key() == hashlib.sha256(blob.encode()).hexdigest()
+
+
+def test_key_is_stable_across_processes(tmp_path):
+    path = _write(tmp_path / "longnet_base.json", SPEC_EXAMPLE)
+    code = "import sys; from dilgen.spec import load_spec; print(load_spec(sys.argv[1]).key())"
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == load_spec(path).key() == SPEC_EXAMPLE_KEY
+
+
+def test_equal_specs_have_equal_keys(tmp_path):
+    a = load_spec(_write(tmp_path / "a.json", BASE))
+    # same spec: other file name, other key order, other whitespace, defaults spelled out
+    explicit = {"softmax_scale": None, "ring_size": 1, "hilbert": None, "causal": False,
+                "dilation_rates": [1, 2], "segment_lengths": [16, 32], "dtype": "bfloat16",
+                "head_dim": 64, "num_kv_heads": 4, "num_heads": 4, "name": "ok_spec"}
+    (tmp_path / "b.json").write_text(json.dumps(explicit, separators=(",", ":")))
+    b = load_spec(tmp_path / "b.json")
+    assert a == b and a.key() == b.key() and hash(a) == hash(b)
+    assert len(a.key()) == 64 and int(a.key(), 16) >= 0
+    # an integer scale and the same float scale are the same spec
+    c = load_spec(_write(tmp_path / "c.json", _patched({"softmax_scale": 1})))
+    d = load_spec(_write(tmp_path / "d.json", _patched({"softmax_scale": 1.0})))
+    assert c == d and c.key() == d.key()
+
+
+CHANGES = [
+    ("name", "other_spec"),
+    ("num_heads", 8),
+    ("num_kv_heads", 2),
+    ("head_dim", 128),
+    ("dtype", "float16"),
+    ("segment_lengths", [16, 64]),
+    ("dilation_rates", [1, 4]),
+    ("causal", True),
+    ("hilbert", {"scope": "segment"}),
+    ("ring_size", 2),
+    ("softmax_scale", 0.5),
+]
+
+
+@pytest.mark.parametrize("field,value", CHANGES, ids=[c[0] for c in CHANGES])
+def test_key_changes_when_any_field_changes(tmp_path, field, value):
+    base = load_spec(_write(tmp_path / "base.json", BASE))
+    changed = load_spec(_write(tmp_path / "changed.json", _patched({field: value})))
+    assert changed != base
+    assert changed.key() != base.key()
+
+
+def test_all_single_field_changes_give_distinct_keys(tmp_path):
+    keys = {load_spec(_write(tmp_path / "base.json", BASE)).key()}
+    for i, (field, value) in enumerate(CHANGES):
+        keys.add(load_spec(_write(tmp_path / f"c{i}.json", _patched({field: value}))).key())
+    assert len(keys) == len(CHANGES) + 1
+
+
+def test_hand_built_spec_equals_loaded_spec(tmp_path):
+    loaded = load_spec(_write(tmp_path / "ok_spec.json", BASE))
+    by_hand = Spec(name="ok_spec", num_heads=4, head_dim=64,
+                   segment_lengths=[16, 32], dilation_rates=[1, 2])
+    as_tuples = Spec(name="ok_spec", num_heads=4, head_dim=64,
+                     segment_lengths=(16, 32), dilation_rates=(1, 2), num_kv_heads=4)
+    for spec in (by_hand, as_tuples):
+        assert spec == loaded
+        assert spec.key() == loaded.key()
+        assert hash(spec) == hash(loaded)
+        assert spec.to_json() == loaded.to_json()
+        assert isinstance(spec.segment_lengths, tuple) and spec.num_kv_heads == 4
+
+
+def test_hand_built_hilbert_spec_equals_loaded_spec(tmp_path):
+    data = _patched({"segment_lengths": [12, 15], "dilation_rates": [1, 3], "causal": True,
+                     "hilbert": {"scope": "segment", "grids": [[3, 4], [3, 5]]},
+                     "softmax_scale": 0.25, "num_kv_heads": 2, "dtype": "float32"})
+    loaded = load_spec(_write(tmp_path / "h.json", data))
+    by_hand = Spec(name="ok_spec", num_heads=4, num_kv_heads=2, head_dim=64, dtype="float32",
+                   segment_lengths=[12, 15], dilation_rates=[1, 3], causal=True,
+                   hilbert=Hilbert("segment", grids=((3, 4), (3, 5))), softmax_scale=0.25)
+    from_dict = Spec(name="ok_spec", num_heads=4, num_kv_heads=2, head_dim=64, dtype="float32",
+                     segment_lengths=[12, 15], dilation_rates=[1, 3], causal=True,
+                     hilbert={"scope": "segment", "grids": [[3, 4], [3, 5]]},
+                     softmax_scale=0.25)
+    assert by_hand == loaded == from_dict
+    assert by_hand.key() == loaded.key() == from_dict.key()
+    assert loaded.hilbert == Hilbert("segment", grids=((3, 4), (3, 5)))
+
+
+def test_hand_built_spec_is_validated():
+    with pytest.raises(SpecError) as exc:
+        Spec(name="ok_spec", num_heads=4, head_dim=48, segment_lengths=[16], dilation_rates=[1])
+    _one_line(str(exc.value))
+    assert "head_dim" in str(exc.value) and "48" in str(exc.value)
+    with pytest.raises(SpecError):
+        Spec(name="../evil", num_heads=4, head_dim=64, segment_lengths=[16], dilation_rates=[1])
+    with pytest.raises(SpecError):
+        Spec(name="ok", num_heads=4, head_dim=64, segment_lengths=[16, 32], dilation_rates=[1])
+
+
+def test_replace_revalidates(tmp_path):
+    spec = load_spec(_write(tmp_path / "a.json", BASE))
+    other = spec.replace(causal=True)
+    assert other.causal is True and other != spec and other.key() != spec.key()
+    assert other.replace(causal=False) == spec
+    with pytest.raises(SpecError):
+        spec.replace(num_heads=0)
+    with pytest.raises(SpecError):
+        spec.replace(dilation_rate=[1, 2])      # unknown field
+
+
+@pytest.mark.parametrize("patch", [
+    {"head_dim": 16}, {"head_dim": 32}, {"head_dim": 128}, {"head_dim": 256},
+    {"dtype": "float16"}, {"dtype": "float32"},
+    {"num_kv_heads": 1}, {"num_kv_heads": 2},
+    {"segment_lengths": [2048, 4096, 8192, 16384], "dilation_rates": [1, 2, 6, 12]},  # LongNet
+    {"segment_lengths": [16, 16], "dilation_rates": [1, 1]},       # a repeated branch counts twice
+    {"segment_lengths": [7], "dilation_rates": [3]},
+    {"hilbert": {"scope": "segment"}},
+    {"hilbert": {"scope": "segment", "grids": [[2, 8], [8, 4]]}},
+    {"hilbert": {"scope": "sequence", "grid": [8, 8]}},
+    {"ring_size": 4}, {"softmax_scale": 0.125}, {"softmax_scale": 2},
+    {"causal": True},
+], ids=lambda p: json.dumps(p))
+def test_valid_variants_load(tmp_path, patch):
+    spec = load_spec(_write(tmp_path / "v.json", _patched(patch)))
+    for key, value in patch.items():
+        got = spec.to_json()[key]
+        if key == "softmax_scale":
+            assert got == float(value)
+        elif key == "hilbert":
+            assert got["scope"] == value["scope"]
+        else:
+            assert got == value
+
+
+def test_default_grid():
+    assert default_grid(16) == (4, 4)
+    assert default_grid(32) == (4, 8)
+    assert default_grid(2) == (1, 2)
+    assert default_grid(1) == (1, 1)
+    assert default_grid(12) is None
+
+
+def test_spec_from_dict_and_path_types(tmp_path):
+    path = _write(tmp_path / "a.json", BASE)
+    assert load_spec(str(path)) == load_spec(path) == spec_from_dict(dict(BASE))
+    with pytest.raises(SpecError):
+        spec_from_dict([BASE])
+
+
+def test_missing_file_is_a_spec_error(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        load_spec(tmp_path / "nope.json")
+    _one_line(str(exc.value))
+    assert "nope.json" in str(exc.value)
+
+
+# --------------------------------------------------------------------------- bad specs
+#
+# (id, patch or raw text, field path, value as shown, rule fragment). For the rows with
+# no field (the file is not a JSON object at all) `field` is what names the problem.
+
+_NAN_TEXT = ('{"name": "ok_spec", "num_heads": 4, "head_dim": 64, "segment_lengths": [16], '
+             '"dilation_rates": [1], "softmax_scale": NaN}')
+_INF_TEXT = _NAN_TEXT.replace("NaN", "-Infinity")
+_BIG_DIGITS_TEXT = ('{"name": "ok_spec", "num_heads": 4, "head_dim": 64, "segment_lengths": ['
+                    + "9" * 5000 + '], "dilation_rates": [1]}')
+_NEWLINE_KEY_TEXT = ('{"name": "ok_spec", "num_heads": 4, "head_dim": 64, "segment_lengths": [16], '
+                     '"dilation_rates": [1], "bad\\nkey": 1}')
+
+
+def _bug(reason: str):
+    return pytest.mark.xfail(strict=True, reason=f"BUG in dilgen/spec.py: {reason}")
+
+
+BAD = [
+    # name
+    ("name_uppercase", {"name": "Bad"}, "name", '"Bad"', "[a-z_][a-z0-9_]*"),
+    ("name_path_separator", {"name": "../x"}, "name", '"../x"', "[a-z_][a-z0-9_]*"),
+    ("name_leading_digit", {"name": "1abc"}, "name", '"1abc"', "[a-z_][a-z0-9_]*"),
+    ("name_not_string", {"name": 5}, "name", "5", "[a-z_][a-z0-9_]*"),
+    ("name_empty", {"name": ""}, "name", '""', "[a-z_][a-z0-9_]*"),
+    # num_heads / num_kv_heads
+    ("num_heads_zero", {"num_heads": 0}, "num_heads", "0", ">= 1"),
+    ("num_heads_negative", {"num_heads": -1}, "num_heads", "-1", ">= 1"),
+    ("num_heads_float", {"num_heads": 2.5}, "num_heads", "2.5", "integer"),
+    ("num_heads_bool", {"num_heads": True}, "num_heads", "true", "integer"),
+    ("num_heads_string", {"num_heads": "4"}, "num_heads", '"4"', "integer"),
+    ("num_kv_heads_not_dividing", {"num_kv_heads": 3}, "num_kv_heads", "3", "divide"),
+    ("num_kv_heads_zero", {"num_kv_heads": 0}, "num_kv_heads", "0", ">= 1"),
+    ("num_kv_heads_null", {"num_kv_heads": None}, "num_kv_heads", "null", "integer"),
+    # head_dim / dtype
+    ("head_dim_48", {"head_dim": 48}, "head_dim", "48", "one of"),
+    ("head_dim_string", {"head_dim": "64"}, "head_dim", '"64"', "one of"),
+    ("dtype_fp8", {"dtype": "fp8"}, "dtype", '"fp8"', "one of"),
+    # segment_lengths / dilation_rates
+    ("segment_lengths_empty", {"segment_lengths": [], "dilation_rates": []},
+     "segment_lengths", "[]", "empty"),
+    ("segment_lengths_zero", {"segment_lengths": [0], "dilation_rates": [1]},
+     "segment_lengths[0]", "0", ">= 1"),
+    ("segment_lengths_string_item", {"segment_lengths": ["a"], "dilation_rates": [1]},
+     "segment_lengths[0]", '"a"', "integer"),
+    ("segment_lengths_not_list", {"segment_lengths": 16, "dilation_rates": [1]},
+     "segment_lengths", "16", "list"),
+    ("segment_lengths_float_1e30", {"segment_lengths": [1e30], "dilation_rates": [1]},
+     "segment_lengths[0]", "1e+30", "integer"),
+    ("segment_lengths_integral_float", {"segment_lengths": [16.0, 32]},
+     "segment_lengths[0]", "16.0", "integer"),
+    ("segment_lengths_huge_int", {"segment_lengths": [10**30], "dilation_rates": [1]},
+     "segment_lengths[0]", str(10**30), "<="),
+    ("segment_lengths_bool_item", {"segment_lengths": [True, 32]},
+     "segment_lengths[0]", "true", "integer"),
+    ("dilation_rates_length_mismatch", {"dilation_rates": [1]},
+     "dilation_rates", "[1]", "same length"),
+    ("dilation_rates_zero", {"dilation_rates": [1, 0]}, "dilation_rates[1]", "0", ">= 1"),
+    ("dilation_rates_missing", {"dilation_rates": DELETE}, "dilation_rates", "", "required"),
+    # causal
+    ("causal_yes", {"causal": "yes"}, "causal", '"yes"', "true or false"),
+    ("causal_int", {"causal": 1}, "causal", "1", "true or false"),
+    # hilbert
+    ("hilbert_bad_scope", {"hilbert": {"scope": "row"}}, "hilbert.scope", '"row"', "segment"),
+    ("hilbert_not_object", {"hilbert": "segment"}, "hilbert", '"segment"', "object"),
+    ("hilbert_segment_non_pow2_no_grids",
+     {"segment_lengths": [12, 32], "hilbert": {"scope": "segment"}},
+     "segment_lengths[0]", "12", "grids"),
+    ("hilbert_grids_product_mismatch",
+     {"hilbert": {"scope": "segment", "grids": [[4, 4], [4, 4]]}},
+     "hilbert.grids[1]", "[4, 4]", "rows*cols"),
+    ("hilbert_grids_wrong_count", {"hilbert": {"scope": "segment", "grids": [[4, 4]]}},
+     "hilbert.grids", "[[4, 4]]", "one per branch"),
+    ("hilbert_grids_not_pair",
+     {"hilbert": {"scope": "segment", "grids": [[16], [4, 8]]}},
+     "hilbert.grids[0]", "[16]", "[rows, cols]"),
+    ("hilbert_sequence_without_grid", {"hilbert": {"scope": "sequence"}},
+     "hilbert.grid", "", "required"),
+    ("hilbert_sequence_with_grids",
+     {"hilbert": {"scope": "sequence", "grids": [[4, 4], [4, 8]]}},
+     "hilbert.grids", "[[4, 4], [4, 8]]", "segment"),
+    ("hilbert_unknown_field", {"hilbert": {"scope": "segment", "order": "x"}},
+     "hilbert.order", '"x"', "unknown field"),
+    # ring_size / softmax_scale
+    ("ring_size_zero", {"ring_size": 0}, "ring_size", "0", ">= 1"),
+    ("softmax_scale_negative", {"softmax_scale": -1}, "softmax_scale", "-1", "finite number"),
+    ("softmax_scale_zero", {"softmax_scale": 0}, "softmax_scale", "0", "finite number"),
+    ("softmax_scale_string", {"softmax_scale": "0.1"}, "softmax_scale", '"0.1"', "number"),
+    pytest.param("softmax_scale_nan", _NAN_TEXT, "softmax_scale", "NaN", "",
+                 marks=_bug("load_spec rejects NaN in json.loads(parse_constant=...) before "
+                            "the field is known, so the message does not name softmax_scale")),
+    pytest.param("softmax_scale_infinity", _INF_TEXT, "softmax_scale", "Infinity", "",
+                 marks=_bug("same as NaN: -Infinity is refused without naming the field")),
+    # the file as a whole
+    ("unknown_field", {"dilation_rate": [1, 2]}, "dilation_rate", "[1, 2]", "unknown field"),
+    ("missing_required_field", {"head_dim": DELETE}, "head_dim", "", "required"),
+    ("invalid_json", '{"name": "ok_spec",', "not valid JSON", "", "line 1"),
+    ("empty_file", "", "not valid JSON", "", "line 1"),
+    ("json_is_a_list", "[1, 2]", "JSON object", "", "list"),
+    ("json_is_a_string", '"ok_spec"', "JSON object", "", "str"),
+    pytest.param("json_too_deep", "[" * 100_000 + "]" * 100_000, "not valid JSON", "", "",
+                 marks=_bug("json.loads raises RecursionError, which load_spec does not catch: "
+                            "a traceback and exit 1 instead of a SpecError / exit 2")),
+    pytest.param("int_with_5000_digits", _BIG_DIGITS_TEXT, "segment_lengths[0]", "", "",
+                 marks=_bug("int > 4300 digits: json's ValueError becomes 'Exceeds the limit "
+                            "(4300 digits)...' without naming the field")),
+    pytest.param("unknown_field_with_newline", _NEWLINE_KEY_TEXT, "unknown field", "", "",
+                 marks=_bug("the unknown key is put raw into the message, so a key holding "
+                            "a newline makes a two-line error")),
+]
+
+
+def _case_id(case) -> str:
+    return case.values[0] if hasattr(case, "values") else case[0]
+
+
+def _case_text(body) -> str:
+    return body if isinstance(body, str) else json.dumps(_patched(body), indent=2) + "\n"
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    """Run `dilgen compile` on every bad spec once, two at a time (each is a fresh
+    interpreter); {case id: (returncode, stdout, stderr, out_dir)}."""
+    root = tmp_path_factory.mktemp("bad-specs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILGEN_")}
+    env["DILGEN_CACHE_DIR"] = str(root / "cache")
+
+    def run(case):
+        cid, body = (case.values if hasattr(case, "values") else case)[:2]
+        path = root / f"{cid}.json"
+        path.write_text(_case_text(body), encoding="utf-8")
+        out = root / f"out-{cid}"
+        res = subprocess.run([sys.executable, "-m", "dilgen.cli", "compile", str(path),
+                              "--out", str(out)], capture_output=True, text=True,
+                             env=env, cwd=root, timeout=120)
+        return cid, (res.returncode, res.stdout, res.stderr, out)
+
+    with ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
+        return dict(pool.map(run, BAD))
+
+
+@pytest.mark.parametrize("cid,body,field,value,rule", BAD, ids=[_case_id(c) for c in BAD])
+def test_bad_spec_is_refused(tmp_path, cli_results, cid, body, field, value, rule):
+    path = tmp_path / f"{cid}.json"
+    path.write_text(_case_text(body), encoding="utf-8")
+    with pytest.raises(SpecError) as exc:
+        load_spec(path)
+    msg = str(exc.value)
+    _one_line(msg)
+    assert path.name in msg, f"message does not name the file: {msg}"
+    assert field in msg, f"message does not name {field!r}: {msg}"
+    assert value in msg, f"message does not show the value {value!r}: {msg}"
+    assert rule in msg, f"message does not state the rule ({rule!r}): {msg}"
+
+    rc, stdout, stderr, out = cli_results[cid]
+    assert "Traceback" not in stderr, stderr
+    assert rc == 2, (rc, stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {stderr!r}"
+    assert lines[0].startswith("dilgen: error:"), lines[0]
+    assert field in lines[0], lines[0]
+    assert stdout == ""
+    assert not out.exists(), "a refused spec must not create the output folder"
