@@ -115,3 +115,31 @@ def _remove(folder: Path) -> None:
     except OSError:
         return
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _tuning_path(key: str) -> Path:
+    return cache_dir() / "tuning" / f"{key}.json"
+
+
+def load_tuning(key: str) -> dict | None:
+    """A stored autotune winner, or None (a corrupt file counts as none)."""
+    path = _tuning_path(key)
+    try:
+        data = json.loads(path.read_text())
+        config = data["config"]
+        if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
+            raise ValueError
+        return config
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_tuning(key: str, config: dict, info: dict) -> Path:
+    """Write an autotune winner atomically."""
+    path = _tuning_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tune-", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"config": config, **info}, fh, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path

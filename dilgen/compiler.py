@@ -30,10 +30,19 @@ def toolchain() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton.__version__}
 
 
-def cache_key(spec: Spec, target: Target) -> str:
-    """generator version + spec key + target + toolchain versions + template hash."""
+def cache_key(spec: Spec, target: Target, tuning: dict | None = None) -> str:
+    """generator version + spec key + target + toolchain versions + template hash
+    (+ the tuned block configuration, which the source bakes in)."""
     return cache.make_key(generator=__version__, spec=spec.key(), target=target.key(),
-                          templates=codegen.template_hash(), **toolchain())
+                          templates=codegen.template_hash(),
+                          tuning=json.dumps(tuning or {}, sort_keys=True), **toolchain())
+
+
+def tuned_config(spec: Spec, target: Target) -> dict | None:
+    """The autotune winner stored for (spec, target, toolchain), if any."""
+    if target.name == "interpreter":
+        return None
+    return cache.load_tuning(cache.make_key(spec=spec.key(), target=target.key(), **toolchain()))
 
 
 @dataclass(frozen=True)
@@ -79,14 +88,17 @@ _MODULES: dict[str, CompiledModule] = {}
 _MODULES_LOCK = threading.Lock()
 
 
-def build(spec: Spec, target: Target) -> CompiledModule:
-    """Run every stage for (spec, target); cached in memory and on disk."""
-    key = cache_key(spec, target)
+def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledModule:
+    """Run every stage for (spec, target); cached in memory and on disk. Without an
+    explicit `tuning`, an autotune winner stored in the cache is used if there is one."""
+    if tuning is None:
+        tuning = tuned_config(spec, target)
+    key = cache_key(spec, target, tuning)
     with _MODULES_LOCK:
         hit = _MODULES.get(key)
         if hit is not None and not cache.always_compile():
             return hit
-        plan = planner.plan(spec, target)                                  # stage: plan
+        plan = planner.plan(spec, target, tuning)                          # stage: plan
         folder = cache.load(key)                                           # stage: cache
         cache_hit = folder is not None
         if cache_hit:
@@ -118,16 +130,17 @@ def target_for_device(device) -> Target:
 class Kernel:
     """`kernel(q, k, v, return_lse=False)`: dilated attention of one spec (SPEC §3)."""
 
-    def __init__(self, spec: Spec, target: Target | None = None) -> None:
+    def __init__(self, spec: Spec, target: Target | None = None, tuning: dict | None = None) -> None:
         self.spec = spec
         self.fixed_target = target
+        self.tuning = tuning
 
     def __repr__(self) -> str:
         return f"<dilgen.Kernel {self.spec.name} key={self.spec.key()[:12]}>"
 
     def compiled_for(self, device) -> CompiledModule:
         target = self.fixed_target or target_for_device(device)
-        return build(self.spec, target)
+        return build(self.spec, target, self.tuning)
 
     def plan(self, target: str | Target = "sm90") -> Plan:
         t = get_target(target) if isinstance(target, str) else target

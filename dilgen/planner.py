@@ -55,11 +55,23 @@ def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | N
     return None, orders
 
 
-def plan(spec: Spec, target: Target) -> ir.Plan:
-    """Lower a validated spec for one target."""
+TUNABLE = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
+    """Lower a validated spec for one target. `tuning` (from dilgen.autotune) overrides
+    the target's block table: any of block_m, block_n, num_warps, num_stages."""
     query_order, orders = _branch_orders(spec)
     itemsize = 4 if spec.dtype == "float32" else 2
     block_m, block_n, warps, stages = target.block_table(spec.head_dim, itemsize)
+    if tuning:
+        unknown = set(tuning) - set(TUNABLE)
+        if unknown:
+            raise ValueError(f"unknown tuning keys {sorted(unknown)}; allowed: {TUNABLE}")
+        block_m = tuning.get("block_m", block_m)
+        block_n = tuning.get("block_n", block_n)
+        warps = tuning.get("num_warps", warps)
+        stages = tuning.get("num_stages", stages)
 
     # Branches whose membership follows the query lattice: r | w and no own table.
     lattice_ok = [orders[i] is None and w % r == 0 and r > 1

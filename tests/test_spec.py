@@ -365,32 +365,78 @@ def _case_text(body) -> str:
     return body if isinstance(body, str) else json.dumps(_patched(body), indent=2) + "\n"
 
 
+# `dilgen compile` runs in-process (dilgen.cli.main, as the console script calls it) for
+# every row, and in a fresh interpreter (`python -m dilgen.cli`) for these rows too.
+SUBPROCESS_IDS = {
+    "name_path_separator", "num_heads_bool", "segment_lengths_huge_int",
+    "hilbert_grids_product_mismatch", "unknown_field", "missing_required_field",
+    "invalid_json", "json_is_a_list",
+}
+
+
+def _spec_file(folder: Path, body) -> Path:
+    # A neutral file name, so that naming the file never passes for naming the field.
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "spec.json"
+    path.write_text(_case_text(body), encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
-    """Run `dilgen compile` on every bad spec once, two at a time (each is a fresh
-    interpreter); {case id: (returncode, stdout, stderr, out_dir)}."""
+def cli_subprocess_results(tmp_path_factory):
+    """`python -m dilgen.cli compile` on the SUBPROCESS_IDS rows, two at a time;
+    {case id: (returncode, stdout, stderr, out_dir)}."""
     root = tmp_path_factory.mktemp("bad-specs")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILGEN_")}
     env["DILGEN_CACHE_DIR"] = str(root / "cache")
 
     def run(case):
         cid, body = (case.values if hasattr(case, "values") else case)[:2]
-        path = root / f"{cid}.json"
-        path.write_text(_case_text(body), encoding="utf-8")
-        out = root / f"out-{cid}"
+        path = _spec_file(root / cid, body)
+        out = root / cid / "out"
         res = subprocess.run([sys.executable, "-m", "dilgen.cli", "compile", str(path),
                               "--out", str(out)], capture_output=True, text=True,
                              env=env, cwd=root, timeout=120)
         return cid, (res.returncode, res.stdout, res.stderr, out)
 
+    cases = [c for c in BAD if _case_id(c) in SUBPROCESS_IDS]
     with ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
-        return dict(pool.map(run, BAD))
+        return dict(pool.map(run, cases))
+
+
+def _main_in_process(argv: list[str]) -> tuple[int, str, str]:
+    """dilgen.cli.main as the console script runs it: an uncaught exception is what the
+    interpreter would print as a traceback."""
+    import contextlib
+    import io
+    import traceback
+    from dilgen.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported as the interpreter would
+            traceback.print_exc()
+            rc = 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _check_cli(rc: int, stdout: str, stderr: str, out: Path, field: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert rc == 2, (rc, stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {stderr!r}"
+    assert lines[0].startswith("dilgen: error:"), lines[0]
+    assert field in lines[0], lines[0]
+    assert stdout == ""
+    assert not out.exists(), "a refused spec must not create the output folder"
 
 
 @pytest.mark.parametrize("cid,body,field,value,rule", BAD, ids=[_case_id(c) for c in BAD])
-def test_bad_spec_is_refused(tmp_path, cli_results, cid, body, field, value, rule):
-    path = tmp_path / f"{cid}.json"
-    path.write_text(_case_text(body), encoding="utf-8")
+def test_bad_spec_is_refused(tmp_path, cli_subprocess_results, cid, body, field, value, rule):
+    path = _spec_file(tmp_path, body)
     with pytest.raises(SpecError) as exc:
         load_spec(path)
     msg = str(exc.value)
@@ -400,12 +446,7 @@ def test_bad_spec_is_refused(tmp_path, cli_results, cid, body, field, value, rul
     assert value in msg, f"message does not show the value {value!r}: {msg}"
     assert rule in msg, f"message does not state the rule ({rule!r}): {msg}"
 
-    rc, stdout, stderr, out = cli_results[cid]
-    assert "Traceback" not in stderr, stderr
-    assert rc == 2, (rc, stderr)
-    lines = stderr.splitlines()
-    assert len(lines) == 1, f"expected one stderr line, got {stderr!r}"
-    assert lines[0].startswith("dilgen: error:"), lines[0]
-    assert field in lines[0], lines[0]
-    assert stdout == ""
-    assert not out.exists(), "a refused spec must not create the output folder"
+    out = tmp_path / "out"
+    _check_cli(*_main_in_process(["compile", str(path), "--out", str(out)]), out, field)
+    if cid in SUBPROCESS_IDS:
+        _check_cli(*cli_subprocess_results[cid], field)
