@@ -56,8 +56,8 @@ def plan_summary(plan, seq_len: int | None = None) -> str:
 
 
 def cmd_compile(args) -> int:
+    spec = load_spec(args.spec)            # a bad spec fails before the heavy imports
     from .compiler import write_module
-    spec = load_spec(args.spec)
     target = _target(args.arch)
     path, plan = write_module(spec, target, args.out)
     if args.dump_ir:
@@ -102,8 +102,8 @@ def _progress(done: int, total: int, label: str) -> None:
 
 
 def cmd_explain(args) -> int:
-    from .planner import plan as make_plan
     spec = load_spec(args.spec)
+    from .planner import plan as make_plan
     plan = make_plan(spec, _target(args.arch))
     print(plan_summary(plan, args.seq_len))
     if args.png:

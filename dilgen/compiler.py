@@ -185,6 +185,7 @@ def write_module(spec: Spec, target: Target, out_dir: str | os.PathLike) -> tupl
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             fh.write(source)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -19,7 +19,6 @@ from functools import reduce
 import sympy
 
 from . import ir
-from .hilbert import gilbert_order
 from .spec import Spec, default_grid
 from .targets import Target
 
@@ -33,8 +32,8 @@ def _lcm(values: list[int]) -> int:
 
 
 def _is_identity(rows: int, cols: int) -> bool:
-    order = gilbert_order(rows, cols)
-    return all(i == p for i, p in enumerate(order))
+    """The curve of a 1 x n or n x 1 grid is a straight walk: raster order, no table."""
+    return rows == 1 or cols == 1
 
 
 def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
@@ -63,7 +62,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     the target's block table: any of block_m, block_n, num_warps, num_stages."""
     query_order, orders = _branch_orders(spec)
     itemsize = 4 if spec.dtype == "float32" else 2
-    block_m, block_n, warps, stages = target.block_table(spec.head_dim, itemsize)
+    block_m, block_n, warps, stages = target.block_table(spec.head_dim, itemsize, spec.causal)
     if tuning:
         unknown = set(tuning) - set(TUNABLE)
         if unknown:

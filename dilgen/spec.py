@@ -20,17 +20,33 @@ DTYPES = ("float16", "bfloat16", "float32")
 HILBERT_SCOPES = ("segment", "sequence")
 MAX_INT = 1 << 40          # larger than any sequence a GPU can hold; guards against 1e300-sized ints
 MAX_BRANCHES = 16
+MAX_CURVE_CELLS = 1 << 24  # Hilbert tables are built in Python: keep them to 16M cells
 
 
 class SpecError(ValueError):
     """A spec breaks a rule of SPEC.md §1. The message is one line, fit for stderr."""
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """A value as one short line of JSON."""
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
+
+
 def _fail(src: str, path: str, value: Any, rule: str) -> SpecError:
-    shown = json.dumps(value) if not isinstance(value, str) else json.dumps(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return SpecError(f"{src}: {path} = {shown}: {rule}")
+    return SpecError(f"{src}: {path} = {_short(value)}: {rule}")
+
+
+def _key_name(key: str) -> str:
+    """A JSON key as written in a message: plain when it is a simple name, else quoted."""
+    return key if re.fullmatch(r"[A-Za-z0-9_]{1,40}", key) else _short(key, 40)
+
+
+class _LongInt(str):
+    """An integer literal too long to convert; shown, never used."""
 
 
 def _int(src: str, path: str, value: Any, lo: int = 1, hi: int = MAX_INT) -> int:
@@ -216,7 +232,7 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
         raise _fail(src, "hilbert", value, 'must be null or an object like {"scope": "segment"}')
     unknown = sorted(set(value) - {"scope", "grids", "grid"})
     if unknown:
-        raise _fail(src, f"hilbert.{unknown[0]}", value[unknown[0]],
+        raise _fail(src, f"hilbert.{_key_name(unknown[0])}", value[unknown[0]],
                     "unknown field (allowed: scope, grids, grid)")
     scope = value.get("scope")
     if scope not in HILBERT_SCOPES or not isinstance(scope, str):
@@ -228,6 +244,9 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
         grids_raw = value.get("grids")
         if grids_raw is None:
             for i, w in enumerate(segs):
+                if w > MAX_CURVE_CELLS:
+                    raise _fail(src, f"segment_lengths[{i}]", w,
+                                f"Hilbert segments hold at most {MAX_CURVE_CELLS} positions")
                 if default_grid(w) is None:
                     raise _fail(src, f"segment_lengths[{i}]", w,
                                 'is not a power of two: Hilbert scope "segment" needs '
@@ -237,6 +256,10 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
             raise _fail(src, "hilbert.grids", grids_raw,
                         f"must be a list of {len(segs)} [rows, cols] pairs, one per branch")
         grids = tuple(_grid(src, f"hilbert.grids[{i}]", g) for i, g in enumerate(grids_raw))
+        for i, g in enumerate(grids):
+            if g[0] * g[1] > MAX_CURVE_CELLS:
+                raise _fail(src, f"hilbert.grids[{i}]", list(g),
+                            f"at most {MAX_CURVE_CELLS} cells per Hilbert grid")
         for i, ((rows, cols), w) in enumerate(zip(grids, segs)):
             if rows * cols != w:
                 raise _fail(src, f"hilbert.grids[{i}]", [rows, cols],
@@ -248,7 +271,10 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
     if "grid" not in value:
         raise _fail(src, "hilbert.grid", None,
                     'is required for scope "sequence": the image as [rows, cols]')
-    return Hilbert("sequence", grid=_grid(src, "hilbert.grid", value["grid"]))
+    grid = _grid(src, "hilbert.grid", value["grid"])
+    if grid[0] * grid[1] > MAX_CURVE_CELLS:
+        raise _fail(src, "hilbert.grid", list(grid), f"at most {MAX_CURVE_CELLS} cells")
+    return Hilbert("sequence", grid=grid)
 
 
 def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
@@ -257,7 +283,7 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
         raise SpecError(f"{source}: the spec must be a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - set(_ALLOWED))
     if unknown:
-        raise _fail(source, unknown[0], data[unknown[0]],
+        raise _fail(source, _key_name(unknown[0]), data[unknown[0]],
                     f"unknown field (allowed: {', '.join(_ALLOWED)})")
     for key in _REQUIRED:
         if key not in data:
@@ -294,14 +320,17 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read the spec: {exc}") from None
+    text = text.removeprefix("\ufeff")
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{src}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise SpecError(f"{src}: not valid JSON: nested too deeply") from None
     except ValueError as exc:
-        raise SpecError(f"{src}: {exc}") from None
+        raise SpecError(f"{src}: not valid JSON: {_short(str(exc), 80)}") from None
     return spec_from_dict(data, source=src)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"not valid JSON: {name} is not a JSON number")
+def _parse_int(text: str) -> Any:
+    return int(text) if len(text) <= 64 else _LongInt(text[:20] + "...")

@@ -1,7 +1,103 @@
-"""Backward launches (dq, dk, dv) for a generated module's BACKWARD_KERNELS."""
+"""Backward launches (dq, dk, dv) for a generated module's BACKWARD_KERNELS.
+
+Three kernel families, emitted by templates/attention_bwd.py.jinja:
+  preprocess  Delta = rowsum(dO * O) - dlse            (B, H, N) float32
+  dkdv        one launch per branch (constexpr BRANCH), key-major in the branch's lanes;
+              each launch adds its branch's dK, dV (summed over the query heads of the
+              kv group) into float32 buffers, so keys kept by several branches get the
+              sum, in a fixed order (deterministic, no atomics)
+  dq          the forward's query tiling, all branches in one program; writes every row
+"""
 from __future__ import annotations
+
+import math
+
+import torch
+
+from .tables import table_tensors
 
 
 def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     """Return (dq, dk, dv) for one forward call; grad_lse may be None."""
-    raise NotImplementedError("dilgen: backward kernels are not generated yet")
+    from . import _interpreting
+    from .. import runtime as _rt
+
+    kernels = attn.backward_kernels
+    conf = kernels["config"]
+    plan = attn.plan
+    B, N, H, D = q.shape
+    Hkv = k.shape[2]
+    group = H // Hkv
+    dev = q.device
+    interpret = dev.type == "cpu"
+
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    has_dlse = grad_lse is not None
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=dev)
+    if has_dlse:
+        dlse = grad_lse.to(torch.float32).contiguous()
+        # rows with lse = -inf have P = 0 whatever their gradient; keep NaN/inf out of Delta
+        dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    else:
+        dlse = delta
+    assert lse.is_contiguous() and delta.stride() == lse.stride() == dlse.stride()
+
+    dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    if _rt._POISON:
+        dq.fill_(float("nan"))
+        delta.fill_(float("nan"))
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+
+    tables = []
+    for t in plan["tables"]:
+        tables.extend(table_tensors(t, N, dev))
+    class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=dev)
+    lattice = plan["query"]["lattice"]
+
+    opts = {} if interpret else {"num_warps": conf["num_warps"], "num_stages": conf["num_stages"]}
+    pre = attn._kernel(interpret, source_fn=kernels["preprocess"])
+    dkdv = attn._kernel(interpret, source_fn=kernels["dkdv"])
+    dqk = attn._kernel(interpret, source_fn=kernels["dq"])
+
+    q_strides = (q.stride(0), q.stride(1), q.stride(2))
+    k_strides = (k.stride(0), k.stride(1), k.stride(2))
+    v_strides = (v.stride(0), v.stride(1), v.stride(2))
+    do_strides = (grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
+    l_strides = (lse.stride(0), lse.stride(1))
+
+    def launches():
+        pre[(math.ceil(N / conf["pre_block"]), B * H)](
+            out, grad_out, dlse, delta, N,
+            out.stride(0), out.stride(1), out.stride(2), *do_strides, *l_strides,
+            has_dlse, **opts)
+        kv_bn = conf["kv_block_n"]
+        for br in plan["branches"]:
+            w, r = br["w"], br["r"]
+            n_seg = math.ceil(N / w)
+            n_o = min(group, r)
+            lanes = math.ceil(min(w, N) / r)
+            n_jt = math.ceil(lanes / kv_bn)
+            dkdv[(n_seg * n_o * n_jt, B * Hkv)](
+                q, k, v, grad_out, dk, dv, lse, delta, *tables,
+                N, n_jt, *q_strides, *k_strides, *v_strides, *do_strides,
+                dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
+                interpret, br["index"], **opts)
+        bm = conf["dq_block_m"]
+        num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
+        dqk[(lattice * num_m_tiles, B * H)](
+            q, k, v, grad_out, dq, lse, delta, class_order, *tables,
+            N, num_m_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), *l_strides,
+            interpret, **opts)
+
+    if interpret:
+        with _interpreting():
+            launches()
+    else:
+        launches()
+    attn.launches += 1
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,85 @@
+"""Planner and IR: pure Python, fast. The Hilbert curve of SPEC's test vectors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dilgen
+from dilgen.hilbert import gilbert_order, truncated_order
+from dilgen.planner import plan
+from dilgen.targets import INTERPRETER, SM80, SM90
+
+VECTORS = {
+    (4, 4): [0, 1, 5, 4, 8, 12, 13, 9, 10, 14, 15, 11, 7, 6, 2, 3],
+    (2, 4): [0, 4, 5, 1, 2, 6, 7, 3],
+    (3, 5): [0, 5, 10, 11, 6, 1, 2, 7, 12, 13, 14, 9, 8, 3, 4],
+}
+
+
+@pytest.mark.parametrize("grid", sorted(VECTORS))
+def test_hilbert_test_vectors(grid):
+    assert list(gilbert_order(*grid)) == VECTORS[grid]
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 7), (7, 1), (2, 2), (8, 8), (8, 16), (5, 9), (6, 7), (32, 64)])
+def test_curve_is_a_permutation_starting_at_origin(rows, cols):
+    order = gilbert_order(rows, cols)
+    assert sorted(order) == list(range(rows * cols)) and order[0] == 0
+
+
+def test_truncated_order_keeps_curve_order():
+    assert truncated_order(4, 4, 10) == (0, 1, 5, 4, 8, 9, 7, 6, 2, 3)
+
+
+def _spec(**kw):
+    kw.setdefault("name", "p")
+    kw.setdefault("num_heads", 8)
+    kw.setdefault("head_dim", 64)
+    return dilgen.Spec(**kw)
+
+
+def test_lattice_classes_for_nested_rates():
+    p = plan(_spec(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4]), SM90)
+    assert p.query.lattice == 4
+    assert p.query.class_order[0] == 0                      # d = 0 is kept by every branch
+    assert list(p.query.class_work) == sorted(p.query.class_work, reverse=True)
+    assert [b.key_map.text for b in p.branches] == ["j + o + 2048*s", "2*j + o + 4096*s", "4*j + o + 8192*s"]
+    assert all(b.keep_map is None and b.single_segment for b in p.branches)
+
+
+def test_row_membership_when_r_does_not_divide_w():
+    p = plan(_spec(segment_lengths=[10], dilation_rates=[3]), SM90)
+    assert p.query.lattice == 1 and p.branches[0].keep_map is not None
+    assert p.branches[0].keep_map.text == "((((u) % 10)) % 3)"
+
+
+def test_hilbert_tables_in_ir():
+    p = plan(_spec(segment_lengths=[16, 64], dilation_rates=[1, 2], hilbert={"scope": "segment"}), SM90)
+    assert [t.name for t in p.tables] == ["segment_4x4", "segment_8x8"]
+    p = plan(_spec(segment_lengths=[16], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [8, 8]}), SM90)
+    assert p.query.order is not None and p.query.order.name == "curve_8x8"
+
+
+def test_plan_key_is_stable_and_target_dependent():
+    spec = _spec(segment_lengths=[64, 128], dilation_rates=[1, 2])
+    assert plan(spec, SM90).key() == plan(spec, SM90).key()
+    assert plan(spec, SM90).key() != plan(spec, SM80).key() or plan(spec, SM90).config == plan(spec, SM80).config
+    assert plan(spec, SM90).key() != plan(spec, INTERPRETER).key()
+    json.loads(plan(spec, SM90).dumps())
+
+
+def test_tuning_overrides_blocks():
+    spec = _spec(segment_lengths=[2048], dilation_rates=[1])
+    p = plan(spec, SM90, {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2})
+    assert (p.config.block_m, p.config.block_n, p.config.num_warps, p.config.num_stages) == (64, 32, 4, 2)
+    with pytest.raises(ValueError, match="unknown tuning"):
+        plan(spec, SM90, {"bogus": 1})
+
+
+def test_planner_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, dilgen.planner, dilgen.codegen; "
+            "bad = [m for m in ('torch', 'triton') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
