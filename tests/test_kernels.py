@@ -159,16 +159,6 @@ def test_one_call_form():
     assert rel_error(out, reference_attention(q, k, v, spec)) < TOL["float32"]
 
 
-def test_backward_raises_until_implemented():
-    spec = _spec(name="t_nobwd", segment_lengths=[16], dilation_rates=[1])
-    q, k, v = _inputs(spec, 1, 32, device(), 4)
-    q.requires_grad_(True)
-    out = dilgen.compile(spec)(q, k, v)
-    assert rel_error(out, reference_attention(q, k, v, spec)) < TOL["float32"]
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
-
-
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v: (q[0], k, v), "4 dims"),
     (lambda q, k, v: (q, k[:, :, :1], v), "k has shape"),

@@ -1,0 +1,57 @@
+"""`dilgen explain --png`: a picture of which query attends to which key.
+
+One panel per chosen head; a cell (query i, key j) is coloured by how many branches keep
+the pair (0 = white). The counts come from dilgen.reference (SPEC §2, independent of the
+planner), so the picture shows the contract the kernels are tested against.
+matplotlib is optional (`pip install dilgen[plot]`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .spec import Spec, SpecError
+
+
+def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[int] | None = None) -> Path:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import BoundaryNorm, ListedColormap
+    except ImportError:
+        raise SpecError("--png needs matplotlib: pip install 'dilgen[plot]'") from None
+    from .reference import reference_mask_counts
+
+    if seq_len > 4096:
+        raise SpecError(f"--png draws at most 4096 tokens (one pixel each), got --seq-len {seq_len}")
+    if spec.hilbert is not None and spec.hilbert.scope == "sequence":
+        rows, cols = spec.hilbert.grid
+        seq_len = rows * cols
+    heads = heads if heads else sorted({0, min(1, spec.num_heads - 1), spec.num_heads - 1})
+    bad = [h for h in heads if not 0 <= h < spec.num_heads]
+    if bad:
+        raise SpecError(f"--heads {bad[0]}: must be in [0, {spec.num_heads - 1}]")
+    counts = [reference_mask_counts(seq_len, spec, h).numpy() for h in heads]
+    top = max(1, max(int(c.max()) for c in counts))
+    palette = ["#ffffff", "#9ecae1", "#3182bd", "#08519c", "#f16913", "#d94801", "#7f2704"]
+    cmap = ListedColormap(palette[: top + 1])
+    norm = BoundaryNorm([x - 0.5 for x in range(top + 2)], cmap.N)
+
+    fig, axes = plt.subplots(1, len(heads), figsize=(5.2 * len(heads), 5.4), squeeze=False)
+    for ax, h, c in zip(axes[0], heads, counts):
+        image = ax.imshow(c, cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_title(f"head {h}  (offsets h mod r = {[h % r for r in spec.dilation_rates]})", fontsize=9)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+    branches = ", ".join(f"(w={w}, r={r})" for w, r in spec.branches())
+    extra = " causal" if spec.causal else ""
+    if spec.hilbert is not None:
+        extra += f" hilbert={spec.hilbert.scope}"
+    fig.suptitle(f"{spec.name}: N={seq_len}, branches {branches}{extra}\n"
+                 f"colour = number of branches that keep the (query, key) pair", fontsize=10)
+    fig.colorbar(image, ax=axes[0].tolist(), ticks=list(range(top + 1)), shrink=0.8,
+                 label="branches keeping the pair")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
