@@ -14,7 +14,6 @@ Exit status 0 when every check passes.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings

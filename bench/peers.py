@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import time
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -408,13 +407,25 @@ def flex(q, k, v, spec, method: str | None = None):
     if Hkv != H:
         kw["enable_gqa"] = True
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H, N, D) views
-    try:
+    if _FLEX_HAS_RETURN_LSE:
+        out, lse = fn(qt, kt, vt, return_lse=True, **kw)      # deprecated in favour of return_aux, still there
+    else:
         from torch.nn.attention.flex_attention import AuxRequest
         out, aux = fn(qt, kt, vt, return_aux=AuxRequest(lse=True), **kw)
         lse = aux.lse
-    except ImportError:
-        out, lse = fn(qt, kt, vt, return_lse=True, **kw)
     return out.transpose(1, 2), lse.float()
+
+
+def _has_return_lse() -> bool:
+    try:
+        import inspect
+        from torch.nn.attention.flex_attention import flex_attention
+        return "return_lse" in inspect.signature(flex_attention).parameters
+    except Exception:  # noqa: BLE001
+        return True
+
+
+_FLEX_HAS_RETURN_LSE = _has_return_lse()
 
 
 def clear_caches():
