@@ -112,6 +112,7 @@ class GeneratedAttention:
         self._source_fn = forward_kernel
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self._jitted: dict[Any, Any] = {}
+        self._device_tensors: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self.launches = 0
 
@@ -137,6 +138,21 @@ class GeneratedAttention:
                     self._jitted[key] = fn
         return fn
 
+    def _launch_tensors(self, n: int, device: torch.device) -> tuple[torch.Tensor, list]:
+        """The class order and the Hilbert tables on `device`, built once (a host-to-device
+        copy per call would stall the launch queue)."""
+        key = (n, str(device))
+        hit = self._device_tensors.get(key)
+        if hit is None:
+            class_order = torch.tensor(self.plan["query"]["class_order"], dtype=torch.int32, device=device)
+            tables = []
+            for t in self.plan["tables"]:
+                tables.extend(table_tensors(t, n, device))
+            if len(self._device_tensors) > 16:
+                self._device_tensors.clear()
+            hit = self._device_tensors[key] = (class_order, tables)
+        return hit
+
     def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward launch without autograd: (out, lse)."""
         B, N = _check_inputs(self.spec, q, k, v)
@@ -148,10 +164,7 @@ class GeneratedAttention:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
         lattice = plan["query"]["lattice"]
-        class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=q.device)
-        tables = []
-        for t in plan["tables"]:
-            tables.extend(table_tensors(t, N, q.device))
+        class_order, tables = self._launch_tensors(N, q.device)
         block_m = cfg["block_m"]
         num_m_tiles = math.ceil(math.ceil(N / lattice) / block_m)
         grid = (lattice * num_m_tiles, B * H)
