@@ -58,7 +58,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=dev)
     lattice = plan["query"]["lattice"]
 
-    opts = {} if interpret else {"num_warps": conf["num_warps"], "num_stages": conf["num_stages"]}
+    launch = {name: ({} if interpret else dict(opts)) for name, opts in conf["launch"].items()}
     pre = attn._kernel(interpret, source_fn=kernels["preprocess"])
     dkdv = attn._kernel(interpret, source_fn=kernels["dkdv"])
     dqk = attn._kernel(interpret, source_fn=kernels["dq"])
@@ -73,7 +73,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
         pre[(math.ceil(N / conf["pre_block"]), B * H)](
             out, grad_out, dlse, delta, N,
             out.stride(0), out.stride(1), out.stride(2), *do_strides, *l_strides,
-            has_dlse, **opts)
+            has_dlse, **launch["preprocess"])
         kv_bn = conf["kv_block_n"]
         for br in plan["branches"]:
             w, r = br["w"], br["r"]
@@ -85,14 +85,14 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
                 q, k, v, grad_out, dk, dv, lse, delta, *tables,
                 N, n_jt, *q_strides, *k_strides, *v_strides, *do_strides,
                 dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
-                interpret, br["index"], **opts)
+                interpret, br["index"], **launch["dkdv"])
         bm = conf["dq_block_m"]
         num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
         dqk[(lattice * num_m_tiles, B * H)](
             q, k, v, grad_out, dq, lse, delta, class_order, *tables,
             N, num_m_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *l_strides,
-            interpret, **opts)
+            interpret, **launch["dq"])
 
     if interpret:
         with _interpreting():

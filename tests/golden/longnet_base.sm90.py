@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: dc6f56c129e603ae
+# template hash: c4da39f682c94bbe
 # plan key:      69244f0c58daae7b260fc118fcb0e16f794d35bf55ca25ac9cec57f7559919de
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -360,8 +360,8 @@ def longnet_base_fwd_kernel(
 #   3. dq, with the forward's query tiling, every branch in one program
 # ---------------------------------------------------------------------------------------
 BWD_PRE_BLOCK = tl.constexpr(64)
-BWD_DQ_BLOCK_M = tl.constexpr(64)
-BWD_DQ_BLOCK_N = tl.constexpr(32)
+BWD_DQ_BLOCK_M = tl.constexpr(128)
+BWD_DQ_BLOCK_N = tl.constexpr(64)
 BWD_KV_BLOCK_N = tl.constexpr(64)  # keys per dkdv program
 BWD_KV_BLOCK_M = tl.constexpr(32)  # queries per dkdv step
 
@@ -407,13 +407,14 @@ def longnet_base_bwd_dkdv(
 ):
     """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
 
-    Program (t, b*H_kv + kvh), t = (s * NO + g0) * num_j_tiles + jt: segment s of the
-    branch, key lanes j = jt*BWD_KV_BLOCK_N + [0, BWD_KV_BLOCK_N) with offset
-    o = (kvh*1 + g0) mod r. Those keys are kept in exactly the query heads
-    h = kvh*1 + g (g = g0, g0 + r, ... < 1) of the kv group, where they meet the
-    queries of the same lanes o + r*j' of segment s (same virtual order, same table).
-    Every key lane of the branch belongs to one program, so the read-add-write of DK, DV
-    is race free; launches of different branches run one after the other.
+    Program (t, b*H_kv + kvh), t = (s * NO + g0) * num_j_tiles + jt, NO = min(1, r):
+    segment s of the branch, key lanes j = jt*BWD_KV_BLOCK_N + [0, BWD_KV_BLOCK_N) with
+    offset o = (kvh*1 + g0) mod r, key u = s*w + o + r*j. Those keys are kept in exactly
+    the query heads h = kvh*1 + g, g = g0, g0 + r, ... < 1 (GQA group size 1), where
+    they meet the queries of the same lanes o + r*j' of segment s (same virtual order,
+    same table). Every key lane of the branch belongs to one program, so the
+    read-add-write of DK, DV is race free; launches of different branches run one after
+    the other.
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -444,15 +445,38 @@ def longnet_base_bwd_dkdv(
             v = v.to(tl.float32)
         dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        # query lanes: all of the segment's lanes
-        q_end = tl.where(jt * BWD_KV_BLOCK_N < n_lanes, n_lanes, 0)
+        # query lanes [q_start, q_end) of the segment, in up to three loops: blocks on the
+        # causal diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+        j0 = jt * BWD_KV_BLOCK_N
+        q_end = tl.where(j0 < n_lanes, n_lanes, 0)
         q_start = 0
+        q_mid = 0
+        q_full = q_mid + tl.where(j0 + BWD_KV_BLOCK_N <= n_lanes, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
         for g in range(g0, 1, 1):
             h = kvh * 1 + g
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
-            for i0 in range(q_start, q_end, BWD_KV_BLOCK_M):
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = jq + o + 2048*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
@@ -499,15 +523,38 @@ def longnet_base_bwd_dkdv(
             v = v.to(tl.float32)
         dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        # query lanes: all of the segment's lanes
-        q_end = tl.where(jt * BWD_KV_BLOCK_N < n_lanes, n_lanes, 0)
+        # query lanes [q_start, q_end) of the segment, in up to three loops: blocks on the
+        # causal diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+        j0 = jt * BWD_KV_BLOCK_N
+        q_end = tl.where(j0 < n_lanes, n_lanes, 0)
         q_start = 0
+        q_mid = 0
+        q_full = q_mid + tl.where(j0 + BWD_KV_BLOCK_N <= n_lanes, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
         for g in range(g0, 1, 2):
             h = kvh * 1 + g
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
-            for i0 in range(q_start, q_end, BWD_KV_BLOCK_M):
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = 2*jq + o + 4096*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = 2*jq + o + 4096*s
@@ -554,15 +601,38 @@ def longnet_base_bwd_dkdv(
             v = v.to(tl.float32)
         dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        # query lanes: all of the segment's lanes
-        q_end = tl.where(jt * BWD_KV_BLOCK_N < n_lanes, n_lanes, 0)
+        # query lanes [q_start, q_end) of the segment, in up to three loops: blocks on the
+        # causal diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+        j0 = jt * BWD_KV_BLOCK_N
+        q_end = tl.where(j0 < n_lanes, n_lanes, 0)
         q_start = 0
+        q_mid = 0
+        q_full = q_mid + tl.where(j0 + BWD_KV_BLOCK_N <= n_lanes, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
         for g in range(g0, 1, 4):
             h = kvh * 1 + g
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
-            for i0 in range(q_start, q_end, BWD_KV_BLOCK_M):
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = 4*jq + o + 8192*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = 4*jq + o + 8192*s
@@ -767,8 +837,12 @@ BACKWARD_KERNELS = {
     "dkdv": longnet_base_bwd_dkdv,
     "dq": longnet_base_bwd_dq,
     # launch parameters for dilgen.runtime.backward (not a kernel)
-    "config": {"pre_block": 64, "dq_block_m": 64, "kv_block_n": 64,
-               "num_warps": 8, "num_stages": 3},
+    "config": {
+        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
+        "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
+                   "dkdv": {"num_warps": 4, "num_stages": 3},
+                   "dq": {"num_warps": 8, "num_stages": 3}},
+    },
 }
 
 
