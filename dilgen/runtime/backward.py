@@ -35,6 +35,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
         grad_out = torch.zeros_like(out)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    lse = lse.contiguous()   # Lse, Delta and dlse share the (B, H, N) contiguous strides
     has_dlse = grad_lse is not None
     delta = torch.empty((B, H, N), dtype=torch.float32, device=dev)
     if has_dlse:
@@ -43,7 +44,6 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
         dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
     else:
         dlse = delta
-    assert lse.is_contiguous() and delta.stride() == lse.stride() == dlse.stride()
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
     if _rt._POISON:
