@@ -27,11 +27,9 @@ import peers  # noqa: E402
 import dilgen  # noqa: E402
 from dilgen.stats import forward_flops  # noqa: E402
 
-CONFIGS = [
-    ("A", False, dict(B=1, H=16, N=32768, D=128, w=[2048, 4096, 8192], r=[1, 2, 4])),
-    ("C", False, dict(B=2, H=32, N=16384, D=64, w=[1024, 2048, 4096], r=[1, 2, 4])),
-    ("A", True, dict(B=1, H=16, N=32768, D=128, w=[2048, 4096, 8192], r=[1, 2, 4])),
-]
+from probe_forward import CONFIGS as SHAPES  # noqa: E402  (one table of A-D)
+
+CONFIGS = [("A", False, SHAPES["A"]), ("C", False, SHAPES["C"]), ("A", True, SHAPES["A"])]
 METHODS = ("dilgen", "gather_cudnn", "gather_flash", "flex", "dense")
 
 

@@ -27,7 +27,7 @@ LN2 = 0.6931471805599453
 
 @lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -35,6 +35,8 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=False,
         autoescape=False,
     )
+    env.globals["expr"] = _expr
+    return env
 
 
 def template_hash() -> str:
@@ -63,9 +65,7 @@ def kernel_name(plan: Plan) -> str:
 
 def emit(plan: Plan) -> str:
     """Render the forward module for `plan`."""
-    env = _environment()
-    env.globals["expr"] = _expr
-    template = env.get_template(FORWARD_TEMPLATE)
+    template = _environment().get_template(FORWARD_TEMPLATE)
     plan_json = plan.to_json()
     dot_kwargs = f', input_precision="{plan.config.dot_precision}"' if plan.config.dot_precision else ""
     source = template.render(

@@ -197,10 +197,6 @@ def _validate(raw: dict, src: str) -> dict:
     if len(segs) != len(rates):
         raise _fail(src, "dilation_rates", list(rates),
                     f"must have the same length as segment_lengths ({len(segs)})")
-    if len(set(zip(segs, rates))) != len(segs):
-        # Allowed by the math (a repeated branch counts twice), but almost always a typo.
-        pass
-
     causal = raw["causal"]
     if not isinstance(causal, bool):
         raise _fail(src, "causal", causal, "must be true or false")
@@ -290,23 +286,10 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
             raise SpecError(f"{source}: {key} is missing: it is a required field")
     raw = dict(data)
     raw.setdefault("num_kv_heads", raw["num_heads"])
-    raw.setdefault("dtype", "bfloat16")
-    raw.setdefault("causal", False)
-    raw.setdefault("hilbert", None)
-    raw.setdefault("ring_size", 1)
-    raw.setdefault("softmax_scale", None)
     if raw["num_kv_heads"] is None:
         raise _fail(source, "num_kv_heads", None, "must be an integer (or left out)")
-    for key in ("segment_lengths", "dilation_rates"):
-        if isinstance(raw[key], list):
-            raw[key] = tuple(raw[key]) if all(isinstance(x, int) and not isinstance(x, bool)
-                                              for x in raw[key]) else raw[key]
-    # Validate once on the raw dict so that the error names the JSON value, then build.
-    checked = _validate({k: (list(v) if isinstance(v, tuple) else v) for k, v in raw.items()},
-                        source)
-    hilbert = checked.pop("hilbert")
-    spec = Spec(**{k: v for k, v in checked.items()},
-                hilbert=hilbert, source=source)
+    # Spec.__post_init__ validates every rule on these JSON values (errors name them).
+    spec = Spec(**raw, source=source)
     return spec
 
 

@@ -18,10 +18,6 @@ class Target:
     max_block_m: int
     tensor_descriptors: bool  # TMA (sm90): not used by the forward template yet
 
-    def __post_init__(self) -> None:
-        if self.name not in TARGETS_BY_NAME and self.name not in ("sm89", "sm86", "sm100"):
-            raise ValueError(f"unknown target {self.name!r}; known: {', '.join(TARGETS_BY_NAME)}")
-
     def key(self) -> str:
         blob = json.dumps(self.__dict__, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -49,19 +45,10 @@ class Target:
         return (bm, bn, warps, stages)
 
 
-SM90 = None  # filled below
-TARGETS_BY_NAME: dict[str, "Target"] = {}
-
-
-def _register(t: Target) -> Target:
-    TARGETS_BY_NAME[t.name] = t
-    return t
-
-
-TARGETS_BY_NAME.update({"sm90": None, "sm80": None, "interpreter": None})  # names for validation
-SM90 = _register(Target("sm90", 90, 227 * 1024, 128, True))
-SM80 = _register(Target("sm80", 80, 163 * 1024, 128, False))
-INTERPRETER = _register(Target("interpreter", None, 1 << 30, 64, False))
+SM90 = Target("sm90", 90, 227 * 1024, 128, True)
+SM80 = Target("sm80", 80, 163 * 1024, 128, False)
+INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
+TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}
 
 
 def get_target(name: str) -> Target:
