@@ -83,6 +83,7 @@ def emit(plan: Plan) -> str:
         qk_scale=repr(plan.scale * LOG2E),
         ln2=repr(LN2),
         dot_kwargs=dot_kwargs,
+        ring=plan.ring.ring_size > 1,
     )
     # Strip trailing spaces that conditional blocks leave behind: byte-stable and tidy.
     lines = [line.rstrip() for line in source.splitlines()]

@@ -146,10 +146,12 @@ class Kernel:
         t = get_target(target) if isinstance(target, str) else target
         return planner.plan(self.spec, t)
 
-    def __call__(self, q, k, v, *, return_lse: bool = False, group=None):
+    def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
+                 chunk_order: str = "contiguous"):
         import torch
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-        return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group)
+        return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group,
+                                                   chunk_order=chunk_order)
 
 
 _KERNELS: dict[str, Kernel] = {}

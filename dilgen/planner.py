@@ -54,6 +54,17 @@ def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | N
     return None, orders
 
 
+def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
+    """Lower ring_size to the ring IR (the per-N schedule is ir.ring_schedule)."""
+    if spec.ring_size == 1:
+        return ir.RingIR(1)
+    return ir.RingIR(
+        ring_size=spec.ring_size, causal=spec.causal,
+        branches=tuple(ir.RingBranch(b.index, b.segment_length, b.dilation, b.order is None)
+                       for b in branches),
+        one_kv_head_per_query_head=spec.num_kv_heads == spec.num_heads)
+
+
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages")
 
 
@@ -99,7 +110,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
             keep_map = ir.AffineMap(sympy.simplify(sympy.Mod(sympy.Mod(u, w), r)))
         branches.append(ir.BranchIR(
             index=i, segment_length=w, dilation=r, key_map=key_map, keep_map=keep_map,
-            order=order, single_segment=(w % (lattice * block_m) == 0),
+            # a ring window may start anywhere: its tiles can always span segments
+            order=order, single_segment=(w % (lattice * block_m) == 0 and spec.ring_size == 1),
             keys_per_query=-(-w // r)))
 
     # Query classes, longest work first: class d is kept by branches with r | d.
@@ -124,5 +136,5 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
-        branches=tuple(branches), config=config, ring=ir.RingIR(spec.ring_size),
+        branches=tuple(branches), config=config, ring=_ring(spec, branches),
         tables=tuple(tables))

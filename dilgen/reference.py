@@ -307,3 +307,33 @@ def reference_attention(q, k, v, spec, *, return_lse=False):
     if return_lse:
         return out, lse
     return out
+
+
+def differentiable_reference(q, k, v, spec):
+    """(out, lse) in float64 with autograd (for gradient references): one softmax per query over the multiset of
+    keys the branches keep (weights = pair multiplicities). Rows no branch keeps get
+    out = 0, lse = -inf and a zero (never NaN) gradient."""
+    B, N, H, D = q.shape
+    group = H // k.shape[2]
+    scale = spec.softmax_scale if spec.softmax_scale is not None else 1.0 / math.sqrt(D)
+    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
+    masks: dict = {}
+    outs, lses = [], []
+    for h in range(H):
+        key = tuple(h % r for r in spec.dilation_rates)
+        if key not in masks:
+            masks[key] = reference_mask_counts(N, spec, h).to(torch.float64)
+        M = masks[key]
+        kh = h // group
+        s = scale * torch.einsum("bid,bjd->bij", q[:, :, h], k[:, :, kh])
+        s = torch.where(M > 0, s, neg_inf)
+        m = s.amax(-1, keepdim=True).detach()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = M * torch.exp(s - m)
+        den = p.sum(-1)
+        kept = den > 0
+        safe = torch.where(kept, den, torch.ones_like(den))
+        o = torch.einsum("bij,bjd->bid", p, v[:, :, kh]) / safe[..., None]
+        outs.append(torch.where(kept[..., None], o, torch.zeros_like(o)))
+        lses.append(torch.where(kept, m.squeeze(-1) + torch.log(safe), neg_inf.expand_as(den)))
+    return torch.stack(outs, 2), torch.stack(lses, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import keyword
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -28,11 +29,18 @@ class SpecError(ValueError):
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    """A value as one short line of JSON."""
-    try:
-        shown = json.dumps(value)
-    except (TypeError, ValueError):
-        shown = repr(value)
+    """A value as one short line of JSON (never raises, never spans lines)."""
+    if isinstance(value, _LongInt):
+        shown = str(value)                       # an integer literal, shown unquoted
+    else:
+        try:
+            shown = json.dumps(value)
+        except (TypeError, ValueError, RecursionError):
+            # not JSON (Python API), an int too long to print, or nested too deeply
+            try:
+                shown = repr(value).encode("unicode_escape").decode("ascii")
+            except Exception:  # noqa: BLE001 - repr of a hostile value
+                shown = f"<{type(value).__name__}>"
     return shown if len(shown) <= limit else shown[:limit - 3] + "..."
 
 
@@ -42,7 +50,21 @@ def _fail(src: str, path: str, value: Any, rule: str) -> SpecError:
 
 def _key_name(key: str) -> str:
     """A JSON key as written in a message: plain when it is a simple name, else quoted."""
-    return key if re.fullmatch(r"[A-Za-z0-9_]{1,40}", key) else _short(key, 40)
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_]{1,40}", key):
+        return key
+    return _short(key, 40)
+
+
+def _sorted_keys(keys: Any) -> list:
+    """Keys in a stable order, even when a Python dict mixes str and non-str keys."""
+    return sorted(keys, key=lambda k: (not isinstance(k, str), str(k)))
+
+
+def _printable(text: Any) -> str:
+    """Text fit for a one-line message: control characters (a newline in a file name)
+    and unpaired surrogates escaped."""
+    text = str(text)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 class _LongInt(str):
@@ -50,6 +72,8 @@ class _LongInt(str):
 
 
 def _int(src: str, path: str, value: Any, lo: int = 1, hi: int = MAX_INT) -> int:
+    if isinstance(value, _LongInt):
+        raise _fail(src, path, value, f"must be >= {lo}" if value.startswith("-") else f"must be <= {hi}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(src, path, value, "must be an integer")
     if value < lo:
@@ -172,6 +196,9 @@ def _validate(raw: dict, src: str) -> dict:
         raise _fail(src, "name", name, "must match [a-z_][a-z0-9_]* (it names a Python module)")
     if len(name) > 100:
         raise _fail(src, "name", name, "must be at most 100 characters")
+    if keyword.iskeyword(name) or name == "__init__":
+        raise _fail(src, "name", name, "is reserved in Python: `from generated.<name> import "
+                    "attention` must work (pick another module name)")
     num_heads = _int(src, "num_heads", raw["num_heads"], hi=4096)
     num_kv = _int(src, "num_kv_heads", raw["num_kv_heads"], hi=4096)
     if num_heads % num_kv:
@@ -203,13 +230,21 @@ def _validate(raw: dict, src: str) -> dict:
     ring = _int(src, "ring_size", raw["ring_size"], hi=65536)
     scale = raw["softmax_scale"]
     if scale is not None:
+        if isinstance(scale, _LongInt):
+            raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise _fail(src, "softmax_scale", scale, "must be a number or null")
+        if isinstance(scale, int) and abs(scale) > 1e4:   # math.isfinite(10**400) overflows
+            raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
         if not math.isfinite(scale) or scale <= 0 or scale > 1e4:
             raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
         scale = float(scale)
 
     hilbert = _validate_hilbert(raw["hilbert"], segs, src)
+    if ring > 1 and hilbert is not None and hilbert.scope == "sequence":
+        raise _fail(src, "ring_size", ring,
+                    'cannot be > 1 with hilbert scope "sequence" (a rank\'s raster chunk is '
+                    'not a run of the curve); use scope "segment" or ring_size 1')
     return dict(name=name, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
                 dtype=dtype, segment_lengths=segs, dilation_rates=rates, causal=causal,
                 hilbert=hilbert, ring_size=ring, softmax_scale=scale)
@@ -226,7 +261,7 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
         return None
     if not isinstance(value, dict):
         raise _fail(src, "hilbert", value, 'must be null or an object like {"scope": "segment"}')
-    unknown = sorted(set(value) - {"scope", "grids", "grid"})
+    unknown = _sorted_keys(set(value) - {"scope", "grids", "grid"})
     if unknown:
         raise _fail(src, f"hilbert.{_key_name(unknown[0])}", value[unknown[0]],
                     "unknown field (allowed: scope, grids, grid)")
@@ -277,7 +312,7 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
     """Validate a decoded JSON object and build a Spec. Raises SpecError."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: the spec must be a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(_ALLOWED))
+    unknown = _sorted_keys(set(data) - set(_ALLOWED))
     if unknown:
         raise _fail(source, _key_name(unknown[0]), data[unknown[0]],
                     f"unknown field (allowed: {', '.join(_ALLOWED)})")
@@ -296,13 +331,13 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file. Raises SpecError with a one-line message."""
     path = Path(path)
-    src = path.name
+    src = _printable(path.name)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
+        raise SpecError(f"{_printable(path)}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read the spec: {exc}") from None
+        raise SpecError(f"{_printable(path)}: cannot read the spec: {_printable(exc)}") from None
     text = text.removeprefix("\ufeff")
     try:
         data = json.loads(text, parse_int=_parse_int)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dilgen
-from dilgen.reference import reference_attention, reference_mask_counts
+from dilgen.reference import differentiable_reference, reference_attention, reference_mask_counts
 
 from conftest import device
 
@@ -84,36 +84,6 @@ CASES = [
                                        num_heads=4, num_kv_heads=2,
                                        hilbert={"scope": "sequence", "grid": [8, 8]}), (1, 64), False),
 ]
-
-
-def differentiable_reference(q, k, v, spec):
-    """(out, lse) in float64 with autograd: one softmax per query over the multiset of
-    keys the branches keep (weights = pair multiplicities). Rows no branch keeps get
-    out = 0, lse = -inf and a zero (never NaN) gradient."""
-    B, N, H, D = q.shape
-    group = H // k.shape[2]
-    scale = spec.softmax_scale if spec.softmax_scale is not None else 1.0 / math.sqrt(D)
-    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
-    masks: dict = {}
-    outs, lses = [], []
-    for h in range(H):
-        key = tuple(h % r for r in spec.dilation_rates)
-        if key not in masks:
-            masks[key] = reference_mask_counts(N, spec, h).to(torch.float64)
-        M = masks[key]
-        kh = h // group
-        s = scale * torch.einsum("bid,bjd->bij", q[:, :, h], k[:, :, kh])
-        s = torch.where(M > 0, s, neg_inf)
-        m = s.amax(-1, keepdim=True).detach()
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = M * torch.exp(s - m)
-        den = p.sum(-1)
-        kept = den > 0
-        safe = torch.where(kept, den, torch.ones_like(den))
-        o = torch.einsum("bij,bjd->bid", p, v[:, :, kh]) / safe[..., None]
-        outs.append(torch.where(kept[..., None], o, torch.zeros_like(o)))
-        lses.append(torch.where(kept, m.squeeze(-1) + torch.log(safe), neg_inf.expand_as(den)))
-    return torch.stack(outs, 2), torch.stack(lses, 1)
 
 
 def _inputs(spec, batch, n, seed):

@@ -1,0 +1,477 @@
+"""The ring executor (SPEC §2 "Ring", §3): one spec over the P ranks of a process group.
+
+Rank j holds the rows of its piece(s) of the sequence (contiguous by default; zigzag on
+request). The schedule (dilgen.ir.ring_schedule, the same pure function on every rank)
+lists, per offset t, the windows (query piece, key piece, branch mask) that rank j
+computes with the keys of rank (j - t) mod P; offsets with nothing to do anywhere are not
+in it. For each remaining offset the keys travel by `torch.distributed.batch_isend_irecv`
+(NCCL on GPUs, gloo on CPUs), posted one step ahead into their own buffers so that the
+transfer overlaps the kernels of the step before. A sender ships only the rows the
+receiving windows keep: when every branch of a window reads in raster order with r | w,
+kv head h keeps the rows = h mod g (g = gcd of the r), 1/g of the bytes.
+
+Forward: each window's kernel merges its partial (out, lse) into an fp32 accumulator in
+its epilogue: lse = log(e^lse_a + e^lse_b), out = (e^lse_a out_a + e^lse_b out_b) / e^lse
+(LongNet Eq. 10 applied to partial key sets). Backward: dQ accumulates locally; the
+partial dK, dV of remote keys go back to their owner along the reversed schedule and are
+added there in fp32. Memory per rank is O(N / P) (plus int32 curve tables of N entries
+for Hilbert-ordered specs).
+"""
+from __future__ import annotations
+
+import math
+import struct
+import hashlib
+from typing import Any
+
+import torch
+
+from ..ir import CHUNK_ORDERS, ring_pieces, ring_schedule
+from . import InputError, _check_inputs, _interpreting
+from .tables import table_tensors
+
+_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+class RingError(InputError):
+    """The ranks of a ring call disagree, or the process group does not fit the spec."""
+
+
+# -- sharding helpers -----------------------------------------------------------------
+def shard(x: torch.Tensor, ring_size: int, rank: int, order: str = "contiguous",
+          dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s rows of a full (B, N, ...) tensor, in the ring's chunk order."""
+    n = x.shape[dim]
+    parts = 2 * ring_size if order == "zigzag" else ring_size
+    if n % parts:
+        raise InputError(f"N = {n} is not divisible by {parts} "
+                         f"({'2 x ' if order == 'zigzag' else ''}ring_size {ring_size}); "
+                         f"pad or trim the sequence to a multiple of {parts}")
+    pieces = ring_pieces(n, ring_size, order)[rank]
+    return torch.cat([x.narrow(dim, s, ln) for s, ln in pieces], dim=dim)
+
+
+def unshard(chunks: list[torch.Tensor], order: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's rows (rank order)."""
+    P = len(chunks)
+    n = sum(c.shape[dim] for c in chunks)
+    pieces = ring_pieces(n, P, order)
+    out = [None] * sum(len(p) for p in pieces)
+    flat = []
+    for rank, c in enumerate(chunks):
+        row = 0
+        for s, ln in pieces[rank]:
+            flat.append((s, c.narrow(dim, row, ln)))
+            row += ln
+    flat.sort(key=lambda x: x[0])
+    out = [t for _, t in flat]
+    return torch.cat(out, dim=dim)
+
+
+# -- checks that every rank passes or fails together ----------------------------------
+def _group_info(spec: dict, group) -> tuple[int, int, Any]:
+    import torch.distributed as dist
+    name, P = spec["name"], spec["ring_size"]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RingError(f"{name}: ring_size = {P} needs torch.distributed: launch with "
+                        f"`torchrun --nproc-per-node {P} ...` and call "
+                        f"torch.distributed.init_process_group() first")
+    world = dist.get_world_size(group)
+    if world != P:
+        raise RingError(f"{name}: the process group has {world} ranks but the spec says "
+                        f"ring_size = {P}; launch {P} ranks or change ring_size")
+    return P, dist.get_rank(group), dist
+
+
+def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device) -> torch.Tensor:
+    key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
+        (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
+    def shape(t, i):
+        return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
+    vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
+            shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
+            int(error is not None)]
+    return torch.tensor(vals, dtype=torch.int64, device=device)
+
+
+_FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
+           "local rows of k", "local rows of v", "dtype", "chunk order", "input error"]
+
+
+def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist) -> None:
+    """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
+    same error on every rank instead of hanging in a later send."""
+    name = spec["name"]
+    error = None
+    try:
+        _check_inputs(spec, q, k, v)
+        if order not in CHUNK_ORDERS:
+            raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
+    except InputError as exc:
+        error = str(exc)
+    device = q.device if isinstance(q, torch.Tensor) and dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device)
+    every = [torch.empty_like(mine) for _ in range(P)]
+    dist.all_gather(every, mine, group=group)
+    rows = [x.tolist() for x in every]
+    bad_inputs = [r for r in range(P) if rows[r][-1]]
+    if bad_inputs:
+        detail = f": {error}" if error else ""
+        raise RingError(f"{name}: ring call refused on every rank: rank(s) {bad_inputs} passed "
+                        f"bad inputs" + (f" (this rank{detail})" if error else
+                                         "; see the error on those ranks"))
+    for f, label in enumerate(_FIELDS[:-1]):
+        values = [r[f] for r in rows]
+        if len(set(values)) > 1:
+            by_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
+            hint = ("every rank must compile the same spec" if f == 0 else
+                    "N must be divisible by ring_size, every rank passing N / ring_size rows"
+                    if "rows" in label else "every rank must pass tensors of the same shape and dtype")
+            raise RingError(f"{name}: the ranks disagree on {label} ({by_rank}); {hint}")
+
+
+# -- the executor ---------------------------------------------------------------------
+def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
+    """(B, n, Hkv, D) -> (B, n/g, Hkv, D): kv head h keeps rows h mod g (contiguous)."""
+    if g == 1:
+        return x.contiguous()
+    B, n, hk, D = x.shape
+    x5 = x.reshape(B, n // g, g, hk, D)
+    heads = torch.arange(hk, device=x.device)
+    return x5[:, :, heads % g, heads, :]
+
+
+def _uncompact_add(dst: torch.Tensor, part: torch.Tensor, g: int) -> None:
+    """dst (B, n, Hkv, D) += part compacted with stride g (inverse of _compact)."""
+    if g == 1:
+        dst += part
+        return
+    B, n, hk, D = dst.shape
+    d5 = dst.view(B, n // g, g, hk, D)
+    heads = torch.arange(hk, device=dst.device)
+    d5[:, :, heads % g, heads, :] += part
+
+
+class _Exchange:
+    """Posted P2P transfers of one step (batch_isend_irecv) and their buffers."""
+
+    def __init__(self, dist, ops, recv, keep):
+        self.works = dist.batch_isend_irecv(ops) if ops else []
+        self.recv = recv
+        self._keep = keep
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return self.recv
+
+
+class RingRun:
+    """One ring call's geometry: group, pieces, schedule, kernels and launch helpers."""
+
+    def __init__(self, attn, q, k, v, group, order: str):
+        spec = attn.spec
+        self.attn, self.group, self.order = attn, group, order
+        self.P, self.me, self.dist = _group_info(spec, group)
+        _agree(spec, q, k, v, order, group, self.P, self.me, self.dist)
+        B, n_loc = q.shape[0], q.shape[1]
+        self.B, self.n_loc, self.N = B, n_loc, n_loc * self.P
+        parts = 2 * self.P if order == "zigzag" else self.P
+        if self.N % parts:
+            raise RingError(f"{spec['name']}: {n_loc} local rows cannot be cut into the two "
+                            f"zigzag halves; pass an even number of rows per rank")
+        self.H, self.Hkv, self.D = q.shape[2], k.shape[2], q.shape[3]
+        cache = attn.__dict__.setdefault("_ring_schedules", {})
+        key = (self.N, order)
+        if key not in cache:
+            cache[key] = ring_schedule(attn.plan["ring"], self.N, order)
+        self.sched = cache[key]
+        self.pieces = self.sched["pieces"]
+        self.rows0 = []                      # local row of each of my pieces
+        row = 0
+        for _, ln in self.pieces[self.me]:
+            self.rows0.append(row)
+            row += ln
+        self.peer = (lambda r: r) if group is None else (lambda r: self.dist.get_global_rank(group, r))
+        self.interpret = q.device.type == "cpu"
+        plan = attn.plan
+        self.class_order, _ = attn._launch_tensors(n_loc, q.device)
+        self.tables = []
+        for t in plan["tables"]:
+            self.tables.extend(table_tensors(t, self.N, q.device))
+        self.lattice = plan["query"]["lattice"]
+
+    # P2P -------------------------------------------------------------------------------
+    def piece(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return x.narrow(1, self.rows0[i], self.pieces[self.me][i][1])
+
+    def post_keys(self, step, tensors: tuple[torch.Tensor, ...]) -> _Exchange | None:
+        """Send my key pieces to (me + t), receive (me - t)'s, compacted per the schedule."""
+        t = step["offset"]
+        if t == 0:
+            return None
+        mine = step["ranks"][self.me]
+        dist, ops, keep, recv = self.dist, [], [], []
+        if mine["send"]:
+            dst = (self.me + t) % self.P
+            for i, g in enumerate(step["ranks"][dst]["stride"]):
+                for x in tensors:
+                    buf = _compact(self.piece(x, i), g)
+                    keep.append(buf)
+                    ops.append(dist.P2POp(dist.isend, buf, self.peer(dst), self.group))
+        if mine["recv"]:
+            src = (self.me - t) % self.P
+            for (_, ln), g in zip(self.pieces[src], mine["stride"]):
+                bufs = []
+                for x in tensors:
+                    buf = torch.empty((x.shape[0], ln // g, *x.shape[2:]), dtype=x.dtype, device=x.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, self.peer(src), self.group))
+                    bufs.append(buf)
+                recv.append(bufs)
+        return _Exchange(dist, ops, recv, keep)
+
+    def post_returns(self, step, partials: list[list[torch.Tensor]] | None,
+                     like: torch.Tensor) -> _Exchange | None:
+        """Backward: send the partial dK, dV of (me - t)'s keys home; receive the partials
+        of my keys computed by (me + t)."""
+        t = step["offset"]
+        mine = step["ranks"][self.me]
+        dist, ops, recv = self.dist, [], []
+        if mine["recv"]:
+            src = (self.me - t) % self.P
+            for bufs in partials:
+                for buf in bufs:
+                    ops.append(dist.P2POp(dist.isend, buf, self.peer(src), self.group))
+        if mine["send"]:
+            dst = (self.me + t) % self.P
+            for i, g in enumerate(step["ranks"][dst]["stride"]):
+                ln = self.pieces[self.me][i][1]
+                bufs = []
+                for _ in range(2):
+                    buf = torch.empty((like.shape[0], ln // g, *like.shape[2:]),
+                                      dtype=torch.float32, device=like.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, self.peer(dst), self.group))
+                    bufs.append(buf)
+                recv.append((i, g, bufs))
+        if not ops:
+            return None
+        return _Exchange(dist, ops, recv, partials)
+
+    # kernels ---------------------------------------------------------------------------
+    def run(self, fn):
+        if self.interpret:
+            with _interpreting():
+                return fn()
+        return fn()
+
+    def launches_of(self, step):
+        return step["ranks"][self.me]["launches"]
+
+    def key_window(self, step, ki: int):
+        """(k_off, n_k, stride) of key piece ki at this step."""
+        src = (self.me - step["offset"]) % self.P
+        k_off, n_k = self.pieces[src][ki]
+        g = step["ranks"][self.me]["stride"][ki]
+        return k_off, n_k, g
+
+
+def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    attn, plan = run.attn, run.attn.plan
+    cfg = plan["config"]
+    B, H, n_loc = run.B, run.H, run.n_loc
+    dev = q.device
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, H, n_loc), dtype=torch.float32, device=dev)
+    steps = run.sched["steps"]
+    # how many windows write each of my query pieces: the last writes the output dtype
+    todo = [0] * len(run.pieces[run.me])
+    for st in steps:
+        for qi, _, _ in run.launches_of(st):
+            todo[qi] += 1
+    acc = out if q.dtype == torch.float32 or max(todo) <= 1 else torch.empty(
+        q.shape, dtype=torch.float32, device=dev)
+    from .. import runtime as _rt
+    if _rt._POISON:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        acc.fill_(float("nan"))
+    written = [False] * len(todo)
+    kernel = attn._kernel(run.interpret)
+    opts = {} if run.interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    block_m = cfg["block_m"]
+
+    def compute(step, keys):
+        for qi, ki, bits in run.launches_of(step):
+            q_off, n_q = run.pieces[run.me][qi]
+            if step["offset"] == 0:
+                kk, vv = run.piece(k, ki), run.piece(v, ki)
+                k_off, n_k = run.pieces[run.me][ki]
+                g = 1
+            else:
+                kk, vv = keys[ki]
+                k_off, n_k, g = run.key_window(step, ki)
+            todo[qi] -= 1
+            dst = run.piece(out if todo[qi] == 0 else acc, qi)
+            acc_v, lse_v = run.piece(acc, qi), lse.narrow(2, run.rows0[qi], n_q)
+            qv = run.piece(q, qi)
+            num_m_tiles = math.ceil(math.ceil(n_q / run.lattice) / block_m)
+            grid = (run.lattice * num_m_tiles, B * H)
+            kernel[grid](
+                qv, kk, vv, dst, lse_v, run.class_order, *run.tables,
+                run.N, num_m_tiles, q_off, n_q, k_off, n_k, acc_v, lse_v,
+                qv.stride(0), qv.stride(1), qv.stride(2),
+                kk.stride(0), kk.stride(1), kk.stride(2),
+                vv.stride(0), vv.stride(1), vv.stride(2),
+                dst.stride(0), dst.stride(1), dst.stride(2),
+                lse_v.stride(0), lse_v.stride(1),
+                run.interpret, bits, g, written[qi], **opts)
+            written[qi] = True
+
+    pending = run.post_keys(steps[0], (k, v))
+    for i, step in enumerate(steps):
+        keys = pending.wait() if pending is not None else None
+        pending = run.post_keys(steps[i + 1], (k, v)) if i + 1 < len(steps) else None
+        run.run(lambda: compute(step, keys))
+    attn.launches += 1
+    return out, lse
+
+
+def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
+    """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel home."""
+    attn, plan = run.attn, run.attn.plan
+    kernels = attn.backward_kernels
+    conf = kernels["config"]
+    B, H, Hkv, n_loc = run.B, run.H, run.Hkv, run.n_loc
+    group_size = H // Hkv
+    dev = q.device
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    lse = lse.contiguous()
+    has_dlse = grad_lse is not None
+    delta = torch.empty((B, H, n_loc), dtype=torch.float32, device=dev)
+    if has_dlse:
+        dlse = grad_lse.to(torch.float32).contiguous()
+        dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    else:
+        dlse = delta
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+    launch = {name: ({} if run.interpret else dict(opts)) for name, opts in conf["launch"].items()}
+    pre = attn._kernel(run.interpret, source_fn=kernels["preprocess"])
+    dkdv = attn._kernel(run.interpret, source_fn=kernels["dkdv"])
+    dqk = attn._kernel(run.interpret, source_fn=kernels["dq"])
+    l_strides = (lse.stride(0), lse.stride(1))
+    branches = {br["index"]: br for br in plan["branches"]}
+    written = [False] * len(run.pieces[run.me])
+    N = run.N
+
+    def preprocess():
+        pre[(math.ceil(n_loc / conf["pre_block"]), B * H)](
+            out, grad_out, dlse, delta, n_loc,
+            out.stride(0), out.stride(1), out.stride(2),
+            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *l_strides,
+            has_dlse, **launch["preprocess"])
+
+    def compute(step, keys):
+        """dQ of my queries and partial dK, dV of this step's keys; returns the partial
+        buffers to send home (remote steps) or None (local keys, added in place)."""
+        partials = None
+        if step["offset"]:
+            partials = [[torch.zeros_like(kk, dtype=torch.float32),
+                         torch.zeros_like(vv, dtype=torch.float32)] for kk, vv in keys]
+        for qi, ki, bits in run.launches_of(step):
+            q_off, n_q = run.pieces[run.me][qi]
+            if step["offset"] == 0:
+                kk, vv = run.piece(k, ki), run.piece(v, ki)
+                dkk, dvv = run.piece(dk, ki), run.piece(dv, ki)
+                k_off, n_k = run.pieces[run.me][ki]
+                g = 1
+            else:
+                kk, vv = keys[ki]
+                dkk, dvv = partials[ki]
+                k_off, n_k, g = run.key_window(step, ki)
+            qv, dov, dqv = run.piece(q, qi), run.piece(grad_out, qi), run.piece(dq, qi)
+            lse_v = lse.narrow(2, run.rows0[qi], n_q)
+            delta_v = delta.narrow(2, run.rows0[qi], n_q)
+            qs = (qv.stride(0), qv.stride(1), qv.stride(2))
+            ks = (kk.stride(0), kk.stride(1), kk.stride(2))
+            vs = (vv.stride(0), vv.stride(1), vv.stride(2))
+            dos = (dov.stride(0), dov.stride(1), dov.stride(2))
+            for idx in range(len(branches)):
+                if not bits >> idx & 1:
+                    continue
+                br = branches[idx]
+                w, r = br["w"], br["r"]
+                n_seg = min((k_off + n_k - 1) // w, (N - 1) // w) - k_off // w + 1
+                n_o = min(group_size, r)
+                lanes = math.ceil(min(w, N) / r)
+                if br.get("order") is None and plan["query"]["order"] is None:
+                    lanes = min(lanes, math.ceil(n_k / r))
+                n_jt = math.ceil(lanes / conf["kv_block_n"])
+                dkdv[(n_seg * n_o * n_jt, B * Hkv)](
+                    qv, kk, vv, dov, dkk, dvv, lse_v, delta_v, *run.tables,
+                    N, n_jt, q_off, n_q, k_off, n_k, *qs, *ks, *vs, *dos,
+                    dkk.stride(0), dkk.stride(1), dkk.stride(2), *l_strides,
+                    run.interpret, idx, g, **launch["dkdv"])
+            bm = conf["dq_block_m"]
+            num_m_tiles = math.ceil(math.ceil(n_q / run.lattice) / bm)
+            dqk[(run.lattice * num_m_tiles, B * H)](
+                qv, kk, vv, dov, dqv, lse_v, delta_v, run.class_order, *run.tables,
+                N, num_m_tiles, q_off, n_q, k_off, n_k, *qs, *ks, *vs, *dos,
+                dqv.stride(0), dqv.stride(1), dqv.stride(2), *l_strides,
+                run.interpret, bits, g, written[qi], **launch["dq"])
+            written[qi] = True
+        return partials
+
+    def settle(exchange):
+        if exchange is None:
+            return
+        for i, g, (pk, pv) in exchange.wait():
+            _uncompact_add(run.piece(dk, i), pk, g)
+            _uncompact_add(run.piece(dv, i), pv, g)
+
+    run.run(preprocess)
+    steps = run.sched["steps"]
+    pending = run.post_keys(steps[0], (k, v))
+    returning = None
+    for i, step in enumerate(steps):
+        keys = pending.wait() if pending is not None else None
+        pending = run.post_keys(steps[i + 1], (k, v)) if i + 1 < len(steps) else None
+        partials = run.run(lambda: compute(step, keys))
+        settle(returning)
+        returning = run.post_returns(step, partials, k) if step["offset"] else None
+    settle(returning)
+    attn.launches += 1
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, run):
+        out, lse = ring_forward(run, q, k, v)
+        ctx.run = run
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.run, q, k, v, out, lse, grad_out, grad_lse)
+        return dq, dk, dv, None
+
+
+def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
+                   chunk_order: str = "contiguous"):
+    """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
+    rows of out (and lse (B, H, N/P)), autograd-aware. See the module docstring."""
+    run = RingRun(attn, q, k, v, group, chunk_order)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _RingFunction.apply(q, k, v, run)
+    else:
+        out, lse = ring_forward(run, q, k, v)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,146 @@
+"""One rank of a ring test: torch.multiprocessing + gloo on CPU (nccl on GPUs).
+
+Every rank builds the same full random inputs (same seed), takes its rows, runs the
+ring forward and backward, and asserts its rows of out, lse and of the q, k, v gradients
+against the float64 single-device reference. Failures are written to a per-rank JSON
+file (the parent asserts on them); a rank never prints instead of asserting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+
+TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got = got.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    denom = ref.norm().item()
+    return (got - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> list[str]:
+    """Run one case on this rank; return failure messages (empty when it passed)."""
+    import dilgen
+    from dilgen.reference import differentiable_reference
+    from dilgen.runtime.ring import shard
+
+    fields = dict(case["spec"])
+    fields.setdefault("num_heads", 2)
+    fields.setdefault("head_dim", 16)
+    fields.setdefault("dtype", "float32")
+    fields["ring_size"] = P
+    spec = dilgen.Spec(name=case["name"], **fields)
+    order = case.get("order", "contiguous")
+    B, N = case["shape"]
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q, k, v = (torch.randn((B, N, h, D), generator=gen) for h in (H, Hkv, Hkv))
+    gout = torch.randn((B, N, H, D), generator=gen)
+    glse = torch.randn((B, H, N), generator=gen)
+
+    # float64 single-device reference and its gradients
+    leaves = [t.double().clone().requires_grad_(True) for t in (q, k, v)]
+    ref_out, ref_lse = differentiable_reference(*leaves, spec)
+    finite = torch.isfinite(ref_lse)
+    loss = (ref_out * gout.double()).sum() + torch.where(finite, ref_lse, torch.zeros_like(ref_lse)).mul(glse.double()).sum()
+    loss.backward()
+    ref_grads = [t.grad for t in leaves]
+
+    dt = getattr(torch, spec.dtype)
+    mine = [shard(t, P, rank, order).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
+    kernel = dilgen.compile(spec)
+    out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
+    g_out = shard(gout, P, rank, order).to(dev)
+    g_lse = shard(glse, P, rank, order, dim=2).to(dev)
+    lse_finite = torch.isfinite(lse.detach())
+    loss = (out.float() * g_out).sum() + torch.where(lse_finite, lse, torch.zeros_like(lse)).mul(g_lse).sum()
+    loss.backward()
+
+    tol = TOL[spec.dtype]
+    fails = []
+    want_out = shard(ref_out.detach(), P, rank, order)
+    want_lse = shard(ref_lse.detach(), P, rank, order, dim=2)
+    if torch.isnan(out).any():
+        fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
+    err = rel_error(out, want_out)
+    if not err < tol:
+        fails.append(f"{case['name']} rank {rank}: out rel error {err:.3g} >= {tol}")
+    if not torch.equal(torch.isfinite(lse.detach().cpu()), torch.isfinite(want_lse)):
+        fails.append(f"{case['name']} rank {rank}: lse -inf pattern differs")
+    else:
+        fin = torch.isfinite(want_lse)
+        e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
+        if not e < tol:
+            fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
+    for name, leaf, ref in zip("qkv", mine, ref_grads):
+        e = rel_error(leaf.grad, shard(ref, P, rank, order))
+        if not e < 2 * tol:
+            fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
+    return fails
+
+
+def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo") -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    import torch.distributed as dist
+    from dilgen.runtime import set_poison
+    set_poison(True)
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=P, timeout=timedelta(seconds=60))
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(dev)
+    report = {"rank": rank, "fails": [], "passed": []}
+    try:
+        for case in cases:
+            if case.get("expect_error"):
+                report["fails"].extend(check_error(case, rank, P, dev))
+                continue
+            fails = check_case(case, rank, P, dev)
+            report["fails"].extend(fails)
+            if not fails:
+                report["passed"].append(case["name"])
+    except Exception:  # noqa: BLE001 - the parent asserts on the report
+        report["fails"].append(f"rank {rank} crashed:\n{traceback.format_exc()}")
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+
+
+def check_error(case: dict, rank: int, P: int, dev) -> list[str]:
+    """Cases that must fail the same way on every rank (never hang)."""
+    import dilgen
+    from dilgen.runtime.ring import RingError
+    kind = case["expect_error"]
+    fields = dict(num_heads=2, head_dim=16, dtype="float32", segment_lengths=[8, 16],
+                  dilation_rates=[1, 2], ring_size=P)
+    n_loc = 16
+    if kind == "ring_size":
+        fields["ring_size"] = P + 1
+    if kind == "spec" and rank == 0:
+        fields["causal"] = True           # rank 0 compiled a different spec
+    if kind == "rows" and rank == P - 1:
+        n_loc = 12                        # N not divisible by P: the last rank is short
+    if kind == "dtype" and rank == 1:
+        fields_dtype = torch.float16
+    else:
+        fields_dtype = torch.float32
+    spec = dilgen.Spec(name=f"ring_err_{kind}", **fields)
+    q, k, v = (torch.randn(1, n_loc, 2, 16, dtype=fields_dtype, device=dev) for _ in range(3))
+    try:
+        dilgen.compile(spec)(q, k, v)
+    except RingError as exc:
+        msg = str(exc)
+        if "\n" in msg or case["expect_in"] not in msg:
+            return [f"{kind} rank {rank}: unexpected message: {msg!r}"]
+        return []
+    except Exception as exc:  # noqa: BLE001
+        return [f"{kind} rank {rank}: wrong exception {type(exc).__name__}: {exc}"]
+    return [f"{kind} rank {rank}: no error raised"]
