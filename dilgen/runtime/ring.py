@@ -19,14 +19,14 @@ for Hilbert-ordered specs).
 """
 from __future__ import annotations
 
-import math
-import struct
 import hashlib
+import math
+import os
 from typing import Any
 
 import torch
 
-from ..ir import CHUNK_ORDERS, ring_pieces, ring_schedule
+from ..ir import CHUNK_ORDERS, choose_transport, ring_pieces, ring_schedule
 from . import InputError, _check_inputs, _interpreting
 from .tables import table_tensors
 
@@ -201,6 +201,92 @@ class RingRun:
         for t in plan["tables"]:
             self.tables.extend(table_tensors(t, self.N, q.device))
         self.lattice = plan["query"]["lattice"]
+        self.transport = self._transport(q)
+        self.gathered = None
+
+    def _transport(self, q) -> str:
+        """"ring" (P2P steps overlapped with kernels) or "allgather" (LongNet §3.1: every
+        rank gathers the sparse rows first), by the IR's cost model unless
+        DILGEN_RING_TRANSPORT says otherwise."""
+        forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
+        if forced in ("ring", "allgather"):
+            return forced
+        if forced != "auto":
+            raise RingError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather or auto")
+        D, H = self.D, self.H
+        bytes_per_row = 2 * self.B * self.Hkv * D * q.element_size()
+        rate = 3e14 if q.is_cuda else 1e9          # nominal kernel rate, FLOP/s
+        comp = []
+        for st in self.sched["steps"]:
+            flops = 0.0
+            for qi, ki, bits in st["ranks"][self.me]["launches"]:
+                n_q = self.pieces[self.me][qi][1]
+                for br in self.attn.plan["branches"]:
+                    if bits >> br["index"] & 1:
+                        flops += 4 * self.B * H * D * n_q * min(br["w"], n_q) / br["r"] ** 2
+            comp.append(flops / rate)
+        free = None
+        if q.is_cuda:
+            free = torch.cuda.mem_get_info(q.device)[0] // 2
+        return choose_transport(self.attn.plan["ring"], self.sched, bytes_per_row=bytes_per_row,
+                                step_compute_s=comp, free_bytes=free)
+
+    # all-gather transport ---------------------------------------------------------------
+    def gather_stride(self) -> int:
+        """One compaction for every remote window: gcd of their strides (a superset of the
+        rows each window keeps)."""
+        g = 0
+        for st in self.sched["steps"]:
+            if st["offset"]:
+                for r in st["ranks"]:
+                    if r["recv"]:
+                        for x in r["stride"]:
+                            g = math.gcd(g, x)
+        return g or 1
+
+    def gather_keys(self, tensors):
+        """All-gather my compacted key pieces: [rank][piece] -> (k, v) buffers."""
+        g = self.gather_stride()
+        self.gathered_stride = g
+        per_tensor = []
+        for x in tensors:
+            local = torch.cat([_compact(self.piece(x, i), g) for i in range(len(self.pieces[self.me]))], dim=1)
+            every = [torch.empty_like(local) for _ in range(self.P)]
+            self.dist.all_gather(every, local.contiguous(), group=self.group)
+            per_tensor.append(every)
+        out = []
+        for rank in range(self.P):
+            row, pieces = 0, []
+            for _, ln in self.pieces[rank]:
+                pieces.append(tuple(t[rank].narrow(1, row, ln // g) for t in per_tensor))
+                row += ln // g
+            out.append(pieces)
+        self.gathered = out
+        return out
+
+    def scatter_partials(self, partials_by_rank, dk, dv):
+        """Backward of the all-gather: sum every rank's partial dK, dV of my keys."""
+        g = self.gathered_stride
+        for which, dst in ((0, dk), (1, dv)):
+            stacked = []
+            for rank in range(self.P):
+                parts = partials_by_rank.get(rank)
+                if parts is None:
+                    rows = sum(ln // g for _, ln in self.pieces[rank])
+                    stacked.append(torch.zeros((self.B, rows, self.Hkv, self.D), dtype=torch.float32, device=dk.device))
+                else:
+                    stacked.append(torch.cat([p[which] for p in parts], dim=1))
+            mine = torch.empty_like(stacked[self.me])
+            if self.dist.get_backend(self.group) == "gloo":     # gloo has no reduce_scatter
+                total = torch.stack(stacked)
+                self.dist.all_reduce(total, group=self.group)
+                mine = total[self.me]
+            else:
+                self.dist.reduce_scatter(mine, stacked, group=self.group)
+            row = 0
+            for i, (_, ln) in enumerate(self.pieces[self.me]):
+                _uncompact_add(self.piece(dst, i), mine.narrow(1, row, ln // g), g)
+                row += ln // g
 
     # P2P -------------------------------------------------------------------------------
     def piece(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -272,8 +358,14 @@ class RingRun:
         """(k_off, n_k, stride) of key piece ki at this step."""
         src = (self.me - step["offset"]) % self.P
         k_off, n_k = self.pieces[src][ki]
+        if self.transport == "allgather":
+            return k_off, n_k, self.gathered_stride
         g = step["ranks"][self.me]["stride"][ki]
         return k_off, n_k, g
+
+    def step_keys(self, step):
+        """The received key pieces of a remote step (all-gather transport)."""
+        return self.gathered[(self.me - step["offset"]) % self.P]
 
 
 def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +420,15 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 run.interpret, bits, g, written[qi], **opts)
             written[qi] = True
 
+    if run.transport == "allgather":
+        if len(steps) > 1:
+            run.gather_keys((k, v))
+        for step in steps:
+            keys = run.step_keys(step) if step["offset"] else None
+            run.run(lambda: compute(step, keys))
+        run.gathered = None
+        attn.launches += 1
+        return out, lse
     pending = run.post_keys(steps[0], (k, v))
     for i, step in enumerate(steps):
         keys = pending.wait() if pending is not None else None
@@ -436,6 +537,20 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
 
     run.run(preprocess)
     steps = run.sched["steps"]
+    if run.transport == "allgather":
+        by_rank = {}
+        if len(steps) > 1:
+            run.gather_keys((k, v))
+        for step in steps:
+            keys = run.step_keys(step) if step["offset"] else None
+            partials = run.run(lambda: compute(step, keys))
+            if partials is not None and step["ranks"][run.me]["launches"]:
+                by_rank[(run.me - step["offset"]) % run.P] = partials
+        if len(steps) > 1:
+            run.scatter_partials(by_rank, dk, dv)
+        run.gathered = None
+        attn.launches += 1
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     pending = run.post_keys(steps[0], (k, v))
     returning = None
     for i, step in enumerate(steps):

@@ -1,0 +1,179 @@
+"""The ring (SPEC §2 "Ring", §3): schedule IR units, and P = 2, 4 gloo runs on CPU where
+every rank asserts its rows of out, lse and the q, k, v gradients against the float64
+single-device reference (tests/ring_worker.py)."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import torch
+
+import dilgen
+from dilgen import ir
+from dilgen.planner import plan
+from dilgen.runtime.ring import RingError, shard, unshard
+from dilgen.targets import get_target
+
+import ring_worker
+
+
+def _ring_json(P, w, r, causal=False, heads=(4, 4), hilbert=None):
+    spec = dilgen.Spec(name="sched", num_heads=heads[0], num_kv_heads=heads[1], head_dim=16,
+                       segment_lengths=w, dilation_rates=r, causal=causal, ring_size=P,
+                       hilbert=hilbert)
+    return plan(spec, get_target("interpreter")).ring.to_json()
+
+
+# -- schedule IR ---------------------------------------------------------------------------
+def test_local_branches_need_no_steps():
+    sched = ir.ring_schedule(_ring_json(4, [16, 64], [1, 2]), 4 * 64)
+    assert [s["offset"] for s in sched["steps"]] == [0]
+    assert sched["local_only"] == [0, 1]
+    assert all(not r["send"] and not r["recv"] for r in sched["steps"][0]["ranks"])
+
+
+def test_spanning_branch_sends_only_its_rows():
+    # w = 256 spans all four chunks of 64; r = 4 with one kv head per query head: kv head h
+    # keeps rows = h mod 4, so a sender ships a quarter of its rows
+    sched = ir.ring_schedule(_ring_json(4, [16, 256], [1, 4]), 256)
+    assert [s["offset"] for s in sched["steps"]] == [0, 1, 2, 3]
+    step1 = sched["steps"][1]
+    assert step1["ranks"][1]["launches"] == [[0, 0, 0b10]]     # only the w = 256 branch
+    assert step1["ranks"][1]["stride"] == [4]
+    assert sched["bytes_fraction"] == pytest.approx(0.25)
+    assert sched["local_only"] == [0]
+
+
+def test_gqa_sends_every_row():
+    sched = ir.ring_schedule(_ring_json(2, [256], [4], heads=(4, 2)), 256)
+    assert sched["steps"][1]["ranks"][1]["stride"] == [1]       # a kv head serves 2 offsets
+
+
+def test_causal_skips_later_keys_and_neighbour_only():
+    sched = ir.ring_schedule(_ring_json(4, [128], [2], causal=True), 256)
+    # chunks of 64, segments of 128: rank 1 needs rank 0, rank 3 needs rank 2, nothing else
+    assert [s["offset"] for s in sched["steps"]] == [0, 1]
+    recv = [r["recv"] for r in sched["steps"][1]["ranks"]]
+    assert recv == [False, True, False, True]
+    send = [r["send"] for r in sched["steps"][1]["ranks"]]
+    assert send == [True, False, True, False]
+
+
+def test_zigzag_pieces_balance_causal_work():
+    pieces = ir.ring_pieces(16, 4, "zigzag")
+    assert pieces[0] == [(0, 2), (14, 2)] and pieces[3] == [(6, 2), (8, 2)]
+    sched = ir.ring_schedule(_ring_json(4, [16], [1], causal=True), 16, "zigzag")
+    # with one segment over everything, each rank meets every other rank's rows
+    per_rank = [sum(len(s["ranks"][j]["launches"]) for s in sched["steps"]) for j in range(4)]
+    assert len(set(per_rank)) == 1
+
+
+def test_hilbert_segment_scope_is_not_compacted():
+    sched = ir.ring_schedule(_ring_json(2, [64], [4], hilbert={"scope": "segment"}), 64)
+    assert sched["steps"][1]["ranks"][1]["stride"] == [1]
+
+
+def test_transport_cost_model_prefers_overlap_when_compute_dominates():
+    ring = _ring_json(4, [256], [4])
+    sched = ir.ring_schedule(ring, 256)
+    # 32 MB per step under 1 ms of kernels: the ring hides it, an all-gather waits for it
+    slow_compute = [1e-3] * len(sched["steps"])
+    assert ir.choose_transport(ring, sched, bytes_per_row=2_000_000, step_compute_s=slow_compute) == "ring"
+    # tiny messages and no compute to hide them behind: one collective beats 3 latencies
+    tiny = [0.0] * len(sched["steps"])
+    assert ir.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny) == "allgather"
+    # not enough memory to hold every rank's rows: ring
+    assert ir.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, free_bytes=10) == "ring"
+
+
+def test_shard_unshard_roundtrip():
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for order in ("contiguous", "zigzag"):
+        parts = [shard(x, 3, j, order) for j in range(3)]
+        assert all(p.shape == (2, 8, 3) for p in parts)
+        assert torch.equal(unshard(parts, order), x)
+    with pytest.raises(Exception, match="not divisible"):
+        shard(x[:, :10], 4, 0)
+
+
+def test_ring_call_without_process_group_is_a_clear_error():
+    spec = dilgen.Spec(name="ring_nogroup", num_heads=2, head_dim=16, dtype="float32",
+                       segment_lengths=[8], dilation_rates=[1], ring_size=2)
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RingError, match="init_process_group"):
+        dilgen.compile(spec)(q, q, q)
+
+
+def test_hilbert_sequence_scope_with_ring_is_refused():
+    with pytest.raises(dilgen.SpecError, match="ring_size"):
+        dilgen.Spec(name="x", num_heads=2, head_dim=16, segment_lengths=[16],
+                    dilation_rates=[1], ring_size=2, hilbert={"scope": "sequence", "grid": [4, 8]})
+
+
+# -- real rings: torch.multiprocessing + gloo ---------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float) -> list[dict]:
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(ring_worker.worker, args=(P, _free_port(), cases, str(tmp_path)),
+                             nprocs=P, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ring P={P} did not finish in {timeout_s:.0f} s (a hang?)")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(P)]
+
+
+# Segments smaller than, equal to and larger than N/P; causal and not; GQA; Hilbert
+# segment scope; unaligned segments; zigzag; bf16; every rank asserts (ring_worker).
+CASES_P2 = [
+    {"name": "mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
+                                    "causal": True}, "shape": [1, 64]},
+    {"name": "equal_chunk", "spec": {"segment_lengths": [32, 64], "dilation_rates": [1, 2]},
+     "shape": [2, 64]},
+    {"name": "unaligned", "spec": {"segment_lengths": [24, 40], "dilation_rates": [1, 2]},
+     "shape": [1, 64]},
+    {"name": "gqa_causal", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 4],
+                                    "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "shape": [1, 64]},
+    {"name": "r3", "spec": {"segment_lengths": [48], "dilation_rates": [3], "num_heads": 3},
+     "shape": [1, 96]},
+    {"name": "hilbert_segment", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 4],
+                                         "hilbert": {"scope": "segment"}}, "shape": [1, 64]},
+    {"name": "zigzag_causal", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 2],
+                                       "causal": True}, "shape": [1, 64], "order": "zigzag"},
+    {"name": "bf16_causal", "spec": {"segment_lengths": [32, 64], "dilation_rates": [1, 2],
+                                     "dtype": "bfloat16", "causal": True}, "shape": [1, 64]},
+]
+CASES_P4 = [
+    {"name": "p4_mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
+                                       "causal": True}, "shape": [1, 128]},
+    {"name": "p4_compacted", "spec": {"segment_lengths": [16, 256], "dilation_rates": [1, 4],
+                                      "num_heads": 4}, "shape": [1, 128]},
+    {"name": "p4_zigzag_mqa", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
+                                       "num_heads": 4, "num_kv_heads": 1, "causal": True},
+     "shape": [1, 128], "order": "zigzag"},
+    {"name": "err_world", "expect_error": "ring_size", "expect_in": "ring_size"},
+    {"name": "err_spec", "expect_error": "spec", "expect_in": "disagree on spec"},
+    {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},
+    {"name": "err_dtype", "expect_error": "dtype", "expect_in": "bad inputs"},
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("P, cases", [(2, CASES_P2), (4, CASES_P4)], ids=["P2", "P4"])
+def test_ring_matches_single_device_reference(P, cases, tmp_path):
+    reports = _run_ring(P, cases, tmp_path, timeout_s=360)
+    fails = [f for r in reports for f in r["fails"]]
+    assert not fails, "\n".join(fails)
+    want = [c["name"] for c in cases if not c.get("expect_error")]
+    for r in reports:
+        assert r["passed"] == want
