@@ -110,8 +110,9 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
             keep_map = ir.AffineMap(sympy.simplify(sympy.Mod(sympy.Mod(u, w), r)))
         branches.append(ir.BranchIR(
             index=i, segment_length=w, dilation=r, key_map=key_map, keep_map=keep_map,
-            # a ring window may start anywhere: its tiles can always span segments
-            order=order, single_segment=(w % (lattice * block_m) == 0 and spec.ring_size == 1),
+            # single_segment: tiles nest in segments; a ring window must also start on a
+            # tile boundary (the runtime passes ALIGNED), else its tiles loop over segments
+            order=order, single_segment=(w % (lattice * block_m) == 0),
             keys_per_query=-(-w // r)))
 
     # Query classes, longest work first: class d is kept by branches with r | d.

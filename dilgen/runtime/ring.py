@@ -354,6 +354,21 @@ class RingRun:
     def launches_of(self, step):
         return step["ranks"][self.me]["launches"]
 
+    def classes(self, bits: int, full: bool) -> torch.Tensor:
+        """Query classes a window launches, longest first: all of them (full), or only
+        those some branch of the mask keeps (r | d; every class for row membership), so
+        a remote window of an r = 32 branch launches 1/32 of the programs."""
+        if full:
+            return self.class_order
+        cache = self.__dict__.setdefault("_classes", {})
+        if bits not in cache:
+            order = self.attn.plan["query"]["class_order"]
+            mine = [br for br in self.attn.plan["branches"] if bits >> br["index"] & 1]
+            keep = [d for d in order
+                    if any(br["membership"] == "row" or d % br["r"] == 0 for br in mine)]
+            cache[bits] = torch.tensor(keep or order[:1], dtype=torch.int32, device=self.class_order.device)
+        return cache[bits]
+
     def key_window(self, step, ki: int):
         """(k_off, n_k, stride) of key piece ki at this step."""
         src = (self.me - step["offset"]) % self.P
@@ -375,7 +390,9 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     dev = q.device
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, n_loc), dtype=torch.float32, device=dev)
-    steps = run.sched["steps"]
+    # Remote windows first (they launch only the classes their branches keep), the local
+    # window last: it covers every row, so it writes the output dtype.
+    steps = run.sched["steps"][1:] + run.sched["steps"][:1]
     # how many windows write each of my query pieces: the last writes the output dtype
     todo = [0] * len(run.pieces[run.me])
     for st in steps:
@@ -388,7 +405,12 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         acc.fill_(float("nan"))
-    written = [False] * len(todo)
+    # pieces that several windows write merge from lse = -inf (rows a pruned window
+    # skipped are then merged as empty)
+    merged = [n > 1 for n in todo]
+    for qi, several in enumerate(merged):
+        if several:
+            lse.narrow(2, run.rows0[qi], run.pieces[run.me][qi][1]).fill_(float("-inf"))
     kernel = attn._kernel(run.interpret)
     opts = {} if run.interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     block_m = cfg["block_m"]
@@ -408,17 +430,17 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             acc_v, lse_v = run.piece(acc, qi), lse.narrow(2, run.rows0[qi], n_q)
             qv = run.piece(q, qi)
             num_m_tiles = math.ceil(math.ceil(n_q / run.lattice) / block_m)
-            grid = (run.lattice * num_m_tiles, B * H)
+            classes = run.classes(bits, full=step["offset"] == 0)
+            grid = (classes.numel() * num_m_tiles, B * H)
             kernel[grid](
-                qv, kk, vv, dst, lse_v, run.class_order, *run.tables,
+                qv, kk, vv, dst, lse_v, classes, *run.tables,
                 run.N, num_m_tiles, q_off, n_q, k_off, n_k, acc_v, lse_v,
                 qv.stride(0), qv.stride(1), qv.stride(2),
                 kk.stride(0), kk.stride(1), kk.stride(2),
                 vv.stride(0), vv.stride(1), vv.stride(2),
                 dst.stride(0), dst.stride(1), dst.stride(2),
                 lse_v.stride(0), lse_v.stride(1),
-                run.interpret, bits, g, written[qi], **opts)
-            written[qi] = True
+                run.interpret, bits, g, merged[qi], q_off % (run.lattice * block_m) == 0, **opts)
 
     if run.transport == "allgather":
         if len(steps) > 1:
@@ -467,7 +489,6 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     dqk = attn._kernel(run.interpret, source_fn=kernels["dq"])
     l_strides = (lse.stride(0), lse.stride(1))
     branches = {br["index"]: br for br in plan["branches"]}
-    written = [False] * len(run.pieces[run.me])
     N = run.N
 
     def preprocess():
@@ -520,12 +541,12 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
                     run.interpret, idx, g, **launch["dkdv"])
             bm = conf["dq_block_m"]
             num_m_tiles = math.ceil(math.ceil(n_q / run.lattice) / bm)
-            dqk[(run.lattice * num_m_tiles, B * H)](
-                qv, kk, vv, dov, dqv, lse_v, delta_v, run.class_order, *run.tables,
+            classes = run.classes(bits, full=step["offset"] == 0)
+            dqk[(classes.numel() * num_m_tiles, B * H)](
+                qv, kk, vv, dov, dqv, lse_v, delta_v, classes, *run.tables,
                 N, num_m_tiles, q_off, n_q, k_off, n_k, *qs, *ks, *vs, *dos,
                 dqv.stride(0), dqv.stride(1), dqv.stride(2), *l_strides,
-                run.interpret, bits, g, written[qi], **launch["dq"])
-            written[qi] = True
+                run.interpret, bits, g, True, q_off % (run.lattice * bm) == 0, **launch["dq"])
         return partials
 
     def settle(exchange):

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 271c0f2252b5ebaa
+# template hash: b361f0b74854c881
 # plan key:      30e654162d8a0482727cd73a6b513deb5080cef032c27aace3f6dac0620489a1
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
