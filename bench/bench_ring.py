@@ -204,6 +204,11 @@ def _plot(result, path):
     if any(ag):
         ax[0].plot([x for x, a in zip(g, ag) if a], [useful_flops_per_gpu(r["tokens_per_gpu"] * r["gpus"], r["gpus"], True) / a / 1e9
                                                    for r, a in zip(rows, ag) if a], "s--", label="all-gather (LongNet)")
+    for r in rows:
+        if "efficiency_fwd_bwd" in r:
+            ax[0].annotate(f"{r['efficiency_fwd_bwd']:.0%}", (r["gpus"], r["useful_tflops_per_gpu_fwd_bwd"]),
+                           textcoords="offset points", xytext=(0, 8), ha="center")
+    ax[0].set_ylim(0, 1.2 * max(r["useful_tflops_per_gpu_fwd_bwd"] for r in rows))
     ax[0].set_xlabel("GPUs")
     ax[0].set_ylabel("useful TFLOP/s per GPU (fwd+bwd)")
     ax[0].set_xticks(g)
@@ -287,4 +292,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot":      # re-draw from a result file
+        with open(sys.argv[2]) as f:
+            _plot(json.load(f), sys.argv[2].replace(".json", ".png"))
+    else:
+        main()
