@@ -134,6 +134,8 @@ class Kernel:
         self.spec = spec
         self.fixed_target = target
         self.tuning = tuning
+        from .runtime.op import register_kernel
+        self._op_key = register_kernel(self)   # torch.compile: the module resolves when the op runs
 
     def __repr__(self) -> str:
         return f"<dilgen.Kernel {self.spec.name} key={self.spec.key()[:12]}>"
@@ -149,6 +151,10 @@ class Kernel:
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
                  chunk_order: str = "contiguous"):
         import torch
+        if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
+            from .runtime.op import kernel_call
+            return kernel_call(self, q, k, v, return_lse=return_lse, group=group,
+                               chunk_order=chunk_order)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group,
                                                    chunk_order=chunk_order)

@@ -182,10 +182,11 @@ def test_sequence_scope_needs_image_size():
         dilgen.compile(spec)(q, k, v)
 
 
-def test_ring_spec_is_refused_clearly_on_one_device():
+def test_ring_spec_without_process_group_is_refused_clearly():
+    from dilgen.runtime.ring import RingError
     spec = _spec(name="t_ring", segment_lengths=[16], dilation_rates=[1], ring_size=2)
     q, k, v = _inputs(spec, 1, 32, device(), 7)
-    with pytest.raises(NotImplementedError, match="ring_size"):
+    with pytest.raises(RingError, match="ring_size = 2 needs torch.distributed"):
         dilgen.compile(spec)(q, k, v)
 
 

@@ -134,7 +134,8 @@ class GeneratedAttention:
                         fn = InterpretedFunction(source_fn)
                     else:
                         import triton
-                        fn = triton.jit(source_fn)
+                        from ..aot import launcher   # precompiled binary if `dilgen build` made one
+                        fn = launcher(triton.jit(source_fn), source_fn)
                     self._jitted[key] = fn
         return fn
 
@@ -189,44 +190,18 @@ class GeneratedAttention:
         self.launches += 1
         return out, lse
 
-    def __call__(self, q, k, v, *, return_lse: bool = False, group=None):
+    def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
+                 chunk_order: str = "contiguous"):
         ring = self.plan["ring"]["ring_size"]
-        if ring > 1:
-            raise NotImplementedError(
-                f"{self.spec['name']}: ring_size = {ring} needs the ring runtime, which is not "
-                f"built yet; set ring_size to 1 to run on one device")
+        if ring > 1:   # every rank of the group calls with its rows (SPEC §3)
+            from .ring import ring_attention
+            return ring_attention(self, q, k, v, group=group, return_lse=return_lse,
+                                  chunk_order=chunk_order)
+        if chunk_order != "contiguous":
+            raise InputError(f"{self.spec['name']}: chunk_order applies only to ring_size > 1 specs")
         if group is not None:
             raise InputError(f"{self.spec['name']}: group= applies only to ring_size > 1 specs")
-        needs_grad = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-        if needs_grad:
-            out, lse = _ForwardOnlyFunction.apply(q, k, v, self)
-        else:
-            out, lse = self.forward_raw(q, k, v)
+        _check_inputs(self.spec, q, k, v)   # eager InputError, before the op's schema checks
+        from .op import attention_op
+        out, lse = attention_op(self, q, k, v)   # torch.ops.dilgen.attention_fwd: autograd, torch.compile
         return (out, lse) if return_lse else out
-
-
-class _ForwardOnlyFunction(torch.autograd.Function):
-    """Autograd node until the backward kernels land: the forward runs, and a backward
-    call raises instead of returning a wrong gradient."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, attn):
-        ctx.spec_name = attn.spec["name"]
-        ctx.attn = attn
-        out, lse = attn.forward_raw(q, k, v)
-        if attn.backward_kernels is not None:
-            ctx.save_for_backward(q, k, v, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        attn = ctx.attn
-        if attn.backward_kernels is not None:
-            from .backward import backward_raw
-            q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv = backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse)
-            return dq, dk, dv, None
-        raise NotImplementedError(
-            f"dilgen ({ctx.spec_name}): the backward pass is not implemented yet; run the "
-            f"forward under torch.no_grad(), or detach q, k, v")

@@ -1,0 +1,164 @@
+"""torch custom ops over generated kernels, so that torch.compile sees one opaque node.
+
+    torch.ops.dilgen.attention_fwd(q, k, v, key) -> (out, lse)
+    torch.ops.dilgen.attention_bwd(q, k, v, out, lse, grad_out, grad_lse, key) -> (dq, dk, dv)
+
+The schemas hold only tensors and a string: `key` names a registered object, either a
+GeneratedAttention (`register`; key "<spec name>@<target>:<spec key[:16]>") or a
+`dilgen.Kernel` (`register_kernel`; key "kernel:..."), whose generated module is then
+picked for the device of q when the op runs. The work is done by
+GeneratedAttention.forward_raw and backward.backward_raw; the fake implementations give
+torch.compile the output shapes without launching anything, and `register_autograd`
+wires the backward op in, with the gradient of lse flowing (None or zeros when lse is
+unused).
+
+A GeneratedAttention registers itself on every eager call (`attention_op`). A graph
+compiled before any eager call meets an unregistered key when it runs: `resolve` then
+looks for it among the `attention` objects of imported generated modules (every module
+dilgen builds, or that a program imports from `dilgen compile` output, is one).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_REGISTRY: dict = {}      # key -> GeneratedAttention, or a dilgen.Kernel
+_SPECS: dict = {}         # kernel key -> the spec fields that _check_inputs reads
+_LOCK = threading.Lock()
+
+
+def op_key(attn) -> str:
+    """The key of a GeneratedAttention: instances with one key compute the same function
+    (same spec, same target). Plain string work, which dynamo folds to a constant."""
+    plan = attn.plan
+    return attn.spec["name"] + "@" + plan["target"] + ":" + plan["spec_key"][:16]
+
+
+def register(attn) -> str:
+    """Map op_key(attn) to attn (the latest registered instance wins); return the key."""
+    key = op_key(attn)
+    if _REGISTRY.get(key) is not attn:
+        with _LOCK:
+            _REGISTRY[key] = attn
+    return key
+
+
+def register_kernel(kernel) -> str:
+    """Register a dilgen.Kernel (spec, fixed target or None, tuning or None) and return its
+    key; the op runs `kernel.compiled_for(q.device).attention`. Call it eagerly (it hashes)."""
+    spec = kernel.spec
+    target = kernel.fixed_target.name if kernel.fixed_target is not None else "auto"
+    key = f"kernel:{spec.name}@{target}:{spec.key()[:16]}"
+    if kernel.tuning:
+        blob = json.dumps(kernel.tuning, sort_keys=True).encode()
+        key += ":" + hashlib.sha256(blob).hexdigest()[:8]
+    with _LOCK:
+        _REGISTRY[key] = kernel
+        _SPECS[key] = {f: getattr(spec, f) for f in ("name", "num_heads", "num_kv_heads",
+                                                     "head_dim", "dtype", "ring_size")}
+    return key
+
+
+def resolve(key: str):
+    """The object registered under `key` (see the module docstring)."""
+    obj = _REGISTRY.get(key)
+    if obj is not None:
+        return obj
+    from . import GeneratedAttention
+    for module in list(sys.modules.values()):
+        cand = getattr(module, "attention", None) if module is not None else None
+        if isinstance(cand, GeneratedAttention) and op_key(cand) == key:
+            register(cand)
+            return cand
+    raise RuntimeError(
+        f"dilgen: no generated kernel is registered under {key!r}; call it once outside "
+        f"torch.compile, or pass it to dilgen.runtime.op.register() first")
+
+
+def _attention(key: str, device: torch.device):
+    obj = resolve(key)
+    if hasattr(obj, "compiled_for"):      # a dilgen.Kernel: the module for this device
+        return obj.compiled_for(device).attention
+    return obj
+
+
+def attention_op(attn, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a GeneratedAttention through torch.ops.dilgen.attention_fwd."""
+    key = op_key(attn)
+    if not torch.compiler.is_compiling():
+        register(attn)
+    return attention_fwd(q, k, v, key)
+
+
+def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
+                chunk_order: str = "contiguous"):
+    """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
+    in `kernel._op_key`), without building anything at trace time: for torch.compile."""
+    from . import InputError, _check_inputs
+    key = kernel._op_key
+    spec = _SPECS[key]
+    if spec["ring_size"] > 1:
+        raise NotImplementedError(f"{spec['name']}: ring_size > 1 specs do not run under "
+                                  f"torch.compile yet; call the kernel outside it")
+    if chunk_order != "contiguous":
+        raise InputError(f"{spec['name']}: chunk_order applies only to ring_size > 1 specs")
+    if group is not None:
+        raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
+    _check_inputs(spec, q, k, v)
+    out, lse = attention_fwd(q, k, v, key)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("dilgen::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, key: str) -> tuple[Tensor, Tensor]:
+    """out (B, N, H, D) contiguous, of q's dtype; lse (B, H, N) float32."""
+    return _attention(key, q.device).forward_raw(q, k, v)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, key):
+    B, N, H, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((B, H, N), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("dilgen::attention_bwd", mutates_args=())
+def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                  grad_lse: Optional[Tensor], key: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous, shaped like (q, k, v); grad_lse may be None."""
+    attn = _attention(key, q.device)
+    if attn.backward_kernels is None:
+        raise NotImplementedError(
+            f"dilgen ({attn.spec['name']}): this generated module has no backward kernels; "
+            f"run the forward under torch.no_grad(), or detach q, k, v")
+    from .backward import backward_raw
+    dq, dk, dv = backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse)
+    return dq, dk, dv
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, key = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.key = key
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(q, k, v, out, lse, grad_out, grad_lse, ctx.key)
+    return dq, dk, dv, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
