@@ -2,9 +2,10 @@
 
 An entry is a folder `<cache>/<key[:2]>/<key>/` holding `module.py` (the generated
 source) and `manifest.json` (what it was built from and the sha256 of every file).
-Entries are written into a temporary folder and moved into place with os.replace, so a
+A new entry is written into a temporary folder and moved into place with os.replace, so a
 reader never sees half an entry; an entry whose files do not match their manifest is
-treated as missing and rebuilt.
+treated as missing and repaired in place, file by file with os.replace (no locks; see
+store()). Temporaries that a killed writer leaves behind are swept after an hour.
 
 Environment knobs (Triton style):
   DILGEN_CACHE_DIR       where the cache lives (default ~/.cache/dilgen)
@@ -13,11 +14,14 @@ Environment knobs (Triton style):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -53,68 +57,144 @@ def entry_dir(key: str) -> Path:
     return cache_dir() / key[:2] / key
 
 
-def load(key: str) -> Path | None:
-    """The entry folder if it exists and every file matches its manifest, else None
-    (a corrupt or torn entry is removed so that it gets rebuilt)."""
+STALE_SECONDS = 3600   # a hidden temporary this old has no live writer (a writer takes seconds)
+
+
+def _verify(folder: Path, key: str, require: str) -> bool:
+    """Whether `folder` is a sound entry for `key`: its manifest names this key and the
+    file `require`, and every file it lists matches its sha256."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_bytes())
+        if not isinstance(manifest, dict) or manifest.get("key") != key:
+            return False
+        files = manifest.get("files")
+        if not isinstance(files, dict) or require not in files:
+            return False
+        for name, digest in files.items():
+            if not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or "/" in name:
+                return False
+            if _sha_file(folder / name) != digest:
+                return False
+    except (OSError, ValueError):      # missing files, not JSON (UnicodeDecodeError too)
+        return False
+    return True
+
+
+def load(key: str, require: str = MODULE) -> Path | None:
+    """The entry folder if it holds `require` and every file matches its manifest, else
+    None. A damaged entry is left where it is, for store() to repair: removing it here
+    could remove the sound entry that a concurrent writer has just put in its place."""
     if always_compile():
         return None
     folder = entry_dir(key)
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        return None
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        if manifest.get("key") != key or MODULE not in files:
-            raise ValueError("manifest does not describe this entry")
-        for name, digest in files.items():
-            if _sha_file(folder / name) != digest:
-                raise ValueError(f"{name} does not match its checksum")
-    except (OSError, ValueError, KeyError, TypeError):
-        _remove(folder)
-        return None
-    return folder
+    return folder if _verify(folder, key, require) else None
 
 
 def store(key: str, files: dict[str, bytes], info: dict) -> Path:
-    """Write an entry atomically; return its folder. If another process stored the same
-    key first, its (verified) entry is kept."""
+    """Write the entry for `key`; return its folder. No locks:
+
+    - no entry yet: it is written into a temporary folder and moved into place with one
+      os.replace, so a reader never sees half of it; of concurrent writers the first
+      one wins and the others keep its (verified) entry;
+    - a sound entry: kept as it is (rewritten in place with DILGEN_ALWAYS_COMPILE=1);
+    - a damaged entry: repaired in place, one file at a time with os.replace and the
+      manifest last, so its module path never disappears under a process that is
+      importing it. An entry's bytes are a function of its key, so concurrent repairs
+      write the same bytes."""
     final = entry_dir(key)
+    require = MODULE if MODULE in files else next(iter(files))
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=final.parent))
+    _sweep(final.parent)
+    manifest = {**info, "key": key,
+                "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
+    blobs = {**files, MANIFEST: json.dumps(manifest, indent=2, sort_keys=True).encode()}
+    rewrite = always_compile()
+    for _ in range(8):
+        if not rewrite and _verify(final, key, require):
+            return final
+        if final.is_dir() and not final.is_symlink():
+            _repair(final, blobs)
+        elif os.path.lexists(final):
+            _remove(final)               # a file or a link where the folder should be
+        else:
+            _publish(final, blobs)
+        rewrite = False
+    raise OSError(f"{final}: could not store a sound cache entry (concurrent writers of "
+                  f"different bytes for one key?)")
+
+
+def _publish(final: Path, blobs: dict[str, bytes]) -> None:
+    """Move a complete new entry into place, unless another writer got there first."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}-", dir=final.parent))
     try:
-        digests = {}
-        for name, data in files.items():
+        for name, data in blobs.items():
             (tmp / name).write_bytes(data)
-            digests[name] = hashlib.sha256(data).hexdigest()
-        manifest = {"key": key, "files": digests, **info}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        if final.exists():
-            if load(key) is not None and not always_compile():
-                return final
-            _remove(final)
         try:
             os.replace(tmp, final)
         except OSError:
-            # Lost a race: a concurrent writer moved its entry in first. Use it if sound.
-            if load(key) is None:
-                raise
-        return final
+            pass                         # an entry appeared meanwhile: the caller checks it
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove(folder: Path) -> None:
-    """Move a bad entry aside, then delete it (never leaves a half-deleted entry in place)."""
-    if not folder.exists():
+def _repair(final: Path, blobs: dict[str, bytes]) -> None:
+    """Rewrite every file of an entry in place, each atomically, the manifest last."""
+    _sweep(final)
+    for name, data in blobs.items():     # MANIFEST is the last key
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=final)
+        except OSError:
+            return                       # the folder went away: the caller starts over
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, final / name)
+        except OSError:
+            if (final / name).is_dir():
+                _remove(final / name)    # a folder where the file should be
+            return
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+
+
+def _sweep(folder: Path) -> None:
+    """Delete hidden temporaries (".<key>-*" folders, ".<file>-*" files, ".trash-*")
+    older than STALE_SECONDS in `folder`: what a writer killed mid-store leaves behind."""
+    now = time.time()
+    try:
+        found = [e for e in os.scandir(folder) if e.name.startswith(".")]
+    except OSError:
         return
-    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+    for e in found:
+        try:
+            if now - e.stat(follow_symlinks=False).st_mtime < STALE_SECONDS:
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                os.unlink(e.path)
+        except OSError:
+            pass
+
+
+def _remove(folder: Path) -> None:
+    """Move a bad entry (or a file in its place) aside under a unique name, then delete it
+    (never leaves a half-deleted entry in place)."""
+    if not os.path.lexists(folder):
+        return
+    trash = folder.with_name(f".trash-{folder.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         os.replace(folder, trash)
     except OSError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            trash.unlink()
 
 
 def _tuning_path(key: str) -> Path:
@@ -139,7 +219,11 @@ def store_tuning(key: str, config: dict, info: dict) -> Path:
     path = _tuning_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tune-", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"config": config, **info}, fh, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"config": config, **info}, fh, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
     return path

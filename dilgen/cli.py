@@ -52,7 +52,38 @@ def plan_summary(plan, seq_len: int | None = None) -> str:
                      f"per batch element (forward)")
     lines.append(f"  ring: ring_size {plan.ring.ring_size}"
                  + (" (single device)" if plan.ring.ring_size == 1 else ""))
+    if plan.ring.ring_size > 1:
+        lines.extend(ring_summary(plan, seq_len))
     return "\n".join(lines)
+
+
+def ring_summary(plan, seq_len: int | None) -> list[str]:
+    """The ring schedule in words, for N = seq_len (default: 64K tokens per rank)."""
+    from .ir import ring_schedule
+    P = plan.ring.ring_size
+    n = seq_len or 65536 * P
+    if n % P:
+        return [f"    (N = {n} is not divisible by ring_size {P}: no schedule)"]
+    sched = ring_schedule(plan.ring.to_json(), n)
+    names = {b.index: f"[{b.index}]" for b in plan.branches}
+    lines = [f"    schedule at N = {n}: {n // P} rows per rank (contiguous chunks); "
+             f"branches purely local: {' '.join(names[i] for i in sched['local_only']) or 'none'}"]
+    for st in sched["steps"]:
+        t = st["offset"]
+        if t == 0:
+            lines.append("    step 0: every rank, its own keys, all branches")
+            continue
+        pairs = []
+        for j, r in enumerate(st["ranks"]):
+            if r["recv"]:
+                bits = 0
+                for _, _, b in r["launches"]:
+                    bits |= b
+                branch_list = " ".join(names[i] for i in sorted(names) if bits >> i & 1)
+                pairs.append(f"{(j - t) % P}->{j} ({branch_list}; 1/{r['stride'][0]} of rows)")
+        lines.append(f"    step {t}: " + ", ".join(pairs))
+    lines.append(f"    bytes sent: {sched['bytes_fraction']:.3f} of the key/value chunks the steps move")
+    return lines
 
 
 def cmd_compile(args) -> int:
@@ -80,25 +111,60 @@ def cmd_build(args) -> int:
     specs = [load_spec(p) for p in paths]       # validate all before building any
     targets = [_target(a) for a in (args.arch or ["sm90"])]
     jobs = [(s, t) for s in specs for t in targets]
-    built = 0
-    for i, (spec, target) in enumerate(jobs, 1):
+    seq_lens = args.seq_len or None
+    built = binaries = cached = 0
+    skipped: list[str] = []
+    for spec, target in _progress(jobs, len(jobs), lambda job: f"{job[0].name} [{job[1].name}]"):
         compiled = build(spec, target)
-        built += not compiled.cache_hit
-        _progress(i, len(jobs), f"{spec.name} [{target.name}]")
-    print()
+        changed = not compiled.cache_hit
+        if target.capability is not None:      # a GPU target: compile its kernels ahead of time
+            report = _compile_ahead(compiled, target, seq_lens, args.jobs)
+            binaries += report.compiled
+            cached += report.cached
+            skipped += [s for s in report.skipped if s not in skipped]
+            changed = changed or report.compiled > 0
+        built += changed
     if built == 0:
-        print(f"nothing to do: {len(jobs)} kernel(s) already in the cache")
+        print(f"nothing to do: {len(jobs)} kernel(s) already in the cache"
+              + (f" ({cached} compiled binaries)" if cached else ""))
     else:
-        print(f"built {built} of {len(jobs)} kernel(s); {len(jobs) - built} were up to date")
+        print(f"built {built} of {len(jobs)} kernel(s); {len(jobs) - built} were up to date"
+              + (f"; compiled {binaries} binaries ahead of time ({cached} already cached)"
+                 if binaries or cached else ""))
+    for line in skipped:
+        print(f"not compiled ahead of time (runs through the JIT): {line}")
     return EXIT_OK
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = width * done // total
-    bar = "#" * filled + "-" * (width - filled)
-    sys.stdout.write(f"\r[{bar}] {done}/{total} {label:<40}")
-    sys.stdout.flush()
+def _compile_ahead(compiled, target, seq_lens, jobs):
+    """Compile the module's Triton kernels for `target` into the cache (dilgen.aot)."""
+    from . import aot
+    if aot.ptxas_path() is None:
+        raise SpecError(f"--arch {target.name}: ahead-of-time compile needs ptxas (shipped in "
+                        f"the triton wheel, triton/backends/nvidia/bin); set TRITON_PTXAS_PATH")
+    try:
+        return aot.compile_for_target(compiled, target, seq_lens=seq_lens, jobs=jobs)
+    except Exception as exc:  # noqa: BLE001 - one line, like every other failure of the CLI
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise SpecError(f"{compiled.spec.name} [{target.name}]: ahead-of-time compile failed: "
+                        f"{type(exc).__name__}: {first}") from None
+
+
+def _progress(items, total: int, label=str):
+    """Yield `items` while showing progress on stdout: a tqdm bar when tqdm is installed
+    (`pip install dilgen[cli]`), else one plain line per item as it starts."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        for i, item in enumerate(items, 1):
+            print(f"{i}/{total} {label(item)}", flush=True)
+            yield item
+        return
+    with tqdm(items, total=total, file=sys.stdout, ascii="-#", unit="kernel",
+              bar_format="[{bar:30}] {n_fmt}/{total_fmt} {desc} ({elapsed})") as bar:
+        for item in bar:
+            bar.set_description_str(label(item))
+            yield item
 
 
 def cmd_explain(args) -> int:
@@ -130,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="ahead-of-time: every spec of a folder into the cache")
     p.add_argument("specs_dir")
     p.add_argument("--arch", action="append", help="target(s), repeatable (default sm90)")
+    p.add_argument("--seq-len", type=int, action="append", default=None,
+                   help="compile the kernels' specializations for this sequence length, "
+                        "repeatable (default: powers of two 1024..131072)")
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("explain", help="the plan in words, and a picture of the pattern")
@@ -145,8 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "seq_len", None) is not None and args.seq_len < 1:
-        parser.error(f"--seq-len {args.seq_len}: must be >= 1")
+    seq = getattr(args, "seq_len", None)
+    for n in (seq if isinstance(seq, list) else [seq]):    # build takes a list of them
+        if n is not None and n < 1:
+            parser.error(f"--seq-len {n}: must be >= 1")
+    if getattr(args, "jobs", 1) < 1:
+        parser.error(f"--jobs {args.jobs}: must be >= 1")
     try:
         return args.func(args)
     except SpecError as exc:
