@@ -185,11 +185,12 @@ def test_kernel_from_dilgen_compile_under_fullgraph(fresh_dynamo):
 
 
 def test_nn_layer_under_fullgraph(fresh_dynamo):
+    from conftest import device
     from dilgen.nn import MultiheadDilatedAttention
     torch.manual_seed(3)
     layer = MultiheadDilatedAttention(32, 2, segment_lengths=[8, 16], dilation_rates=[1, 2],
-                                      dtype=torch.float32)
-    x = torch.randn(1, 16, 32)
+                                      dtype=torch.float32, device=device())
+    x = torch.randn(1, 16, 32, device=device())
     first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  (out, weights) like nn.MHA
     eager = first(layer(x))
     compiled = first(torch.compile(layer, backend="aot_eager", fullgraph=True)(x))
