@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: b361f0b74854c881
+# template hash: d36e0b769b669419
 # plan key:      69244f0c58daae7b260fc118fcb0e16f794d35bf55ca25ac9cec57f7559919de
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: b361f0b74854c881
+# template hash: d36e0b769b669419
 # plan key:      2867222bd36f911428596e6af71ebde73fe3ac6efbf65895a024c5283486aa47
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

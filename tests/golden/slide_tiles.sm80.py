@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: b361f0b74854c881
+# template hash: d36e0b769b669419
 # plan key:      30e654162d8a0482727cd73a6b513deb5080cef032c27aace3f6dac0620489a1
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -345,7 +345,7 @@ def slide_tiles_fwd_kernel(
 BWD_PRE_BLOCK = tl.constexpr(64)
 BWD_DQ_BLOCK_M = tl.constexpr(128)
 BWD_DQ_BLOCK_N = tl.constexpr(64)
-BWD_KV_BLOCK_N = tl.constexpr(128)  # keys per dkdv program
+BWD_KV_BLOCK_N = tl.constexpr(64)  # keys per dkdv program
 BWD_KV_BLOCK_M = tl.constexpr(32)  # queries per dkdv step
 
 
@@ -709,7 +709,7 @@ BACKWARD_KERNELS = {
     "dq": slide_tiles_bwd_dq,
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128,
+        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
                    "dq": {"num_warps": 4, "num_stages": 3}},
