@@ -207,7 +207,10 @@ def load_tuning(key: str) -> dict | None:
     try:
         data = json.loads(path.read_text())
         config = data["config"]
-        if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
+        def ok(v):  # an int, or a tile row of 4 ints (bwd_kv, bwd_dq)
+            return isinstance(v, int) or (isinstance(v, list) and len(v) == 4
+                                          and all(isinstance(x, int) for x in v))
+        if not isinstance(config, dict) or not all(ok(v) for v in config.values()):
             raise ValueError
         return config
     except (OSError, ValueError, KeyError, TypeError):

@@ -162,10 +162,24 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     dot_precision: str | None      # "ieee" for exact fp32 dots, None for the dtype's default
+    # backward tiles: dkdv (keys per program, queries per step, warps, stages) and
+    # dq (query rows, keys per step, warps, stages); dq rows divide block_m
+    bwd_kv: tuple[int, int, int, int] = (16, 16, 1, 1)
+    bwd_dq: tuple[int, int, int, int] = (16, 16, 1, 1)
+
+    def __post_init__(self) -> None:
+        for name in ("bwd_kv", "bwd_dq"):
+            value = getattr(self, name)
+            if len(value) != 4 or not all(isinstance(x, int) and x > 0 for x in value):
+                raise ValueError(f"KernelConfig.{name} = {value!r}: four positive ints")
+        if self.block_m % self.bwd_dq[0]:
+            raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
+                             f"{self.block_m} (a dq tile must nest in the forward's tiles)")
 
     def to_json(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "dot_precision": self.dot_precision}
+                "num_stages": self.num_stages, "dot_precision": self.dot_precision,
+                "bwd_kv": list(self.bwd_kv), "bwd_dq": list(self.bwd_dq)}
 
 
 @dataclass(frozen=True)

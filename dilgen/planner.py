@@ -65,7 +65,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
         one_kv_head_per_query_head=spec.num_kv_heads == spec.num_heads)
 
 
-TUNABLE = ("block_m", "block_n", "num_warps", "num_stages")
+TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq")
 
 
 def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
@@ -82,6 +82,10 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         block_n = tuning.get("block_n", block_n)
         warps = tuning.get("num_warps", warps)
         stages = tuning.get("num_stages", stages)
+    bwd_kv, bwd_dq = target.backward_table(spec.head_dim, itemsize, spec.causal)
+    if tuning:
+        bwd_kv = tuple(tuning.get("bwd_kv", bwd_kv))
+        bwd_dq = tuple(tuning.get("bwd_dq", bwd_dq))
 
     # Branches whose membership follows the query lattice: r | w and no own table.
     lattice_ok = [orders[i] is None and w % r == 0 and r > 1
@@ -130,8 +134,16 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     for t in [query_order, *orders]:
         if t is not None and t not in tables:
             tables.append(t)
+    # dq keeps the forward's query tiling, so its rows may only be the block halved
+    # (a halved tile still nests in every segment)
+    dq_m = block_m
+    while dq_m > bwd_dq[0] and dq_m % 32 == 0:
+        dq_m //= 2
+    if target.name == "interpreter":
+        bwd_kv, bwd_dq = (block_n, block_m, warps, stages), (block_m, block_n, warps, stages)
     config = ir.KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps,
-                             num_stages=stages,
+                             num_stages=stages, bwd_kv=tuple(bwd_kv),
+                             bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,

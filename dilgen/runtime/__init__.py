@@ -4,6 +4,8 @@ A generated module needs only this package (and torch, triton): it never plans o
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import threading
@@ -115,6 +117,9 @@ class GeneratedAttention:
         self._device_tensors: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self.launches = 0
+        # the op registry key: same spec, target and tiles = the same function and kernels
+        tiles = hashlib.sha256(json.dumps(plan["config"], sort_keys=True).encode()).hexdigest()[:8]
+        self.op_key = f"{spec['name']}@{plan['target']}:{plan['spec_key'][:16]}:{tiles}"
 
     def __repr__(self) -> str:
         return f"<dilgen attention {self.spec['name']} target={self.plan['target']}>"

@@ -4,7 +4,7 @@
     torch.ops.dilgen.attention_bwd(q, k, v, out, lse, grad_out, grad_lse, key) -> (dq, dk, dv)
 
 The schemas hold only tensors and a string: `key` names a registered object, either a
-GeneratedAttention (`register`; key "<spec name>@<target>:<spec key[:16]>") or a
+GeneratedAttention (`register`; key "<spec name>@<target>:<spec key[:16]>:<tiles>") or a
 `dilgen.Kernel` (`register_kernel`; key "kernel:..."), whose generated module is then
 picked for the device of q when the op runs. The work is done by
 GeneratedAttention.forward_raw and backward.backward_raw; the fake implementations give
@@ -36,8 +36,7 @@ _LOCK = threading.Lock()
 def op_key(attn) -> str:
     """The key of a GeneratedAttention: instances with one key compute the same function
     (same spec, same target). Plain string work, which dynamo folds to a constant."""
-    plan = attn.plan
-    return attn.spec["name"] + "@" + plan["target"] + ":" + plan["spec_key"][:16]
+    return attn.op_key
 
 
 def register(attn) -> str:

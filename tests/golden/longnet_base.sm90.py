@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: d36e0b769b669419
-# plan key:      69244f0c58daae7b260fc118fcb0e16f794d35bf55ca25ac9cec57f7559919de
+# template hash: 5b7640f9fd73fcea
+# plan key:      eb263c867af698dadee92707608f0327037fd929d5082c58bb3153856b0c117e
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -86,6 +86,18 @@ PLAN = {
     "config": {
         "block_m": 128,
         "block_n": 64,
+        "bwd_dq": [
+            128,
+            64,
+            8,
+            3
+        ],
+        "bwd_kv": [
+            64,
+            32,
+            4,
+            3
+        ],
         "dot_precision": None,
         "num_stages": 3,
         "num_warps": 8

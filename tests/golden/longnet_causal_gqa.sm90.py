@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: d36e0b769b669419
-# plan key:      2867222bd36f911428596e6af71ebde73fe3ac6efbf65895a024c5283486aa47
+# template hash: 5b7640f9fd73fcea
+# plan key:      a26a634a222f759612671582b995b8f63d1ddf342e3a607adc9020131be1c2f7
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -92,6 +92,18 @@ PLAN = {
     "config": {
         "block_m": 64,
         "block_n": 64,
+        "bwd_dq": [
+            64,
+            32,
+            4,
+            3
+        ],
+        "bwd_kv": [
+            64,
+            32,
+            4,
+            3
+        ],
         "dot_precision": None,
         "num_stages": 3,
         "num_warps": 4
@@ -373,7 +385,7 @@ def longnet_causal_gqa_fwd_kernel(
 # ---------------------------------------------------------------------------------------
 BWD_PRE_BLOCK = tl.constexpr(64)
 BWD_DQ_BLOCK_M = tl.constexpr(64)
-BWD_DQ_BLOCK_N = tl.constexpr(64)
+BWD_DQ_BLOCK_N = tl.constexpr(32)
 BWD_KV_BLOCK_N = tl.constexpr(64)  # keys per dkdv program
 BWD_KV_BLOCK_M = tl.constexpr(32)  # queries per dkdv step
 
@@ -932,7 +944,7 @@ BACKWARD_KERNELS = {
         "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
-                   "dq": {"num_warps": 8, "num_stages": 3}},
+                   "dq": {"num_warps": 4, "num_stages": 3}},
     },
 }
 

@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: d36e0b769b669419
-# plan key:      30e654162d8a0482727cd73a6b513deb5080cef032c27aace3f6dac0620489a1
+# template hash: 5b7640f9fd73fcea
+# plan key:      ff2777a6843fa774fda8795d527a781acd5b129ccf4c9451565e60f96162a4db
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -96,6 +96,18 @@ PLAN = {
     "config": {
         "block_m": 128,
         "block_n": 64,
+        "bwd_dq": [
+            128,
+            64,
+            4,
+            3
+        ],
+        "bwd_kv": [
+            64,
+            32,
+            4,
+            3
+        ],
         "dot_precision": None,
         "num_stages": 3,
         "num_warps": 4
