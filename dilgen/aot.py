@@ -3,7 +3,7 @@ architecture on a machine without one, stored in dilgen's cache, and launched at
 without a JIT compile.
 
 Build side (`dilgen build --arch sm90`, `compile_for_target`): for every kernel of a
-generated module (forward; backward preprocess, dkdv per branch, dq) and every sequence
+generated module (forward; backward preprocess, dkdv fused or per branch, dq) and every sequence
 length of a list, the launch arguments the runtime would pass are modelled (mock tensors
 for pointers, the real ints for N, tile counts and strides of contiguous inputs), run
 through Triton's own binder to get the specialization its JIT would use (pointer 16-byte
@@ -215,14 +215,14 @@ def _param_value(name: str, ctx: dict):
     """The value the runtime passes for parameter `name` for inputs (B, N, H, D),
     contiguous (dilgen.runtime.forward_raw, runtime.backward.backward_raw)."""
     import torch
+    if name in ctx:                 # launch-specific values first (e.g. DK in k's dtype)
+        return ctx[name]
     if name in ("Q", "K", "V", "Out", "DO", "DQ"):
         return _mock(ctx["dtype"])
     if name in ("Lse", "Delta", "DLse", "DK", "DV"):
         return _mock(torch.float32)
     if name == "ClassOrder" or re.fullmatch(r"(Fwd|Inv)\d+", name):
         return _mock(torch.int32)
-    if name in ctx:
-        return ctx[name]
     m = _STRIDE.match(name)
     if m:
         N, H, Hkv, D = ctx["N"], ctx["H"], ctx["Hkv"], ctx["D"]
@@ -236,7 +236,7 @@ def _param_value(name: str, ctx: dict):
 
 @dataclass(frozen=True)
 class Launch:
-    role: str               # forward, preprocess, dkdv, dq
+    role: str               # forward, preprocess, dkdv or dkdv_fused, dq
     source_fn: Callable
     args: tuple
     launch_opts: dict
@@ -250,7 +250,8 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     bwd = attention.backward_kernels
     if bwd is not None:
         launch = bwd["config"]["launch"]
-        for role in ("preprocess", "dkdv", "dq"):
+        fused = bwd["config"].get("fused_dkdv", False)
+        for role in ("preprocess", "dkdv_fused" if fused else "dkdv", "dq"):
             roles.append((role, bwd[role], dict(launch[role])))
     return roles
 
@@ -295,6 +296,11 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 lanes = math.ceil(min(br["w"], N) / br["r"])
                 add(role, fn, opts, BRANCH=br["index"],
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
+        elif role == "dkdv_fused":
+            conf = attention.backward_kernels["config"]
+            # the fused kernel writes dK, dV in k's dtype (the per-branch one: float32)
+            add(role, fn, opts, DK=_mock(base["dtype"]), DV=_mock(base["dtype"]),
+                num_k_tiles=math.ceil(math.ceil(N / lattice) / conf["kv_block_n"]))
         elif role == "dq":
             conf = attention.backward_kernels["config"]
             add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))

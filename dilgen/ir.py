@@ -368,9 +368,12 @@ class Plan:
     config: KernelConfig
     ring: RingIR
     tables: tuple[TableMap, ...] = field(default=())
+    # dK, dV of every branch in one launch over key lattice tiles (see the planner)
+    fused_dkdv: bool = False
 
     def to_json(self) -> dict:
         return {
+            "fused_dkdv": self.fused_dkdv,
             "spec": self.spec, "spec_key": self.spec_key, "target": self.target,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal,

@@ -145,7 +145,16 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              num_stages=stages, bwd_kv=tuple(bwd_kv),
                              bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
+    # One dkdv launch for every branch, over key tiles of the query lattice (keys
+    # u = c + L*m, class c kept by the same branches as query class c): possible when
+    # every branch is a raster lattice branch (no row membership, no curve table), the
+    # key tile nests in every segment, and there is no ring (whose windows use the
+    # per-branch kernel).
+    fused_dkdv = (spec.ring_size == 1 and not tables
+                  and all(b.keep_map is None for b in branches)
+                  and all(b.segment_length % (lattice * bwd_kv[0]) == 0 for b in branches))
     return ir.Plan(
+        fused_dkdv=fused_dkdv,
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,

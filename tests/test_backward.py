@@ -58,6 +58,8 @@ CASES = [
     ("gqa", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], num_heads=8, num_kv_heads=2), (1, 96), True),
     ("gqa_group_below_r", dict(segment_lengths=[24, 36], dilation_rates=[3, 4], num_heads=6, num_kv_heads=3),
      (1, 90), False),
+    ("causal_gqa_fused_dkdv", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], num_heads=4,
+                                   num_kv_heads=2, causal=True), (1, 96), True),
     ("mqa_causal", dict(segment_lengths=[32, 64], dilation_rates=[2, 4], num_heads=4, num_kv_heads=1,
                         causal=True), (1, 96), False),
     ("head_dim_64", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], head_dim=64), (1, 64), False),

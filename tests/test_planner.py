@@ -77,6 +77,30 @@ def test_tuning_overrides_blocks():
         plan(spec, SM90, {"bogus": 1})
 
 
+def test_backward_tiles_are_planned_and_tunable():
+    spec = _spec(segment_lengths=[2048, 4096], dilation_rates=[1, 2], head_dim=128)
+    p = plan(spec, SM90)
+    assert p.config.bwd_kv == (64, 32, 4, 3) and p.config.bwd_dq == (128, 64, 8, 3)
+    causal = plan(spec.replace(causal=True), SM90)
+    assert causal.config.bwd_dq == (64, 32, 4, 3)          # the H200 sweep's causal dq tile
+    tuned = plan(spec, SM90, {"bwd_kv": [128, 64, 8, 3], "bwd_dq": [64, 32, 4, 3]})
+    assert tuned.config.bwd_kv == (128, 64, 8, 3) and tuned.config.bwd_dq == (64, 32, 4, 3)
+    assert tuned.key() != p.key()
+    with pytest.raises(ValueError, match="bwd_kv"):
+        plan(spec, SM90, {"bwd_kv": [64, 32, 4]})
+
+
+def test_fused_dkdv_only_for_raster_lattice_branches():
+    def fused(**kw):
+        return plan(_spec(**kw), SM90).fused_dkdv
+    assert fused(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
+    assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True)
+    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 3])      # 3 does not divide w
+    assert not fused(segment_lengths=[2048], dilation_rates=[1], hilbert={"scope": "segment"})
+    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], ring_size=2)
+    assert not fused(segment_lengths=[64, 128], dilation_rates=[1, 2])         # L*64 does not divide 64
+
+
 def test_planner_imports_no_torch():
     import subprocess
     import sys

@@ -2,7 +2,10 @@
 
 Three kernel families, emitted by templates/attention_bwd.py.jinja:
   preprocess  Delta = rowsum(dO * O) - dlse            (B, H, N) float32
-  dkdv        one launch per branch (constexpr BRANCH), key-major in the branch's lanes;
+  dkdv_fused  when the plan allows (plan["fused_dkdv"]): one launch over key tiles of the
+              query lattice computes every branch's dK, dV and writes them once in k's
+              dtype (no float32 buffers)
+  dkdv        otherwise one launch per branch (constexpr BRANCH), key-major in its lanes;
               each launch adds its branch's dK, dV (summed over the query heads of the
               kv group) into float32 buffers, so keys kept by several branches get the
               sum, in a fixed order (deterministic, no atomics)
@@ -49,8 +52,16 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     if _rt._POISON:
         dq.fill_(float("nan"))
         delta.fill_(float("nan"))
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+    fused = conf.get("fused_dkdv", False)
+    if fused:   # one launch writes every row of dk, dv in k's dtype
+        dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
+        if _rt._POISON:
+            dk.fill_(float("nan"))
+            dv.fill_(float("nan"))
+    else:       # per-branch launches add into float32 buffers
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
 
     tables = []
     for t in plan["tables"]:
@@ -75,7 +86,15 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
             out.stride(0), out.stride(1), out.stride(2), *do_strides, *l_strides,
             has_dlse, **launch["preprocess"])
         kv_bn = conf["kv_block_n"]
-        for br in plan["branches"]:
+        if fused:
+            n_kt = math.ceil(math.ceil(N / lattice) / kv_bn)
+            dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
+            dkdv_fused[(lattice * n_kt, B * Hkv)](
+                q, k, v, grad_out, dk, dv, lse, delta,
+                N, n_kt, *q_strides, *k_strides, *v_strides, *do_strides,
+                dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
+                interpret, **launch["dkdv_fused"])
+        for br in ([] if fused else plan["branches"]):
             w, r = br["w"], br["r"]
             n_seg = math.ceil(N / w)
             n_o = min(group, r)
@@ -100,4 +119,6 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     else:
         launches()
     attn.launches += 1
+    if fused:
+        return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 5b7640f9fd73fcea
-# plan key:      eb263c867af698dadee92707608f0327037fd929d5082c58bb3153856b0c117e
+# template hash: b26de4108da12793
+# plan key:      7fb49a35a1ec3852caef2eff366a2a35e64cbddc0d75c4c53c10176baca9c8f9
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -103,6 +103,7 @@ PLAN = {
         "num_warps": 8
     },
     "dtype": "bfloat16",
+    "fused_dkdv": True,
     "head_dim": 128,
     "num_heads": 16,
     "num_kv_heads": 16,
@@ -674,6 +675,220 @@ def longnet_base_bwd_dkdv(
         tl.store(dv_ptrs, dv, mask=k_valid[:, None])
 
 
+def longnet_base_bwd_dkdv_fused(
+    Q, K, V, DO, DK, DV, Lse, Delta,
+    N, num_k_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+):
+    """dK, dV of every branch in one program per key tile, written once in K's dtype
+    into DK, DV (B, N, H_kv, D), which share their strides.
+
+    Program (t, b*H_kv + kvh): key class c = t // num_k_tiles (0 <= c < L = 4), key rows
+    u = c + 4*m, m = m0 + [0, BWD_KV_BLOCK_N), m0 = (t % num_k_tiles)*BWD_KV_BLOCK_N; the tile lies
+    in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
+    the kv group (size 1) branch (w, r) keeps these keys iff r divides c - h (r | L,
+    o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
+    the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
+    branches counts twice; every key row belongs to one program: no atomics, no zero
+    fill, no float32 buffers.
+    """
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // 16).to(tl.int64)
+    kvh = pid_bh % 16
+    c = pid_t // num_k_tiles
+    m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
+    u_k = c + 4 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
+    k_valid = u_k < N
+    p_k = u_k
+    u_first = c + 4 * m0
+    u_end = c + 4 * (m0 + BWD_KV_BLOCK_N - 1)  # last key of the tile, maybe past N
+    u_last = tl.minimum(u_end, N - 1)
+    tile_full = u_end < N
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    for g in range(1):
+        h = kvh * 1 + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        l_off = b * stride_lb + h * stride_lh
+        # ---- branch 0: w = 2048, r = 1, key u = j + o + 2048*s ----
+        if True:  # r = 1 keeps every key in every head
+            o = h % 1
+            s = u_first // 2048
+            seg_start = s * 2048
+            n_lanes = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
+            q_end = tl.where(u_first < N, n_lanes, 0)
+            # query lanes [q_start, q_end), in up to three loops: blocks meeting the causal
+            # diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+            q_start = 0
+            q_mid = 0
+            q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = jq + o + 2048*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                q_valid = jq < n_lanes
+                u_q = jq + o + 2048*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                mask = k_valid[:, None] & q_valid[None, :]
+                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+        # ---- branch 1: w = 4096, r = 2, key u = 2*j + o + 4096*s ----
+        if (c - h) % 2 == 0:
+            o = h % 2
+            s = u_first // 4096
+            seg_start = s * 4096
+            n_lanes = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 1, 0) // 2
+            q_end = tl.where(u_first < N, n_lanes, 0)
+            # query lanes [q_start, q_end), in up to three loops: blocks meeting the causal
+            # diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+            q_start = 0
+            q_mid = 0
+            q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = 2*jq + o + 4096*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                q_valid = jq < n_lanes
+                u_q = 2*jq + o + 4096*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                mask = k_valid[:, None] & q_valid[None, :]
+                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+        # ---- branch 2: w = 8192, r = 4, key u = 4*j + o + 8192*s ----
+        if (c - h) % 4 == 0:
+            o = h % 4
+            s = u_first // 8192
+            seg_start = s * 8192
+            n_lanes = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 3, 0) // 4
+            q_end = tl.where(u_first < N, n_lanes, 0)
+            # query lanes [q_start, q_end), in up to three loops: blocks meeting the causal
+            # diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+            q_start = 0
+            q_mid = 0
+            q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = 4*jq + o + 8192*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                q_valid = jq < n_lanes
+                u_q = 4*jq + o + 8192*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                mask = k_valid[:, None] & q_valid[None, :]
+                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+    rows = p_k.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
+    tl.store(DK + b * stride_dkb + kvh * stride_dkh + rows, (dk * 0.08838834764831843).to(DK.dtype.element_ty), mask=k_valid[:, None])
+    tl.store(DV + b * stride_dkb + kvh * stride_dkh + rows, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
+
+
 def longnet_base_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     N, num_m_tiles,
@@ -848,11 +1063,14 @@ BACKWARD_KERNELS = {
     "preprocess": longnet_base_bwd_preprocess,
     "dkdv": longnet_base_bwd_dkdv,
     "dq": longnet_base_bwd_dq,
+    "dkdv_fused": longnet_base_bwd_dkdv_fused,  # replaces the per-branch dkdv launches
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
+        "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
+                   "dkdv_fused": {"num_warps": 4, "num_stages": 3},
                    "dq": {"num_warps": 8, "num_stages": 3}},
     },
 }

@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 5b7640f9fd73fcea
-# plan key:      a26a634a222f759612671582b995b8f63d1ddf342e3a607adc9020131be1c2f7
+# template hash: b26de4108da12793
+# plan key:      76b8e1c789e3d055c1220fbf0202a644c9528c0598b85efa45a1a4f3ef72410d
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -109,6 +109,7 @@ PLAN = {
         "num_warps": 4
     },
     "dtype": "bfloat16",
+    "fused_dkdv": False,
     "head_dim": 128,
     "num_heads": 16,
     "num_kv_heads": 4,
@@ -942,6 +943,7 @@ BACKWARD_KERNELS = {
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
         "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64,
+        "fused_dkdv": False,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
                    "dq": {"num_warps": 4, "num_stages": 3}},

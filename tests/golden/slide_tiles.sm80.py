@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 5b7640f9fd73fcea
-# plan key:      ff2777a6843fa774fda8795d527a781acd5b129ccf4c9451565e60f96162a4db
+# template hash: b26de4108da12793
+# plan key:      1c4f0c5a0aa17cebc3e9d3e3abbb1d34a8f7f90ca5c224d5e75d5cfd45ad06fc
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -113,6 +113,7 @@ PLAN = {
         "num_warps": 4
     },
     "dtype": "bfloat16",
+    "fused_dkdv": False,
     "head_dim": 64,
     "num_heads": 8,
     "num_kv_heads": 2,
@@ -722,6 +723,7 @@ BACKWARD_KERNELS = {
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
+        "fused_dkdv": False,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
                    "dq": {"num_warps": 4, "num_stages": 3}},
