@@ -141,18 +141,23 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         dq_m //= 2
     if target.name == "interpreter":
         bwd_kv, bwd_dq = (block_n, block_m, warps, stages), (block_m, block_n, warps, stages)
-    config = ir.KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps,
-                             num_stages=stages, bwd_kv=tuple(bwd_kv),
-                             bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
-                             dot_precision="ieee" if spec.dtype == "float32" else None)
     # One dkdv launch for every branch, over key tiles of the query lattice (keys
     # u = c + L*m, class c kept by the same branches as query class c): possible when
     # every branch is a raster lattice branch (no row membership, no curve table), the
     # key tile nests in every segment, and there is no ring (whose windows use the
     # per-branch kernel).
-    fused_dkdv = (spec.ring_size == 1 and not tables
-                  and all(b.keep_map is None for b in branches)
-                  and all(b.segment_length % (lattice * bwd_kv[0]) == 0 for b in branches))
+    def fusable(kv_tile) -> bool:
+        return (spec.ring_size == 1 and not tables
+                and all(b.keep_map is None for b in branches)
+                and all(b.segment_length % (lattice * kv_tile[0]) == 0 for b in branches))
+    fused_tile = target.fused_dkdv_tile(spec.head_dim, itemsize, spec.causal)
+    if fused_tile and not (tuning and "bwd_kv" in tuning) and fusable(fused_tile):
+        bwd_kv = fused_tile
+    fused_dkdv = fusable(bwd_kv)
+    config = ir.KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps,
+                             num_stages=stages, bwd_kv=tuple(bwd_kv),
+                             bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
+                             dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(
         fused_dkdv=fused_dkdv,
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,

@@ -64,6 +64,15 @@ class Target:
             kv, dq = kv[:3] + (1,), dq[:3] + (1,)
         return kv, dq
 
+    def fused_dkdv_tile(self, head_dim: int, itemsize: int, causal: bool = False
+                        ) -> tuple[int, int, int, int] | None:
+        """The dkdv tile the fused (all-branch) kernel prefers, or None for the
+        backward_table row. H200 sweep (bench/tune_backward.py): A 8.85 against 9.28 ms
+        with (128, 64, 8, 3); C 5.39 against 5.67 ms with (128, 32, 4, 3); causal: no gain."""
+        if self.capability is None or self.capability < 90 or causal or itemsize != 2:
+            return None
+        return {64: (128, 32, 4, 3), 128: (128, 64, 8, 3)}.get(head_dim)
+
 
 SM90 = Target("sm90", 90, 227 * 1024, 128, True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)

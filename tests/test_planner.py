@@ -80,9 +80,15 @@ def test_tuning_overrides_blocks():
 def test_backward_tiles_are_planned_and_tunable():
     spec = _spec(segment_lengths=[2048, 4096], dilation_rates=[1, 2], head_dim=128)
     p = plan(spec, SM90)
-    assert p.config.bwd_kv == (64, 32, 4, 3) and p.config.bwd_dq == (128, 64, 8, 3)
+    # the fused dkdv kernel's own tile (H200 sweep); dq from the backward table
+    assert p.fused_dkdv and p.config.bwd_kv == (128, 64, 8, 3) and p.config.bwd_dq == (128, 64, 8, 3)
     causal = plan(spec.replace(causal=True), SM90)
+    assert causal.config.bwd_kv == (64, 32, 4, 3)
     assert causal.config.bwd_dq == (64, 32, 4, 3)          # the H200 sweep's causal dq tile
+    fallback = plan(spec.replace(segment_lengths=[128, 256]), SM90)  # 2*128 does not divide 128
+    assert fallback.fused_dkdv and fallback.config.bwd_kv == (64, 32, 4, 3)
+    unfused = plan(spec.replace(segment_lengths=[64, 128]), SM90)    # nor 2*64 64
+    assert not unfused.fused_dkdv and unfused.config.bwd_kv == (64, 32, 4, 3)
     tuned = plan(spec, SM90, {"bwd_kv": [128, 64, 8, 3], "bwd_dq": [64, 32, 4, 3]})
     assert tuned.config.bwd_kv == (128, 64, 8, 3) and tuned.config.bwd_dq == (64, 32, 4, 3)
     assert tuned.key() != p.key()

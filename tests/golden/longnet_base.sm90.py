@@ -3,7 +3,7 @@
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
 # template hash: b26de4108da12793
-# plan key:      7fb49a35a1ec3852caef2eff366a2a35e64cbddc0d75c4c53c10176baca9c8f9
+# plan key:      8b7bafba1e419e3da40a490d592b66279e48f7416ef6bbe74b6bbbd8bc710a3c
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -93,9 +93,9 @@ PLAN = {
             3
         ],
         "bwd_kv": [
+            128,
             64,
-            32,
-            4,
+            8,
             3
         ],
         "dot_precision": None,
@@ -375,8 +375,8 @@ def longnet_base_fwd_kernel(
 BWD_PRE_BLOCK = tl.constexpr(64)
 BWD_DQ_BLOCK_M = tl.constexpr(128)
 BWD_DQ_BLOCK_N = tl.constexpr(64)
-BWD_KV_BLOCK_N = tl.constexpr(64)  # keys per dkdv program
-BWD_KV_BLOCK_M = tl.constexpr(32)  # queries per dkdv step
+BWD_KV_BLOCK_N = tl.constexpr(128)  # keys per dkdv program
+BWD_KV_BLOCK_M = tl.constexpr(64)  # queries per dkdv step
 
 
 def longnet_base_bwd_preprocess(
@@ -1066,11 +1066,11 @@ BACKWARD_KERNELS = {
     "dkdv_fused": longnet_base_bwd_dkdv_fused,  # replaces the per-branch dkdv launches
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
+        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
-                   "dkdv": {"num_warps": 4, "num_stages": 3},
-                   "dkdv_fused": {"num_warps": 4, "num_stages": 3},
+                   "dkdv": {"num_warps": 8, "num_stages": 3},
+                   "dkdv_fused": {"num_warps": 8, "num_stages": 3},
                    "dq": {"num_warps": 8, "num_stages": 3}},
     },
 }
