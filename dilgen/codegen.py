@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def _expr(amap: AffineMap, **names: str) -> str:
 def _py_literal(obj: object) -> str:
     """A JSON value as a Python literal, stable and readable."""
     text = json.dumps(obj, indent=4, sort_keys=True)
+    # lists of plain numbers on one line: tiles, class orders, grids
+    text = re.sub(r"\[\s*(-?[\d.e+-]+(?:,\s*-?[\d.e+-]+)*)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
     return text.replace(": null", ": None").replace(": true", ": True").replace(": false", ": False")
 
 

@@ -17,11 +17,7 @@ from dilgen.runtime import GeneratedAttention
 
 SPEC = {
     "causal": False,
-    "dilation_rates": [
-        1,
-        2,
-        4
-    ],
+    "dilation_rates": [1, 2, 4],
     "dtype": "bfloat16",
     "head_dim": 128,
     "hilbert": None,
@@ -29,11 +25,7 @@ SPEC = {
     "num_heads": 16,
     "num_kv_heads": 16,
     "ring_size": 1,
-    "segment_lengths": [
-        2048,
-        4096,
-        8192
-    ],
+    "segment_lengths": [2048, 4096, 8192],
     "softmax_scale": None
 }
 
@@ -86,18 +78,8 @@ PLAN = {
     "config": {
         "block_m": 128,
         "block_n": 64,
-        "bwd_dq": [
-            128,
-            64,
-            8,
-            3
-        ],
-        "bwd_kv": [
-            128,
-            64,
-            8,
-            3
-        ],
+        "bwd_dq": [128, 64, 8, 3],
+        "bwd_kv": [128, 64, 8, 3],
         "dot_precision": None,
         "num_stages": 3,
         "num_warps": 8
@@ -109,18 +91,8 @@ PLAN = {
     "num_kv_heads": 16,
     "query": {
         "block_m": 128,
-        "class_order": [
-            0,
-            2,
-            1,
-            3
-        ],
-        "class_work": [
-            6144,
-            4096,
-            2048,
-            2048
-        ],
+        "class_order": [0, 2, 1, 3],
+        "class_work": [6144, 4096, 2048, 2048],
         "lattice": 4,
         "order": None,
         "query_map": {
@@ -135,11 +107,7 @@ PLAN = {
     "scale": 0.08838834764831843,
     "spec": {
         "causal": False,
-        "dilation_rates": [
-            1,
-            2,
-            4
-        ],
+        "dilation_rates": [1, 2, 4],
         "dtype": "bfloat16",
         "head_dim": 128,
         "hilbert": None,
@@ -147,11 +115,7 @@ PLAN = {
         "num_heads": 16,
         "num_kv_heads": 16,
         "ring_size": 1,
-        "segment_lengths": [
-            2048,
-            4096,
-            8192
-        ],
+        "segment_lengths": [2048, 4096, 8192],
         "softmax_scale": None
     },
     "spec_key": "95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32",

@@ -17,11 +17,7 @@ from dilgen.runtime import GeneratedAttention
 
 SPEC = {
     "causal": True,
-    "dilation_rates": [
-        1,
-        6,
-        12
-    ],
+    "dilation_rates": [1, 6, 12],
     "dtype": "bfloat16",
     "head_dim": 128,
     "hilbert": None,
@@ -29,11 +25,7 @@ SPEC = {
     "num_heads": 16,
     "num_kv_heads": 4,
     "ring_size": 1,
-    "segment_lengths": [
-        2048,
-        8192,
-        32768
-    ],
+    "segment_lengths": [2048, 8192, 32768],
     "softmax_scale": None
 }
 
@@ -92,18 +84,8 @@ PLAN = {
     "config": {
         "block_m": 64,
         "block_n": 64,
-        "bwd_dq": [
-            64,
-            32,
-            4,
-            3
-        ],
-        "bwd_kv": [
-            64,
-            32,
-            4,
-            3
-        ],
+        "bwd_dq": [64, 32, 4, 3],
+        "bwd_kv": [64, 32, 4, 3],
         "dot_precision": None,
         "num_stages": 3,
         "num_warps": 4
@@ -115,12 +97,8 @@ PLAN = {
     "num_kv_heads": 4,
     "query": {
         "block_m": 64,
-        "class_order": [
-            0
-        ],
-        "class_work": [
-            6145
-        ],
+        "class_order": [0],
+        "class_work": [6145],
         "lattice": 1,
         "order": None,
         "query_map": {
@@ -135,11 +113,7 @@ PLAN = {
     "scale": 0.08838834764831843,
     "spec": {
         "causal": True,
-        "dilation_rates": [
-            1,
-            6,
-            12
-        ],
+        "dilation_rates": [1, 6, 12],
         "dtype": "bfloat16",
         "head_dim": 128,
         "hilbert": None,
@@ -147,11 +121,7 @@ PLAN = {
         "num_heads": 16,
         "num_kv_heads": 4,
         "ring_size": 1,
-        "segment_lengths": [
-            2048,
-            8192,
-            32768
-        ],
+        "segment_lengths": [2048, 8192, 32768],
         "softmax_scale": None
     },
     "spec_key": "6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582",

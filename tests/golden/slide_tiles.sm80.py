@@ -17,10 +17,7 @@ from dilgen.runtime import GeneratedAttention
 
 SPEC = {
     "causal": False,
-    "dilation_rates": [
-        1,
-        4
-    ],
+    "dilation_rates": [1, 4],
     "dtype": "bfloat16",
     "head_dim": 64,
     "hilbert": {
@@ -30,10 +27,7 @@ SPEC = {
     "num_heads": 8,
     "num_kv_heads": 2,
     "ring_size": 1,
-    "segment_lengths": [
-        1024,
-        4096
-    ],
+    "segment_lengths": [1024, 4096],
     "softmax_scale": None
 }
 
@@ -53,10 +47,7 @@ PLAN = {
             "membership": "row",
             "order": {
                 "curve": "gilbert2d",
-                "grid": [
-                    32,
-                    32
-                ],
+                "grid": [32, 32],
                 "kind": "table",
                 "name": "segment_32x32",
                 "scope": "segment"
@@ -79,10 +70,7 @@ PLAN = {
             "membership": "row",
             "order": {
                 "curve": "gilbert2d",
-                "grid": [
-                    64,
-                    64
-                ],
+                "grid": [64, 64],
                 "kind": "table",
                 "name": "segment_64x64",
                 "scope": "segment"
@@ -96,18 +84,8 @@ PLAN = {
     "config": {
         "block_m": 128,
         "block_n": 64,
-        "bwd_dq": [
-            128,
-            64,
-            4,
-            3
-        ],
-        "bwd_kv": [
-            64,
-            32,
-            4,
-            3
-        ],
+        "bwd_dq": [128, 64, 4, 3],
+        "bwd_kv": [64, 32, 4, 3],
         "dot_precision": None,
         "num_stages": 3,
         "num_warps": 4
@@ -119,12 +97,8 @@ PLAN = {
     "num_kv_heads": 2,
     "query": {
         "block_m": 128,
-        "class_order": [
-            0
-        ],
-        "class_work": [
-            2048
-        ],
+        "class_order": [0],
+        "class_work": [2048],
         "lattice": 1,
         "order": None,
         "query_map": {
@@ -139,10 +113,7 @@ PLAN = {
     "scale": 0.125,
     "spec": {
         "causal": False,
-        "dilation_rates": [
-            1,
-            4
-        ],
+        "dilation_rates": [1, 4],
         "dtype": "bfloat16",
         "head_dim": 64,
         "hilbert": {
@@ -152,30 +123,21 @@ PLAN = {
         "num_heads": 8,
         "num_kv_heads": 2,
         "ring_size": 1,
-        "segment_lengths": [
-            1024,
-            4096
-        ],
+        "segment_lengths": [1024, 4096],
         "softmax_scale": None
     },
     "spec_key": "cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b",
     "tables": [
         {
             "curve": "gilbert2d",
-            "grid": [
-                32,
-                32
-            ],
+            "grid": [32, 32],
             "kind": "table",
             "name": "segment_32x32",
             "scope": "segment"
         },
         {
             "curve": "gilbert2d",
-            "grid": [
-                64,
-                64
-            ],
+            "grid": [64, 64],
             "kind": "table",
             "name": "segment_64x64",
             "scope": "segment"
