@@ -38,3 +38,23 @@ def cache_dir(tmp_path, monkeypatch):
 def device():
     import torch
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def run_cli(argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of dilgen.cli.main(argv) run in this process, as the
+    console script runs it: an escaping exception is printed as the interpreter would
+    print it (a traceback) and gives exit code 1."""
+    import contextlib
+    import io
+    import traceback
+    from dilgen.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported as the interpreter would
+            traceback.print_exc()
+            rc = 1
+    return rc, out.getvalue(), err.getvalue()

@@ -4,9 +4,7 @@ output folder under tmp_path. A few argument checks run `dilgen.cli.main` in-pro
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
-import io
 import json
 import os
 import re
@@ -19,6 +17,8 @@ import pytest
 
 import dilgen
 from dilgen.spec import load_spec
+
+from conftest import run_cli
 
 LONGNET = {"name": "longnet_t", "num_heads": 16, "num_kv_heads": 16, "head_dim": 128,
            "dtype": "bfloat16", "segment_lengths": [2048, 4096, 8192],
@@ -59,15 +59,8 @@ def one_error_line(res: subprocess.CompletedProcess | tuple) -> str:
     return lines[0]
 
 
-def main_in_process(*argv: str) -> tuple[int, str, str]:
-    from dilgen.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in argv])
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
+def main_in_process(*argv) -> tuple[int, str, str]:
+    return run_cli(argv)
 
 
 def header_of(source: str) -> list[str]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import keyword
 import math
@@ -30,7 +29,6 @@ import os
 import re
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -39,6 +37,8 @@ from hypothesis import strategies as st
 
 from dilgen import spec as spec_mod
 from dilgen.spec import Hilbert, Spec, SpecError, load_spec, spec_from_dict
+
+from conftest import run_cli
 
 FIELDS = spec_mod._ALLOWED
 REQUIRED = spec_mod._REQUIRED
@@ -437,20 +437,6 @@ def scratch(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-def main_in_process(argv: list[str]) -> tuple[int, str, str]:
-    """dilgen.cli.main as the console script runs it; an escaping exception is printed as
-    the interpreter would print it (a traceback)."""
-    from dilgen.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
-            rc = 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _tree(root: Path) -> set[str]:
@@ -587,7 +573,7 @@ def test_nesting_sweep_through_cli(scratch):
     out = scratch / "deep_out"
     for depth in range(1, sys.getrecursionlimit() + 60, 3):
         write_fresh(path, '{"extra": %s}' % ("[" * depth + "]" * depth))
-        rc, stdout, stderr = main_in_process(["compile", str(path), "--out", str(out)])
+        rc, stdout, stderr = run_cli(["compile", str(path), "--out", str(out)])
         assert rc == 2 and stdout == "", (depth, rc, stderr[-500:])
         assert len(stderr.splitlines()) == 1 and stderr.startswith("dilgen: error:"), (depth, stderr[-500:])
     assert not out.exists()
@@ -617,7 +603,7 @@ def test_fuzz_cli_compile(scratch, monkeypatch, data):
         with contextlib.suppress(OSError, ValueError):
             if not candidate.resolve().is_relative_to(out.resolve()) and not candidate.exists():
                 outside.append(candidate)
-    rc, stdout, stderr = main_in_process(["compile", str(path), "--arch", "interpreter",
+    rc, stdout, stderr = run_cli(["compile", str(path), "--arch", "interpreter",
                                           "--out", str(out)])
     for candidate in outside:
         assert not candidate.exists(), f"wrote {candidate} outside --out"

@@ -20,6 +20,8 @@ import pytest
 
 from dilgen.spec import Hilbert, Spec, SpecError, default_grid, load_spec, spec_from_dict
 
+from conftest import run_cli
+
 BASE = {"name": "ok_spec", "num_heads": 4, "head_dim": 64,
         "segment_lengths": [16, 32], "dilation_rates": [1, 2]}
 
@@ -392,23 +394,6 @@ def cli_subprocess_results(tmp_path_factory):
         return dict(pool.map(run, cases))
 
 
-def _main_in_process(argv: list[str]) -> tuple[int, str, str]:
-    """dilgen.cli.main as the console script runs it: an uncaught exception is what the
-    interpreter would print as a traceback."""
-    import contextlib
-    import io
-    import traceback
-    from dilgen.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # noqa: BLE001 - reported as the interpreter would
-            traceback.print_exc()
-            rc = 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _check_cli(rc: int, stdout: str, stderr: str, out: Path, field: str) -> None:
@@ -435,6 +420,6 @@ def test_bad_spec_is_refused(tmp_path, cli_subprocess_results, cid, body, field,
     assert rule in msg, f"message does not state the rule ({rule!r}): {msg}"
 
     out = tmp_path / "out"
-    _check_cli(*_main_in_process(["compile", str(path), "--out", str(out)]), out, field)
+    _check_cli(*run_cli(["compile", str(path), "--out", str(out)]), out, field)
     if cid in SUBPROCESS_IDS:
         _check_cli(*cli_subprocess_results[cid], field)

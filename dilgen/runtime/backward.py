@@ -20,6 +20,27 @@ import torch
 from .tables import table_tensors
 
 
+def backward_inputs(out, lse, grad_out, grad_lse):
+    """(grad_out, lse, delta, dlse, has_dlse) as the kernels take them: grad_out zeros
+    when None and contiguous in head_dim; lse contiguous, so Lse, Delta and dlse share
+    the (B, H, rows) strides; delta an empty float32 buffer for the preprocess kernel;
+    dlse float32 (delta itself, unused, when there is no lse gradient)."""
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    lse = lse.contiguous()
+    has_dlse = grad_lse is not None
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    if has_dlse:
+        dlse = grad_lse.to(torch.float32).contiguous()
+        # rows with lse = -inf have P = 0 whatever their gradient; keep NaN/inf out of Delta
+        dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    else:
+        dlse = delta
+    return grad_out, lse, delta, dlse, has_dlse
+
+
 def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     """Return (dq, dk, dv) for one forward call; grad_lse may be None."""
     from . import _interpreting
@@ -34,19 +55,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     dev = q.device
     interpret = dev.type == "cpu"
 
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
-    lse = lse.contiguous()   # Lse, Delta and dlse share the (B, H, N) contiguous strides
-    has_dlse = grad_lse is not None
-    delta = torch.empty((B, H, N), dtype=torch.float32, device=dev)
-    if has_dlse:
-        dlse = grad_lse.to(torch.float32).contiguous()
-        # rows with lse = -inf have P = 0 whatever their gradient; keep NaN/inf out of Delta
-        dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
-    else:
-        dlse = delta
+    grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
     if _rt._POISON:

@@ -28,6 +28,7 @@ import torch
 
 from ..ir import CHUNK_ORDERS, choose_transport, ring_pieces, ring_schedule
 from . import InputError, _check_inputs, _interpreting
+from .backward import backward_inputs
 from .tables import table_tensors
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -468,18 +469,7 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     B, H, Hkv, n_loc = run.B, run.H, run.Hkv, run.n_loc
     group_size = H // Hkv
     dev = q.device
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
-    lse = lse.contiguous()
-    has_dlse = grad_lse is not None
-    delta = torch.empty((B, H, n_loc), dtype=torch.float32, device=dev)
-    if has_dlse:
-        dlse = grad_lse.to(torch.float32).contiguous()
-        dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
-    else:
-        dlse = delta
+    grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
