@@ -90,13 +90,15 @@ def load(key: str, require: str = MODULE) -> Path | None:
     return folder if _verify(folder, key, require) else None
 
 
-def store(key: str, files: dict[str, bytes], info: dict) -> Path:
+def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = False) -> Path:
     """Write the entry for `key`; return its folder. No locks:
 
     - no entry yet: it is written into a temporary folder and moved into place with one
       os.replace, so a reader never sees half of it; of concurrent writers the first
       one wins and the others keep its (verified) entry;
-    - a sound entry: kept as it is (rewritten in place with DILGEN_ALWAYS_COMPILE=1);
+    - a sound entry: kept as it is, or rewritten in place like a damaged one with
+      `replace=True` (a caller that found its contents unusable: dilgen.aot) or
+      DILGEN_ALWAYS_COMPILE=1;
     - a damaged entry: repaired in place, one file at a time with os.replace and the
       manifest last, so its module path never disappears under a process that is
       importing it. An entry's bytes are a function of its key, so concurrent repairs
@@ -108,7 +110,7 @@ def store(key: str, files: dict[str, bytes], info: dict) -> Path:
     manifest = {**info, "key": key,
                 "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
     blobs = {**files, MANIFEST: json.dumps(manifest, indent=2, sort_keys=True).encode()}
-    rewrite = always_compile()
+    rewrite = replace or always_compile()
     for _ in range(8):
         if not rewrite and _verify(final, key, require):
             return final

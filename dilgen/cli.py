@@ -112,7 +112,7 @@ def cmd_build(args) -> int:
     targets = [_target(a) for a in (args.arch or ["sm90"])]
     jobs = [(s, t) for s in specs for t in targets]
     seq_lens = args.seq_len or None
-    built = binaries = cached = 0
+    built = binaries = cached = repaired = 0
     skipped: list[str] = []
     for spec, target in _progress(jobs, len(jobs), lambda job: f"{job[0].name} [{job[1].name}]"):
         compiled = build(spec, target)
@@ -121,6 +121,7 @@ def cmd_build(args) -> int:
             report = _compile_ahead(compiled, target, seq_lens, args.jobs)
             binaries += report.compiled
             cached += report.cached
+            repaired += report.repaired
             skipped += [s for s in report.skipped if s not in skipped]
             changed = changed or report.compiled > 0
         built += changed
@@ -129,7 +130,8 @@ def cmd_build(args) -> int:
               + (f" ({cached} compiled binaries)" if cached else ""))
     else:
         print(f"built {built} of {len(jobs)} kernel(s); {len(jobs) - built} were up to date"
-              + (f"; compiled {binaries} binaries ahead of time ({cached} already cached)"
+              + (f"; compiled {binaries} binaries ahead of time ({cached} already cached"
+                 + (f", {repaired} damaged ones rebuilt" if repaired else "") + ")"
                  if binaries or cached else ""))
     for line in skipped:
         print(f"not compiled ahead of time (runs through the JIT): {line}")
@@ -137,7 +139,7 @@ def cmd_build(args) -> int:
 
 
 def _compile_ahead(compiled, target, seq_lens, jobs):
-    """Compile the module's Triton kernels for `target` into the cache (dilgen.aot)."""
+    """Compile the module's Triton kernels for `target` into the cache (dilgen.aot.build)."""
     from . import aot
     if aot.ptxas_path() is None:
         raise SpecError(f"--arch {target.name}: ahead-of-time compile needs ptxas (shipped in "

@@ -18,6 +18,7 @@ import torch
 
 import dilgen
 from dilgen import aot, cache
+from dilgen.aot import run as aot_run
 from dilgen.compiler import build
 from dilgen.targets import SM90
 
@@ -111,10 +112,10 @@ def gpu(monkeypatch):
     loading and launching a binary, and the JIT fallback, are recorded."""
     from triton.backends.compiler import GPUTarget
     rec = {"launched": [], "prepared": [], "jit": [], "target": GPUTarget("cuda", 90, 32)}
-    monkeypatch.setattr(aot, "_current_target", lambda: rec["target"])
-    monkeypatch.setattr(aot, "_current_device", lambda: 0)
-    monkeypatch.setattr(aot, "_prepare", lambda kernel: rec["prepared"].append(kernel))
-    monkeypatch.setattr(aot, "_launch_compiled",
+    monkeypatch.setattr(aot_run, "_current_target", lambda: rec["target"])
+    monkeypatch.setattr(aot_run, "_current_device", lambda: 0)
+    monkeypatch.setattr(aot_run, "_prepare", lambda kernel: rec["prepared"].append(kernel))
+    monkeypatch.setattr(aot_run, "_launch_compiled",
                         lambda kernel, grid, bound: rec["launched"].append((kernel, grid, bound)))
     monkeypatch.setattr(aot.AOTKernel, "_jit_launch",
                         lambda self, grid, args, opts: rec["jit"].append((grid, args, opts)))
@@ -280,7 +281,7 @@ def test_corrupt_artifact_is_ignored_then_rebuilt(built, monkeypatch, gpu):
     kernel = _gpu_kernel(attn, attn._source_fn)
     kernel[grid](*args, **opts)
     assert len(gpu["jit"]) == 1 and not gpu["launched"]             # never the bad binary
-    assert aot._load_entry(fwd.key) is None                         # it counts as missing
+    assert aot.load_entry(fwd.key) is None                         # it counts as missing
 
     report = aot.compile_for_target(compiled, SM90, seq_lens=[SEQ])
     assert (report.compiled, report.cached) == (1, KERNELS - 1)
@@ -290,9 +291,59 @@ def test_corrupt_artifact_is_ignored_then_rebuilt(built, monkeypatch, gpu):
     assert len(gpu["launched"]) == 1
 
     (folder / aot.METADATA).unlink()                                # a torn entry: missing too
-    assert aot._load_entry(fwd.key) is None
+    assert aot.load_entry(fwd.key) is None
     assert aot.compile_for_target(compiled, SM90, seq_lens=[SEQ]).compiled == 1
-    assert aot._load_entry(fwd.key) == folder
+    assert aot.load_entry(fwd.key) == folder
+
+
+def _other_kernel(files):
+    meta = json.loads(files[aot.METADATA])
+    meta["name"] = "not_this_kernel"
+    return {aot.METADATA: json.dumps(meta).encode()}
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda files: {aot.CUBIN: b"not an ELF file"}, id="not-elf"),
+    pytest.param(lambda files: {aot.METADATA: b"[]"}, id="not-triton-metadata"),
+    pytest.param(_other_kernel, id="another-kernel"),
+])
+def test_unusable_entry_is_rebuilt_in_place(built, monkeypatch, gpu, damage):
+    """An entry whose files match their manifest but hold no usable binary (written so by
+    a broken tool, or by hand) is refused at run time, and the next build compiles it
+    again and rewrites it in place: the folder is never deleted (a process may be reading
+    it), each file is replaced atomically, the manifest last, and nothing is left over."""
+    import hashlib
+    compiled, attn = _fresh_attention(TINY)
+    jobs, _ = aot.plan_jobs(compiled, SM90, [SEQ])
+    (fwd,) = [j for j in jobs if j.role == "forward"]
+    folder = cache.entry_dir(fwd.key)
+    good = {name: (folder / name).read_bytes() for name in (aot.CUBIN, aot.METADATA)}
+    manifest = json.loads((folder / cache.MANIFEST).read_text())
+    for name, data in damage(good).items():                        # consistent with the manifest
+        (folder / name).write_bytes(data)
+        manifest["files"][name] = hashlib.sha256(data).hexdigest()
+    (folder / cache.MANIFEST).write_text(json.dumps(manifest))
+    assert cache.load(fwd.key, require=aot.CUBIN) == folder         # sound to the cache...
+    assert aot.load_entry(fwd.key, fwd.fn_name) is None             # ...unusable to AOT
+    inode = folder.stat().st_ino
+
+    fn, grid, args, opts = _forward_launch(attn, SEQ, monkeypatch)
+    kernel = _gpu_kernel(attn, attn._source_fn)
+    kernel[grid](*args, **opts)
+    assert len(gpu["jit"]) == 1 and not gpu["launched"]             # never the bad entry
+
+    report = aot.compile_for_target(compiled, SM90, seq_lens=[SEQ])
+    assert (report.compiled, report.repaired, report.cached) == (1, 1, KERNELS - 1)
+    assert folder.stat().st_ino == inode                            # rewritten in place
+    assert aot.load_entry(fwd.key, fwd.fn_name) == folder
+    assert (folder / aot.CUBIN).read_bytes()[:4] == b"\x7fELF"
+    assert json.loads((folder / aot.METADATA).read_text())["name"] == fwd.fn_name
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]   # no temporaries
+    again = aot.compile_for_target(compiled, SM90, seq_lens=[SEQ])
+    assert (again.compiled, again.cached) == (0, KERNELS)
+    kernel._kernels.clear()
+    kernel[grid](*args, **opts)
+    assert len(gpu["jit"]) == 1 and len(gpu["launched"]) == 1       # the rebuilt binary
 
 
 def test_interpreter_target_compiles_nothing():

@@ -1,0 +1,115 @@
+"""The cache entries of compiled kernels: their key, how they are stored and checked,
+and how a stored binary becomes a Triton CompiledKernel again.
+
+An entry is a dilgen cache folder (dilgen.cache: written atomically, sha256 manifest)
+holding `kernel.cubin`, `kernel.json` (Triton's metadata of the compile) and `spec.json`
+(what the key was computed from). An entry that fails its manifest or whose files are
+not what they should be (no ELF binary, no Triton metadata, another kernel) counts as
+missing: the run time falls back to the JIT and the next build rewrites it in place."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .. import __version__, cache
+
+CUBIN, METADATA, SPECJSON = "kernel.cubin", "kernel.json", "spec.json"
+
+
+def module_hash(source: str | bytes) -> str:
+    data = source.encode() if isinstance(source, str) else source
+    return hashlib.sha256(data).hexdigest()
+
+
+def source_fn_module_hash(source_fn) -> str | None:
+    """sha256 of the file that defines a generated kernel (its module), or None."""
+    path = getattr(source_fn, "__globals__", {}).get("__file__")
+    if not path:
+        return None
+    try:
+        return module_hash(Path(path).read_bytes())
+    except OSError:
+        return None
+
+
+def target_str(gpu) -> str:
+    return f"{gpu.backend}:{gpu.arch}:{gpu.warp_size}"
+
+
+def env_key() -> str:
+    """Triton's cache-invalidating environment (TRITON_* knobs that change the code)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    return json.dumps(get_cache_invalidating_env_vars(), sort_keys=True)
+
+
+def artifact_key(module_sha: str, kernel_name: str, gpu, desc: str) -> str:
+    import triton
+    return cache.make_key(kind="aot-kernel", generator=__version__, module=module_sha,
+                          kernel=kernel_name, target=target_str(gpu), triton=triton.__version__,
+                          specialization=desc, env=env_key())
+
+
+def store(key: str, cubin: bytes, meta_json: str, *, kernel: str, role: str, arch: int,
+          module_sha: str, desc: str) -> Path:
+    """Write the entry for `key`; an entry already there that is damaged or unusable is
+    rewritten in place, file by file with os.replace and the manifest last (the caller
+    compiled because load_entry refused it)."""
+    import triton
+    meta = json.loads(meta_json)
+    info = {"kind": "aot-kernel", "kernel": kernel, "role": role, "target": f"sm{arch}",
+            "triton": triton.__version__, "generator": __version__, "module_sha256": module_sha,
+            "shared": meta.get("shared"), "num_warps": meta.get("num_warps"),
+            "num_stages": meta.get("num_stages")}
+    described = {"module_sha256": module_sha, "specialization": json.loads(desc),
+                 "env": json.loads(env_key())}
+    files = {CUBIN: cubin, METADATA: meta_json.encode(),
+             SPECJSON: (json.dumps(described, indent=1) + "\n").encode()}
+    return cache.store(key, files, info, replace=True)
+
+
+def load_entry(key: str, kernel: str | None = None) -> Path | None:
+    """A sound entry folder for `key`, or None: its files match the manifest, the binary
+    is an ELF file, the metadata is Triton's (with a target) and, when `kernel` is given,
+    names that kernel. A refused entry is left where it is (a concurrent writer may be
+    repairing it); the next build rewrites it."""
+    folder = cache.load(key, require=CUBIN)
+    if folder is None:
+        return None
+    try:
+        meta = json.loads((folder / METADATA).read_text())
+        if (folder / CUBIN).read_bytes()[:4] != b"\x7fELF" or not isinstance(meta, dict):
+            return None
+        if not isinstance(meta.get("target"), dict):
+            return None
+        if kernel is not None and meta.get("name") != kernel:
+            return None
+    except (OSError, ValueError):
+        return None
+    return folder
+
+
+def check_metadata(meta, kernel_name: str, gpu, sp) -> str | None:
+    """Why a stored artifact does not fit this launch, or None if it does."""
+    import triton
+    t = meta.target
+    if (t.backend, t.arch, t.warp_size) != (gpu.backend, gpu.arch, gpu.warp_size):
+        return f"built for {t.backend}:{t.arch}, device is {gpu.backend}:{gpu.arch}"
+    if meta.name != kernel_name:
+        return f"artifact holds {meta.name}, not {kernel_name}"
+    if getattr(meta, "triton_version", None) != triton.__version__:
+        return f"triton {getattr(meta, 'triton_version', '?')} != {triton.__version__}"
+    for opt in ("num_warps", "num_stages", "num_ctas", "debug"):
+        if getattr(meta, opt, None) != getattr(sp.options, opt, None):
+            return f"{opt} {getattr(meta, opt, None)} != {getattr(sp.options, opt, None)}"
+    return None
+
+
+def load_compiled(folder: Path, jit_fn, sp):
+    """A triton CompiledKernel from an entry folder (no compile; the binary is loaded
+    onto the current device on first launch)."""
+    from triton.compiler import ASTSource, CompiledKernel
+    src = ASTSource(jit_fn, sp.signature, sp.constexprs, sp.attrs)
+    group = {f"{jit_fn.__name__}.json": str(folder / METADATA),
+             f"{jit_fn.__name__}.cubin": str(folder / CUBIN)}
+    return CompiledKernel(src, group, folder.name)

@@ -1,0 +1,128 @@
+"""The arguments dilgen.runtime passes to each generated kernel, modelled for a sequence
+length N without tensors: what `dilgen build` compiles for.
+
+Pointers are Triton MockTensors (data_ptr() == 0: 16-byte aligned, like torch's
+allocations); ints are the real values the runtime passes for contiguous inputs
+(B, N, H, D) (dilgen.runtime forward_raw, runtime.backward.backward_raw). B is not a
+kernel argument, so one model covers every batch size. tests/test_aot.py checks that the
+model gives exactly the specializations of the runtime's real launches."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+#: Sequence lengths whose specializations `dilgen build` compiles unless told otherwise.
+#: Specializations depend on N only through classes (1, divisible by 16, other; i32/i64),
+#: so a handful of lengths covers every N of the same classes.
+DEFAULT_SEQ_LENS = tuple(2 ** k for k in range(10, 18))   # 1024 .. 131072
+
+
+class UnknownParameter(ValueError):
+    """A kernel parameter the launch model does not know (a template changed)."""
+
+
+_Q_LIKE = {"q", "o", "do", "dq"}
+_STRIDE = re.compile(r"^stride_(q|k|v|o|do|dq|dk|l)(b|n|h)$")
+
+
+def _mock(dtype):
+    from triton.runtime.jit import MockTensor
+    return MockTensor(dtype)       # data_ptr() == 0: 16-byte aligned, like torch's allocations
+
+
+def _param_value(name: str, ctx: dict):
+    """The value the runtime passes for parameter `name` for inputs (B, N, H, D),
+    contiguous (dilgen.runtime.forward_raw, runtime.backward.backward_raw)."""
+    import torch
+    if name in ctx:                 # launch-specific values first (e.g. DK in k's dtype)
+        return ctx[name]
+    if name in ("Q", "K", "V", "Out", "DO", "DQ"):
+        return _mock(ctx["dtype"])
+    if name in ("Lse", "Delta", "DLse", "DK", "DV"):
+        return _mock(torch.float32)
+    if name == "ClassOrder" or re.fullmatch(r"(Fwd|Inv)\d+", name):
+        return _mock(torch.int32)
+    m = _STRIDE.match(name)
+    if m:
+        N, H, Hkv, D = ctx["N"], ctx["H"], ctx["Hkv"], ctx["D"]
+        t, dim = m.groups()
+        if t == "l":
+            return {"b": H * N, "h": N}[dim]
+        heads = H if t in _Q_LIKE else Hkv
+        return {"b": N * heads * D, "n": heads * D, "h": D}[dim]
+    raise UnknownParameter(name)
+
+
+@dataclass(frozen=True)
+class Launch:
+    role: str               # forward, preprocess, dkdv or dkdv_fused, dq
+    source_fn: Callable
+    args: tuple
+    launch_opts: dict
+
+
+def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
+    """(role, generated python function, launch options) of a GeneratedAttention."""
+    cfg = attention.plan["config"]
+    roles = [("forward", attention._source_fn,
+              {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})]
+    bwd = attention.backward_kernels
+    if bwd is not None:
+        launch = bwd["config"]["launch"]
+        fused = bwd["config"].get("fused_dkdv", False)
+        for role in ("preprocess", "dkdv_fused" if fused else "dkdv", "dq"):
+            roles.append((role, bwd[role], dict(launch[role])))
+    return roles
+
+
+def seq_lens_for(plan: dict, seq_lens: Iterable[int]) -> list[int]:
+    """The lengths a plan can run: Hilbert scope 'sequence' takes exactly rows*cols."""
+    for t in plan.get("tables", []):
+        if t.get("scope") == "sequence":
+            rows, cols = t["grid"]
+            return [rows * cols]
+    return sorted({int(n) for n in seq_lens if int(n) >= 1})
+
+
+def predicted_launches(attention, seq_len: int) -> list[Launch]:
+    """Every kernel launch of one forward + backward at sequence length `seq_len` (any
+    batch: B is not a kernel argument), as the runtime makes them on a GPU."""
+    import inspect
+    import torch
+    plan = attention.plan
+    N = int(seq_len)
+    base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],
+            "dtype": {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                      "float32": torch.float32}[plan["dtype"]],
+            "UPCAST": False}
+    lattice = plan["query"]["lattice"]
+    out = []
+
+    def add(role, fn, opts, **extra):
+        ctx = dict(base, **extra)
+        names = list(inspect.signature(fn).parameters)
+        out.append(Launch(role, fn, tuple(_param_value(n, ctx) for n in names), opts))
+
+    for role, fn, opts in kernel_roles(attention):
+        if role == "forward":
+            add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / plan["config"]["block_m"]))
+        elif role == "preprocess":
+            for has_dlse in (True, False):
+                add(role, fn, opts, HAS_DLSE=has_dlse)
+        elif role == "dkdv":
+            conf = attention.backward_kernels["config"]
+            for br in plan["branches"]:
+                lanes = math.ceil(min(br["w"], N) / br["r"])
+                add(role, fn, opts, BRANCH=br["index"],
+                    num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
+        elif role == "dkdv_fused":
+            conf = attention.backward_kernels["config"]
+            # the fused kernel writes dK, dV in k's dtype (the per-branch one: float32)
+            add(role, fn, opts, DK=_mock(base["dtype"]), DV=_mock(base["dtype"]),
+                num_k_tiles=math.ceil(math.ceil(N / lattice) / conf["kv_block_n"]))
+        elif role == "dq":
+            conf = attention.backward_kernels["config"]
+            add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))
+    return out
