@@ -111,6 +111,9 @@ class BranchIR:
     order:       None when the branch reads positions in the query order, else the
                  table that maps its virtual positions to raster positions
     single_segment: every query tile lies inside one segment of this branch
+    lanes:       the branch runs in its own launch whose query tiles walk its kept lanes
+                 u = s*w + o + r*m of one segment (full tiles, no row membership), merging
+                 into the running (out, lse) of the launches before it (LongNet Eq. 10)
     """
     index: int
     segment_length: int
@@ -120,6 +123,7 @@ class BranchIR:
     order: TableMap | None
     single_segment: bool
     keys_per_query: int
+    lanes: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -130,6 +134,7 @@ class BranchIR:
             "order": None if self.order is None else self.order.to_json(),
             "single_segment": self.single_segment,
             "keys_per_query": self.keys_per_query,
+            "lanes": self.lanes,
         }
 
 
@@ -166,9 +171,12 @@ class KernelConfig:
     # dq (query rows, keys per step, warps, stages); dq rows divide block_m
     bwd_kv: tuple[int, int, int, int] = (16, 16, 1, 1)
     bwd_dq: tuple[int, int, int, int] = (16, 16, 1, 1)
+    # lane kernels (branch-major launches): forward (rows, keys, warps, stages) and dq
+    lane_fwd: tuple[int, int, int, int] = (16, 16, 1, 1)
+    lane_dq: tuple[int, int, int, int] = (16, 16, 1, 1)
 
     def __post_init__(self) -> None:
-        for name in ("bwd_kv", "bwd_dq"):
+        for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq"):
             value = getattr(self, name)
             if len(value) != 4 or not all(isinstance(x, int) and x > 0 for x in value):
                 raise ValueError(f"KernelConfig.{name} = {value!r}: four positive ints")
@@ -179,7 +187,8 @@ class KernelConfig:
     def to_json(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "dot_precision": self.dot_precision,
-                "bwd_kv": list(self.bwd_kv), "bwd_dq": list(self.bwd_dq)}
+                "bwd_kv": list(self.bwd_kv), "bwd_dq": list(self.bwd_dq),
+                "lane_fwd": list(self.lane_fwd), "lane_dq": list(self.lane_dq)}
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,11 @@ def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | N
             f"curve_{rows}x{cols}", "sequence", rows, cols)
         return table, [None] * spec.num_branches   # branches read in the query order
     orders: list[ir.TableMap | None] = []
-    for i, w in enumerate(spec.segment_lengths):
+    for i, (w, r) in enumerate(spec.branches()):
         rows, cols = hil.grids[i] if hil.grids is not None else default_grid(w)
-        orders.append(None if _is_identity(rows, cols)
+        # r = 1 keeps every position of a segment whatever the order: no table needed
+        # (causal masks compare raster positions in either case)
+        orders.append(None if _is_identity(rows, cols) or r == 1
                       else ir.TableMap(f"segment_{rows}x{cols}", "segment", rows, cols))
     return None, orders
 
@@ -65,7 +67,9 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
         one_kv_head_per_query_head=spec.num_kv_heads == spec.num_heads)
 
 
-TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq")
+TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
+           "lane_fwd", "lane_dq", "lanes")
+LANES_CHOICES = ("auto", "all")
 
 
 def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
@@ -87,6 +91,17 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         bwd_kv = tuple(tuning.get("bwd_kv", bwd_kv))
         bwd_dq = tuple(tuning.get("bwd_dq", bwd_dq))
 
+    lane_fwd, lane_dq = target.lane_table(spec.head_dim, itemsize, spec.causal)
+    lanes_mode = "auto"
+    if tuning:
+        lane_fwd = tuple(tuning.get("lane_fwd", lane_fwd))
+        lane_dq = tuple(tuning.get("lane_dq", lane_dq))
+        lanes_mode = tuning.get("lanes", lanes_mode)
+        if lanes_mode not in LANES_CHOICES:
+            raise ValueError(f"tuning lanes = {lanes_mode!r}: one of {LANES_CHOICES}")
+    if lanes_mode == "auto":
+        lanes_mode = target.lanes_mode(spec.causal)
+
     # Branches whose membership follows the query lattice: r | w and no own table.
     lattice_ok = [orders[i] is None and w % r == 0 and r > 1
                   for i, (w, r) in enumerate(spec.branches())]
@@ -94,9 +109,25 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     if lattice > MAX_LATTICE:
         lattice, lattice_ok = 1, [False] * spec.num_branches
 
+    # Lane branches (single device only; a ring window keeps every branch in the fused
+    # kernel): those whose membership is per row (r does not divide w, or a curve table),
+    # or every branch with lanes = "all" (square causal diagonals). Each runs in its own
+    # launch over its kept lanes and merges into (out, lse); the fused kernel runs the rest.
+    def row_membership(i: int, w: int, r: int) -> bool:
+        return not (lattice_ok[i] or r == 1 and orders[i] is None)
+    lane = [spec.ring_size == 1 and (lanes_mode == "all" or row_membership(i, w, r))
+            for i, (w, r) in enumerate(spec.branches())]
+    if all(lane):
+        lattice = 1
+    elif any(lane):
+        lattice = _lcm([r for i, (w, r) in enumerate(spec.branches())
+                        if lattice_ok[i] and not lane[i]])
+
     # A tile covers the virtual range [L*BM*t, L*BM*(t+1)); shrink BM (not below 16,
-    # the smallest tl.dot tile) until that range nests inside every segment if it can.
-    gcd_w = reduce(math.gcd, spec.segment_lengths)
+    # the smallest tl.dot tile) until that range nests inside every segment of the
+    # fused kernel's branches if it can.
+    gcd_w = reduce(math.gcd, [w for i, w in enumerate(spec.segment_lengths) if not lane[i]]
+                   or spec.segment_lengths)
     bm = block_m
     while bm > 16 and gcd_w % (lattice * bm) != 0:
         bm //= 2
@@ -107,7 +138,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     for i, (w, r) in enumerate(spec.branches()):
         order = orders[i]
         key_map = ir.AffineMap(sympy.expand(s * w + o + r * j))
-        if lattice_ok[i] or r == 1 and order is None:
+        if not row_membership(i, w, r):
             keep_map = None
         else:
             # Lane offset of the query inside its segment (in the branch's own order).
@@ -116,14 +147,15 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
             index=i, segment_length=w, dilation=r, key_map=key_map, keep_map=keep_map,
             # single_segment: tiles nest in segments; a ring window must also start on a
             # tile boundary (the runtime passes ALIGNED), else its tiles loop over segments
-            order=order, single_segment=(w % (lattice * block_m) == 0),
-            keys_per_query=-(-w // r)))
+            order=order, single_segment=lane[i] or w % (lattice * block_m) == 0,
+            keys_per_query=-(-w // r), lanes=lane[i]))
 
-    # Query classes, longest work first: class d is kept by branches with r | d.
+    # Query classes of the fused kernel, longest work first: class d is kept by its
+    # branches with r | d.
     work = []
     for delta in range(lattice):
-        work.append(sum(b.keys_per_query for b in branches
-                        if b.keep_map is not None or delta % b.dilation == 0))
+        work.append(sum(b.keys_per_query for b in branches if not b.lanes
+                        and (b.keep_map is not None or delta % b.dilation == 0)))
     class_order = tuple(sorted(range(lattice), key=lambda x: (-work[x], x)))
     tiling = ir.QueryTiling(
         lattice=lattice, class_order=class_order,
@@ -139,17 +171,20 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     dq_m = block_m
     while dq_m > bwd_dq[0] and dq_m % 32 == 0:
         dq_m //= 2
-    if target.name == "interpreter":
+    if target.name == "interpreter" and not (tuning and ("bwd_kv" in tuning or "bwd_dq" in tuning)):
         bwd_kv, bwd_dq = (block_n, block_m, warps, stages), (block_m, block_n, warps, stages)
     # One dkdv launch for every branch, over key tiles of the query lattice (keys
     # u = c + L*m, class c kept by the same branches as query class c): possible when
     # every branch is a raster lattice branch (no row membership, no curve table), the
     # key tile nests in every segment, and there is no ring (whose windows use the
     # per-branch kernel).
+    # Lane branches take the per-branch dkdv after it (adding into float32 buffers).
+    fused_set = [b for b in branches if not b.lanes]
     def fusable(kv_tile) -> bool:
-        return (spec.ring_size == 1 and not tables
-                and all(b.keep_map is None for b in branches)
-                and all(b.segment_length % (lattice * kv_tile[0]) == 0 for b in branches))
+        return (spec.ring_size == 1 and bool(fused_set)
+                and not any(b.order is not None for b in fused_set) and query_order is None
+                and all(b.keep_map is None for b in fused_set)
+                and all(b.segment_length % (lattice * kv_tile[0]) == 0 for b in fused_set))
     fused_tile = target.fused_dkdv_tile(spec.head_dim, itemsize, spec.causal)
     if fused_tile and not (tuning and "bwd_kv" in tuning) and fusable(fused_tile):
         bwd_kv = fused_tile
@@ -157,6 +192,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     config = ir.KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps,
                              num_stages=stages, bwd_kv=tuple(bwd_kv),
                              bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
+                             lane_fwd=tuple(lane_fwd), lane_dq=tuple(lane_dq),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(
         fused_dkdv=fused_dkdv,

@@ -64,6 +64,22 @@ class Target:
             kv, dq = kv[:3] + (1,), dq[:3] + (1,)
         return kv, dq
 
+    def lane_table(self, head_dim: int, itemsize: int, causal: bool = False
+                   ) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """Tiles of the lane kernels (one branch, query tiles along its kept lanes):
+        forward (rows, keys, warps, stages) and dq. A lane tile's causal diagonal is
+        square, as in FlashAttention, so causal takes the non-causal tile."""
+        if self.name == "interpreter":
+            return (16, 16, 1, 1), (16, 16, 1, 1)
+        fwd = self.block_table(head_dim, itemsize, causal=False)
+        _, dq = self.backward_table(head_dim, itemsize, causal)
+        return fwd, dq
+
+    def lanes_mode(self, causal: bool) -> str:
+        """Which branches run as lane kernels by default: "auto" (those whose membership
+        is per row: r does not divide w, or a curve table) or "all"."""
+        return "auto"
+
     def fused_dkdv_tile(self, head_dim: int, itemsize: int, causal: bool = False
                         ) -> tuple[int, int, int, int] | None:
         """The dkdv tile the fused (all-branch) kernel prefers, or None for the

@@ -55,8 +55,12 @@ def test_row_membership_when_r_does_not_divide_w():
 
 
 def test_hilbert_tables_in_ir():
-    p = plan(_spec(segment_lengths=[16, 64], dilation_rates=[1, 2], hilbert={"scope": "segment"}), SM90)
+    p = plan(_spec(segment_lengths=[16, 64], dilation_rates=[3, 2], hilbert={"scope": "segment"}), SM90)
     assert [t.name for t in p.tables] == ["segment_4x4", "segment_8x8"]
+    # r = 1 keeps every position of a segment in any order: no table, a raster branch
+    p = plan(_spec(segment_lengths=[16, 64], dilation_rates=[1, 2], hilbert={"scope": "segment"}), SM90)
+    assert [t.name for t in p.tables] == ["segment_8x8"]
+    assert p.branches[0].order is None and not p.branches[0].lanes and p.branches[1].lanes
     p = plan(_spec(segment_lengths=[16], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [8, 8]}), SM90)
     assert p.query.order is not None and p.query.order.name == "curve_8x8"
 
@@ -101,8 +105,12 @@ def test_fused_dkdv_only_for_raster_lattice_branches():
         return plan(_spec(**kw), SM90).fused_dkdv
     assert fused(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
     assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True)
-    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 3])      # 3 does not divide w
-    assert not fused(segment_lengths=[2048], dilation_rates=[1], hilbert={"scope": "segment"})
+    # a lane branch (3 does not divide w; a curve table) takes the per-branch dkdv after
+    # the fused launch of the others
+    assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 3])
+    assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], hilbert={"scope": "segment"})
+    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[3, 6])    # every branch a lane branch
+    assert not fused(segment_lengths=[2048], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [32, 64]})
     assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], ring_size=2)
     assert not fused(segment_lengths=[64, 128], dilation_rates=[1, 2])         # L*64 does not divide 64
 
@@ -113,3 +121,25 @@ def test_planner_imports_no_torch():
     code = ("import sys, dilgen.planner, dilgen.codegen; "
             "bad = [m for m in ('torch', 'triton') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_lane_branches_are_the_row_membership_ones():
+    """r not dividing w, or a curve table: the branch runs as a lane kernel (its own launch,
+    query tiles along its kept lanes); the fused kernel keeps the lattice of the others."""
+    p = plan(_spec(segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 6, 12]), SM90)
+    assert [b.lanes for b in p.branches] == [False, False, False, True, True]
+    assert p.query.lattice == 4 and p.fused_dkdv
+    assert all(b.single_segment for b in p.branches)
+    # work of the fused kernel's classes counts only its own branches
+    assert sum(p.query.class_work) == 4 * 2048 + 2 * 2048 + 2048
+    # a ring keeps every branch in the fused (windowed) kernel
+    ring = plan(_spec(segment_lengths=[2048, 16384], dilation_rates=[1, 6], ring_size=2), SM90)
+    assert not any(b.lanes for b in ring.branches)
+
+
+def test_lanes_all_tuning():
+    spec = _spec(segment_lengths=[64, 128], dilation_rates=[1, 2], causal=True)
+    p = plan(spec, SM90, {"lanes": "all"})
+    assert all(b.lanes for b in p.branches) and p.query.lattice == 1 and not p.fused_dkdv
+    with pytest.raises(ValueError, match="lanes"):
+        plan(spec, SM90, {"lanes": "some"})

@@ -99,6 +99,19 @@ class _interpreting:
         return False
 
 
+def lane_order(plan: dict) -> list[int]:
+    """The lane branches in launch order: an r = 1 branch first (it keeps every row, so
+    it can write (out, lse) without a merge), then the others as the spec lists them."""
+    lanes = [br["index"] for br in plan["branches"] if br.get("lanes")]
+    return sorted(lanes, key=lambda i: (plan["branches"][i]["r"] != 1, i))
+
+
+def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
+    """(segments, lane tiles per segment) of a lane kernel launch for one branch."""
+    w, r = branch["w"], branch["r"]
+    return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
+
+
 class GeneratedAttention:
     """The callable of a generated module: `attention(q, k, v, return_lse=False)`.
 
@@ -108,10 +121,12 @@ class GeneratedAttention:
     interpreter.
     """
 
-    def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None) -> None:
+    def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
+                 lane_kernel=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
+        self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self._jitted: dict[Any, Any] = {}
         self._device_tensors: dict[tuple, tuple] = {}
@@ -171,27 +186,40 @@ class GeneratedAttention:
             lse.fill_(float("nan"))
         lattice = plan["query"]["lattice"]
         class_order, tables = self._launch_tensors(N, q.device)
-        block_m = cfg["block_m"]
-        num_m_tiles = math.ceil(math.ceil(N / lattice) / block_m)
-        grid = (lattice * num_m_tiles, B * H)
         interpret = q.device.type == "cpu"
-        kernel = self._kernel(interpret)
-        launch_opts = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-        args = (
-            q, k, v, out, lse, class_order, *tables,
-            N, num_m_tiles,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            interpret,
-        )
-        if interpret:
-            with _interpreting():
-                kernel[grid](*args)
-        else:
-            kernel[grid](*args, **launch_opts)
+        strides = (q.stride(0), q.stride(1), q.stride(2),
+                   k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2),
+                   out.stride(0), out.stride(1), out.stride(2),
+                   lse.stride(0), lse.stride(1))
+        lanes = lane_order(plan)
+        launches = []
+        if any(not br["lanes"] for br in plan["branches"]):
+            # the fused kernel: every branch that is not a lane branch; writes every row
+            num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
+            launches.append((self._kernel(interpret), (lattice * num_m_tiles, B * H),
+                             (q, k, v, out, lse, class_order, *tables, N, num_m_tiles,
+                              *strides, interpret),
+                             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
+        elif lanes and plan["branches"][lanes[0]]["r"] != 1:
+            out.zero_()                  # no launch writes every row: start from "no branch"
+            lse.fill_(float("-inf"))
+        accumulate = bool(launches) or not (lanes and plan["branches"][lanes[0]]["r"] == 1)
+        for i in lanes:
+            br = plan["branches"][i]
+            n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
+            launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
+                             (B * H * n_seg * n_tiles,),
+                             (q, k, v, out, lse, *tables, N, B * H, n_seg, n_tiles,
+                              *strides, interpret, i, accumulate),
+                             {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
+            accumulate = True
+        for kernel, grid, args, opts in launches:
+            if interpret:
+                with _interpreting():
+                    kernel[grid](*args)
+            else:
+                kernel[grid](*args, **opts)
         self.launches += 1
         return out, lse
 

@@ -57,14 +57,30 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
 
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
 
-    dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    lanes = _rt.lane_order(plan)
+    has_fused_q = any(not br["lanes"] for br in plan["branches"])
+    # dK, dV: the fused launch covers the fused kernel's branches; per-branch launches the rest
+    per_branch = ([br for br in plan["branches"] if br["lanes"]] if conf.get("fused_dkdv")
+                  else plan["branches"])
+    if lanes:   # lane launches add their dQ: float32 accumulation
+        dq = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
     if _rt._POISON:
         dq.fill_(float("nan"))
         delta.fill_(float("nan"))
+    if lanes and not has_fused_q and plan["branches"][lanes[0]]["r"] != 1:
+        dq.zero_()              # no launch writes every row of dq
     fused = conf.get("fused_dkdv", False)
-    if fused:   # one launch writes every row of dk, dv in k's dtype
+    if fused and not per_branch:   # one launch writes every row of dk, dv in k's dtype
         dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
         dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
+        if _rt._POISON:
+            dk.fill_(float("nan"))
+            dv.fill_(float("nan"))
+    elif fused:  # the fused launch writes every row, then lane branches add: float32
+        dk = torch.empty(k.shape, dtype=torch.float32, device=dev)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=dev)
         if _rt._POISON:
             dk.fill_(float("nan"))
             dv.fill_(float("nan"))
@@ -103,24 +119,35 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
                 N, n_kt, *q_strides, *k_strides, *v_strides, *do_strides,
                 dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
                 interpret, **launch["dkdv_fused"])
-        for br in ([] if fused else plan["branches"]):
+        for br in per_branch:
             w, r = br["w"], br["r"]
             n_seg = math.ceil(N / w)
             n_o = min(group, r)
-            lanes = math.ceil(min(w, N) / r)
-            n_jt = math.ceil(lanes / kv_bn)
+            n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
             dkdv[(n_seg * n_o * n_jt, B * Hkv)](
                 q, k, v, grad_out, dk, dv, lse, delta, *tables,
                 N, n_jt, *q_strides, *k_strides, *v_strides, *do_strides,
                 dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
                 interpret, br["index"], **launch["dkdv"])
-        bm = conf["dq_block_m"]
-        num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
-        dqk[(lattice * num_m_tiles, B * H)](
-            q, k, v, grad_out, dq, lse, delta, class_order, *tables,
-            N, num_m_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *l_strides,
-            interpret, **launch["dq"])
+        dq_strides = (dq.stride(0), dq.stride(1), dq.stride(2))
+        if has_fused_q:
+            bm = conf["dq_block_m"]
+            num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
+            dqk[(lattice * num_m_tiles, B * H)](
+                q, k, v, grad_out, dq, lse, delta, class_order, *tables,
+                N, num_m_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
+                *dq_strides, *l_strides,
+                interpret, **launch["dq"])
+        accumulate = has_fused_q or plan["branches"][lanes[0]]["r"] != 1 if lanes else False
+        for i in lanes:
+            n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
+            dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
+            dq_lanes[(B * H * n_seg * n_tiles,)](
+                q, k, v, grad_out, dq, lse, delta, *tables,
+                N, B * H, n_seg, n_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
+                *dq_strides, *l_strides,
+                interpret, i, accumulate, **launch["dq_lanes"])
+            accumulate = True
 
     if interpret:
         with _interpreting():
@@ -128,6 +155,4 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     else:
         launches()
     attn.launches += 1
-    if fused:
-        return dq, dk, dv
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
