@@ -3,6 +3,7 @@ bad arguments, with one clear line on stderr."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -90,14 +91,29 @@ def cmd_compile(args) -> int:
     spec = load_spec(args.spec)            # a bad spec fails before the heavy imports
     from .compiler import write_module
     target = _target(args.arch)
-    path, plan = write_module(spec, target, args.out)
+    path, plan = write_module(spec, target, args.out)   # --out default: compiler.generated_dir
     if args.dump_ir:
         print(plan.dumps())
         print(f"wrote {path}", file=sys.stderr)
         return EXIT_OK
     print(f"wrote {path}")
+    print(import_hint(path))
     print(plan_summary(plan))
     return EXIT_OK
+
+
+def import_hint(path: Path) -> str:
+    """How a program imports the module at `path`: its dotted name through the enclosing
+    packages (folders with an __init__.py), and the folder that must be on sys.path."""
+    path = Path(path).resolve()
+    parts, folder = [path.stem], path.parent
+    while (folder / "__init__.py").is_file() and folder.parent != folder:
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    line = f"import: from {'.'.join(parts)} import attention"
+    if folder == Path.cwd():
+        return f"{line}   (run from this folder, or with it on PYTHONPATH)"
+    return f"{line}   (with PYTHONPATH={folder})"
 
 
 def cmd_build(args) -> int:
@@ -191,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="validate, plan and emit generated/<name>.py")
     p.add_argument("spec", help="the spec JSON file")
     p.add_argument("--arch", default="sm90", help="sm90 (default), sm80 or interpreter")
-    p.add_argument("--out", default="generated", help="output folder (default generated/)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default generated/ for sm90, generated/<arch>/ for "
+                        "another --arch)")
     p.add_argument("--dump-ir", action="store_true", help="print the IR as JSON on stdout")
     p.set_defaults(func=cmd_compile)
 
