@@ -207,6 +207,27 @@ def test_explain_prints_summary_with_gflop(tmp_path):
     assert value == pytest.approx(_useful_gflop(LONGNET, 4096), rel=1e-3)
 
 
+def test_explain_png_draws_the_pattern(tmp_path):
+    """README set-up installs matplotlib (the `test` extra; `dilgen[plot]` alone)."""
+    pytest.importorskip("matplotlib", reason="matplotlib comes with `pip install -e .[test]`")
+    spec_path = write_spec(tmp_path, TINY)
+    png = tmp_path / "pattern.png"
+    rc, out, err = main_in_process("explain", spec_path, "--seq-len", "64", "--png", png)
+    assert rc == 0, err
+    assert f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_explain_png_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)    # `import matplotlib` fails
+    spec_path = write_spec(tmp_path, TINY)
+    png = tmp_path / "pattern.png"
+    rc, out, err = main_in_process("explain", spec_path, "--png", png)
+    line = one_error_line((rc, err))
+    assert "matplotlib" in line and "dilgen[plot]" in line, line
+    assert not png.exists()
+
+
 def test_explain_bad_arguments(tmp_path):
     spec_path = write_spec(tmp_path, TINY)
     rc, out, err = main_in_process("explain", spec_path, "--seq-len", "0")
@@ -245,6 +266,28 @@ def test_build_progress_then_nothing_to_do(tmp_path):
     assert third.returncode == 0, third.stderr
     assert "nothing to do" not in third.stdout
     assert "built 1 of 2" in third.stdout
+
+
+def test_build_progress_without_tqdm_prints_plain_lines(tmp_path, cache_dir, monkeypatch):
+    """tqdm is optional (`pip install dilgen[cli]`): without it, `dilgen build` prints one
+    plain line per kernel as it starts, and the same summary."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)          # `from tqdm import tqdm` fails
+    with pytest.raises(ImportError):
+        from tqdm import tqdm  # noqa: F401
+    specs = tmp_path / "specs"
+    write_spec(specs, dict(TINY, name="plain_a"))
+    write_spec(specs, dict(TINY_GQA_CAUSAL, name="plain_b"))
+    rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
+    assert rc == 0, err
+    assert out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
+                                    "2/2 plain_b [interpreter]"], out
+    assert "built 2 of 2" in out and not re.search(r"\[#+-*\]", out), out
+    from dilgen import compiler
+    monkeypatch.setattr(compiler, "_MODULES", {})          # as a second process would start
+    rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
+    assert rc == 0 and out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
+                                                "2/2 plain_b [interpreter]"], out
+    assert "nothing to do" in out
 
 
 def test_build_refuses_a_folder_with_a_bad_spec_before_building(tmp_path):
