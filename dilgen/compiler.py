@@ -173,12 +173,31 @@ def compile(spec: Spec | str | os.PathLike, target: str | Target | None = None) 
     return Kernel(spec, t)
 
 
-def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=None):
-    """One-call form: `dilgen.compile(spec)(q, k, v)` with the kernel kept per spec."""
-    kernel = _KERNELS.get(spec.key())
+def _kernel_for(spec: Spec) -> Kernel:
+    """The Kernel kept for `spec` (one per spec key), made on first use."""
+    key = spec.key()
+    kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[spec.key()] = Kernel(spec)
-    return kernel(q, k, v, return_lse=return_lse, group=group)
+        kernel = _KERNELS[key] = Kernel(spec)
+    return kernel
+
+
+def _op_key_for(spec: Spec) -> str:
+    return _kernel_for(spec)._op_key
+
+
+def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=None):
+    """One-call form: `dilgen.compile(spec)(q, k, v)` with the kernel kept per spec. It
+    runs through the custom op dilgen::attention_fwd, so it traces under
+    torch.compile(fullgraph=True): the kernel of `spec` is found (or made) once while
+    tracing, outside the graph (runtime.op.constant_key), and a call with another spec
+    object is traced again."""
+    import torch
+    if torch.compiler.is_compiling():
+        from .runtime.op import constant_key, kernel_call
+        return kernel_call(constant_key(_op_key_for, spec), q, k, v, return_lse=return_lse,
+                           group=group)
+    return _kernel_for(spec)(q, k, v, return_lse=return_lse, group=group)
 
 
 #: The architecture `dilgen compile` targets unless told otherwise.

@@ -184,6 +184,60 @@ def test_kernel_from_dilgen_compile_under_fullgraph(fresh_dynamo):
     _check_close(got, _reference(spec, model, data), TOL, "Kernel under aot_eager")
 
 
+def _one_call(spec):
+    """`dilgen.dilated_attention(..., spec)` as the attention of TinyModel."""
+    return lambda q, k, v, return_lse=False: dilgen.dilated_attention(q, k, v, spec,
+                                                                       return_lse=return_lse)
+
+
+def test_one_call_form_under_fullgraph(fresh_dynamo):
+    """dilgen.dilated_attention traces as one graph, before any eager call of the spec
+    (its kernel is made while tracing, outside the graph), with gradients; the same spec
+    object does not retrace, another one (even an equal spec) does, and stays right."""
+    from dilgen import compiler
+    spec = _spec("tc_one_call")
+    assert spec.key() not in compiler._KERNELS            # cold: nothing made eagerly yet
+    model = _model(_one_call(spec), spec, seed=9)
+    data = _data(spec, 24, seed=10)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    got = _run(compiled, model, data)
+    assert counter.frame_count == 1
+    _check_close(got, _reference(spec, model, data), TOL, "dilated_attention under aot_eager")
+    _run(compiled, model, data)
+    assert counter.frame_count == 1                       # same spec object: no retrace
+
+    other = _spec("tc_one_call", causal=True)
+    model.attention = _one_call(other)
+    got = _run(compiled, model, data)
+    assert counter.frame_count == 2
+    _check_close(got, _reference(other, model, data), TOL, "another spec")
+
+
+def test_one_call_form_is_the_custom_op(fresh_dynamo):
+    """Eagerly and in the traced graph, the one-call form is dilgen::attention_fwd."""
+    spec = _spec("tc_one_call_op")
+    d = _data(spec, 16, seed=11)
+    q = d["x"].clone().requires_grad_(True)
+    out = dilgen.dilated_attention(q, d["k"], d["v"], spec)
+    assert "dilgen_attention_fwd" in type(out.grad_fn).__name__
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: dilgen.dilated_attention(q, k, v, spec, return_lse=True),
+                       backend=record, fullgraph=True)
+    got, lse = fn(d["x"], d["k"], d["v"])
+    want, want_lse = dilgen.dilated_attention(d["x"], d["k"], d["v"], spec, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    (gm,) = graphs
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.dilgen.attention_fwd.default in targets, gm.graph
+
+
 def test_nn_layer_under_fullgraph(fresh_dynamo):
     from conftest import device
     from dilgen.nn import MultiheadDilatedAttention

@@ -98,9 +98,10 @@ def attention_op(attn, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
 def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
                 chunk_order: str = "contiguous"):
     """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
-    in `kernel._op_key`), without building anything at trace time: for torch.compile."""
+    in `kernel._op_key`; or that key itself), without building anything at trace time:
+    for torch.compile."""
     from . import InputError, _check_inputs
-    key = kernel._op_key
+    key = kernel if isinstance(kernel, str) else kernel._op_key
     spec = _SPECS[key]
     if spec["ring_size"] > 1:
         raise NotImplementedError(f"{spec['name']}: ring_size > 1 specs do not run under "
@@ -112,6 +113,15 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
     _check_inputs(spec, q, k, v)
     out, lse = attention_fwd(q, k, v, key)
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.assume_constant_result
+def constant_key(make_key, obj) -> str:
+    """`make_key(obj)`, a string. Under torch.compile it runs once while tracing, eagerly
+    and outside the graph (hashing, building), and its result is a constant of the graph,
+    guarded on the identity of `obj`: another object is traced again. dilgen.dilated_attention
+    finds (or makes) the kernel of a spec with it."""
+    return make_key(obj)
 
 
 @torch.library.custom_op("dilgen::attention_fwd", mutates_args=())
