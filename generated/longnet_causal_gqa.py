@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: b26de4108da12793
-# plan key:      76b8e1c789e3d055c1220fbf0202a644c9528c0598b85efa45a1a4f3ef72410d
+# template hash: e18999759648f1ee
+# plan key:      0392e06ce38abc78dbcfc7c1db786cf8f30dd659b20a2972aa9f698397c97089
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -39,6 +39,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 2048,
+            "lanes": False,
             "membership": "class",
             "order": None,
             "r": 1,
@@ -56,6 +57,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 1366,
+            "lanes": True,
             "membership": "row",
             "order": None,
             "r": 6,
@@ -73,6 +75,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 2731,
+            "lanes": True,
             "membership": "row",
             "order": None,
             "r": 12,
@@ -87,18 +90,20 @@ PLAN = {
         "bwd_dq": [64, 32, 4, 3],
         "bwd_kv": [64, 32, 4, 3],
         "dot_precision": None,
+        "lane_dq": [64, 32, 4, 3],
+        "lane_fwd": [128, 64, 8, 3],
         "num_stages": 3,
         "num_warps": 4
     },
     "dtype": "bfloat16",
-    "fused_dkdv": False,
+    "fused_dkdv": True,
     "head_dim": 128,
     "num_heads": 16,
     "num_kv_heads": 4,
     "query": {
         "block_m": 64,
         "class_order": [0],
-        "class_work": [6145],
+        "class_work": [2048],
         "lattice": 1,
         "order": None,
         "query_map": {
@@ -155,8 +160,8 @@ def longnet_causal_gqa_fwd_kernel(
     m_i, l_i   running max (log2 domain) and softmax denominator; acc the unnormalised output
     Branches:
       0: w = 2048, r = 1, key u = j + o + 2048*s, class membership, one segment per tile
-      1: w = 8192, r = 6, key u = 6*j + o + 8192*s, row membership, one segment per tile
-      2: w = 32768, r = 12, key u = 12*j + o + 32768*s, row membership, one segment per tile
+      1: w = 8192, r = 6: its own launch, longnet_causal_gqa_fwd_lanes (below)
+      2: w = 32768, r = 12: its own launch, longnet_causal_gqa_fwd_lanes (below)
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -233,110 +238,6 @@ def longnet_causal_gqa_fwd_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # ---- branch 1: w = 8192, r = 6 ----
-    o = h % 6
-    u_b = u_q
-    keep = q_valid & (((((u_b) % 8192)) % 6) == o)
-    s = u_first // 8192
-    seg_start = s * 8192
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 5, 0) // 6
-    # causal: lanes past the tile's last query are never needed; lanes up to its first
-    # query need no causal mask
-    n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 6, 0) // 6)
-    n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 6, 0) // 6)
-    n_free = (n_free // BLOCK_N) * BLOCK_N
-    for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BLOCK_N)
-        u_k = 6*j + o + 8192*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(keep[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BLOCK_N)
-        k_valid = j < n_keys
-        u_k = 6*j + o + 8192*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(k_valid[None, :] & keep[:, None] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    # ---- branch 2: w = 32768, r = 12 ----
-    o = h % 12
-    u_b = u_q
-    keep = q_valid & (((((u_b) % 32768)) % 12) == o)
-    s = u_first // 32768
-    seg_start = s * 32768
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 32768) - o + 11, 0) // 12
-    # causal: lanes past the tile's last query are never needed; lanes up to its first
-    # query need no causal mask
-    n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 12, 0) // 12)
-    n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 12, 0) // 12)
-    n_free = (n_free // BLOCK_N) * BLOCK_N
-    for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BLOCK_N)
-        u_k = 12*j + o + 32768*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(keep[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BLOCK_N)
-        k_valid = j < n_keys
-        u_k = 12*j + o + 32768*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(k_valid[None, :] & keep[:, None] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -344,6 +245,208 @@ def longnet_causal_gqa_fwd_kernel(
     o_ptrs = Out + b * stride_ob + h * stride_oh + p_q.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
     tl.store(Lse + b * stride_lb + h * stride_lh + p_q, lse, mask=q_valid)
+
+
+# Tile of the lane kernels, chosen by the planner for sm90.
+LANE_BLOCK_M = tl.constexpr(128)
+LANE_BLOCK_N = tl.constexpr(64)
+
+
+def longnet_causal_gqa_fwd_lanes(
+    Q, K, V, Out, Lse,
+    N, num_bh, num_segments, num_lane_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+    BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
+
+    Notation (as in longnet_causal_gqa_fwd_kernel, plus):
+    pid        (b, h) = divmod(pid % num_bh, 16), tile t = pid // num_bh: every head's
+               tile t is launched before any head's tile t + 1 (longest causal tiles first)
+    s, mt      segment of the branch and lane tile of tile t
+    m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
+               (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
+               of its segment with no row membership and a square causal diagonal
+    ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    Lane branches:
+      1: w = 8192, r = 6, key u = 6*j + o + 8192*s
+      2: w = 32768, r = 12, key u = 12*j + o + 32768*s
+    """
+    pid = tl.program_id(0)
+    pid_bh = pid % num_bh
+    t = pid // num_bh
+    b = (pid_bh // 16).to(tl.int64)
+    h = pid_bh % 16
+    kvh = h // 4
+    mt = num_lane_tiles - 1 - t // num_segments  # longest tiles first
+    s = t % num_segments
+    m0 = mt * LANE_BLOCK_M
+    m = m0 + tl.arange(0, LANE_BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    if BRANCH == 1:
+        # ---- branch 1: w = 8192, r = 6, key u = 6*j + o + 8192*s ----
+        o = h % 6
+        seg_start = s * 8192
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 5, 0) // 6
+        q_valid = m < n_lanes
+        u_q = 6*m + o + 8192*s
+        p_q = u_q
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([LANE_BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        # causal: key lanes up to the tile's first query lane need no mask; lanes past its
+        # last one are never needed (the diagonal is the LANE_BLOCK_M lanes of the tile)
+        n_free = tl.minimum(m0, n_keys)
+        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
+        n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+        for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            u_k = 6*j + o + 8192*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new  # every score of this block is finite
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = 6*j + o + 8192*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        o_rows = Out + b * stride_ob + h * stride_oh + p_q.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+        l_rows = Lse + b * stride_lb + h * stride_lh + p_q
+        if ACCUMULATE:  # merge with the launches before this one
+            lse_acc = tl.load(l_rows, mask=q_valid, other=float("-inf"))
+            out_acc = tl.load(o_rows, mask=q_valid[:, None], other=0.0).to(tl.float32)
+            top = tl.maximum(lse_acc, lse)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_acc = tl.exp(lse_acc - top)
+            w_new = tl.exp(lse - top)
+            total = w_acc + w_new
+            total_safe = tl.where(total == 0.0, 1.0, total)
+            out_acc = tl.where((w_acc > 0.0)[:, None], out_acc * w_acc[:, None], 0.0)
+            out = (out_acc + out * w_new[:, None]) / total_safe[:, None]
+            lse = tl.where(total == 0.0, float("-inf"), top + tl.log(total_safe))
+        tl.store(o_rows, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+        tl.store(l_rows, lse, mask=q_valid)
+    if BRANCH == 2:
+        # ---- branch 2: w = 32768, r = 12, key u = 12*j + o + 32768*s ----
+        o = h % 12
+        seg_start = s * 32768
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 32768) - o + 11, 0) // 12
+        q_valid = m < n_lanes
+        u_q = 12*m + o + 32768*s
+        p_q = u_q
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([LANE_BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        # causal: key lanes up to the tile's first query lane need no mask; lanes past its
+        # last one are never needed (the diagonal is the LANE_BLOCK_M lanes of the tile)
+        n_free = tl.minimum(m0, n_keys)
+        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
+        n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+        for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            u_k = 12*j + o + 32768*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new  # every score of this block is finite
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = 12*j + o + 32768*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        o_rows = Out + b * stride_ob + h * stride_oh + p_q.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+        l_rows = Lse + b * stride_lb + h * stride_lh + p_q
+        if ACCUMULATE:  # merge with the launches before this one
+            lse_acc = tl.load(l_rows, mask=q_valid, other=float("-inf"))
+            out_acc = tl.load(o_rows, mask=q_valid[:, None], other=0.0).to(tl.float32)
+            top = tl.maximum(lse_acc, lse)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_acc = tl.exp(lse_acc - top)
+            w_new = tl.exp(lse - top)
+            total = w_acc + w_new
+            total_safe = tl.where(total == 0.0, 1.0, total)
+            out_acc = tl.where((w_acc > 0.0)[:, None], out_acc * w_acc[:, None], 0.0)
+            out = (out_acc + out * w_new[:, None]) / total_safe[:, None]
+            lse = tl.where(total == 0.0, float("-inf"), top + tl.log(total_safe))
+        tl.store(o_rows, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+        tl.store(l_rows, lse, mask=q_valid)
 
 
 
@@ -726,6 +829,140 @@ def longnet_causal_gqa_bwd_dkdv(
         tl.store(dv_ptrs, dv, mask=k_valid[:, None])
 
 
+def longnet_causal_gqa_bwd_dkdv_fused(
+    Q, K, V, DO, DK, DV, Lse, Delta,
+    N, num_k_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+):
+    """dK, dV of every branch in one program per key tile, written once in K's dtype
+    into DK, DV (B, N, H_kv, D), which share their strides.
+
+    Program (t, b*H_kv + kvh): key class c = t // num_k_tiles (0 <= c < L = 1), key rows
+    u = c + 1*m, m = m0 + [0, BWD_KV_BLOCK_N), m0 = (t % num_k_tiles)*BWD_KV_BLOCK_N; the tile lies
+    in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
+    the kv group (size 4) branch (w, r) keeps these keys iff r divides c - h (r | L,
+    o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
+    the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
+    branches counts twice; every key row belongs to one program: no atomics, no zero
+    fill, no float32 buffers.
+    """
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // 4).to(tl.int64)
+    kvh = pid_bh % 4
+    c = pid_t // num_k_tiles
+    m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
+    u_k = c + 1 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
+    k_valid = u_k < N
+    p_k = u_k
+    u_first = c + 1 * m0
+    u_end = c + 1 * (m0 + BWD_KV_BLOCK_N - 1)  # last key of the tile, maybe past N
+    u_last = tl.minimum(u_end, N - 1)
+    tile_full = u_end < N
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    for g in range(4):
+        h = kvh * 4 + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        l_off = b * stride_lb + h * stride_lh
+        # ---- branch 0: w = 2048, r = 1, key u = j + o + 2048*s ----
+        if True:  # r = 1 keeps every key in every head
+            o = h % 1
+            s = u_first // 2048
+            seg_start = s * 2048
+            n_lanes = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
+            q_end = tl.where(u_first < N, n_lanes, 0)
+            # query lanes [q_start, q_end), in up to three loops: blocks meeting the causal
+            # diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+            q_start = tl.minimum((tl.maximum(u_first - seg_start - o, 0) + 0) // 1, q_end)  # lanes before the tile never see it
+            q_mid = tl.maximum((tl.maximum(u_last - seg_start - o, 0) + 0) // 1, q_start)  # from here: at or past every key
+            q_mid = tl.minimum(q_start + (q_mid - q_start + BWD_KV_BLOCK_M - 1) // BWD_KV_BLOCK_M * BWD_KV_BLOCK_M, q_end)  # whole diagonal blocks
+            q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                q_valid = jq < n_lanes
+                u_q = jq + o + 2048*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                mask = k_valid[:, None] & q_valid[None, :]
+                mask = mask & (p_k[:, None] <= p_q[None, :])
+                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = jq + o + 2048*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                q_valid = jq < n_lanes
+                u_q = jq + o + 2048*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                mask = k_valid[:, None] & q_valid[None, :]
+                mask = mask & (p_k[:, None] <= p_q[None, :])
+                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+    rows = p_k.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
+    tl.store(DK + b * stride_dkb + kvh * stride_dkh + rows, (dk * 0.08838834764831843).to(DK.dtype.element_ty), mask=k_valid[:, None])
+    tl.store(DV + b * stride_dkb + kvh * stride_dkh + rows, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
+
+
 def longnet_causal_gqa_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     N, num_m_tiles,
@@ -814,112 +1051,184 @@ def longnet_causal_gqa_bwd_dq(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
 
-    # ---- branch 1: w = 8192, r = 6 ----
-    o = h % 6
-    u_b = u_q
-    keep = q_valid & (((((u_b) % 8192)) % 6) == o)
-    s = u_first // 8192
-    seg_start = s * 8192
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 5, 0) // 6
-    # causal: lanes past the tile's last query are never needed; lanes up to its first
-    # query need no causal mask
-    n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 6, 0) // 6)
-    n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 6, 0) // 6)
-    n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
-    for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        u_k = 6*j + o + 8192*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(keep[:, None], tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        k_valid = j < n_keys
-        u_k = 6*j + o + 8192*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(k_valid[None, :] & keep[:, None] & (p_k[None, :] <= p_q[:, None]), tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-
-    # ---- branch 2: w = 32768, r = 12 ----
-    o = h % 12
-    u_b = u_q
-    keep = q_valid & (((((u_b) % 32768)) % 12) == o)
-    s = u_first // 32768
-    seg_start = s * 32768
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 32768) - o + 11, 0) // 12
-    # causal: lanes past the tile's last query are never needed; lanes up to its first
-    # query need no causal mask
-    n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 12, 0) // 12)
-    n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 12, 0) // 12)
-    n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
-    for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        u_k = 12*j + o + 32768*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(keep[:, None], tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        k_valid = j < n_keys
-        u_k = 12*j + o + 32768*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(k_valid[None, :] & keep[:, None] & (p_k[None, :] <= p_q[:, None]), tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
     tl.store(dq_ptrs, (dq * 0.08838834764831843).to(DQ.dtype.element_ty), mask=q_valid[:, None])
+
+
+LANE_DQ_BLOCK_M = tl.constexpr(64)
+LANE_DQ_BLOCK_N = tl.constexpr(32)
+
+
+def longnet_causal_gqa_bwd_dq_lanes(
+    Q, K, V, DO, DQ, Lse, Delta,
+    N, num_bh, num_segments, num_lane_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_dqb, stride_dqn, stride_dqh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+    BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """dQ of one lane branch (BRANCH), with the tiling of longnet_causal_gqa_fwd_lanes (query lanes
+    u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ."""
+    pid = tl.program_id(0)
+    pid_bh = pid % num_bh
+    t = pid // num_bh
+    b = (pid_bh // 16).to(tl.int64)
+    h = pid_bh % 16
+    kvh = h // 4
+    mt = num_lane_tiles - 1 - t // num_segments  # longest tiles first
+    s = t % num_segments
+    m0 = mt * LANE_DQ_BLOCK_M
+    m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    l_off = b * stride_lb + h * stride_lh
+    qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    if BRANCH == 1:
+        # ---- branch 1: w = 8192, r = 6, key u = 6*j + o + 8192*s ----
+        o = h % 6
+        seg_start = s * 8192
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 5, 0) // 6
+        q_valid = m < n_lanes
+        u_q = 6*m + o + 8192*s
+        p_q = u_q
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            dout = dout.to(tl.float32)
+        lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+        delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
+        dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        n_free = tl.minimum(m0, n_keys)  # causal: lanes before the tile's first query: no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)
+        n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+        for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            u_k = 6*j + o + 8192*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.math.exp2(qk)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = 6*j + o + 8192*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), tl.math.exp2(qk), 0.0)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
+        dq = dq * 0.08838834764831843
+        if ACCUMULATE:
+            dq += tl.load(dq_ptrs, mask=q_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_valid[:, None])
+    if BRANCH == 2:
+        # ---- branch 2: w = 32768, r = 12, key u = 12*j + o + 32768*s ----
+        o = h % 12
+        seg_start = s * 32768
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 32768) - o + 11, 0) // 12
+        q_valid = m < n_lanes
+        u_q = 12*m + o + 32768*s
+        p_q = u_q
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            dout = dout.to(tl.float32)
+        lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+        delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
+        dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        n_free = tl.minimum(m0, n_keys)  # causal: lanes before the tile's first query: no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)
+        n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+        for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            u_k = 12*j + o + 32768*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.math.exp2(qk)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = 12*j + o + 32768*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), tl.math.exp2(qk), 0.0)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
+        dq = dq * 0.08838834764831843
+        if ACCUMULATE:
+            dq += tl.load(dq_ptrs, mask=q_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_valid[:, None])
 
 
 BACKWARD_KERNELS = {
     "preprocess": longnet_causal_gqa_bwd_preprocess,
     "dkdv": longnet_causal_gqa_bwd_dkdv,
     "dq": longnet_causal_gqa_bwd_dq,
+    "dkdv_fused": longnet_causal_gqa_bwd_dkdv_fused,  # replaces the per-branch dkdv launches of the fused kernel's branches
+    "dq_lanes": longnet_causal_gqa_bwd_dq_lanes,  # dQ of the lane branches, after "dq"
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
         "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64,
-        "fused_dkdv": False,
+        "lane_dq_block_m": 64,
+        "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
+                   "dkdv_fused": {"num_warps": 4, "num_stages": 3},
+                   "dq_lanes": {"num_warps": 4, "num_stages": 3},
                    "dq": {"num_warps": 4, "num_stages": 3}},
     },
 }
 
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_causal_gqa_fwd_kernel,
-                               backward_kernels=BACKWARD_KERNELS)
+                               backward_kernels=BACKWARD_KERNELS,
+                               lane_kernel=longnet_causal_gqa_fwd_lanes)

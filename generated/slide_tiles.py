@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: b26de4108da12793
-# plan key:      6274fb53ab934da61239b4fdad9c75495dae601ebda56e6a2a5d0172066179ad
+# template hash: e18999759648f1ee
+# plan key:      98dd34576d92f9d92a90fa324f12d8037be4dab9e1d6eee14439f4e641b9b368
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -35,23 +35,15 @@ PLAN = {
     "branches": [
         {
             "index": 0,
-            "keep_map": {
-                "expr": "0",
-                "kind": "affine"
-            },
+            "keep_map": None,
             "key_map": {
                 "expr": "j + o + 1024*s",
                 "kind": "affine"
             },
             "keys_per_query": 1024,
-            "membership": "row",
-            "order": {
-                "curve": "gilbert2d",
-                "grid": [32, 32],
-                "kind": "table",
-                "name": "segment_32x32",
-                "scope": "segment"
-            },
+            "lanes": False,
+            "membership": "class",
+            "order": None,
             "r": 1,
             "single_segment": True,
             "w": 1024
@@ -67,6 +59,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 1024,
+            "lanes": True,
             "membership": "row",
             "order": {
                 "curve": "gilbert2d",
@@ -85,20 +78,22 @@ PLAN = {
         "block_m": 128,
         "block_n": 64,
         "bwd_dq": [128, 64, 4, 3],
-        "bwd_kv": [64, 32, 4, 3],
+        "bwd_kv": [128, 32, 4, 3],
         "dot_precision": None,
+        "lane_dq": [128, 64, 4, 3],
+        "lane_fwd": [128, 64, 8, 3],
         "num_stages": 3,
         "num_warps": 8
     },
     "dtype": "bfloat16",
-    "fused_dkdv": False,
+    "fused_dkdv": True,
     "head_dim": 64,
     "num_heads": 8,
     "num_kv_heads": 2,
     "query": {
         "block_m": 128,
         "class_order": [0],
-        "class_work": [2048],
+        "class_work": [1024],
         "lattice": 1,
         "order": None,
         "query_map": {
@@ -130,13 +125,6 @@ PLAN = {
     "tables": [
         {
             "curve": "gilbert2d",
-            "grid": [32, 32],
-            "kind": "table",
-            "name": "segment_32x32",
-            "scope": "segment"
-        },
-        {
-            "curve": "gilbert2d",
             "grid": [64, 64],
             "kind": "table",
             "name": "segment_64x64",
@@ -155,7 +143,6 @@ HEAD_DIM = tl.constexpr(64)
 def slide_tiles_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
     Fwd0, Inv0,
-    Fwd1, Inv1,
     N, num_m_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -173,8 +160,8 @@ def slide_tiles_fwd_kernel(
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
     m_i, l_i   running max (log2 domain) and softmax denominator; acc the unnormalised output
     Branches:
-      0: w = 1024, r = 1, key u = j + o + 1024*s, row membership, curve table segment_32x32, one segment per tile
-      1: w = 4096, r = 4, key u = 4*j + o + 4096*s, row membership, curve table segment_64x64, one segment per tile
+      0: w = 1024, r = 1, key u = j + o + 1024*s, class membership, one segment per tile
+      1: w = 4096, r = 4: its own launch, slide_tiles_fwd_lanes (below)
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -204,8 +191,6 @@ def slide_tiles_fwd_kernel(
 
     # ---- branch 0: w = 1024, r = 1 ----
     o = h % 1
-    u_b = tl.load(Inv0 + p_q, mask=q_valid, other=0)
-    keep = q_valid & (0 == o)
     s = u_first // 1024
     seg_start = s * 1024
     n_keys = tl.maximum(tl.minimum(N - seg_start, 1024) - o + 0, 0) // 1
@@ -214,7 +199,7 @@ def slide_tiles_fwd_kernel(
     for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BLOCK_N)
         u_k = j + o + 1024*s
-        p_k = tl.load(Fwd0 + u_k)
+        p_k = u_k
         k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
         if UPCAST:
             k = k.to(tl.float32)
@@ -222,9 +207,8 @@ def slide_tiles_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(keep[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_use = m_new  # every score of this block is finite
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -234,7 +218,7 @@ def slide_tiles_fwd_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
         u_k = j + o + 1024*s
-        p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+        p_k = u_k
         k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -242,56 +226,7 @@ def slide_tiles_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(k_valid[None, :] & keep[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    # ---- branch 1: w = 4096, r = 4 ----
-    o = h % 4
-    u_b = tl.load(Inv1 + p_q, mask=q_valid, other=0)
-    keep = q_valid & (((u_b) % 4) == o)
-    s = u_first // 4096
-    seg_start = s * 4096
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 3, 0) // 4
-    n_free = n_keys
-    n_free = (n_free // BLOCK_N) * BLOCK_N
-    for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BLOCK_N)
-        u_k = 4*j + o + 4096*s
-        p_k = tl.load(Fwd1 + u_k)
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(keep[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BLOCK_N)
-        k_valid = j < n_keys
-        u_k = 4*j + o + 4096*s
-        p_k = tl.load(Fwd1 + u_k, mask=k_valid, other=0)
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(k_valid[None, :] & keep[:, None], qk, float("-inf"))
+        qk = tl.where(k_valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
@@ -309,6 +244,128 @@ def slide_tiles_fwd_kernel(
     tl.store(Lse + b * stride_lb + h * stride_lh + p_q, lse, mask=q_valid)
 
 
+# Tile of the lane kernels, chosen by the planner for sm90.
+LANE_BLOCK_M = tl.constexpr(128)
+LANE_BLOCK_N = tl.constexpr(64)
+
+
+def slide_tiles_fwd_lanes(
+    Q, K, V, Out, Lse,
+    Fwd0, Inv0,
+    N, num_bh, num_segments, num_lane_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+    BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
+
+    Notation (as in slide_tiles_fwd_kernel, plus):
+    pid        (b, h) = divmod(pid % num_bh, 8), tile t = pid // num_bh: every head's
+               tile t is launched before any head's tile t + 1
+    s, mt      segment of the branch and lane tile of tile t
+    m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
+               (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
+               of its segment with no row membership and a square causal diagonal
+    ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    Lane branches:
+      1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
+    """
+    pid = tl.program_id(0)
+    pid_bh = pid % num_bh
+    t = pid // num_bh
+    b = (pid_bh // 8).to(tl.int64)
+    h = pid_bh % 8
+    kvh = h // 4
+    s = t // num_lane_tiles
+    mt = t % num_lane_tiles
+    m0 = mt * LANE_BLOCK_M
+    m = m0 + tl.arange(0, LANE_BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    qk_scale = 0.18033688011112042  # softmax_scale * log2(e): scores in the exp2 domain
+    if BRANCH == 1:
+        # ---- branch 1: w = 4096, r = 4, key u = 4*j + o + 4096*s ----
+        o = h % 4
+        seg_start = s * 4096
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 3, 0) // 4
+        q_valid = m < n_lanes
+        u_q = 4*m + o + 4096*s
+        p_q = tl.load(Fwd0 + u_q, mask=q_valid, other=0)
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([LANE_BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        n_free = n_keys
+        n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+        for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            u_k = 4*j + o + 4096*s
+            p_k = tl.load(Fwd0 + u_k)
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new  # every score of this block is finite
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = 4*j + o + 4096*s
+            p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            qk = tl.where(k_valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        o_rows = Out + b * stride_ob + h * stride_oh + p_q.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+        l_rows = Lse + b * stride_lb + h * stride_lh + p_q
+        if ACCUMULATE:  # merge with the launches before this one
+            lse_acc = tl.load(l_rows, mask=q_valid, other=float("-inf"))
+            out_acc = tl.load(o_rows, mask=q_valid[:, None], other=0.0).to(tl.float32)
+            top = tl.maximum(lse_acc, lse)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_acc = tl.exp(lse_acc - top)
+            w_new = tl.exp(lse - top)
+            total = w_acc + w_new
+            total_safe = tl.where(total == 0.0, 1.0, total)
+            out_acc = tl.where((w_acc > 0.0)[:, None], out_acc * w_acc[:, None], 0.0)
+            out = (out_acc + out * w_new[:, None]) / total_safe[:, None]
+            lse = tl.where(total == 0.0, float("-inf"), top + tl.log(total_safe))
+        tl.store(o_rows, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+        tl.store(l_rows, lse, mask=q_valid)
+
+
 
 # ---------------------------------------------------------------------------------------
 # Backward (dq, dk, dv). Launched by dilgen.runtime.backward.backward_raw:
@@ -320,7 +377,7 @@ def slide_tiles_fwd_kernel(
 BWD_PRE_BLOCK = tl.constexpr(64)
 BWD_DQ_BLOCK_M = tl.constexpr(128)
 BWD_DQ_BLOCK_N = tl.constexpr(64)
-BWD_KV_BLOCK_N = tl.constexpr(64)  # keys per dkdv program
+BWD_KV_BLOCK_N = tl.constexpr(128)  # keys per dkdv program
 BWD_KV_BLOCK_M = tl.constexpr(32)  # queries per dkdv step
 
 
@@ -354,7 +411,6 @@ def slide_tiles_bwd_preprocess(
 def slide_tiles_bwd_dkdv(
     Q, K, V, DO, DK, DV, Lse, Delta,
     Fwd0, Inv0,
-    Fwd1, Inv1,
     N, num_j_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -387,7 +443,7 @@ def slide_tiles_bwd_dkdv(
     v_base = V + b * stride_vb + kvh * stride_vh
     qk_scale = 0.18033688011112042  # softmax_scale * log2(e): scores in the exp2 domain
     if BRANCH == 0:
-        # ---- branch 0: w = 1024, r = 1, key u = j + o + 1024*s, table segment_32x32 ----
+        # ---- branch 0: w = 1024, r = 1, key u = j + o + 1024*s ----
         g0 = rest % 1
         s = rest // 1
         o = (kvh * 4 + g0) % 1
@@ -396,7 +452,7 @@ def slide_tiles_bwd_dkdv(
         j = jt * BWD_KV_BLOCK_N + tl.arange(0, BWD_KV_BLOCK_N)
         k_valid = j < n_lanes
         u_k = j + o + 1024*s
-        p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+        p_k = u_k
         k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -420,7 +476,7 @@ def slide_tiles_bwd_dkdv(
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 1024*s
-                p_q = tl.load(Fwd0 + u_q)
+                p_q = u_q
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
                 if UPCAST:
                     q = q.to(tl.float32)
@@ -440,7 +496,7 @@ def slide_tiles_bwd_dkdv(
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = jq + o + 1024*s
-                p_q = tl.load(Fwd0 + u_q, mask=q_valid, other=0)
+                p_q = u_q
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
                 if UPCAST:
                     q = q.to(tl.float32)
@@ -474,7 +530,7 @@ def slide_tiles_bwd_dkdv(
         j = jt * BWD_KV_BLOCK_N + tl.arange(0, BWD_KV_BLOCK_N)
         k_valid = j < n_lanes
         u_k = 4*j + o + 4096*s
-        p_k = tl.load(Fwd1 + u_k, mask=k_valid, other=0)
+        p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
         k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -498,7 +554,7 @@ def slide_tiles_bwd_dkdv(
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 4*jq + o + 4096*s
-                p_q = tl.load(Fwd1 + u_q)
+                p_q = tl.load(Fwd0 + u_q)
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
                 if UPCAST:
                     q = q.to(tl.float32)
@@ -518,7 +574,7 @@ def slide_tiles_bwd_dkdv(
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = 4*jq + o + 4096*s
-                p_q = tl.load(Fwd1 + u_q, mask=q_valid, other=0)
+                p_q = tl.load(Fwd0 + u_q, mask=q_valid, other=0)
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
                 if UPCAST:
                     q = q.to(tl.float32)
@@ -544,10 +600,119 @@ def slide_tiles_bwd_dkdv(
         tl.store(dv_ptrs, dv, mask=k_valid[:, None])
 
 
+def slide_tiles_bwd_dkdv_fused(
+    Q, K, V, DO, DK, DV, Lse, Delta,
+    N, num_k_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+):
+    """dK, dV of every branch in one program per key tile, written once in K's dtype
+    into DK, DV (B, N, H_kv, D), which share their strides.
+
+    Program (t, b*H_kv + kvh): key class c = t // num_k_tiles (0 <= c < L = 1), key rows
+    u = c + 1*m, m = m0 + [0, BWD_KV_BLOCK_N), m0 = (t % num_k_tiles)*BWD_KV_BLOCK_N; the tile lies
+    in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
+    the kv group (size 4) branch (w, r) keeps these keys iff r divides c - h (r | L,
+    o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
+    the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
+    branches counts twice; every key row belongs to one program: no atomics, no zero
+    fill, no float32 buffers.
+    """
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // 2).to(tl.int64)
+    kvh = pid_bh % 2
+    c = pid_t // num_k_tiles
+    m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
+    u_k = c + 1 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
+    k_valid = u_k < N
+    p_k = u_k
+    u_first = c + 1 * m0
+    u_end = c + 1 * (m0 + BWD_KV_BLOCK_N - 1)  # last key of the tile, maybe past N
+    u_last = tl.minimum(u_end, N - 1)
+    tile_full = u_end < N
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = 0.18033688011112042  # softmax_scale * log2(e): scores in the exp2 domain
+    for g in range(4):
+        h = kvh * 4 + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        l_off = b * stride_lb + h * stride_lh
+        # ---- branch 0: w = 1024, r = 1, key u = j + o + 1024*s ----
+        if True:  # r = 1 keeps every key in every head
+            o = h % 1
+            s = u_first // 1024
+            seg_start = s * 1024
+            n_lanes = tl.maximum(tl.minimum(N - seg_start, 1024) - o + 0, 0) // 1
+            q_end = tl.where(u_first < N, n_lanes, 0)
+            # query lanes [q_start, q_end), in up to three loops: blocks meeting the causal
+            # diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
+            q_start = 0
+            q_mid = 0
+            q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                u_q = jq + o + 1024*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q)
+                delta = tl.load(Delta + l_off + p_q)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                pt = tl.math.exp2(qkt)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                q_valid = jq < n_lanes
+                u_q = jq + o + 1024*s
+                p_q = u_q
+                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                if UPCAST:
+                    dout = dout.to(tl.float32)
+                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                mask = k_valid[:, None] & q_valid[None, :]
+                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                dv += tl.dot(pt.to(dout.dtype), dout)
+                dpt = tl.dot(v, tl.trans(dout))
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q)
+    rows = p_k.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
+    tl.store(DK + b * stride_dkb + kvh * stride_dkh + rows, (dk * 0.125).to(DK.dtype.element_ty), mask=k_valid[:, None])
+    tl.store(DV + b * stride_dkb + kvh * stride_dkh + rows, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
+
+
 def slide_tiles_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     Fwd0, Inv0,
-    Fwd1, Inv1,
     N, num_m_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -594,8 +759,6 @@ def slide_tiles_bwd_dq(
 
     # ---- branch 0: w = 1024, r = 1 ----
     o = h % 1
-    u_b = tl.load(Inv0 + p_q, mask=q_valid, other=0)
-    keep = q_valid & (0 == o)
     s = u_first // 1024
     seg_start = s * 1024
     n_keys = tl.maximum(tl.minimum(N - seg_start, 1024) - o + 0, 0) // 1
@@ -604,7 +767,7 @@ def slide_tiles_bwd_dq(
     for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         u_k = j + o + 1024*s
-        p_k = tl.load(Fwd0 + u_k)
+        p_k = u_k
         k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
         if UPCAST:
             k = k.to(tl.float32)
@@ -612,7 +775,7 @@ def slide_tiles_bwd_dq(
         if UPCAST:
             vt = vt.to(tl.float32)
         qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(keep[:, None], tl.math.exp2(qk), 0.0)
+        p = tl.math.exp2(qk)
         dp = tl.dot(dout, vt)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -620,7 +783,7 @@ def slide_tiles_bwd_dq(
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         k_valid = j < n_keys
         u_k = j + o + 1024*s
-        p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+        p_k = u_k
         k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -628,48 +791,7 @@ def slide_tiles_bwd_dq(
         if UPCAST:
             vt = vt.to(tl.float32)
         qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(k_valid[None, :] & keep[:, None], tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-
-    # ---- branch 1: w = 4096, r = 4 ----
-    o = h % 4
-    u_b = tl.load(Inv1 + p_q, mask=q_valid, other=0)
-    keep = q_valid & (((u_b) % 4) == o)
-    s = u_first // 4096
-    seg_start = s * 4096
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 3, 0) // 4
-    n_free = n_keys
-    n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
-    for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        u_k = 4*j + o + 4096*s
-        p_k = tl.load(Fwd1 + u_k)
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(keep[:, None], tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        k_valid = j < n_keys
-        u_k = 4*j + o + 4096*s
-        p_k = tl.load(Fwd1 + u_k, mask=k_valid, other=0)
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(k_valid[None, :] & keep[:, None], tl.math.exp2(qk), 0.0)
+        p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
         dp = tl.dot(dout, vt)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -678,20 +800,122 @@ def slide_tiles_bwd_dq(
     tl.store(dq_ptrs, (dq * 0.125).to(DQ.dtype.element_ty), mask=q_valid[:, None])
 
 
+LANE_DQ_BLOCK_M = tl.constexpr(128)
+LANE_DQ_BLOCK_N = tl.constexpr(64)
+
+
+def slide_tiles_bwd_dq_lanes(
+    Q, K, V, DO, DQ, Lse, Delta,
+    Fwd0, Inv0,
+    N, num_bh, num_segments, num_lane_tiles,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_dqb, stride_dqn, stride_dqh,
+    stride_lb, stride_lh,
+    UPCAST: tl.constexpr,
+    BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """dQ of one lane branch (BRANCH), with the tiling of slide_tiles_fwd_lanes (query lanes
+    u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ."""
+    pid = tl.program_id(0)
+    pid_bh = pid % num_bh
+    t = pid // num_bh
+    b = (pid_bh // 8).to(tl.int64)
+    h = pid_bh % 8
+    kvh = h // 4
+    s = t // num_lane_tiles
+    mt = t % num_lane_tiles
+    m0 = mt * LANE_DQ_BLOCK_M
+    m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    l_off = b * stride_lb + h * stride_lh
+    qk_scale = 0.18033688011112042  # softmax_scale * log2(e): scores in the exp2 domain
+    if BRANCH == 1:
+        # ---- branch 1: w = 4096, r = 4, key u = 4*j + o + 4096*s ----
+        o = h % 4
+        seg_start = s * 4096
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 3, 0) // 4
+        q_valid = m < n_lanes
+        u_q = 4*m + o + 4096*s
+        p_q = tl.load(Fwd0 + u_q, mask=q_valid, other=0)
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            dout = dout.to(tl.float32)
+        lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+        delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
+        dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        n_free = n_keys
+        n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+        for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            u_k = 4*j + o + 4096*s
+            p_k = tl.load(Fwd0 + u_k)
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.math.exp2(qk)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = 4*j + o + 4096*s
+            p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
+        dq = dq * 0.125
+        if ACCUMULATE:
+            dq += tl.load(dq_ptrs, mask=q_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_valid[:, None])
+
+
 BACKWARD_KERNELS = {
     "preprocess": slide_tiles_bwd_preprocess,
     "dkdv": slide_tiles_bwd_dkdv,
     "dq": slide_tiles_bwd_dq,
+    "dkdv_fused": slide_tiles_bwd_dkdv_fused,  # replaces the per-branch dkdv launches of the fused kernel's branches
+    "dq_lanes": slide_tiles_bwd_dq_lanes,  # dQ of the lane branches, after "dq"
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
-        "fused_dkdv": False,
+        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128,
+        "lane_dq_block_m": 128,
+        "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
+                   "dkdv_fused": {"num_warps": 4, "num_stages": 3},
+                   "dq_lanes": {"num_warps": 4, "num_stages": 3},
                    "dq": {"num_warps": 4, "num_stages": 3}},
     },
 }
 
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel,
-                               backward_kernels=BACKWARD_KERNELS)
+                               backward_kernels=BACKWARD_KERNELS,
+                               lane_kernel=slide_tiles_fwd_lanes)

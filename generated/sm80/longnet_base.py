@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: b26de4108da12793
-# plan key:      d2fdb1a0e6929d28bf32c343d60f59e443e6fc9b81d260eca82519e03e043386
+# template hash: e18999759648f1ee
+# plan key:      4bed3cda58a1378083337b59c8283773c55177bc77275c30047dc8df0e853855
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -39,6 +39,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 2048,
+            "lanes": False,
             "membership": "class",
             "order": None,
             "r": 1,
@@ -53,6 +54,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 2048,
+            "lanes": False,
             "membership": "class",
             "order": None,
             "r": 2,
@@ -67,6 +69,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 2048,
+            "lanes": False,
             "membership": "class",
             "order": None,
             "r": 4,
@@ -81,6 +84,8 @@ PLAN = {
         "bwd_dq": [128, 64, 8, 3],
         "bwd_kv": [64, 32, 4, 3],
         "dot_precision": None,
+        "lane_dq": [128, 64, 8, 3],
+        "lane_fwd": [128, 32, 8, 3],
         "num_stages": 3,
         "num_warps": 8
     },
@@ -1027,10 +1032,11 @@ BACKWARD_KERNELS = {
     "preprocess": longnet_base_bwd_preprocess,
     "dkdv": longnet_base_bwd_dkdv,
     "dq": longnet_base_bwd_dq,
-    "dkdv_fused": longnet_base_bwd_dkdv_fused,  # replaces the per-branch dkdv launches
+    "dkdv_fused": longnet_base_bwd_dkdv_fused,  # replaces the per-branch dkdv launches of the fused kernel's branches
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64,
+        "lane_dq_block_m": 128,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
@@ -1041,4 +1047,5 @@ BACKWARD_KERNELS = {
 
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_base_fwd_kernel,
-                               backward_kernels=BACKWARD_KERNELS)
+                               backward_kernels=BACKWARD_KERNELS,
+                               lane_kernel=None)
