@@ -99,8 +99,6 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         lanes_mode = tuning.get("lanes", lanes_mode)
         if lanes_mode not in LANES_CHOICES:
             raise ValueError(f"tuning lanes = {lanes_mode!r}: one of {LANES_CHOICES}")
-    if lanes_mode == "auto":
-        lanes_mode = target.lanes_mode(spec.causal)
 
     # Branches whose membership follows the query lattice: r | w and no own table.
     lattice_ok = [orders[i] is None and w % r == 0 and r > 1
@@ -108,6 +106,9 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     lattice = _lcm([r for ok, (w, r) in zip(lattice_ok, spec.branches()) if ok])
     if lattice > MAX_LATTICE:
         lattice, lattice_ok = 1, [False] * spec.num_branches
+    dkdv_lattice = lattice
+    if lanes_mode == "auto":
+        lanes_mode = target.lanes_mode(spec.causal, lattice)
 
     # Lane branches (single device only; a ring window keeps every branch in the fused
     # kernel): those whose membership is per row (r does not divide w, or a curve table),
@@ -117,9 +118,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         return not (lattice_ok[i] or r == 1 and orders[i] is None)
     lane = [spec.ring_size == 1 and (lanes_mode == "all" or row_membership(i, w, r))
             for i, (w, r) in enumerate(spec.branches())]
-    if all(lane):
-        lattice = 1
-    elif any(lane):
+    if any(lane) and not all(lane):
         lattice = _lcm([r for i, (w, r) in enumerate(spec.branches())
                         if lattice_ok[i] and not lane[i]])
 
@@ -178,10 +177,13 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     # every branch is a raster lattice branch (no row membership, no curve table), the
     # key tile nests in every segment, and there is no ring (whose windows use the
     # per-branch kernel).
-    # Lane branches take the per-branch dkdv after it (adding into float32 buffers).
-    fused_set = [b for b in branches if not b.lanes]
+    # dK, dV do not depend on the forward's query tiling, so the fused dkdv takes every
+    # lattice branch, lane branch or not; the row-membership branches take the per-branch
+    # dkdv after it (adding into float32 buffers).
+    fused_set = [b for b in branches if b.keep_map is None]
     def fusable(kv_tile) -> bool:
         return (spec.ring_size == 1 and bool(fused_set)
+                and target.fused_dkdv_ok(spec.causal, dkdv_lattice)
                 and not any(b.order is not None for b in fused_set) and query_order is None
                 and all(b.keep_map is None for b in fused_set)
                 and all(b.segment_length % (lattice * kv_tile[0]) == 0 for b in fused_set))

@@ -75,10 +75,23 @@ class Target:
         _, dq = self.backward_table(head_dim, itemsize, causal)
         return fwd, dq
 
-    def lanes_mode(self, causal: bool) -> str:
+    # Causal: a lattice tile spans L*BLOCK_M positions, so its diagonal is L times wider
+    # than a square one. Above this L the lane kernels (square diagonals) win on an H200:
+    # B causal (L = 16) forward 9.53 -> 7.04 ms with every branch a lane branch, and
+    # fwd+bwd 35.0 -> 32.5 ms with per-branch dkdv instead of the fused one; at L = 4 (A)
+    # the forward ties (1.565 / 1.558 ms) and the fused backward is faster (6.49 / 6.97).
+    causal_max_lattice: int = 4
+
+    def lanes_mode(self, causal: bool, lattice: int) -> str:
         """Which branches run as lane kernels by default: "auto" (those whose membership
         is per row: r does not divide w, or a curve table) or "all"."""
+        if causal and self.name != "interpreter" and lattice > self.causal_max_lattice:
+            return "all"
         return "auto"
+
+    def fused_dkdv_ok(self, causal: bool, lattice: int) -> bool:
+        """Whether the fused dkdv (key tiles of the query lattice) pays off."""
+        return not causal or self.name == "interpreter" or lattice <= self.causal_max_lattice
 
     def fused_dkdv_tile(self, head_dim: int, itemsize: int, causal: bool = False
                         ) -> tuple[int, int, int, int] | None:

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: e18999759648f1ee
+# template hash: 73bbbb6d0e84463d
 # plan key:      8f941fcf8756862c2f034e211954f990e22bb0d46680efbaffdc18cae28bec32
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: e18999759648f1ee
+# template hash: 73bbbb6d0e84463d
 # plan key:      0392e06ce38abc78dbcfc7c1db786cf8f30dd659b20a2972aa9f698397c97089
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -254,7 +254,7 @@ LANE_BLOCK_N = tl.constexpr(64)
 
 def longnet_causal_gqa_fwd_lanes(
     Q, K, V, Out, Lse,
-    N, num_bh, num_segments, num_lane_tiles,
+    N, num_lane_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -267,9 +267,9 @@ def longnet_causal_gqa_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in longnet_causal_gqa_fwd_kernel, plus):
-    pid        (b, h) = divmod(pid % num_bh, 16), tile t = pid // num_bh: every head's
-               tile t is launched before any head's tile t + 1 (longest causal tiles first)
-    s, mt      segment of the branch and lane tile of tile t
+    grid       (B*H, segments, lane tiles): program (b*H + h, s, t), every head's and segment's
+               tile t launched before any tile t + 1; mt = num_lane_tiles - 1 - t (longest causal tiles first)
+    s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
@@ -278,14 +278,12 @@ def longnet_causal_gqa_fwd_lanes(
       1: w = 8192, r = 6, key u = 6*j + o + 8192*s
       2: w = 32768, r = 12, key u = 12*j + o + 32768*s
     """
-    pid = tl.program_id(0)
-    pid_bh = pid % num_bh
-    t = pid // num_bh
+    pid_bh = tl.program_id(0)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    mt = num_lane_tiles - 1 - t // num_segments  # longest tiles first
-    s = t % num_segments
+    s = tl.program_id(1)
+    mt = num_lane_tiles - 1 - tl.program_id(2)  # longest tiles first
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -1061,7 +1059,7 @@ LANE_DQ_BLOCK_N = tl.constexpr(32)
 
 def longnet_causal_gqa_bwd_dq_lanes(
     Q, K, V, DO, DQ, Lse, Delta,
-    N, num_bh, num_segments, num_lane_tiles,
+    N, num_lane_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -1074,14 +1072,12 @@ def longnet_causal_gqa_bwd_dq_lanes(
 ):
     """dQ of one lane branch (BRANCH), with the tiling of longnet_causal_gqa_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ."""
-    pid = tl.program_id(0)
-    pid_bh = pid % num_bh
-    t = pid // num_bh
+    pid_bh = tl.program_id(0)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    mt = num_lane_tiles - 1 - t // num_segments  # longest tiles first
-    s = t % num_segments
+    s = tl.program_id(1)
+    mt = num_lane_tiles - 1 - tl.program_id(2)  # longest tiles first
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

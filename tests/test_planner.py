@@ -109,7 +109,7 @@ def test_fused_dkdv_only_for_raster_lattice_branches():
     # the fused launch of the others
     assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 3])
     assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], hilbert={"scope": "segment"})
-    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[3, 6])    # every branch a lane branch
+    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[3, 6])    # every branch a row-membership one
     assert not fused(segment_lengths=[2048], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [32, 64]})
     assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], ring_size=2)
     assert not fused(segment_lengths=[64, 128], dilation_rates=[1, 2])         # L*64 does not divide 64
@@ -138,8 +138,8 @@ def test_lane_branches_are_the_row_membership_ones():
 
 
 def test_lanes_all_tuning():
-    spec = _spec(segment_lengths=[64, 128], dilation_rates=[1, 2], causal=True)
+    spec = _spec(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True)
     p = plan(spec, SM90, {"lanes": "all"})
-    assert all(b.lanes for b in p.branches) and p.query.lattice == 1 and not p.fused_dkdv
+    assert all(b.lanes for b in p.branches) and p.query.lattice == 2 and p.fused_dkdv
     with pytest.raises(ValueError, match="lanes"):
         plan(spec, SM90, {"lanes": "some"})

@@ -72,8 +72,14 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if bwd is not None:
         launch = bwd["config"]["launch"]
         fused = bwd["config"].get("fused_dkdv", False)
-        for role in ("preprocess", "dkdv_fused" if fused else "dkdv", "dq"):
-            roles.append((role, bwd[role], dict(launch[role])))
+        per_branch = not fused or any(br["membership"] == "row" for br in attention.plan["branches"])
+        for role in ("preprocess", "dkdv_fused" if fused else None, "dkdv" if per_branch else None,
+                     "dq", "dq_lanes" if "dq_lanes" in bwd else None):
+            if role is not None:
+                roles.append((role, bwd[role], dict(launch[role])))
+    if getattr(attention, "lane_kernel", None) is not None:
+        roles.insert(1, ("forward_lanes", attention.lane_kernel,
+                         {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
     return roles
 
 
@@ -91,6 +97,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     batch: B is not a kernel argument), as the runtime makes them on a GPU."""
     import inspect
     import torch
+    from ..runtime import lane_grid, lane_order
     plan = attention.plan
     N = int(seq_len)
     base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],
@@ -107,22 +114,43 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
 
     for role, fn, opts in kernel_roles(attention):
         if role == "forward":
+            if not any(not br["lanes"] for br in plan["branches"]):
+                continue
             add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / plan["config"]["block_m"]))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)
+        elif role in ("forward_lanes", "dq_lanes"):
+            # one launch per lane branch; ACCUMULATE is False only for a first r = 1 branch
+            lanes = lane_order(plan)
+            fused_q = any(not br["lanes"] for br in plan["branches"])
+            block = plan["config"]["lane_fwd" if role == "forward_lanes" else "lane_dq"][0]
+            for n, i in enumerate(lanes):
+                br = plan["branches"][i]
+                first_writes = n == 0 and not fused_q and br["r"] == 1
+                extra = {"DQ": _mock(torch.float32)} if role == "dq_lanes" else {}
+                add(role, fn, opts, BRANCH=i, ACCUMULATE=not first_writes,
+                    num_lane_tiles=lane_grid(br, N, block)[1], **extra)
         elif role == "dkdv":
             conf = attention.backward_kernels["config"]
+            fused = conf.get("fused_dkdv", False)
             for br in plan["branches"]:
+                if fused and br["membership"] != "row":
+                    continue
                 lanes = math.ceil(min(br["w"], N) / br["r"])
                 add(role, fn, opts, BRANCH=br["index"],
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
         elif role == "dkdv_fused":
             conf = attention.backward_kernels["config"]
-            # the fused kernel writes dK, dV in k's dtype (the per-branch one: float32)
-            add(role, fn, opts, DK=_mock(base["dtype"]), DV=_mock(base["dtype"]),
+            # the fused kernel writes dK, dV in k's dtype, or float32 when per-branch
+            # launches add after it
+            dk_dtype = torch.float32 if any(br["membership"] == "row" for br in plan["branches"]) else base["dtype"]
+            add(role, fn, opts, DK=_mock(dk_dtype), DV=_mock(dk_dtype),
                 num_k_tiles=math.ceil(math.ceil(N / lattice) / conf["kv_block_n"]))
         elif role == "dq":
             conf = attention.backward_kernels["config"]
-            add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))
+            if not any(not br["lanes"] for br in plan["branches"]):
+                continue
+            extra = {"DQ": _mock(torch.float32)} if lane_order(plan) else {}
+            add(role, fn, opts, **extra, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))
     return out

@@ -209,8 +209,8 @@ class GeneratedAttention:
             br = plan["branches"][i]
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
             launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
-                             (B * H * n_seg * n_tiles,),
-                             (q, k, v, out, lse, *tables, N, B * H, n_seg, n_tiles,
+                             (B * H, n_seg, n_tiles),
+                             (q, k, v, out, lse, *tables, N, n_tiles,
                               *strides, interpret, i, accumulate),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate = True

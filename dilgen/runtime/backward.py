@@ -60,7 +60,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
     lanes = _rt.lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
     # dK, dV: the fused launch covers the fused kernel's branches; per-branch launches the rest
-    per_branch = ([br for br in plan["branches"] if br["lanes"]] if conf.get("fused_dkdv")
+    per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if conf.get("fused_dkdv")
                   else plan["branches"])
     if lanes:   # lane launches add their dQ: float32 accumulation
         dq = torch.empty(q.shape, dtype=torch.float32, device=dev)
@@ -142,9 +142,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
         for i in lanes:
             n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
             dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
-            dq_lanes[(B * H * n_seg * n_tiles,)](
+            dq_lanes[(B * H, n_seg, n_tiles)](
                 q, k, v, grad_out, dq, lse, delta, *tables,
-                N, B * H, n_seg, n_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
+                N, n_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
                 *dq_strides, *l_strides,
                 interpret, i, accumulate, **launch["dq_lanes"])
             accumulate = True

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: e18999759648f1ee
+# template hash: 73bbbb6d0e84463d
 # plan key:      8b7f4576ce07ed2fb7f987bb1af14c0cf8371d8b1ef0472db8ec41e3c392ad1d
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -252,7 +252,7 @@ LANE_BLOCK_N = tl.constexpr(64)
 def slide_tiles_fwd_lanes(
     Q, K, V, Out, Lse,
     Fwd0, Inv0,
-    N, num_bh, num_segments, num_lane_tiles,
+    N, num_lane_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -265,9 +265,9 @@ def slide_tiles_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in slide_tiles_fwd_kernel, plus):
-    pid        (b, h) = divmod(pid % num_bh, 8), tile t = pid // num_bh: every head's
-               tile t is launched before any head's tile t + 1
-    s, mt      segment of the branch and lane tile of tile t
+    grid       (B*H, segments, lane tiles): program (b*H + h, s, t), every head's and segment's
+               tile t launched before any tile t + 1; mt = t
+    s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
@@ -275,14 +275,12 @@ def slide_tiles_fwd_lanes(
     Lane branches:
       1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
     """
-    pid = tl.program_id(0)
-    pid_bh = pid % num_bh
-    t = pid // num_bh
+    pid_bh = tl.program_id(0)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
-    s = t // num_lane_tiles
-    mt = t % num_lane_tiles
+    s = tl.program_id(1)
+    mt = tl.program_id(2)
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -807,7 +805,7 @@ LANE_DQ_BLOCK_N = tl.constexpr(64)
 def slide_tiles_bwd_dq_lanes(
     Q, K, V, DO, DQ, Lse, Delta,
     Fwd0, Inv0,
-    N, num_bh, num_segments, num_lane_tiles,
+    N, num_lane_tiles,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -820,14 +818,12 @@ def slide_tiles_bwd_dq_lanes(
 ):
     """dQ of one lane branch (BRANCH), with the tiling of slide_tiles_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ."""
-    pid = tl.program_id(0)
-    pid_bh = pid % num_bh
-    t = pid // num_bh
+    pid_bh = tl.program_id(0)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
-    s = t // num_lane_tiles
-    mt = t % num_lane_tiles
+    s = tl.program_id(1)
+    mt = tl.program_id(2)
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
