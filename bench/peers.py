@@ -26,9 +26,21 @@ Peers:
                 math: a reference point only (what one runs without dilation). Its lse is
                 None.
 
+Hilbert ordering (spec.hilbert, SPEC §2): branch i walks its segments in a virtual
+order pi_i (virtual position -> raster position; scope "segment": the gilbert curve of the
+branch's own grid inside every segment, a short last segment keeping the curve order of
+the positions that exist; scope "sequence": one curve over the whole rows x cols image).
+The segments and the lanes t mod r == h mod r are cut along the virtual order; causal
+masking compares raster positions. The gather peers gather the raster positions
+pi_i(s*w + o + r*j) of each segment, sorted, so that "key <= query in raster order" is
+again the lower triangle of each gathered block; flex looks the virtual positions up in
+pi_i^-1 inside mask_mod / score_mod. The tables come from dilgen.runtime.tables (the
+same tables as dilgen's kernels; dilgen.reference carries its own independent curve, and
+tools/check_peers_cpu.py compares the two).
+
 Without CUDA (or for float32 inputs, which the fused kernels do not take) the gather
 peers run their per-segment attention with an explicit fp32 softmax, so their semantics
-can be checked on a CPU against dilgen.reference (see check_peers_cpu.py).
+can be checked on a CPU against dilgen.reference (see tools/check_peers_cpu.py).
 """
 from __future__ import annotations
 
@@ -39,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["gather_cudnn", "gather_flash", "flex", "dense_sdpa", "PEERS", "EXACT_PEERS",
-           "flex_block_mask", "clear_caches", "branches_of", "scale_of"]
+           "flex_block_mask", "clear_caches", "branches_of", "scale_of", "hilbert_of", "virtual_tables"]
 
 
 # --------------------------------------------------------------------------- spec access
@@ -58,6 +70,65 @@ def branches_of(spec) -> list[tuple[int, int]]:
 def scale_of(spec, head_dim: int) -> float:
     s = _get(spec, "softmax_scale", None)
     return 1.0 / math.sqrt(head_dim) if s is None else float(s)
+
+
+def hilbert_of(spec) -> dict | None:
+    """spec.hilbert as a plain dict ({"scope", "grids"?, "grid"?}) or None."""
+    h = _get(spec, "hilbert", None)
+    if h is None:
+        return None
+    if hasattr(h, "to_json"):
+        return h.to_json()
+    if isinstance(h, dict):
+        return dict(h)
+    return {k: getattr(h, k) for k in ("scope", "grids", "grid") if getattr(h, k, None) is not None}
+
+
+def _segment_grid(w: int, i: int, hil: dict) -> tuple[int, int]:
+    grids = hil.get("grids")
+    if grids is not None:
+        rows, cols = (int(x) for x in grids[i])
+    else:
+        if w & (w - 1):
+            raise ValueError(f"segment_lengths[{i}] = {w}: Hilbert segment scope without grids needs a power of two")
+        k = w.bit_length() - 1
+        rows, cols = 1 << (k // 2), 1 << ((k + 1) // 2)
+    if rows * cols != w:
+        raise ValueError(f"hilbert grid [{rows}, {cols}] of branch {i}: rows*cols != w = {w}")
+    return rows, cols
+
+
+_TABLES: dict = {}
+
+
+def virtual_tables(spec, N: int, device) -> list:
+    """Per branch: None (raster order) or pi_i as an int64 tensor of length N on `device`:
+    virtual position (curve order, in which segments and lanes are cut) -> raster position."""
+    hil = hilbert_of(spec)
+    branches = branches_of(spec)
+    if hil is None:
+        return [None] * len(branches)
+    from dilgen.runtime.tables import table_tensors
+    device = torch.device(device)
+    out = []
+    for i, (w, _) in enumerate(branches):
+        if hil["scope"] == "sequence":
+            desc = {"scope": "sequence", "grid": [int(x) for x in hil["grid"]]}
+        elif hil["scope"] == "segment":
+            desc = {"scope": "segment", "grid": list(_segment_grid(w, i, hil))}
+        else:
+            raise ValueError(f"hilbert.scope = {hil['scope']!r}")
+        key = (json_key(desc), int(N), str(device))
+        if key not in _TABLES:
+            fwd, _ = table_tensors(desc, int(N), torch.device("cpu"))
+            _TABLES[key] = fwd.to(device=device, dtype=torch.int64)
+        out.append(_TABLES[key])
+    return out
+
+
+def json_key(d: dict) -> str:
+    import json
+    return json.dumps(d, sort_keys=True)
 
 
 def _check_shapes(q, k, v, spec):
@@ -129,6 +200,14 @@ def _gather(x, start: int, nseg: int, seglen: int, g: int, r: int, heads):
     return y.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hg, m, D)
 
 
+def _kept_rows(pi, start: int, nseg: int, seglen: int, g: int, r: int):
+    """(nseg, m) int64 raster positions pi(start + s*seglen + g + r*j), sorted in each
+    segment (then "key <= query in raster order" is the lower triangle of a block)."""
+    lanes = torch.arange(g, seglen, r, device=pi.device)
+    virt = start + torch.arange(nseg, device=pi.device)[:, None] * seglen + lanes[None, :]
+    return pi[virt].sort(dim=1).values
+
+
 def _dilated_gather(attn, q, k, v, spec):
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for the usual inputs
@@ -137,7 +216,7 @@ def _dilated_gather(attn, q, k, v, spec):
     scale = scale_of(spec, D)
     dev = q.device
     outs, lses = [], []
-    for w, r in branches_of(spec):
+    for (w, r), pi in zip(branches_of(spec), virtual_tables(spec, N, dev)):
         w_eff = min(w, N)
         nfull = N // w_eff
         tail = N - nfull * w_eff
@@ -154,6 +233,10 @@ def _dilated_gather(attn, q, k, v, spec):
             for start, nseg, seglen in pieces:
                 if g >= seglen:                        # this group keeps no row here
                     continue
+                if pi is not None:                     # Hilbert: gather by index
+                    _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh,
+                                    causal, scale)
+                    continue
                 qs = _gather(q, start, nseg, seglen, g, r, qh)
                 ks = _gather(k, start, nseg, seglen, g, r, kvh)
                 vs = _gather(v, start, nseg, seglen, g, r, kvh)
@@ -167,6 +250,25 @@ def _dilated_gather(attn, q, k, v, spec):
         outs.append(o_b)
         lses.append(l_b)
     return _merge(outs, lses, q.dtype)
+
+
+def _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh, causal, scale):
+    """The Hilbert piece of _dilated_gather: rows pi(virtual lane positions), sorted."""
+    B, _, H, D = q.shape
+    idx = _kept_rows(pi, start, nseg, seglen, g, r)               # (nseg, m)
+    m = idx.shape[1]
+    flat = idx.reshape(-1)
+
+    def take(x, heads):
+        y = x.index_select(1, flat)                               # (B, nseg*m, Hx, D)
+        y = y[:, :, heads] if isinstance(heads, slice) else y.index_select(2, heads)
+        return y.view(B, nseg, m, y.shape[2], D).permute(0, 1, 3, 2, 4).reshape(B * nseg, y.shape[2], m, D)
+
+    qs, ks, vs = take(q, qh), take(k, kvh), take(v, kvh)
+    o, l = attn(qs, ks, vs, causal, scale)
+    Hg = qs.shape[1]
+    o_b[:, flat, qh] = o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4).reshape(B, nseg * m, Hg, D)
+    l_b[:, qh, flat] = l.view(B, nseg, Hg, m).permute(0, 2, 1, 3).reshape(B, Hg, nseg * m)
 
 
 def _merge(outs, lses, dtype):
@@ -226,13 +328,32 @@ def _branch_pair(w: int, r: int, N: int, h, q_idx, kv_idx):
     return cond
 
 
-def _make_mods(branches, causal: bool, N: int):
+def _branch_pair_virtual(w: int, r: int, inv, h, q_idx, kv_idx):
+    """Hilbert: the pair rule on virtual positions inv[raster] (pi^-1 of the branch)."""
+    vq, vk = inv[q_idx], inv[kv_idx]
+    cond = (vq // w) == (vk // w)
+    if r > 1:
+        c = h % r
+        cond = cond & (((vq % w) % r) == c) & (((vk % w) % r) == c)
+    return cond
+
+
+def _make_mods(branches, causal: bool, N: int, invs=None):
+    """mask_mod / score_mod of the union of branches. invs: per branch None (raster) or
+    pi^-1 (raster position -> virtual position), int64 on the device of q."""
     branches = tuple(branches)
+    invs = tuple(invs) if invs is not None else (None,) * len(branches)
+
+    def pair(i, h, q_idx, kv_idx):
+        w, r = branches[i]
+        if invs[i] is not None:
+            return _branch_pair_virtual(w, r, invs[i], h, q_idx, kv_idx)
+        return _branch_pair(w, r, N, h, q_idx, kv_idx)
 
     def mask_mod(b, h, q_idx, kv_idx):
         m = None
-        for w, r in branches:
-            c = _branch_pair(w, r, N, h, q_idx, kv_idx)
+        for i in range(len(branches)):
+            c = pair(i, h, q_idx, kv_idx)
             if c is None:                     # w >= N and r == 1: everything
                 c = q_idx >= 0
             m = c if m is None else (m | c)
@@ -245,8 +366,8 @@ def _make_mods(branches, causal: bool, N: int):
 
     def score_mod(score, b, h, q_idx, kv_idx):
         cnt = None
-        for w, r in branches:
-            c = _branch_pair(w, r, N, h, q_idx, kv_idx)
+        for i in range(len(branches)):
+            c = pair(i, h, q_idx, kv_idx)
             c = (q_idx >= 0) if c is None else c
             c = c.to(torch.float32)
             cnt = c if cnt is None else cnt + c
@@ -351,17 +472,29 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
     method "create": torch's create_block_mask (compiled on CUDA: _compile=True), which
     evaluates mask_mod at all H·N² points (about 2 minutes at N=131072, H=16 on an H200).
     method "analytic": the same block sets from the segment structure (analytic_block_sets;
-    checked equal to create_block_mask's by check_peers_cpu.py and bench_forward.py)."""
+    checked equal to create_block_mask's by tools/check_peers_cpu.py and bench_forward.py).
+    Hilbert-ordered specs always use "create" (the analytic sets assume raster segments);
+    info["method"] says which one was used."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
     H = int(_get(spec, "num_heads"))
     causal = bool(_get(spec, "causal", False))
     branches = branches_of(spec)
     device = torch.device(device)
-    key = (tuple(branches), causal, H, int(N), str(device), method)
+    hil = hilbert_of(spec)
+    if hil is not None:
+        method = "create"
+    key = (tuple(branches), causal, H, int(N), str(device), method, json_key(hil or {}))
     hit = _BLOCK_MASKS.get(key)
     if hit is not None:
         return hit
-    mask_mod, score_mod = _make_mods(branches, causal, N)
+    invs = None
+    if hil is not None:
+        invs = []
+        for pi in virtual_tables(spec, N, device):
+            inv = torch.empty_like(pi)
+            inv[pi] = torch.arange(N, device=device, dtype=pi.dtype)
+            invs.append(inv)
+    mask_mod, score_mod = _make_mods(branches, causal, N, invs)
     t0 = time.perf_counter()
     if method == "create":
         _raise_recompile_limits()
@@ -395,7 +528,7 @@ def _flex_fn(device):
     return _FLEX_COMPILED
 
 
-FLEX_MASK_METHOD = "analytic"   # bench_forward.py sets this from --flex-mask
+FLEX_MASK_METHOD = "analytic"   # bench_forward.py sets this from --flex-mask (Hilbert specs: "create")
 
 
 def flex(q, k, v, spec, method: str | None = None):
@@ -429,8 +562,9 @@ _FLEX_HAS_RETURN_LSE = _has_return_lse()
 
 
 def clear_caches():
-    """Drop the cached block masks (their memory) between configs."""
+    """Drop the cached block masks and curve tables (their memory) between configs."""
     _BLOCK_MASKS.clear()
+    _TABLES.clear()
 
 
 PEERS = {"gather_cudnn": gather_cudnn, "gather_flash": gather_flash, "flex": flex,

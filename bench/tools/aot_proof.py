@@ -4,8 +4,8 @@
     # on the CPU machine, in the repository:
     DILGEN_CACHE_DIR=.aot_cache python -m dilgen.cli build examples/specs --arch sm90
     # on the GPU machine, .aot_cache carried along:
-    python bench/aot_proof.py --cache .aot_cache --out $OUT/aot_proof.json
-    python bench/aot_proof.py --cache .aot_cache --mode compare --out $OUT/aot_proof.json
+    python bench/tools/aot_proof.py --cache .aot_cache --out $OUT/aot_proof.json
+    python bench/tools/aot_proof.py --cache .aot_cache --mode compare --out $OUT/aot_proof.json
 
 Modes:
   aot       (default) one fresh process: for every spec of --specs, forward + backward on
@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 TOL = {"out": 2e-2, "lse": 2e-2, "dq": 5e-2, "dk": 5e-2, "dv": 5e-2}

@@ -1,16 +1,22 @@
-"""Autotune dilgen's forward on the issue's configs (A-D, causal and not) on the GPU;
-prints each candidate's time and stores the winners in the dilgen cache.
-Usage: python bench/tune_forward.py [--configs A,B,C,D] [--json FILE]"""
+"""Autotune dilgen's forward on the bench configs (A-F of bench/toolkit.py, causal and not)
+on the GPU; prints each candidate's time and stores the winners in the dilgen cache.
+Usage: python bench/tools/tune_forward.py [--configs A,B,C,D,E,F] [--causal 0,1] [--json FILE]"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-import dilgen
-from dilgen.autotune import tune
-from dilgen.stats import forward_flops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/
+import toolkit  # noqa: E402
+toolkit.setup_paths()
 
-from probe_forward import CONFIGS
+import dilgen  # noqa: E402
+from dilgen.autotune import tune  # noqa: E402
+from dilgen.stats import forward_flops  # noqa: E402
+
+CONFIGS = toolkit.CONFIGS
 
 
 def main() -> None:
@@ -24,10 +30,10 @@ def main() -> None:
         c = CONFIGS[name]
         for causal in [bool(int(x)) for x in args.causal.split(",")]:
             spec = dilgen.Spec(name=f"bench_{name.lower()}{'_causal' if causal else ''}",
-                               num_heads=c["H"], head_dim=c["D"], segment_lengths=c["w"],
-                               dilation_rates=c["r"], causal=causal)
+                               num_heads=c["H"], head_dim=c["D"], segment_lengths=c["ws"],
+                               dilation_rates=c["rs"], causal=causal, hilbert=c.get("hilbert"))
             best, table = tune(spec, c["N"], c["B"])
-            fl = forward_flops(c["w"], c["r"], c["H"], c["D"], causal, c["N"], c["B"])
+            fl = forward_flops(c["ws"], c["rs"], c["H"], c["D"], causal, c["N"], c["B"])
             for cfg, ms in table:
                 tag = f"{ms:.3f} ms {fl / ms / 1e9:.0f} TF/s" if isinstance(ms, float) else ms
                 print(f"{name} causal={int(causal)} {tuple(cfg.values())}: {tag}", flush=True)

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """CPU check of the peers' SEMANTICS against dilgen.reference (float64, SPEC.md §2).
 
-A plain script (not collected by pytest):  python bench/check_peers_cpu.py [-v]
+A plain script (not collected by pytest):  python bench/tools/check_peers_cpu.py [-v]
 
 On a CPU the gather peers run their per-segment attention with an explicit fp32 softmax,
 so this checks the gathering, the per-head offsets (h mod r), short last segments,
-causal masking, GQA, r not dividing w, w > N, queries kept by no branch and the Eq. 10
-merge. FlexAttention runs eagerly (unfused) on the CPU: its mask_mod / score_mod are
+causal masking, GQA, r not dividing w (config E: r = 6, 12), w > N, queries kept by no
+branch, Hilbert ordering (config F: segment scope; also explicit grids and sequence
+scope; causal compares raster positions) and the Eq. 10 merge. FlexAttention runs eagerly (unfused) on the CPU: its mask_mod / score_mod are
 checked the same way, and the analytic block masks used for the GPU benchmark are
 compared block by block with torch's create_block_mask.
 Exit status 0 when every check passes.
@@ -19,9 +20,9 @@ import time
 import warnings
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+HERE = Path(__file__).resolve().parent          # bench/tools
+sys.path.insert(0, str(HERE.parents[1]))        # the repository (dilgen)
+sys.path.insert(0, str(HERE.parent))            # bench/ (peers)
 
 import torch  # noqa: E402
 
@@ -31,7 +32,8 @@ import peers  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
-# (name, B, N, H, Hkv, D, segment_lengths, dilation_rates, causal, softmax_scale)
+SEG = {"scope": "segment"}
+# (name, B, N, H, Hkv, D, segment_lengths, dilation_rates, causal, softmax_scale[, hilbert])
 CASES = [
     ("basic", 1, 64, 4, 4, 16, [16, 32], [1, 2], False, None),
     ("basic_causal", 1, 64, 4, 4, 16, [16, 32], [1, 2], True, None),
@@ -51,6 +53,19 @@ CASES = [
     ("block_scale", 1, 384, 4, 4, 16, [128, 256], [1, 2], True, None),
     ("longnet_like", 1, 1024, 4, 4, 16, [128, 256, 512], [1, 2, 4], False, None),
     ("longnet_like_causal", 1, 1100, 4, 4, 16, [128, 256, 512], [1, 2, 4], True, None),
+    # config E at a small size: LongNet's r = 6, 12 (not dividing w), every h mod 12 class
+    ("E_like", 1, 512, 12, 12, 16, [32, 64, 128, 256, 512], [1, 2, 4, 6, 12], False, None),
+    ("E_like_causal", 1, 512, 12, 12, 16, [32, 64, 128, 256, 512], [1, 2, 4, 6, 12], True, None),
+    ("E_like_gqa_tail_causal", 1, 600, 12, 4, 16, [32, 64, 128, 256, 512], [1, 2, 4, 6, 12], True, None),
+    # config F at a small size: Hilbert segment scope (grids 4x8, 8x8, 8x16)
+    ("F_like", 1, 512, 4, 4, 16, [32, 64, 128], [1, 2, 4], False, None, SEG),
+    ("F_like_causal", 1, 512, 4, 4, 16, [32, 64, 128], [1, 2, 4], True, None, SEG),
+    ("F_like_tail_w_gt_n_causal", 2, 300, 4, 2, 16, [32, 64, 512], [1, 2, 4], True, None, SEG),
+    ("hilbert_grids_r_not_dividing", 1, 200, 6, 6, 16, [24, 60], [5, 7], True, None,
+     {"scope": "segment", "grids": [[4, 6], [6, 10]]}),
+    ("hilbert_sequence", 1, 256, 4, 4, 16, [32, 64], [1, 2], False, None, {"scope": "sequence", "grid": [16, 16]}),
+    ("hilbert_sequence_causal_tail", 1, 192, 6, 3, 16, [48, 100], [2, 3], True, None,
+     {"scope": "sequence", "grid": [8, 24]}),
 ]
 
 # block-structure cases: (name, N, H, segment_lengths, dilation_rates); both causal flags
@@ -59,6 +74,8 @@ BLOCK_CASES = [
     ("B@4096", 4096, 16, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]),
     ("C@4096", 4096, 32, [1024, 2048, 4096], [1, 2, 4]),
     ("D@4096", 4096, 16, [4096, 16384], [4, 16]),
+    ("E@4096", 4096, 16, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
+    ("E/16@4096", 4096, 16, [128, 256, 512, 1024, 2048], [1, 2, 4, 6, 12]),
     ("B/16@4096", 4096, 16, [128, 256, 512, 1024, 2048], [1, 2, 4, 8, 16]),
     ("D/8@4096", 4096, 16, [512, 2048], [4, 16]),
     ("odd_w_tail", 1000, 6, [100, 300, 77], [1, 3, 2]),
@@ -67,9 +84,10 @@ BLOCK_CASES = [
 ]
 
 
-def spec_for(name, H, Hkv, D, ws, rs, causal, scale=None):
+def spec_for(name, H, Hkv, D, ws, rs, causal, scale=None, hilbert=None):
     return dilgen.Spec(name=name, num_heads=H, num_kv_heads=Hkv, head_dim=D, segment_lengths=ws,
-                       dilation_rates=rs, causal=causal, dtype="float32", softmax_scale=scale)
+                       dilation_rates=rs, causal=causal, dtype="float32", softmax_scale=scale,
+                       hilbert=hilbert)
 
 
 def compare(out, lse, ref_out, ref_lse):
@@ -104,8 +122,10 @@ def main():
             flex_ok = False
 
     print("== semantics vs dilgen.reference (float64) ==")
-    for (name, B, N, H, Hkv, D, ws, rs, causal, scale) in CASES:
-        spec = spec_for("chk", H, Hkv, D, ws, rs, causal, scale)
+    worst = {}
+    for case in CASES:
+        (name, B, N, H, Hkv, D, ws, rs, causal, scale), hilbert = case[:10], (case[10] if len(case) > 10 else None)
+        spec = spec_for("chk", H, Hkv, D, ws, rs, causal, scale, hilbert)
         for dtype, tol_o, tol_l in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)):
             q = torch.randn(B, N, H, D, dtype=dtype)
             k = torch.randn(B, N, Hkv, D, dtype=dtype)
@@ -114,7 +134,8 @@ def main():
             runs = [("gather_cudnn", lambda: peers.gather_cudnn(q, k, v, spec)),
                     ("gather_flash", lambda: peers.gather_flash(q, k, v, spec))]
             if flex_ok and dtype == torch.float32:
-                for method in ("analytic", "create"):
+                # Hilbert specs: flex_block_mask always uses create_block_mask
+                for method in (("create",) if hilbert else ("analytic", "create")):
                     runs.append((f"flex[{method}]", lambda m=method: peers.flex(q, k, v, spec, method=m)))
             for pname, fn in runs:
                 try:
@@ -125,6 +146,8 @@ def main():
                         raise AssertionError(f"lse {tuple(lse.shape)} {lse.dtype}")
                     rel, dl, pat = compare(out, lse, ref_out, ref_lse)
                     ok = rel < tol_o and dl < tol_l and pat
+                    wk = (name, str(dtype)[6:], pname)
+                    worst[wk] = (rel, dl)
                     msg = f"rel_out={rel:.2e} max|dlse|={dl:.2e} -inf/zero rows ok={pat}"
                 except Exception as e:  # noqa: BLE001
                     ok, msg = False, f"ERROR {e!r}"
@@ -133,7 +156,9 @@ def main():
                     print(f"  {tag} {name:24s} {str(dtype)[6:]:9s} {pname:15s} {msg}")
                 if not ok:
                     failures.append(f"{name}/{dtype}/{pname}: {msg}")
-        print(f"  done {name}", flush=True)
+        mine = {k[1:]: v for k, v in worst.items() if k[0] == name}
+        print(f"  done {name:30s} " + "  ".join(f"{p}/{d}: {r:.1e}" for (d, p), (r, _) in sorted(mine.items())),
+              flush=True)
 
     # dense_sdpa: only that it runs and, with one r=1 branch covering N, equals the reference
     spec = spec_for("chk", 4, 4, 16, [64], [1], True)

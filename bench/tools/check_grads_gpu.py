@@ -2,14 +2,17 @@
 the float64 reference, for the tile families the GPU planner picks (head_dim 64 and 128,
 causal and not, GQA). Fails (exit 1) past SPEC's bounds: 2e-2 for out, 4e-2 for gradients.
 
-    python bench/check_grads_gpu.py [case index ...]
+    python bench/tools/check_grads_gpu.py [case index ...]
 """
 import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's dilgen
 
-import dilgen
-from dilgen.reference import differentiable_reference
+import torch  # noqa: E402
+
+import dilgen  # noqa: E402
+from dilgen.reference import differentiable_reference  # noqa: E402
 
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2   # SPEC §2 Tolerance: bf16, gradients twice
 

@@ -1,6 +1,6 @@
 """Backward tile sweep and per-kernel time breakdown on the GPU (H200), bf16.
 
-    python bench/tune_backward.py --out OUT [--configs A,Ac,C] [--profile] [--sweep kv,dq,fwd]
+    python bench/tools/tune_backward.py --out OUT [--configs A,Ac,C] [--profile] [--sweep kv,dq,fwd]
 
 For each config: the time of forward alone and forward+backward (triton do_bench, median),
 optionally a torch.profiler breakdown by kernel, and a sweep of candidate tiles for
@@ -19,12 +19,15 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/
+import toolkit  # noqa: E402
+toolkit.setup_paths()
 import dilgen  # noqa: E402
 from dilgen.compiler import Kernel, target_for_device  # noqa: E402
-from probe_forward import CONFIGS as SHAPES  # noqa: E402
+SHAPES = toolkit.CONFIGS
 
-CONFIGS = {"A": ("A", False), "Ac": ("A", True), "C": ("C", False), "Cc": ("C", True)}
+# "A" = config A non-causal, "Ac" = causal A; any config of bench/toolkit.py (A-F)
+CONFIGS = {**{n: (n, False) for n in SHAPES}, **{n + "c": (n, True) for n in SHAPES}}
 KV = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 8, 3),
       (128, 32, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 4)]
 DQ = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
@@ -37,7 +40,8 @@ def spec_of(name):
     shape, causal = CONFIGS[name]
     c = SHAPES[shape]
     return c, dilgen.Spec(name=f"tb_{name.lower()}", num_heads=c["H"], head_dim=c["D"],
-                          segment_lengths=c["w"], dilation_rates=c["r"], causal=causal)
+                          segment_lengths=c["ws"], dilation_rates=c["rs"], causal=causal,
+                          hilbert=c.get("hilbert"))
 
 
 def run_case(kernel, q, k, v, g):

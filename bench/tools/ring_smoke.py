@@ -1,6 +1,9 @@
-"""GPU smoke of the ring: tests/ring_worker.py's cases over NCCL (P = 2 and 4)."""
+"""GPU smoke of the ring: tests/ring_worker.py's cases over NCCL (P = 2 and 4).
+
+    python bench/tools/ring_smoke.py          # needs 4 GPUs
+"""
 import json, os, socket, sys, tempfile
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 import torch.multiprocessing as mp
 import ring_worker
 from test_ring import CASES_P2, CASES_P4
