@@ -530,6 +530,10 @@ def main(argv=None):
     if not args.no_plot:
         plot({**res.data, "rows": rows}, tk.result_path(args.out, "ring", dry, ext="png"))
     log(f"json: {res.path}")
+    bad = [f"P={r['gpus']} {r.get('order')}: {r.get('error', 'check failed')[:160]}" for r in res.rows
+           if "error" in r or r.get("check_passed") is False]
+    if bad or failed:
+        log(f"{len(bad)} row(s) failed (exit status 1):\n  " + "\n  ".join(bad))
     return 1 if failed else 0
 
 
