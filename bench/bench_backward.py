@@ -129,7 +129,7 @@ class Bench:
     def check(self):
         from dilgen.reference import differentiable_reference
         n_req = self.args.check_n
-        log(f"== gradient check (B=1, bf16) against autograd through the float64 reference ==")
+        log("== gradient check (B=1, bf16) against autograd through the float64 reference ==")
         for i, (cname, causal) in enumerate(self.variants):
             cfg, spec = self.configs[cname], self.spec(cname, causal)
             n = min(n_req, cfg["N"])

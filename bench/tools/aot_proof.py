@@ -78,7 +78,12 @@ def _count_launcher_builds(record: dict):
     except Exception:  # noqa: BLE001 - no CUDA backend: nothing to count
         yield
         return
-    original = nvdrv.compile_module_from_src
+    name = next((n for n in ("compile_module_from_src", "compile_module_from_file") if hasattr(nvdrv, n)), None)
+    if name is None:   # another Triton: the stubs are not counted (they are not kernel compiles anyway)
+        record["launcher_stubs_note"] = "not counted: this Triton has no compile_module_from_src"
+        yield
+        return
+    original = getattr(nvdrv, name)
 
     def wrapped(*args, **kwargs):
         t0 = time.perf_counter()
@@ -88,11 +93,11 @@ def _count_launcher_builds(record: dict):
             record["launcher_stubs"] += 1
             record["launcher_stub_s"] += time.perf_counter() - t0
 
-    nvdrv.compile_module_from_src = wrapped
+    setattr(nvdrv, name, wrapped)
     try:
         yield
     finally:
-        nvdrv.compile_module_from_src = original
+        setattr(nvdrv, name, original)
 
 
 def _sync(dev):

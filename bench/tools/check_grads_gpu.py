@@ -3,6 +3,7 @@ the float64 reference, for the tile families the GPU planner picks (head_dim 64 
 causal and not, GQA). Fails (exit 1) past SPEC's bounds: 2e-2 for out, 4e-2 for gradients.
 
     python bench/tools/check_grads_gpu.py [case index ...]
+    python bench/tools/check_grads_gpu.py --dry-run-cpu     # toy cases in Triton's interpreter
 """
 import sys
 from pathlib import Path
@@ -21,6 +22,9 @@ def rel(a, b):
     return ((a.double().cpu() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+DEV = "cuda"
+
+
 def check(w, r, H=4, D=64, N=2048, causal=True, B=2, Hkv=None, dtype="bfloat16") -> bool:
     Hkv = Hkv or H
     spec = dilgen.Spec(name=f"chk_{'_'.join(map(str, w))}_{D}_{int(causal)}_{Hkv}", num_heads=H,
@@ -29,10 +33,11 @@ def check(w, r, H=4, D=64, N=2048, causal=True, B=2, Hkv=None, dtype="bfloat16")
     g = torch.Generator().manual_seed(0)
     q, go = (torch.randn(B, N, H, D, generator=g) for _ in range(2))
     k, v = (torch.randn(B, N, Hkv, D, generator=g) for _ in range(2))
-    leaves = [t.to(getattr(torch, dtype)).cuda().requires_grad_(True) for t in (q, k, v)]
+    leaves = [t.to(getattr(torch, dtype)).to(DEV).requires_grad_(True) for t in (q, k, v)]
     out = dilgen.compile(spec)(*leaves)
-    out.backward(go.cuda().to(out.dtype))
-    torch.cuda.synchronize()
+    out.backward(go.to(DEV).to(out.dtype))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
     ro, _ = differentiable_reference(*ref_leaves, spec)
     ro.backward(go.double())
@@ -53,8 +58,23 @@ CASES = [
     dict(w=[256, 512, 1024], r=[1, 2, 4], D=64, causal=False, H=8, Hkv=1),
 ]
 
+# the same tile families at toy sizes, for --dry-run-cpu (Triton's interpreter)
+DRY_CASES = [
+    dict(w=[16, 32, 64], r=[1, 1, 2], N=128, B=1),
+    dict(w=[16, 32, 64], r=[1, 2, 4], D=32, N=128, B=1, causal=False),
+    dict(w=[32, 64], r=[2, 4], D=32, N=128, B=1, causal=True, H=8, Hkv=2),
+]
+
 if __name__ == "__main__":
-    picked = [CASES[int(i)] for i in sys.argv[1:]] or CASES
+    argv = sys.argv[1:]
+    cases = CASES
+    if "--dry-run-cpu" in argv:
+        argv.remove("--dry-run-cpu")
+        DEV, cases = "cpu", DRY_CASES
+    elif not torch.cuda.is_available():
+        print("check_grads_gpu.py needs a CUDA GPU (--dry-run-cpu: toy cases on the CPU)")
+        sys.exit(2)
+    picked = [cases[int(i)] for i in argv] or cases
     results = [check(**c) for c in picked]
     print(f"{sum(results)}/{len(results)} within bounds")
     sys.exit(0 if all(results) else 1)

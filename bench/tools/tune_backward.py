@@ -1,6 +1,8 @@
 """Backward tile sweep and per-kernel time breakdown on the GPU (H200), bf16.
 
     python bench/tools/tune_backward.py --out OUT [--configs A,Ac,C] [--profile] [--sweep kv,dq,fwd]
+    python bench/tools/tune_backward.py --out /tmp/x --dry-run-cpu --configs A --sweep kv --profile
+      (toy sizes in Triton's interpreter, one candidate per sweep, wall-clock times)
 
 For each config: the time of forward alone and forward+backward (triton do_bench, median),
 optionally a torch.profiler breakdown by kernel, and a sweep of candidate tiles for
@@ -11,7 +13,6 @@ Every candidate's gradients are compared with the default tiles' on the same inp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ toolkit.setup_paths()
 import dilgen  # noqa: E402
 from dilgen.compiler import Kernel, target_for_device  # noqa: E402
 SHAPES = toolkit.CONFIGS
+DEV = torch.device("cuda")
 
 # "A" = config A non-causal, "Ac" = causal A; any config of bench/toolkit.py (A-F)
 CONFIGS = {**{n: (n, False) for n in SHAPES}, **{n + "c": (n, True) for n in SHAPES}}
@@ -38,7 +40,7 @@ FWD = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128,
 
 def spec_of(name):
     shape, causal = CONFIGS[name]
-    c = SHAPES[shape]
+    c = (toolkit.DRY_CONFIGS if DEV.type == "cpu" else SHAPES)[shape]
     return c, dilgen.Spec(name=f"tb_{name.lower()}", num_heads=c["H"], head_dim=c["D"],
                           segment_lengths=c["ws"], dilation_rates=c["rs"], causal=causal,
                           hilbert=c.get("hilbert"))
@@ -58,6 +60,8 @@ def bench(kernel, q, k, v, g):
 
     def fwdbwd():
         kernel(q, k, v).backward(g)
+    if DEV.type == "cpu":   # dry run: one wall-clock call each
+        return toolkit.time_ms(fwd, 0, 1, DEV)["median"], toolkit.time_ms(fwdbwd, 0, 1, DEV)["median"]
     f = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
     fb = triton.testing.do_bench(fwdbwd, warmup=10, rep=50, grad_to_none=[q, k, v],
                                  return_mode="median")
@@ -70,18 +74,23 @@ def rel(a, b):
 
 def profile(kernel, q, k, v, g):
     from torch.profiler import ProfilerActivity, profile as prof
-    for _ in range(3):
+    cuda = DEV.type == "cuda"
+    reps = 5 if cuda else 1
+    for _ in range(3 if cuda else 0):
         run_case(kernel, q, k, v, g)
-    torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(5):
-            run_case(kernel, q, k, v, g)
+    if cuda:
         torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+        for _ in range(reps):
+            run_case(kernel, q, k, v, g)
+        if cuda:
+            torch.cuda.synchronize()
     rows = {}
     for e in p.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+            else e.cpu_time_total
         if t > 0 and e.count > 0:
-            rows[e.key[:70]] = (t / 5 / 1000.0, e.count // 5)
+            rows[e.key[:70]] = (t / reps / 1000.0, e.count // reps)
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:14])
 
 
@@ -92,22 +101,27 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--sweep", default="")
     ap.add_argument("--budget", type=float, default=480.0, help="stop sweeping after this many s")
+    ap.add_argument("--dry-run-cpu", action="store_true", help="toy sizes on the CPU (interpreter)")
     args = ap.parse_args()
+    global DEV
+    if args.dry_run_cpu:
+        DEV = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("tune_backward.py needs a CUDA GPU (--dry-run-cpu: toy sizes on the CPU)")
+        return 2
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "tune_backward.json")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "rows": []}
+    result = {**toolkit.header(DEV, args.dry_run_cpu), "rows": []}
 
     def save():
-        with open(path, "w") as fh:
-            json.dump(result, fh, indent=1)
+        toolkit.write_json_atomic(path, result)
 
-    target = target_for_device(torch.device("cuda"))
+    target = target_for_device(DEV)
     for name in args.configs.split(","):
         c, spec = spec_of(name)
         torch.manual_seed(0)
-        q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], device="cuda", dtype=torch.bfloat16,
+        q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], device=DEV, dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         g = torch.randn_like(q)
         base = Kernel(spec, target)
@@ -124,7 +138,7 @@ def main() -> int:
         cands = []
         for what in filter(None, args.sweep.split(",")):
             table = {"kv": KV, "dq": DQ, "fwd": FWD}[what]
-            for t in table[1:]:
+            for t in table[1:2 if DEV.type == "cpu" else None]:
                 cands.append({"bwd_kv": list(t)} if what == "kv" else {"bwd_dq": list(t)}
                              if what == "dq" else dict(zip(("block_m", "block_n", "num_warps",
                                                             "num_stages"), t)))
@@ -147,7 +161,7 @@ def main() -> int:
             result["rows"].append(row)
             save()
         del q, k, v, g, ref
-        torch.cuda.empty_cache()
+        toolkit.cleanup(DEV)
     return 0
 
 
