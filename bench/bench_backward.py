@@ -50,8 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3)")
     ap.add_argument("--reps", type=int, default=None, help="timed steps, median taken (default 10)")
     ap.add_argument("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
-    ap.add_argument("--append", action="store_true",
-                    help="keep the rows of an existing backward-<date>.json that this run does not redo")
+    ap.add_argument("--append", nargs="?", const=True, default=False, metavar="FILE",
+                    help="keep the rows of an earlier run that this run does not redo: of today's "
+                         "backward-<date>.json in --out, or of FILE")
     ap.add_argument("--check-n", type=int, default=1024, help="N of the gradient check (default 1024)")
     ap.add_argument("--no-check", action="store_true", help="skip the gradient check")
     ap.add_argument("--dense-max-n", type=int, default=65536, help="no dense above this N (default: not B, E)")

@@ -59,8 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls, median taken (default 10)")
     ap.add_argument("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
-    ap.add_argument("--append", action="store_true",
-                    help="keep the rows of an existing forward-<date>.json that this run does not redo")
+    ap.add_argument("--append", nargs="?", const=True, default=False, metavar="FILE",
+                    help="keep the rows of an earlier run that this run does not redo: of today's "
+                         "forward-<date>.json in --out, or of FILE")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--check-n", type=int, default=None, help="N of the correctness check (default per config)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check")

@@ -453,7 +453,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-allgather", action="store_true", help="skip LongNet's all-gather transport")
     ap.add_argument("--no-flash", action="store_true", help="skip the dense flash ring model")
     ap.add_argument("--out", default=str(tk.RESULTS))
-    ap.add_argument("--append", action="store_true", help="keep rows of an existing ring-<date>.json not redone")
+    ap.add_argument("--append", nargs="?", const=True, default=False, metavar="FILE",
+                    help="keep the rows of an earlier run not redone: of today's ring-<date>.json in --out, or of FILE")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--dry-run-cpu", action="store_true", help="gloo on the CPU at toy sizes (numbers meaningless)")
     ap.add_argument("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
@@ -501,7 +502,7 @@ def main(argv=None):
     if not dry:
         head["device"] = f"{len(gpus) and max(gpus)} x {head['device']}"
     res = tk.Results(tk.result_path(args.out, "ring", dry), head, key=("gpus", "order", "tokens_per_gpu"),
-                     append=args.append)
+                     append=args.append, lists=())
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for i, P in enumerate(gpus):

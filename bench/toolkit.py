@@ -292,29 +292,36 @@ def result_path(out_dir, name: str, dry: bool = False, date: str | None = None, 
 class Results:
     """One result file: header fields + "rows", rewritten atomically after every change.
 
-    With append=True the rows of an existing file of the same name are kept, except those
-    whose `key` fields equal a row added now (a rerun replaces its row): several runs
-    (say --configs A,B,C then D,E,F) then make one file."""
+    append=True keeps the rows of an existing file of the same name, except those whose
+    `key` fields equal a row added now (a rerun replaces its row), so that several runs
+    (say --configs A,B,C then D,E,F) make one file; append=PATH takes the earlier rows from
+    PATH instead (an earlier run's file brought along, e.g. from another machine). Lists
+    named in `lists` (the checks) are merged the same way."""
 
-    def __init__(self, path, head: dict, key=("config", "causal"), append: bool = False):
+    def __init__(self, path, head: dict, key=("config", "causal"), append=False, lists=("check",)):
         self.path = Path(path)
         self.key = tuple(key)
+        self.lists = tuple(lists)
         self.data = dict(head)
         self.data.setdefault("rows", [])
         self._t0 = time.time()
-        self.kept = []
-        if append and self.path.exists():
+        self.kept, self.kept_lists = [], {}
+        source = self.path if append is True else Path(append) if append else None
+        if source is not None and source.exists():
             try:
-                old = json.loads(self.path.read_text())
+                old = json.loads(source.read_text())
             except (OSError, ValueError) as e:
-                log(f"--append: cannot read {self.path} ({short_err(e, 120)}); starting a new file")
+                log(f"--append: cannot read {source} ({short_err(e, 120)}); starting a new file")
                 old = {}
             self.kept = list(old.get("rows", []))
+            self.kept_lists = {k: list(old.get(k) or []) for k in self.lists}
             self.data["earlier_runs"] = old.get("earlier_runs", []) + [
-                {k: old.get(k) for k in ("time", "device", "torch", "triton", "args") if k in old}]
+                {k: old.get(k) for k in ("time", "device", "torch", "triton", "args", "check_passed") if k in old}]
             for k, v in old.items():
                 if k not in self.data and k != "rows":
                     self.data[k] = v
+        elif source is not None and append is not True:
+            raise FileNotFoundError(f"--append {source}: no such file")
         self.save()
 
     @property
@@ -339,6 +346,9 @@ class Results:
         out = dict(self.data)
         out["elapsed_s"] = round(time.time() - self._t0, 1)
         out["rows"] = self.all_rows()
+        now = {self.row_key(r) for r in self.rows}
+        for k, old in self.kept_lists.items():
+            out[k] = [r for r in old if self.row_key(r) not in now] + list(self.data.get(k) or [])
         return write_json_atomic(self.path, out)
 
 

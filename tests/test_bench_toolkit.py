@@ -50,6 +50,25 @@ def test_results_written_after_every_row_and_append_merges(tmp_path):
     assert json.loads(path.read_text())["rows"] == [] and fresh.rows == []
 
 
+def test_results_append_from_another_file_merges_rows_and_checks(tmp_path):
+    earlier = tmp_path / "carried" / "forward-2026-01-01.json"
+    tk.write_json_atomic(earlier, {"device": "gpu", "matmul_ceiling": {"tflops": 700.0}, "check_passed": True,
+                                   "rows": [{"config": "A", "causal": False, "ms": 1.0},
+                                            {"config": "B", "causal": False, "ms": 2.0}],
+                                   "check": [{"config": "A", "causal": False, "passed": True},
+                                             {"config": "B", "causal": False, "passed": True}]})
+    out = tmp_path / "out" / "forward-2026-01-02.json"
+    res = tk.Results(out, {"device": "gpu", "check": []}, append=str(earlier))
+    res.data["check"].append({"config": "B", "causal": False, "passed": False})
+    res.add({"config": "B", "causal": False, "ms": 3.0})
+    data = json.loads(out.read_text())
+    assert [(r["config"], r["ms"]) for r in data["rows"]] == [("A", 1.0), ("B", 3.0)]
+    assert [(c["config"], c["passed"]) for c in data["check"]] == [("A", True), ("B", False)]
+    assert data["matmul_ceiling"] == {"tflops": 700.0} and data["earlier_runs"][0]["check_passed"] is True
+    with pytest.raises(FileNotFoundError):
+        tk.Results(tmp_path / "x.json", {}, append=str(tmp_path / "missing.json"))
+
+
 def test_markdown_table():
     text = tk.markdown_table(["config", "ms"], [["A", "**1.00**"], ["B|x", None]])
     assert text.splitlines() == ["| config | ms |", "|---|---|", "| A | **1.00** |", "| B\\|x | — |"]
