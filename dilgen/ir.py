@@ -174,6 +174,11 @@ class KernelConfig:
     # lane kernels (branch-major launches): forward (rows, keys, warps, stages) and dq
     lane_fwd: tuple[int, int, int, int] = (16, 16, 1, 1)
     lane_dq: tuple[int, int, int, int] = (16, 16, 1, 1)
+    # lane kernels of raster branches read k, v through tensor descriptors (TMA on sm90:
+    # the kept lanes of a segment are a 2-D box with row stride r*H_kv*D), with the key
+    # loop warp-specialized (producer / consumer warps) when lane_ws is set
+    lane_tma: bool = False
+    lane_ws: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq"):
@@ -188,7 +193,8 @@ class KernelConfig:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "dot_precision": self.dot_precision,
                 "bwd_kv": list(self.bwd_kv), "bwd_dq": list(self.bwd_dq),
-                "lane_fwd": list(self.lane_fwd), "lane_dq": list(self.lane_dq)}
+                "lane_fwd": list(self.lane_fwd), "lane_dq": list(self.lane_dq),
+                "lane_tma": self.lane_tma, "lane_ws": self.lane_ws}
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
-           "lane_fwd", "lane_dq", "lanes")
+           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -195,6 +195,10 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              num_stages=stages, bwd_kv=tuple(bwd_kv),
                              bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
                              lane_fwd=tuple(lane_fwd), lane_dq=tuple(lane_dq),
+                             # descriptors pay off on square causal diagonals (measured);
+                             # non-causal lane branches keep pointer loads
+                             lane_tma=bool((tuning or {}).get("lane_tma", target.lane_tma and spec.causal and spec.dtype != "float32")),
+                             lane_ws=bool((tuning or {}).get("lane_ws", target.lane_ws and spec.causal and spec.dtype != "float32")),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(
         fused_dkdv=fused_dkdv,

@@ -71,21 +71,30 @@ class Target:
         square, as in FlashAttention, so causal takes the non-causal tile."""
         if self.name == "interpreter":
             return (16, 16, 1, 1), (16, 16, 1, 1)
+        if causal and self.lane_tma and itemsize == 2 and head_dim <= 128:
+            # H200, every branch a lane branch, TMA + warp specialization: A causal
+            # 1.29 ms with 128 x 128 against 1.42 with 128 x 64 (pointer loads: 1.43)
+            _, dq = self.backward_table(head_dim, itemsize, causal)
+            return (128, 128, 8, 3), dq
         fwd = self.block_table(head_dim, itemsize, causal=False)
         _, dq = self.backward_table(head_dim, itemsize, causal)
         return fwd, dq
 
     # Causal: a lattice tile spans L*BLOCK_M positions, so its diagonal is L times wider
-    # than a square one. Above this L the lane kernels (square diagonals) win on an H200:
-    # B causal (L = 16) forward 9.53 -> 7.04 ms with every branch a lane branch, and
-    # fwd+bwd 35.0 -> 32.5 ms with per-branch dkdv instead of the fused one; at L = 4 (A)
-    # the forward ties (1.565 / 1.558 ms) and the fused backward is faster (6.49 / 6.97).
+    # than a square one; lane tiles have square diagonals. On an H200 (bf16, forward):
+    # causal A 1.60 -> 1.29 ms, B 6.35 -> 5.78, E 7.77 -> 6.20 with every branch a lane
+    # branch and TMA + warp-specialized key loops (bench/results/lanes_probe-*.json).
+    # The fused dkdv keeps its lattice up to L = 4 (A: 6.49 vs 6.97 ms fwd+bwd); above
+    # it the per-branch dkdv wins (B: 32.5 vs 35.0 ms).
     causal_max_lattice: int = 4
+    lane_tma: bool = False    # tensor-descriptor loads in causal lane kernels (KernelConfig)
+    lane_ws: bool = False
+    causal_lanes: bool = False  # causal specs run every branch as a lane branch
 
     def lanes_mode(self, causal: bool, lattice: int) -> str:
         """Which branches run as lane kernels by default: "auto" (those whose membership
         is per row: r does not divide w, or a curve table) or "all"."""
-        if causal and self.name != "interpreter" and lattice > self.causal_max_lattice:
+        if causal and self.causal_lanes:
             return "all"
         return "auto"
 
@@ -103,7 +112,7 @@ class Target:
         return {64: (128, 32, 4, 3), 128: (128, 64, 8, 3)}.get(head_dim)
 
 
-SM90 = Target("sm90", 90, 227 * 1024, 128, True)
+SM90 = Target("sm90", 90, 227 * 1024, 128, True, lane_tma=True, lane_ws=True, causal_lanes=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 73bbbb6d0e84463d
-# plan key:      8f941fcf8756862c2f034e211954f990e22bb0d46680efbaffdc18cae28bec32
+# template hash: 3de8f4921097e6f0
+# plan key:      e82e5bea11b9228eea8247acac0733575de0b0056bdf2bf75929e62cb6bfc169
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -86,6 +86,8 @@ PLAN = {
         "dot_precision": None,
         "lane_dq": [128, 64, 8, 3],
         "lane_fwd": [128, 64, 8, 3],
+        "lane_tma": False,
+        "lane_ws": False,
         "num_stages": 3,
         "num_warps": 8
     },
@@ -191,6 +193,7 @@ def longnet_base_fwd_kernel(
     n_keys = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
     n_free = n_keys
     n_free = (n_free // BLOCK_N) * BLOCK_N
+
     for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BLOCK_N)
         u_k = j + o + 2048*s
@@ -209,6 +212,7 @@ def longnet_base_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+
     for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
@@ -238,6 +242,7 @@ def longnet_base_fwd_kernel(
         n_keys = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 1, 0) // 2
         n_free = n_keys
         n_free = (n_free // BLOCK_N) * BLOCK_N
+
         for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BLOCK_N)
             u_k = 2*j + o + 4096*s
@@ -256,6 +261,7 @@ def longnet_base_fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+
         for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
             k_valid = j < n_keys
@@ -285,6 +291,7 @@ def longnet_base_fwd_kernel(
         n_keys = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 3, 0) // 4
         n_free = n_keys
         n_free = (n_free // BLOCK_N) * BLOCK_N
+
         for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BLOCK_N)
             u_k = 4*j + o + 8192*s
@@ -303,6 +310,7 @@ def longnet_base_fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+
         for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
             k_valid = j < n_keys

@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 73bbbb6d0e84463d
-# plan key:      0392e06ce38abc78dbcfc7c1db786cf8f30dd659b20a2972aa9f698397c97089
+# template hash: 3de8f4921097e6f0
+# plan key:      6b4831c891d61a2b8895d970c7f441e330b8565ddb79d578b409b10287b4e08e
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -39,7 +39,7 @@ PLAN = {
                 "kind": "affine"
             },
             "keys_per_query": 2048,
-            "lanes": False,
+            "lanes": True,
             "membership": "class",
             "order": None,
             "r": 1,
@@ -91,7 +91,9 @@ PLAN = {
         "bwd_kv": [64, 32, 4, 3],
         "dot_precision": None,
         "lane_dq": [64, 32, 4, 3],
-        "lane_fwd": [128, 64, 8, 3],
+        "lane_fwd": [128, 128, 8, 3],
+        "lane_tma": True,
+        "lane_ws": True,
         "num_stages": 3,
         "num_warps": 4
     },
@@ -103,7 +105,7 @@ PLAN = {
     "query": {
         "block_m": 64,
         "class_order": [0],
-        "class_work": [2048],
+        "class_work": [0],
         "lattice": 1,
         "order": None,
         "query_map": {
@@ -159,7 +161,7 @@ def longnet_causal_gqa_fwd_kernel(
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
     m_i, l_i   running max (log2 domain) and softmax denominator; acc the unnormalised output
     Branches:
-      0: w = 2048, r = 1, key u = j + o + 2048*s, class membership, one segment per tile
+      0: w = 2048, r = 1: its own launch, longnet_causal_gqa_fwd_lanes (below)
       1: w = 8192, r = 6: its own launch, longnet_causal_gqa_fwd_lanes (below)
       2: w = 32768, r = 12: its own launch, longnet_causal_gqa_fwd_lanes (below)
     """
@@ -189,55 +191,6 @@ def longnet_causal_gqa_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
 
-    # ---- branch 0: w = 2048, r = 1 ----
-    o = h % 1
-    s = u_first // 2048
-    seg_start = s * 2048
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
-    # causal: lanes past the tile's last query are never needed; lanes up to its first
-    # query need no causal mask
-    n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 1, 0) // 1)
-    n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 1, 0) // 1)
-    n_free = (n_free // BLOCK_N) * BLOCK_N
-    for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BLOCK_N)
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new  # every score of this block is finite
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BLOCK_N)
-        k_valid = j < n_keys
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -249,7 +202,7 @@ def longnet_causal_gqa_fwd_kernel(
 
 # Tile of the lane kernels, chosen by the planner for sm90.
 LANE_BLOCK_M = tl.constexpr(128)
-LANE_BLOCK_N = tl.constexpr(64)
+LANE_BLOCK_N = tl.constexpr(128)
 
 
 def longnet_causal_gqa_fwd_lanes(
@@ -267,14 +220,15 @@ def longnet_causal_gqa_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in longnet_causal_gqa_fwd_kernel, plus):
-    grid       (B*H, segments, lane tiles): program (b*H + h, s, t), every head's and segment's
-               tile t launched before any tile t + 1; mt = num_lane_tiles - 1 - t (longest causal tiles first)
+    grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
+               one segment's keys (L2), mt = num_lane_tiles - 1 - t (longest causal tiles first)
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
     ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
     Lane branches:
+      0: w = 2048, r = 1, key u = j + o + 2048*s
       1: w = 8192, r = 6, key u = 6*j + o + 8192*s
       2: w = 32768, r = 12, key u = 12*j + o + 32768*s
     """
@@ -282,8 +236,8 @@ def longnet_causal_gqa_fwd_lanes(
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    s = tl.program_id(1)
-    mt = num_lane_tiles - 1 - tl.program_id(2)  # longest tiles first
+    s = tl.program_id(2)
+    mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -291,6 +245,86 @@ def longnet_causal_gqa_fwd_lanes(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    if BRANCH == 0:
+        # ---- branch 0: w = 2048, r = 1, key u = j + o + 2048*s ----
+        o = h % 1
+        seg_start = s * 2048
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
+        q_valid = m < n_lanes
+        u_q = m + o + 2048*s
+        p_q = u_q
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([LANE_BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        # causal: key lanes up to the tile's first query lane need no mask; lanes past its
+        # last one are never needed (the diagonal is the LANE_BLOCK_M lanes of the tile)
+        n_free = tl.minimum(m0, n_keys)
+        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
+        n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+        # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
+                                           strides=[1 * stride_kn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM],
+                                           strides=[1 * stride_vn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+
+        for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            p_k = j + o + 2048*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new  # every score of this block is finite
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_BLOCK_N)
+            k_valid = j < n_keys
+            p_k = j + o + 2048*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        o_rows = Out + b * stride_ob + h * stride_oh + p_q.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+        l_rows = Lse + b * stride_lb + h * stride_lh + p_q
+        if ACCUMULATE:  # merge with the launches before this one
+            lse_acc = tl.load(l_rows, mask=q_valid, other=float("-inf"))
+            out_acc = tl.load(o_rows, mask=q_valid[:, None], other=0.0).to(tl.float32)
+            top = tl.maximum(lse_acc, lse)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_acc = tl.exp(lse_acc - top)
+            w_new = tl.exp(lse - top)
+            total = w_acc + w_new
+            total_safe = tl.where(total == 0.0, 1.0, total)
+            out_acc = tl.where((w_acc > 0.0)[:, None], out_acc * w_acc[:, None], 0.0)
+            out = (out_acc + out * w_new[:, None]) / total_safe[:, None]
+            lse = tl.where(total == 0.0, float("-inf"), top + tl.log(total_safe))
+        tl.store(o_rows, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+        tl.store(l_rows, lse, mask=q_valid)
     if BRANCH == 1:
         # ---- branch 1: w = 8192, r = 6, key u = 6*j + o + 8192*s ----
         o = h % 6
@@ -311,17 +345,21 @@ def longnet_causal_gqa_fwd_lanes(
         n_free = tl.minimum(m0, n_keys)
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
-        for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+        # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
+                                           strides=[6 * stride_kn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM],
+                                           strides=[6 * stride_vn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+
+        for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
-            u_k = 6*j + o + 8192*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            p_k = 6*j + o + 8192*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = m_new  # every score of this block is finite
             alpha = tl.math.exp2(m_i - m_use)
@@ -329,18 +367,17 @@ def longnet_causal_gqa_fwd_lanes(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+
+        for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
-            u_k = 6*j + o + 8192*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            p_k = 6*j + o + 8192*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -388,17 +425,21 @@ def longnet_causal_gqa_fwd_lanes(
         n_free = tl.minimum(m0, n_keys)
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
-        for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+        # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
+                                           strides=[12 * stride_kn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM],
+                                           strides=[12 * stride_vn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+
+        for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
-            u_k = 12*j + o + 32768*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            p_k = 12*j + o + 32768*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = m_new  # every score of this block is finite
             alpha = tl.math.exp2(m_i - m_use)
@@ -406,18 +447,17 @@ def longnet_causal_gqa_fwd_lanes(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+
+        for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
-            u_k = 12*j + o + 32768*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            p_k = 12*j + o + 32768*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -1007,48 +1047,6 @@ def longnet_causal_gqa_bwd_dq(
     dq = tl.zeros([BWD_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
 
-    # ---- branch 0: w = 2048, r = 1 ----
-    o = h % 1
-    s = u_first // 2048
-    seg_start = s * 2048
-    n_keys = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
-    # causal: lanes past the tile's last query are never needed; lanes up to its first
-    # query need no causal mask
-    n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 1, 0) // 1)
-    n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 1, 0) // 1)
-    n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
-    for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.math.exp2(qk)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        k_valid = j < n_keys
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
-            vt = vt.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        p = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), tl.math.exp2(qk), 0.0)
-        dp = tl.dot(dout, vt)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
     tl.store(dq_ptrs, (dq * 0.08838834764831843).to(DQ.dtype.element_ty), mask=q_valid[:, None])
 
@@ -1076,8 +1074,8 @@ def longnet_causal_gqa_bwd_dq_lanes(
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    s = tl.program_id(1)
-    mt = num_lane_tiles - 1 - tl.program_id(2)  # longest tiles first
+    s = tl.program_id(2)
+    mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -1087,6 +1085,64 @@ def longnet_causal_gqa_bwd_dq_lanes(
     v_base = V + b * stride_vb + kvh * stride_vh
     l_off = b * stride_lb + h * stride_lh
     qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    if BRANCH == 0:
+        # ---- branch 0: w = 2048, r = 1, key u = j + o + 2048*s ----
+        o = h % 1
+        seg_start = s * 2048
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
+        q_valid = m < n_lanes
+        u_q = m + o + 2048*s
+        p_q = u_q
+        q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+        if UPCAST:
+            dout = dout.to(tl.float32)
+        lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+        delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
+        dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
+        n_free = tl.minimum(m0, n_keys)  # causal: lanes before the tile's first query: no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)
+        n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+        for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            u_k = j + o + 2048*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.math.exp2(qk)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+            k_valid = j < n_keys
+            u_k = j + o + 2048*s
+            p_k = u_k
+            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+            p = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), tl.math.exp2(qk), 0.0)
+            dp = tl.dot(dout, vt)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
+        dq = dq * 0.08838834764831843
+        if ACCUMULATE:
+            dq += tl.load(dq_ptrs, mask=q_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_valid[:, None])
     if BRANCH == 1:
         # ---- branch 1: w = 8192, r = 6, key u = 6*j + o + 8192*s ----
         o = h % 6

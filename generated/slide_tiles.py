@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 73bbbb6d0e84463d
-# plan key:      98dd34576d92f9d92a90fa324f12d8037be4dab9e1d6eee14439f4e641b9b368
+# template hash: 3de8f4921097e6f0
+# plan key:      fc414fcc8f02f3284e5c7e1ea98a86731d9cfb55c303277735559db7490d0af4
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -82,6 +82,8 @@ PLAN = {
         "dot_precision": None,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],
+        "lane_tma": False,
+        "lane_ws": False,
         "num_stages": 3,
         "num_warps": 8
     },
@@ -196,6 +198,7 @@ def slide_tiles_fwd_kernel(
     n_keys = tl.maximum(tl.minimum(N - seg_start, 1024) - o + 0, 0) // 1
     n_free = n_keys
     n_free = (n_free // BLOCK_N) * BLOCK_N
+
     for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BLOCK_N)
         u_k = j + o + 1024*s
@@ -214,6 +217,7 @@ def slide_tiles_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+
     for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
@@ -265,8 +269,8 @@ def slide_tiles_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in slide_tiles_fwd_kernel, plus):
-    grid       (B*H, segments, lane tiles): program (b*H + h, s, t), every head's and segment's
-               tile t launched before any tile t + 1; mt = t
+    grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
+               one segment's keys (L2), mt = t
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
@@ -279,8 +283,8 @@ def slide_tiles_fwd_lanes(
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
-    s = tl.program_id(1)
-    mt = tl.program_id(2)
+    s = tl.program_id(2)
+    mt = tl.program_id(1)
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -305,6 +309,7 @@ def slide_tiles_fwd_lanes(
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
         n_free = n_keys
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+
         for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             u_k = 4*j + o + 4096*s
@@ -323,6 +328,7 @@ def slide_tiles_fwd_lanes(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+
         for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
@@ -822,8 +828,8 @@ def slide_tiles_bwd_dq_lanes(
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
-    s = tl.program_id(1)
-    mt = tl.program_id(2)
+    s = tl.program_id(2)
+    mt = tl.program_id(1)
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

@@ -99,6 +99,19 @@ class _interpreting:
         return False
 
 
+_TMA_ALLOCATOR = False
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors (the lane kernels' TMA loads) need a scratch
+    allocator, set once per process."""
+    global _TMA_ALLOCATOR
+    if not _TMA_ALLOCATOR:
+        import triton
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _TMA_ALLOCATOR = True
+
+
 def lane_order(plan: dict) -> list[int]:
     """The lane branches in launch order: an r = 1 branch first (it keeps every row, so
     it can write (out, lse) without a merge), then the others as the spec lists them."""
@@ -209,11 +222,13 @@ class GeneratedAttention:
             br = plan["branches"][i]
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
             launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
-                             (B * H, n_seg, n_tiles),
+                             (B * H, n_tiles, n_seg),
                              (q, k, v, out, lse, *tables, N, n_tiles,
                               *strides, interpret, i, accumulate),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate = True
+        if cfg.get("lane_tma") and lanes and not interpret:
+            _ensure_descriptor_allocator()
         for kernel, grid, args, opts in launches:
             if interpret:
                 with _interpreting():

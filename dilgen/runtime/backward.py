@@ -142,7 +142,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
         for i in lanes:
             n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
             dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
-            dq_lanes[(B * H, n_seg, n_tiles)](
+            dq_lanes[(B * H, n_tiles, n_seg)](
                 q, k, v, grad_out, dq, lse, delta, *tables,
                 N, n_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
                 *dq_strides, *l_strides,

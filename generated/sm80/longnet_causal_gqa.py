@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 73bbbb6d0e84463d
-# plan key:      6f253dde52bcc41e75b0cfe0ccf5a38b545bc5e83a85c9c46a0e3fbae06a0875
+# template hash: 3de8f4921097e6f0
+# plan key:      3ef6cae3a2bd507159fdaeead278ba00ef8ecad557cb7c74ab147d87ca8281c4
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -92,6 +92,8 @@ PLAN = {
         "dot_precision": None,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 32, 8, 3],
+        "lane_tma": False,
+        "lane_ws": False,
         "num_stages": 3,
         "num_warps": 4
     },
@@ -199,6 +201,7 @@ def longnet_causal_gqa_fwd_kernel(
     n_keys = tl.minimum(n_keys, tl.maximum(u_last - seg_start - o + 1, 0) // 1)
     n_free = tl.minimum(n_keys, tl.maximum(u_first - seg_start - o + 1, 0) // 1)
     n_free = (n_free // BLOCK_N) * BLOCK_N
+
     for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BLOCK_N)
         u_k = j + o + 2048*s
@@ -217,6 +220,7 @@ def longnet_causal_gqa_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+
     for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
@@ -267,8 +271,8 @@ def longnet_causal_gqa_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in longnet_causal_gqa_fwd_kernel, plus):
-    grid       (B*H, segments, lane tiles): program (b*H + h, s, t), every head's and segment's
-               tile t launched before any tile t + 1; mt = num_lane_tiles - 1 - t (longest causal tiles first)
+    grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
+               one segment's keys (L2), mt = num_lane_tiles - 1 - t (longest causal tiles first)
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
@@ -282,8 +286,8 @@ def longnet_causal_gqa_fwd_lanes(
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    s = tl.program_id(1)
-    mt = num_lane_tiles - 1 - tl.program_id(2)  # longest tiles first
+    s = tl.program_id(2)
+    mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -311,6 +315,7 @@ def longnet_causal_gqa_fwd_lanes(
         n_free = tl.minimum(m0, n_keys)
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+
         for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             u_k = 6*j + o + 8192*s
@@ -329,6 +334,7 @@ def longnet_causal_gqa_fwd_lanes(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+
         for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
@@ -388,6 +394,7 @@ def longnet_causal_gqa_fwd_lanes(
         n_free = tl.minimum(m0, n_keys)
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+
         for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             u_k = 12*j + o + 32768*s
@@ -406,6 +413,7 @@ def longnet_causal_gqa_fwd_lanes(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+
         for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
@@ -1076,8 +1084,8 @@ def longnet_causal_gqa_bwd_dq_lanes(
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    s = tl.program_id(1)
-    mt = num_lane_tiles - 1 - tl.program_id(2)  # longest tiles first
+    s = tl.program_id(2)
+    mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

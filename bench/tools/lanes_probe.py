@@ -1,0 +1,77 @@
+"""Device probe: correctness + timing of lane kernels vs fused, configs A B E F, causal."""
+import os, sys, json, math, time, torch, triton
+sys.path.insert(0, os.getcwd())
+import dilgen
+from dilgen.compiler import Kernel
+from dilgen.reference import reference_attention
+OUT = os.environ.get("OUT", "/tmp")
+dev = torch.device("cuda")
+CFG = {
+ "A": dict(B=1,H=16,N=32768,D=128, ws=[2048,4096,8192], rs=[1,2,4]),
+ "B": dict(B=1,H=16,N=131072,D=128, ws=[2048,4096,8192,16384,32768], rs=[1,2,4,8,16]),
+ "E": dict(B=1,H=16,N=131072,D=128, ws=[2048,4096,8192,16384,32768], rs=[1,2,4,6,12]),
+ "F": dict(B=1,H=16,N=32768,D=128, ws=[2048,4096,8192], rs=[1,2,4], hil=True),
+ "C": dict(B=2,H=32,N=16384,D=64, ws=[1024,2048,4096], rs=[1,2,4]),
+ "D": dict(B=1,H=16,N=65536,D=128, ws=[4096,16384], rs=[4,16]),
+}
+def spec_of(name, c, causal):
+    kw = dict(name=f"p_{name.lower()}{'_c' if causal else ''}", num_heads=c["H"], head_dim=c["D"], dtype="bfloat16",
+              segment_lengths=c["ws"], dilation_rates=c["rs"], causal=causal)
+    if c.get("hil"): kw["hilbert"] = {"scope": "segment"}
+    return dilgen.Spec(**kw)
+def flops(c, causal):
+    f = sum(4*c["B"]*c["H"]*(c["N"]/w)*(w/r)**2*c["D"] for w, r in zip(c["ws"], c["rs"]))
+    return f/2 if causal else f
+def bench(fn, rep_ms=200):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+def rel(a, b): return ((a.double()-b.double()).norm()/b.double().norm()).item()
+rows = []
+variants = os.environ.get("VARIANTS", "auto,all").split(",")
+configs = os.environ.get("CONFIGS", "A,E,F,B").split(",")
+tunings = json.loads(os.environ.get("TUNINGS", "{}"))   # extra named tunings
+for cname in configs:
+    c = CFG[cname]
+    for causal in (False, True):
+        for var in variants + list(tunings):
+            if var == "all" and not causal and cname not in os.environ.get("ALL_NONCAUSAL", ""): continue
+            if var in tunings and cname not in os.environ.get("TUNE_CONFIGS", "A"): continue
+            if var in tunings and causal and var.startswith("nc_"): continue
+            if var in tunings and not causal and var.startswith("c_"): continue
+            spec = spec_of(cname, c, causal)
+            tuning = None if var == "auto" else {"lanes": "all"} if var == "all" else tunings[var]
+            try:
+                kern = Kernel(spec, None, tuning)
+                torch.manual_seed(1)
+                Nc = 4096
+                q = torch.randn(1, Nc, c["H"], c["D"], device=dev, dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn_like(q, requires_grad=True); v = torch.randn_like(q, requires_grad=True)
+                o = kern(q, k, v); go = torch.randn_like(o); o.backward(go)
+                qd, kd, vd = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+                from dilgen.reference import differentiable_reference
+                ro, _ = differentiable_reference(qd, kd, vd, spec)
+                (ro * go.cpu().double()).sum().backward()
+                err = dict(out=rel(o.detach().cpu(), ro.detach()), dq=rel(q.grad.cpu(), qd.grad),
+                           dk=rel(k.grad.cpu(), kd.grad), dv=rel(v.grad.cpu(), vd.grad))
+                B, N, H, D = c["B"], c["N"], c["H"], c["D"]
+                q = torch.randn(B, N, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn_like(q, requires_grad=True); v = torch.randn_like(q, requires_grad=True)
+                g = torch.randn_like(q)
+                with torch.no_grad():
+                    t_f = bench(lambda: kern(q, k, v))
+                def fb():
+                    o = kern(q, k, v); o.backward(g)
+                t_fb = bench(fb, 400)
+                fl = flops(c, causal)
+                row = dict(config=cname, causal=causal, variant=var, fwd_ms=t_f, fwdbwd_ms=t_fb,
+                           fwd_tflops=fl/t_f/1e9, fb_tflops=3.5*fl/t_fb/1e9, err=err)
+            except Exception as e:
+                import traceback; traceback.print_exc()
+                row = dict(config=cname, causal=causal, variant=var, error=repr(e)[:300])
+            rows.append(row); print(json.dumps(row), flush=True)
+            json.dump(rows, open(f"{OUT}/probe.json", "w"), indent=1)
+            torch.cuda.empty_cache()
+print()
+print(f"{'cfg':4s} {'causal':6s} {'var':8s} {'fwd ms':>8s} {'TF/s':>6s} {'f+b ms':>8s} {'TF/s':>6s} max_err")
+for r in rows:
+    if "error" in r: print(r["config"], r["causal"], r["variant"], "ERROR", r["error"][:100]); continue
+    print(f"{r['config']:4s} {str(r['causal']):6s} {r['variant']:8s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.0f} {r['fwdbwd_ms']:8.3f} {r['fb_tflops']:6.0f} {max(r['err'].values()):.1e}")
