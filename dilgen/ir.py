@@ -226,6 +226,10 @@ class RingIR:
     link_gbytes_s: float = 358.0        # NVLink ring step, 4 x H200 (issue 5)
     allgather_gbytes_s: float = 342.0   # all-gather receive rate, same machine
     step_latency_us: float = 30.0
+    # Hilbert scope "sequence": the rows the ranks hold are runs of the curve over a
+    # rows x cols image (dilgen.runtime.ring.shard orders them), and the schedule works
+    # on curve positions
+    curve: tuple[int, int] | None = None
 
     def to_json(self) -> dict:
         if self.ring_size == 1:
@@ -235,7 +239,8 @@ class RingIR:
                 "one_kv_head_per_query_head": self.one_kv_head_per_query_head,
                 "link_gbytes_s": self.link_gbytes_s,
                 "allgather_gbytes_s": self.allgather_gbytes_s,
-                "step_latency_us": self.step_latency_us}
+                "step_latency_us": self.step_latency_us,
+                "curve": None if self.curve is None else list(self.curve)}
 
 
 CHUNK_ORDERS = ("contiguous", "zigzag")

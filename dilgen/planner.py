@@ -41,6 +41,10 @@ def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | N
     hil = spec.hilbert
     if hil is None:
         return None, [None] * spec.num_branches
+    if hil.scope == "sequence" and spec.ring_size > 1:
+        # the ring runs on curve-ordered rows (shard gives each rank a run of the curve):
+        # virtual positions are the rows themselves, read with no table (non-causal only)
+        return None, [None] * spec.num_branches
     if hil.scope == "sequence":
         rows, cols = hil.grid
         table = None if _is_identity(rows, cols) else ir.TableMap(
@@ -64,7 +68,8 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
         ring_size=spec.ring_size, causal=spec.causal,
         branches=tuple(ir.RingBranch(b.index, b.segment_length, b.dilation, b.order is None)
                        for b in branches),
-        one_kv_head_per_query_head=spec.num_kv_heads == spec.num_heads)
+        one_kv_head_per_query_head=spec.num_kv_heads == spec.num_heads,
+        curve=tuple(spec.hilbert.grid) if spec.hilbert is not None and spec.hilbert.scope == "sequence" else None)
 
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",

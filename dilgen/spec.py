@@ -241,10 +241,11 @@ def _validate(raw: dict, src: str) -> dict:
         scale = float(scale)
 
     hilbert = _validate_hilbert(raw["hilbert"], segs, src)
-    if ring > 1 and hilbert is not None and hilbert.scope == "sequence":
+    if ring > 1 and hilbert is not None and hilbert.scope == "sequence" and causal:
         raise _fail(src, "ring_size", ring,
-                    'cannot be > 1 with hilbert scope "sequence" (a rank\'s raster chunk is '
-                    'not a run of the curve); use scope "segment" or ring_size 1')
+                    'cannot be > 1 with hilbert scope "sequence" and causal true (a rank holds a '
+                    'run of the curve, whose raster positions are not in order); use causal '
+                    'false, scope "segment", or ring_size 1')
     return dict(name=name, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
                 dtype=dtype, segment_lengths=segs, dilation_rates=rates, causal=causal,
                 hilbert=hilbert, ring_size=ring, softmax_scale=scale)

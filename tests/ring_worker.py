@@ -53,19 +53,20 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     ref_grads = [t.grad for t in leaves]
 
     dt = getattr(torch, spec.dtype)
-    mine = [shard(t, P, rank, order).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
+    sh = lambda t, dim=1: shard(t, P, rank, order, dim=dim, spec=spec)  # noqa: E731
+    mine = [sh(t).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
     kernel = dilgen.compile(spec)
     out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
-    g_out = shard(gout, P, rank, order).to(dev)
-    g_lse = shard(glse, P, rank, order, dim=2).to(dev)
+    g_out = sh(gout).to(dev)
+    g_lse = sh(glse, 2).to(dev)
     lse_finite = torch.isfinite(lse.detach())
     loss = (out.float() * g_out).sum() + torch.where(lse_finite, lse, torch.zeros_like(lse)).mul(g_lse).sum()
     loss.backward()
 
     tol = TOL[spec.dtype]
     fails = []
-    want_out = shard(ref_out.detach(), P, rank, order)
-    want_lse = shard(ref_lse.detach(), P, rank, order, dim=2)
+    want_out = sh(ref_out.detach())
+    want_lse = sh(ref_lse.detach(), 2)
     if torch.isnan(out).any():
         fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
     err = rel_error(out, want_out)
@@ -79,7 +80,7 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
         if not e < tol:
             fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
     for name, leaf, ref in zip("qkv", mine, ref_grads):
-        e = rel_error(leaf.grad, shard(ref, P, rank, order))
+        e = rel_error(leaf.grad, sh(ref))
         if not e < 2 * tol:
             fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
     return fails

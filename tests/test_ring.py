@@ -106,10 +106,37 @@ def test_ring_call_without_process_group_is_a_clear_error():
         dilgen.compile(spec)(q, q, q)
 
 
-def test_hilbert_sequence_scope_with_ring_is_refused():
-    with pytest.raises(dilgen.SpecError, match="ring_size"):
-        dilgen.Spec(name="x", num_heads=2, head_dim=16, segment_lengths=[16],
+def test_hilbert_sequence_scope_causal_ring_is_refused():
+    with pytest.raises(dilgen.SpecError, match="causal"):
+        dilgen.Spec(name="x", num_heads=2, head_dim=16, segment_lengths=[16], causal=True,
                     dilation_rates=[1], ring_size=2, hilbert={"scope": "sequence", "grid": [4, 8]})
+
+
+def test_hilbert_sequence_shard_is_a_run_of_the_curve():
+    """shard(spec=...) gives each rank a run of the curve in curve order (a compact region of
+    the image); unshard(spec=...) puts the chunks back in raster order."""
+    from dilgen.hilbert import gilbert_order
+    spec = dilgen.Spec(name="x", num_heads=2, head_dim=16, segment_lengths=[16], dilation_rates=[1],
+                       ring_size=4, hilbert={"scope": "sequence", "grid": [8, 8]})
+    x = torch.arange(64).reshape(1, 64, 1, 1)
+    parts = [shard(x, 4, j, spec=spec) for j in range(4)]
+    curve = list(gilbert_order(8, 8))
+    for j, part in enumerate(parts):
+        assert part.flatten().tolist() == curve[16 * j:16 * (j + 1)]
+        rows = {p // 8 for p in part.flatten().tolist()}
+        cols = {p % 8 for p in part.flatten().tolist()}
+        assert len(rows) * len(cols) == 16            # a 4 x 4 quadrant of the image
+    assert torch.equal(unshard(parts, spec=spec), x)
+    p = plan_of(spec)
+    assert p.query.order is None and p.ring.curve == (8, 8)
+    with pytest.raises(Exception, match="needs N = 64"):
+        shard(x[:, :32], 4, 0, spec=spec)
+
+
+def plan_of(spec):
+    from dilgen.planner import plan
+    from dilgen.targets import INTERPRETER
+    return plan(spec, INTERPRETER)
 
 
 # -- real rings: torch.multiprocessing + gloo ---------------------------------------------
@@ -152,12 +179,20 @@ CASES_P2 = [
                                        "causal": True}, "shape": [1, 64], "order": "zigzag"},
     {"name": "bf16_causal", "spec": {"segment_lengths": [32, 64], "dilation_rates": [1, 2],
                                      "dtype": "bfloat16", "causal": True}, "shape": [1, 64]},
+    {"name": "hilbert_sequence", "spec": {"segment_lengths": [16, 48], "dilation_rates": [1, 3],
+                                          "num_heads": 3,
+                                          "hilbert": {"scope": "sequence", "grid": [8, 12]}},
+     "shape": [1, 96]},
 ]
 CASES_P4 = [
     {"name": "p4_mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
                                        "causal": True}, "shape": [1, 128]},
     {"name": "p4_compacted", "spec": {"segment_lengths": [16, 256], "dilation_rates": [1, 4],
                                       "num_heads": 4}, "shape": [1, 128]},
+    {"name": "p4_hilbert_sequence_gqa", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
+                                                 "num_heads": 4, "num_kv_heads": 2,
+                                                 "hilbert": {"scope": "sequence", "grid": [8, 16]}},
+     "shape": [1, 128]},
     {"name": "p4_zigzag_mqa", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
                                        "num_heads": 4, "num_kv_heads": 1, "causal": True},
      "shape": [1, 128], "order": "zigzag"},

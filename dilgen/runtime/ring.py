@@ -39,9 +39,36 @@ class RingError(InputError):
 
 
 # -- sharding helpers -----------------------------------------------------------------
+def _curve_of(spec) -> tuple[int, int] | None:
+    """(rows, cols) of a Hilbert scope "sequence" spec (a Spec or its JSON dict), else None."""
+    if spec is None:
+        return None
+    hil = spec.get("hilbert") if isinstance(spec, dict) else spec.hilbert
+    if hil is None:
+        return None
+    scope = hil.get("scope") if isinstance(hil, dict) else hil.scope
+    grid = hil.get("grid") if isinstance(hil, dict) else hil.grid
+    return tuple(grid) if scope == "sequence" else None
+
+
+def _curve_tables(curve: tuple[int, int], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = curve
+    if n != rows * cols:
+        raise InputError(f"hilbert scope 'sequence' with grid [{rows}, {cols}] needs N = "
+                         f"{rows * cols} tokens (one {rows} x {cols} image), got N = {n}")
+    fwd, inv = table_tensors({"scope": "sequence", "grid": [rows, cols]}, n, device)
+    return fwd.long(), inv.long()
+
+
 def shard(x: torch.Tensor, ring_size: int, rank: int, order: str = "contiguous",
-          dim: int = 1) -> torch.Tensor:
-    """Rank `rank`'s rows of a full (B, N, ...) tensor, in the ring's chunk order."""
+          dim: int = 1, *, spec=None) -> torch.Tensor:
+    """Rank `rank`'s rows of a full (B, N, ...) tensor (raster order), in the ring's chunk
+    order. With a Hilbert scope "sequence" `spec`, the rows are first put in curve order,
+    so that each rank holds a run of the curve (a compact region of the image) in curve
+    order, as the ring kernels take it; `unshard(..., spec=spec)` undoes both steps."""
+    curve = _curve_of(spec)
+    if curve is not None:
+        x = x.index_select(dim, _curve_tables(curve, x.shape[dim], x.device)[0])
     n = x.shape[dim]
     parts = 2 * ring_size if order == "zigzag" else ring_size
     if n % parts:
@@ -52,8 +79,18 @@ def shard(x: torch.Tensor, ring_size: int, rank: int, order: str = "contiguous",
     return torch.cat([x.narrow(dim, s, ln) for s, ln in pieces], dim=dim)
 
 
-def unshard(chunks: list[torch.Tensor], order: str = "contiguous", dim: int = 1) -> torch.Tensor:
-    """Inverse of `shard`: the full tensor from every rank's rows (rank order)."""
+def unshard(chunks: list[torch.Tensor], order: str = "contiguous", dim: int = 1, *,
+            spec=None) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor, in raster order, from every rank's rows (rank
+    order); pass the same `spec` as to shard."""
+    full = _unshard_pieces(chunks, order, dim)
+    curve = _curve_of(spec)
+    if curve is not None:
+        full = full.index_select(dim, _curve_tables(curve, full.shape[dim], full.device)[1])
+    return full
+
+
+def _unshard_pieces(chunks: list[torch.Tensor], order: str, dim: int) -> torch.Tensor:
     P = len(chunks)
     n = sum(c.shape[dim] for c in chunks)
     pieces = ring_pieces(n, P, order)
@@ -182,6 +219,16 @@ class RingRun:
         if self.N % parts:
             raise RingError(f"{spec['name']}: {n_loc} local rows cannot be cut into the two "
                             f"zigzag halves; pass an even number of rows per rank")
+        curve = attn.plan["ring"].get("curve")
+        if curve is not None and self.N != curve[0] * curve[1]:
+            # every rank sees the same N (checked by _agree), so every rank raises this
+            raise RingError(f"{spec['name']}: hilbert scope 'sequence' with grid {list(curve)} needs "
+                            f"{curve[0] * curve[1]} tokens in all ({curve[0] * curve[1] // self.P} per "
+                            f"rank), got {n_loc} per rank; shard with "
+                            f"dilgen.runtime.ring.shard(x, {self.P}, rank, spec=spec)")
+        if curve is not None and order != "contiguous":
+            raise RingError(f"{spec['name']}: hilbert scope 'sequence' shards runs of the curve: "
+                            f"chunk_order must be 'contiguous', got {order!r}")
         self.H, self.Hkv, self.D = q.shape[2], k.shape[2], q.shape[3]
         cache = attn.__dict__.setdefault("_ring_schedules", {})
         key = (self.N, order)
