@@ -159,8 +159,11 @@ def _sync(device) -> None:
 
 
 def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda") -> dict:
-    """Times of `reps` calls after `warmup` calls: CUDA events around each call,
-    synchronised per call (wall clock on the CPU). Returns {median, min, max, n, times}."""
+    """Times of `reps` calls after `warmup` calls: CUDA events around each call, recorded
+    back to back with one synchronisation at the end (as triton.testing.do_bench does), so
+    each time is the device time of that call and the host's launch work overlaps the
+    device work of the call before (wall clock on the CPU). Every method, dilgen and peers,
+    is timed the same way. Returns {median, min, max, n, times}."""
     import torch
     device = torch.device(device)
     for _ in range(warmup):
@@ -168,13 +171,15 @@ def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda") -> dict:
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        events = []
         for _ in range(reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn()
             e.record()
-            torch.cuda.synchronize(device)
-            times.append(s.elapsed_time(e))
+            events.append((s, e))
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in events]
     else:
         for _ in range(reps):
             t = time.perf_counter()

@@ -134,6 +134,7 @@ class Kernel:
         self.spec = spec
         self.fixed_target = target
         self.tuning = tuning
+        self._compiled: dict = {}
         from .runtime.op import register_kernel
         self._op_key = register_kernel(self)   # torch.compile: the module resolves when the op runs
 
@@ -141,8 +142,14 @@ class Kernel:
         return f"<dilgen.Kernel {self.spec.name} key={self.spec.key()[:12]}>"
 
     def compiled_for(self, device) -> CompiledModule:
-        target = self.fixed_target or target_for_device(device)
-        return build(self.spec, target, self.tuning)
+        """The module for `device` (built, or loaded from the cache, on first use; then
+        kept, so a call costs no hashing of templates or sources)."""
+        key = (getattr(device, "type", str(device)), getattr(device, "index", None))
+        hit = self._compiled.get(key)
+        if hit is None:
+            target = self.fixed_target or target_for_device(device)
+            hit = self._compiled[key] = build(self.spec, target, self.tuning)
+        return hit
 
     def plan(self, target: str | Target = "sm90") -> Plan:
         t = get_target(target) if isinstance(target, str) else target
