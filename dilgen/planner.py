@@ -113,7 +113,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         lattice, lattice_ok = 1, [False] * spec.num_branches
     dkdv_lattice = lattice
     if lanes_mode == "auto":
-        lanes_mode = target.lanes_mode(spec.causal, lattice)
+        lanes_mode = target.lanes_mode(spec.causal, lattice, spec.head_dim)
 
     # Lane branches (single device only; a ring window keeps every branch in the fused
     # kernel): those whose membership is per row (r does not divide w, or a curve table),

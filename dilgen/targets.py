@@ -24,7 +24,7 @@ class Target:
 
     def block_table(self, head_dim: int, itemsize: int, causal: bool = False) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) before lattice constraints. The sm90
-        rows are the autotune winners on an H200 (bench/tune_forward.py, 2026-11-21):
+        rows are the autotune winners on an H200 (bench/tools/tune_forward.py, 2026-11-21):
         causal prefers 64-row tiles, whose lattice span is shorter, so fewer keys past
         the diagonal are visited."""
         if self.name == "interpreter":
@@ -49,7 +49,7 @@ class Target:
                        ) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
         """Backward tiles before lattice constraints: dkdv (keys per program, queries per
         step, warps, stages) and dq (largest query rows, keys per step, warps, stages).
-        GPU rows: the fastest of sweeps on an H200 (bench/tune_backward.py)."""
+        GPU rows: the fastest of sweeps on an H200 (bench/tools/tune_backward.py)."""
         if self.name == "interpreter":
             return (16, 16, 1, 1), (16, 16, 1, 1)
         table = {16: ((128, 32, 4, 3), (128, 64, 4, 3)), 32: ((128, 32, 4, 3), (128, 64, 4, 3)),
@@ -57,7 +57,7 @@ class Target:
                  256: ((32, 32, 4, 2), (64, 16, 4, 2))}
         kv, dq = table[head_dim]
         if causal and head_dim == 128:
-            # causal A (bench/tune_backward.py, H200): dq 64 x 32 keys, 4 warps: 5.0 ms
+            # causal A (bench/tools/tune_backward.py, H200): dq 64 x 32 keys, 4 warps: 5.0 ms
             # backward against 6.5 ms with 64 keys and 8 warps
             dq = (64, 32, 4, 3)
         if itemsize == 4:             # fp32 tiles are twice as large: no multi-buffering
@@ -91,10 +91,12 @@ class Target:
     lane_ws: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
 
-    def lanes_mode(self, causal: bool, lattice: int) -> str:
+    def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128) -> str:
         """Which branches run as lane kernels by default: "auto" (those whose membership
-        is per row: r does not divide w, or a curve table) or "all"."""
-        if causal and self.causal_lanes:
+        is per row: r does not divide w, or a curve table) or "all". Measured for head_dim
+        128 only: C (head_dim 64) causal ran 1.40 ms with every branch a lane branch
+        against 1.41 fused, so other head dims keep the fused kernel."""
+        if causal and self.causal_lanes and head_dim == 128:
             return "all"
         return "auto"
 
@@ -105,7 +107,7 @@ class Target:
     def fused_dkdv_tile(self, head_dim: int, itemsize: int, causal: bool = False
                         ) -> tuple[int, int, int, int] | None:
         """The dkdv tile the fused (all-branch) kernel prefers, or None for the
-        backward_table row. H200 sweep (bench/tune_backward.py): A 8.85 against 9.28 ms
+        backward_table row. H200 sweep (bench/tools/tune_backward.py): A 8.85 against 9.28 ms
         with (128, 64, 8, 3); C 5.39 against 5.67 ms with (128, 32, 4, 3); causal: no gain."""
         if self.capability is None or self.capability < 90 or causal or itemsize != 2:
             return None
