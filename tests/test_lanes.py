@@ -49,6 +49,10 @@ CASES = [
     ("all_no_branch_keeps", dict(segment_lengths=[8], dilation_rates=[3]), (1, 40), {"lanes": "all"}),
     ("bf16_mix", dict(segment_lengths=[32, 100], dilation_rates=[2, 6], dtype="bfloat16", num_heads=6,
                       causal=True), (1, 160), None),
+    ("tma_ws_all_causal_gqa", dict(segment_lengths=[32, 64], dilation_rates=[2, 4], causal=True, num_heads=4,
+                                   num_kv_heads=2), (1, 110), {"lanes": "all", "lane_tma": True, "lane_ws": True}),
+    ("tma_mix_short_last", dict(segment_lengths=[32, 64, 100], dilation_rates=[1, 2, 6], num_heads=6), (1, 150),
+     {"lane_tma": True}),
     ("fp16_all", dict(segment_lengths=[32, 64], dilation_rates=[1, 4], dtype="float16", causal=True),
      (1, 100), {"lanes": "all"}),
 ]
