@@ -29,11 +29,12 @@ if aot.ptxas_path() is None:   # the triton wheel ships it (triton/backends/nvid
 
 TINY = {"name": "aot_tiny", "num_heads": 2, "head_dim": 16, "dtype": "float16",
         "segment_lengths": [16, 32], "dilation_rates": [1, 2]}
-OTHER = {"name": "aot_other", "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+OTHER = {"name": "aot_other", "num_heads": 4, "num_kv_heads": 2, "head_dim": 128,
          "dtype": "bfloat16", "segment_lengths": [8, 24], "dilation_rates": [1, 3], "causal": True}
 SEQ = 64          # the one sequence length the tests build for
 KERNELS = 6       # TINY: forward, preprocess x2 (HAS_DLSE), dkdv x2 branches, dq
-# OTHER is causal: on sm90 every branch is a lane branch (TMA, warp-specialized):
+# OTHER is causal with head_dim 128: on sm90 every branch is a lane branch (TMA,
+# warp-specialized):
 # forward_lanes x2 branches, preprocess x2, dkdv x2, dq_lanes x2
 OTHER_KERNELS = 8
 
