@@ -1,4 +1,13 @@
-"""Device probe: correctness + timing of lane kernels vs fused, configs A B E F, causal."""
+"""One-off device probe of the lane kernels (issue 12): for configs A, B, E, F (causal and not)
+and tuning variants, the relative error of out/dq/dk/dv against float64 at N = 4096, then the
+median ms of forward and forward+backward (triton.testing.do_bench; grads accumulate).
+
+  CONFIGS=A,B VARIANTS=auto TUNE_CONFIGS=AB \
+  TUNINGS='{"all": {"lanes": "all"}, "c_tma": {"lanes": "all", "lane_tma": true}}' \
+  python bench/tools/lanes_probe.py        # rows to $OUT/probe.json
+
+Tuning names starting with c_ run only causal, nc_ only non-causal. Results of the
+2026-11-23 session: bench/results/lanes_probe-2026-11-23-h200.json."""
 import os, sys, json, math, time, torch, triton
 sys.path.insert(0, os.getcwd())
 import dilgen
