@@ -175,8 +175,6 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     dq_m = block_m
     while dq_m > bwd_dq[0] and dq_m % 32 == 0:
         dq_m //= 2
-    if target.name == "interpreter" and not (tuning and ("bwd_kv" in tuning or "bwd_dq" in tuning)):
-        bwd_kv, bwd_dq = (block_n, block_m, warps, stages), (block_m, block_n, warps, stages)
     # One dkdv launch for every branch, over key tiles of the query lattice (keys
     # u = c + L*m, class c kept by the same branches as query class c): possible when
     # every branch is a raster lattice branch (no row membership, no curve table), the
