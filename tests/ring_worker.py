@@ -56,7 +56,17 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     sh = lambda t, dim=1: shard(t, P, rank, order, dim=dim, spec=spec)  # noqa: E731
     mine = [sh(t).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
     kernel = dilgen.compile(spec)
-    out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
+    if case.get("compile"):
+        # the ring as ops: the call traces as one graph (fullgraph=True), P2P inside the op
+        from torch._dynamo.testing import CompileCounter
+        counter = CompileCounter()
+        fn = torch.compile(lambda a, b, c: kernel(a, b, c, return_lse=True, chunk_order=order),
+                           fullgraph=True, backend=counter)
+        out, lse = fn(*mine)
+        if counter.frame_count != 1:
+            return [f"{case['name']} rank {rank}: {counter.frame_count} graphs, want 1"]
+    else:
+        out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
     g_out = sh(gout).to(dev)
     g_lse = sh(glse, 2).to(dev)
     lse_finite = torch.isfinite(lse.detach())

@@ -179,6 +179,8 @@ CASES_P2 = [
                                        "causal": True}, "shape": [1, 64], "order": "zigzag"},
     {"name": "bf16_causal", "spec": {"segment_lengths": [32, 64], "dilation_rates": [1, 2],
                                      "dtype": "bfloat16", "causal": True}, "shape": [1, 64]},
+    {"name": "compiled_causal", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 2],
+                                         "causal": True}, "shape": [1, 64], "compile": True},
     {"name": "hilbert_sequence", "spec": {"segment_lengths": [16, 48], "dilation_rates": [1, 3],
                                           "num_heads": 3,
                                           "hilbert": {"scope": "sequence", "grid": [8, 12]}},

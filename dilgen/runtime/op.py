@@ -104,8 +104,12 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
     key = kernel if isinstance(kernel, str) else kernel._op_key
     spec = _SPECS[key]
     if spec["ring_size"] > 1:
-        raise NotImplementedError(f"{spec['name']}: ring_size > 1 specs do not run under "
-                                  f"torch.compile yet; call the kernel outside it")
+        if group is not None:
+            raise NotImplementedError(
+                f"{spec['name']}: under torch.compile the ring runs over the default process "
+                f"group; call with group=None (or call the kernel outside torch.compile)")
+        out, lse = ring_attention_fwd(q, k, v, key, chunk_order)
+        return (out, lse) if return_lse else out
     if chunk_order != "contiguous":
         raise InputError(f"{spec['name']}: chunk_order applies only to ring_size > 1 specs")
     if group is not None:
@@ -171,3 +175,57 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the ring (ring_size > 1) over the default process group, as ops: a ring model compiles
+# as one graph, the P2P steps inside the opaque op --------------------------------------------
+def ring_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, chunk_order: str) -> tuple[Tensor, Tensor]:
+    """(out, lse) of my rows through torch.ops.dilgen.ring_attention_fwd (default group)."""
+    key = op_key(attn)
+    if not torch.compiler.is_compiling():
+        register(attn)
+    return ring_attention_fwd(q, k, v, key, chunk_order)
+
+
+@torch.library.custom_op("dilgen::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, key: str, chunk_order: str) -> tuple[Tensor, Tensor]:
+    """My rows of out (B, N/P, H, D) and lse (B, H, N/P): every rank of the default group calls it."""
+    from .ring import RingRun, ring_forward
+    attn = _attention(key, q.device)
+    return ring_forward(RingRun(attn, q, k, v, None, chunk_order), q, k, v)
+
+
+@ring_attention_fwd.register_fake
+def _ring_attention_fwd_fake(q, k, v, key, chunk_order):
+    return _attention_fwd_fake(q, k, v, key)
+
+
+@torch.library.custom_op("dilgen::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                       grad_lse: Optional[Tensor], key: str, chunk_order: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel to their owners."""
+    from .ring import RingRun, ring_backward
+    attn = _attention(key, q.device)
+    run = RingRun(attn, q, k, v, None, chunk_order)
+    return ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
+
+
+@ring_attention_bwd.register_fake
+def _ring_attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key, chunk_order):
+    return _attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key)
+
+
+def _ring_setup_context(ctx, inputs, output) -> None:
+    q, k, v, key, chunk_order = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.key, ctx.chunk_order = key, chunk_order
+
+
+def _ring_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_bwd(q, k, v, out, lse, grad_out, grad_lse, ctx.key, ctx.chunk_order)
+    return dq, dk, dv, None, None
+
+
+ring_attention_fwd.register_autograd(_ring_backward, setup_context=_ring_setup_context)

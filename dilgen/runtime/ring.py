@@ -641,6 +641,12 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
                    chunk_order: str = "contiguous"):
     """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
     rows of out (and lse (B, H, N/P)), autograd-aware. See the module docstring."""
+    if group is None:
+        # the default group: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so that a
+        # ring model also traces under torch.compile as one graph
+        from .op import ring_attention_op
+        out, lse = ring_attention_op(attn, q, k, v, chunk_order)
+        return (out, lse) if return_lse else out
     run = RingRun(attn, q, k, v, group, chunk_order)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad:
