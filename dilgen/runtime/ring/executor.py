@@ -1,174 +1,19 @@
-"""The ring executor (SPEC §2 "Ring", §3): one spec over the P ranks of a process group.
-
-Rank j holds the rows of its piece(s) of the sequence (contiguous by default; zigzag on
-request). The schedule (dilgen.ir.ring_schedule, the same pure function on every rank)
-lists, per offset t, the windows (query piece, key piece, branch mask) that rank j
-computes with the keys of rank (j - t) mod P; offsets with nothing to do anywhere are not
-in it. For each remaining offset the keys travel by `torch.distributed.batch_isend_irecv`
-(NCCL on GPUs, gloo on CPUs), posted one step ahead into their own buffers so that the
-transfer overlaps the kernels of the step before. A sender ships only the rows the
-receiving windows keep: when every branch of a window reads in raster order with r | w,
-kv head h keeps the rows = h mod g (g = gcd of the r), 1/g of the bytes.
-
-Forward: each window's kernel merges its partial (out, lse) into an fp32 accumulator in
-its epilogue: lse = log(e^lse_a + e^lse_b), out = (e^lse_a out_a + e^lse_b out_b) / e^lse
-(LongNet Eq. 10 applied to partial key sets). Backward: dQ accumulates locally; the
-partial dK, dV of remote keys go back to their owner along the reversed schedule and are
-added there in fp32. Memory per rank is O(N / P) (plus int32 curve tables of N entries
-for Hilbert-ordered specs).
-"""
+"""The ring executor: one call's geometry and schedule (RingRun), the forward and backward
+passes over it, and the autograd entry point. See the package docstring."""
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-from typing import Any
 
 import torch
 
-from ..ir import CHUNK_ORDERS, choose_transport, ring_pieces, ring_schedule
-from . import InputError, _check_inputs, _interpreting
-from .backward import backward_inputs
-from .tables import table_tensors
-
-_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-
-
-class RingError(InputError):
-    """The ranks of a ring call disagree, or the process group does not fit the spec."""
+from ...ir import choose_transport, ring_schedule
+from .. import _interpreting
+from ..backward import backward_inputs
+from ..tables import table_tensors
+from .agreement import RingError, _agree, _group_info
 
 
-# -- sharding helpers -----------------------------------------------------------------
-def _curve_of(spec) -> tuple[int, int] | None:
-    """(rows, cols) of a Hilbert scope "sequence" spec (a Spec or its JSON dict), else None."""
-    if spec is None:
-        return None
-    hil = spec.get("hilbert") if isinstance(spec, dict) else spec.hilbert
-    if hil is None:
-        return None
-    scope = hil.get("scope") if isinstance(hil, dict) else hil.scope
-    grid = hil.get("grid") if isinstance(hil, dict) else hil.grid
-    return tuple(grid) if scope == "sequence" else None
-
-
-def _curve_tables(curve: tuple[int, int], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = curve
-    if n != rows * cols:
-        raise InputError(f"hilbert scope 'sequence' with grid [{rows}, {cols}] needs N = "
-                         f"{rows * cols} tokens (one {rows} x {cols} image), got N = {n}")
-    fwd, inv = table_tensors({"scope": "sequence", "grid": [rows, cols]}, n, device)
-    return fwd.long(), inv.long()
-
-
-def shard(x: torch.Tensor, ring_size: int, rank: int, order: str = "contiguous",
-          dim: int = 1, *, spec=None) -> torch.Tensor:
-    """Rank `rank`'s rows of a full (B, N, ...) tensor (raster order), in the ring's chunk
-    order. With a Hilbert scope "sequence" `spec`, the rows are first put in curve order,
-    so that each rank holds a run of the curve (a compact region of the image) in curve
-    order, as the ring kernels take it; `unshard(..., spec=spec)` undoes both steps."""
-    curve = _curve_of(spec)
-    if curve is not None:
-        x = x.index_select(dim, _curve_tables(curve, x.shape[dim], x.device)[0])
-    n = x.shape[dim]
-    parts = 2 * ring_size if order == "zigzag" else ring_size
-    if n % parts:
-        raise InputError(f"N = {n} is not divisible by {parts} "
-                         f"({'2 x ' if order == 'zigzag' else ''}ring_size {ring_size}); "
-                         f"pad or trim the sequence to a multiple of {parts}")
-    pieces = ring_pieces(n, ring_size, order)[rank]
-    return torch.cat([x.narrow(dim, s, ln) for s, ln in pieces], dim=dim)
-
-
-def unshard(chunks: list[torch.Tensor], order: str = "contiguous", dim: int = 1, *,
-            spec=None) -> torch.Tensor:
-    """Inverse of `shard`: the full tensor, in raster order, from every rank's rows (rank
-    order); pass the same `spec` as to shard."""
-    full = _unshard_pieces(chunks, order, dim)
-    curve = _curve_of(spec)
-    if curve is not None:
-        full = full.index_select(dim, _curve_tables(curve, full.shape[dim], full.device)[1])
-    return full
-
-
-def _unshard_pieces(chunks: list[torch.Tensor], order: str, dim: int) -> torch.Tensor:
-    P = len(chunks)
-    n = sum(c.shape[dim] for c in chunks)
-    pieces = ring_pieces(n, P, order)
-    out = [None] * sum(len(p) for p in pieces)
-    flat = []
-    for rank, c in enumerate(chunks):
-        row = 0
-        for s, ln in pieces[rank]:
-            flat.append((s, c.narrow(dim, row, ln)))
-            row += ln
-    flat.sort(key=lambda x: x[0])
-    out = [t for _, t in flat]
-    return torch.cat(out, dim=dim)
-
-
-# -- checks that every rank passes or fails together ----------------------------------
-def _group_info(spec: dict, group) -> tuple[int, int, Any]:
-    import torch.distributed as dist
-    name, P = spec["name"], spec["ring_size"]
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RingError(f"{name}: ring_size = {P} needs torch.distributed: launch with "
-                        f"`torchrun --nproc-per-node {P} ...` and call "
-                        f"torch.distributed.init_process_group() first")
-    world = dist.get_world_size(group)
-    if world != P:
-        raise RingError(f"{name}: the process group has {world} ranks but the spec says "
-                        f"ring_size = {P}; launch {P} ranks or change ring_size")
-    return P, dist.get_rank(group), dist
-
-
-def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device) -> torch.Tensor:
-    key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
-        (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
-    def shape(t, i):
-        return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
-    vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
-            shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            int(error is not None)]
-    return torch.tensor(vals, dtype=torch.int64, device=device)
-
-
-_FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
-           "local rows of k", "local rows of v", "dtype", "chunk order", "input error"]
-
-
-def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist) -> None:
-    """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
-    same error on every rank instead of hanging in a later send."""
-    name = spec["name"]
-    error = None
-    try:
-        _check_inputs(spec, q, k, v)
-        if order not in CHUNK_ORDERS:
-            raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
-    except InputError as exc:
-        error = str(exc)
-    device = q.device if isinstance(q, torch.Tensor) and dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device)
-    every = [torch.empty_like(mine) for _ in range(P)]
-    dist.all_gather(every, mine, group=group)
-    rows = [x.tolist() for x in every]
-    bad_inputs = [r for r in range(P) if rows[r][-1]]
-    if bad_inputs:
-        detail = f": {error}" if error else ""
-        raise RingError(f"{name}: ring call refused on every rank: rank(s) {bad_inputs} passed "
-                        f"bad inputs" + (f" (this rank{detail})" if error else
-                                         "; see the error on those ranks"))
-    for f, label in enumerate(_FIELDS[:-1]):
-        values = [r[f] for r in rows]
-        if len(set(values)) > 1:
-            by_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
-            hint = ("every rank must compile the same spec" if f == 0 else
-                    "N must be divisible by ring_size, every rank passing N / ring_size rows"
-                    if "rows" in label else "every rank must pass tensors of the same shape and dtype")
-            raise RingError(f"{name}: the ranks disagree on {label} ({by_rank}); {hint}")
-
-
-# -- the executor ---------------------------------------------------------------------
 def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
     """(B, n, Hkv, D) -> (B, n/g, Hkv, D): kv head h keeps rows h mod g (contiguous)."""
     if g == 1:
@@ -448,7 +293,7 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             todo[qi] += 1
     acc = out if q.dtype == torch.float32 or max(todo) <= 1 else torch.empty(
         q.shape, dtype=torch.float32, device=dev)
-    from .. import runtime as _rt
+    from ... import runtime as _rt
     if _rt._POISON:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -644,7 +489,7 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
     if group is None:
         # the default group: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so that a
         # ring model also traces under torch.compile as one graph
-        from .op import ring_attention_op
+        from ..op import ring_attention_op
         out, lse = ring_attention_op(attn, q, k, v, chunk_order)
         return (out, lse) if return_lse else out
     run = RingRun(attn, q, k, v, group, chunk_order)

@@ -1,0 +1,79 @@
+"""Checks that every rank of a ring call passes or fails together: the process group fits
+the spec, and one all_gather of a fingerprint (spec, shapes, dtype, order, local errors)
+catches ranks that disagree before any transfer, with the same one-line error everywhere."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from ...ir import CHUNK_ORDERS
+from .. import InputError, _check_inputs
+
+_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+class RingError(InputError):
+    """The ranks of a ring call disagree, or the process group does not fit the spec."""
+
+
+def _group_info(spec: dict, group) -> tuple[int, int, Any]:
+    import torch.distributed as dist
+    name, P = spec["name"], spec["ring_size"]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RingError(f"{name}: ring_size = {P} needs torch.distributed: launch with "
+                        f"`torchrun --nproc-per-node {P} ...` and call "
+                        f"torch.distributed.init_process_group() first")
+    world = dist.get_world_size(group)
+    if world != P:
+        raise RingError(f"{name}: the process group has {world} ranks but the spec says "
+                        f"ring_size = {P}; launch {P} ranks or change ring_size")
+    return P, dist.get_rank(group), dist
+
+
+def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device) -> torch.Tensor:
+    key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
+        (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
+    def shape(t, i):
+        return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
+    vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
+            shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
+            int(error is not None)]
+    return torch.tensor(vals, dtype=torch.int64, device=device)
+
+
+_FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
+           "local rows of k", "local rows of v", "dtype", "chunk order", "input error"]
+
+
+def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist) -> None:
+    """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
+    same error on every rank instead of hanging in a later send."""
+    name = spec["name"]
+    error = None
+    try:
+        _check_inputs(spec, q, k, v)
+        if order not in CHUNK_ORDERS:
+            raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
+    except InputError as exc:
+        error = str(exc)
+    device = q.device if isinstance(q, torch.Tensor) and dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device)
+    every = [torch.empty_like(mine) for _ in range(P)]
+    dist.all_gather(every, mine, group=group)
+    rows = [x.tolist() for x in every]
+    bad_inputs = [r for r in range(P) if rows[r][-1]]
+    if bad_inputs:
+        detail = f": {error}" if error else ""
+        raise RingError(f"{name}: ring call refused on every rank: rank(s) {bad_inputs} passed "
+                        f"bad inputs" + (f" (this rank{detail})" if error else
+                                         "; see the error on those ranks"))
+    for f, label in enumerate(_FIELDS[:-1]):
+        values = [r[f] for r in rows]
+        if len(set(values)) > 1:
+            by_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
+            hint = ("every rank must compile the same spec" if f == 0 else
+                    "N must be divisible by ring_size, every rank passing N / ring_size rows"
+                    if "rows" in label else "every rank must pass tensors of the same shape and dtype")
+            raise RingError(f"{name}: the ranks disagree on {label} ({by_rank}); {hint}")
