@@ -179,9 +179,12 @@ class Spec:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def replace(self, **changes: Any) -> "Spec":
+        """A copy with `changes`; a bad value is reported as coming from this call, with
+        the file the spec was loaded from named as its origin."""
         data = self.to_json()
         data.update(changes)
-        return spec_from_dict(data, source=self.source)
+        origin = f"{self.source}, .replace({', '.join(sorted(changes))})" if changes else self.source
+        return spec_from_dict(data, source=origin)
 
 
 _REQUIRED = ("name", "num_heads", "head_dim", "segment_lengths", "dilation_rates")

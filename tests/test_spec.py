@@ -423,3 +423,9 @@ def test_bad_spec_is_refused(tmp_path, cli_subprocess_results, cid, body, field,
     _check_cli(*run_cli(["compile", str(path), "--out", str(out)]), out, field)
     if cid in SUBPROCESS_IDS:
         _check_cli(*cli_subprocess_results[cid], field)
+
+
+def test_replace_names_where_the_bad_value_came_from():
+    spec = load_spec(Path(__file__).resolve().parent.parent / "examples" / "specs" / "longnet_base.json")
+    with pytest.raises(SpecError, match=r"^longnet_base\.json, \.replace\(dilation_rates\): dilation_rates\[2\] = 0"):
+        spec.replace(dilation_rates=[1, 2, 0])
