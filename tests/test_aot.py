@@ -265,6 +265,23 @@ def test_runtime_falls_back_to_the_jit_for_another_specialization(built, monkeyp
     assert len(gpu["jit"]) == 3 and len(gpu["launched"]) == 1
 
 
+def test_cubins_of_another_triton_are_named_not_silently_skipped(built, monkeypatch, gpu):
+    """A cache built by one Triton and found by a runtime with another: one clear warning
+    (which versions, what to run), then the JIT."""
+    import re
+    import triton
+    _, attn = _fresh_attention(TINY)
+    kernel = _gpu_kernel(attn, attn._source_fn)
+    fn, grid, args, opts = _forward_launch(attn, SEQ, monkeypatch)
+    built_with = triton.__version__
+    monkeypatch.setattr(triton, "__version__", "0.0.0-other")
+    with pytest.warns(RuntimeWarning, match=rf"built with Triton {re.escape(built_with)}, but this "
+                                            rf"runtime has Triton 0\.0\.0-other.*dilgen build"):
+        kernel[grid](*args, **opts)
+    assert len(gpu["jit"]) == 1 and not gpu["launched"]
+    assert "this runtime: 0.0.0-other" in aot.FALLBACKS[-1]["reason"]
+
+
 def test_aot_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("DILGEN_AOT", "0")
     _, attn = _fresh_attention(TINY)

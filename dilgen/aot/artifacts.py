@@ -113,3 +113,23 @@ def load_compiled(folder: Path, jit_fn, sp):
     group = {f"{jit_fn.__name__}.json": str(folder / METADATA),
              f"{jit_fn.__name__}.cubin": str(folder / CUBIN)}
     return CompiledKernel(src, group, folder.name)
+
+
+def other_triton_builds(module_sha: str, kernel: str) -> list[str]:
+    """Triton versions of cached AOT entries of this module's `kernel` built by a Triton
+    other than this one (their keys include the Triton version, so this runtime can never
+    use them). Reads the manifests of the cache once; unreadable ones are skipped."""
+    import triton
+    found = set()
+    root = cache.cache_dir()
+    if not root.is_dir():
+        return []
+    for manifest in root.glob(f"*/*/{cache.MANIFEST}"):
+        try:
+            info = json.loads(manifest.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(info, dict) and info.get("kind") == "aot-kernel" and info.get("kernel") == kernel
+                and info.get("module_sha256") == module_sha and info.get("triton") != triton.__version__):
+            found.add(str(info.get("triton")))
+    return sorted(found)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 from . import artifacts, counters
@@ -122,6 +123,16 @@ class AOTKernel:
         key = artifacts.artifact_key(sha, name, gpu, sp.desc)
         folder = artifacts.load_entry(key, name)
         if folder is None:
+            others = artifacts.other_triton_builds(sha, name)
+            if others:
+                import triton
+                msg = (f"dilgen: the AOT cache {cache_dir_text()} holds {name} built with Triton "
+                       f"{', '.join(others)}, but this runtime has Triton {triton.__version__}: "
+                       f"those binaries cannot be used and the kernel compiles with the JIT; "
+                       f"run `dilgen build` under Triton {triton.__version__} to rebuild them")
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                return self._fallback(name, f"artifacts built with Triton {', '.join(others)} "
+                                            f"only (this runtime: {triton.__version__})", sp.desc)
             return self._fallback(name, "no artifact for this specialization", sp.desc)
         try:
             kernel = artifacts.load_compiled(folder, self.jit_fn, sp)
@@ -155,6 +166,11 @@ class AOTKernel:
 
     def _jit_launch(self, grid, args: tuple, launch_opts: dict):
         return self.jit_fn[grid](*args, **launch_opts)
+
+
+def cache_dir_text() -> str:
+    from .. import cache
+    return str(cache.cache_dir())
 
 
 def launcher(jit_fn, source_fn=None):
