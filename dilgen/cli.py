@@ -191,8 +191,8 @@ def cmd_explain(args) -> int:
     plan = make_plan(spec, _target(args.arch))
     print(plan_summary(plan, args.seq_len))
     if args.png:
-        from .explain import write_pattern_png
-        n = args.seq_len or min(256, max(spec.segment_lengths))
+        from .explain import default_seq_len, write_pattern_png
+        n = args.seq_len or default_seq_len(spec)
         path = write_pattern_png(spec, n, args.png, heads=args.heads)
         print(f"wrote {path}")
     return EXIT_OK

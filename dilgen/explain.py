@@ -11,6 +11,22 @@ from pathlib import Path
 from .spec import Spec, SpecError
 
 
+MAX_CELLS = 512
+
+
+def default_seq_len(spec: Spec) -> int:
+    """N for the picture when --seq-len is not given: two of the longest segments (so every
+    branch shows whole segments and a boundary), at most 4096 tokens."""
+    return min(4096, 2 * max(spec.segment_lengths))
+
+
+def _block_mean(counts, block: int, cells: int):
+    import numpy as np
+    pad = cells * block - counts.shape[0]
+    c = np.pad(counts.astype("float64"), ((0, pad), (0, pad)))
+    return c.reshape(cells, block, cells, block).mean(axis=(1, 3))
+
+
 def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[int] | None = None) -> Path:
     try:
         import matplotlib
@@ -32,13 +48,27 @@ def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[in
         raise SpecError(f"--heads {bad[0]}: must be in [0, {spec.num_heads - 1}]")
     counts = [reference_mask_counts(seq_len, spec, h).numpy() for h in heads]
     top = max(1, max(int(c.max()) for c in counts))
-    palette = ["#ffffff", "#9ecae1", "#3182bd", "#08519c", "#f16913", "#d94801", "#7f2704"]
-    cmap = ListedColormap(palette[: top + 1])
-    norm = BoundaryNorm([x - 0.5 for x in range(top + 2)], cmap.N)
+    # one cell per token up to MAX_CELLS per axis; beyond, a cell is a block of tokens
+    # coloured by the mean number of branches per pair (a dilated lattice shows as a
+    # lighter block: r = 2 keeps a quarter of a block's pairs)
+    block = -(-seq_len // MAX_CELLS)
+    if block > 1:
+        cells = -(-seq_len // block)
+        counts = [_block_mean(c, block, cells) for c in counts]
+        cmap, norm, ticks, label = plt.get_cmap("Blues"), None, None, \
+            f"mean branches per pair ({block} x {block} tokens a cell)"
+    else:
+        palette = ["#ffffff", "#9ecae1", "#3182bd", "#08519c", "#f16913", "#d94801", "#7f2704"]
+        cmap = ListedColormap(palette[: top + 1])
+        norm = BoundaryNorm([x - 0.5 for x in range(top + 2)], cmap.N)
+        ticks, label = list(range(top + 1)), "branches keeping the pair"
 
-    fig, axes = plt.subplots(1, len(heads), figsize=(5.2 * len(heads), 5.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(heads), figsize=(5.0 * len(heads) + 1.2, 5.6), squeeze=False,
+                             constrained_layout=True)
     for ax, h, c in zip(axes[0], heads, counts):
-        image = ax.imshow(c, cmap=cmap, norm=norm, interpolation="nearest")
+        image = ax.imshow(c, cmap=cmap, norm=norm, interpolation="nearest",
+                          extent=(0, seq_len, seq_len, 0), vmin=0 if norm is None else None,
+                          vmax=top if norm is None else None)
         ax.set_title(f"head {h}  (offsets h mod r = {[h % r for r in spec.dilation_rates]})", fontsize=9)
         ax.set_xlabel("key position")
         ax.set_ylabel("query position")
@@ -48,8 +78,7 @@ def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[in
         extra += f" hilbert={spec.hilbert.scope}"
     fig.suptitle(f"{spec.name}: N={seq_len}, branches {branches}{extra}\n"
                  f"colour = number of branches that keep the (query, key) pair", fontsize=10)
-    fig.colorbar(image, ax=axes[0].tolist(), ticks=list(range(top + 1)), shrink=0.8,
-                 label="branches keeping the pair")
+    fig.colorbar(image, ax=axes[0].tolist(), ticks=ticks, shrink=0.8, label=label)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
