@@ -56,8 +56,37 @@ def main(path: str) -> int:
     print(f"forward: {elapsed * 1e3:.1f} ms (first call, includes compile); "
           f"relative error vs float64 reference: {err:.3e} (tolerance {TOL[spec.dtype]:.0e})")
     ok = err < TOL[spec.dtype] and not torch.isnan(out).any()
+    ok = check_generated_module(path, device) and ok
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def check_generated_module(path: str, device: torch.device) -> bool:
+    """The module `dilgen compile` wrote (generated/<name>.py, README command 1), imported
+    by file path, so this works from any folder: a short input against the reference."""
+    import importlib.util
+    spec = dilgen.load_spec(path)
+    module_path = Path(__file__).resolve().parent.parent / "generated" / f"{spec.name}.py"
+    if not module_path.exists():
+        print(f"({module_path} not there: run `dilgen compile {path}` to emit it)")
+        return True
+    loader = importlib.util.spec_from_file_location(f"generated_{spec.name}", module_path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    if module.SPEC != spec.to_json():
+        print(f"({module_path} was emitted from another version of the spec: skipped)")
+        return True
+    gen = torch.Generator().manual_seed(1)
+    dtype = getattr(torch, spec.dtype)
+    n = 48 if device.type == "cpu" else 4096     # short: the float64 reference is dense
+    q, k, v = (torch.randn(1, n, h, spec.head_dim, generator=gen).to(dtype).to(device)
+               for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+    out = module.attention(q, k, v)
+    ref = reference_attention(q, k, v, spec)
+    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    print(f"{module_path.relative_to(module_path.parent.parent)} ({module.PLAN['target']} plan, as "
+          f"`dilgen compile` wrote it): N={n}, relative error {err:.3e}")
+    return err < TOL[spec.dtype] and not torch.isnan(out).any()
 
 
 if __name__ == "__main__":
