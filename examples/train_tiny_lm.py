@@ -125,7 +125,7 @@ def resolve(params=None) -> argparse.Namespace:
     if args["vocab"] is None:
         args["vocab"] = max(16, 1 << (args["block"] - 1).bit_length())
     args["segments"] = (_ints(args["segments"]) if args["segments"] is not None
-                        else [min(n, max(16, n // 64)), min(n, max(16, n // 8)), n])
+                        else [min(n, max(16, n // 64)), min(n, max(32, n // 8)), n])
     args["rates"] = _ints(args["rates"]) if args["rates"] is not None else list(RATES)
     a = argparse.Namespace(**args)
     _check(a)
@@ -235,6 +235,10 @@ def train(params=None) -> dict:
             f"N {a.seq_len}, batch {a.batch}, block {a.block}; {a.dtype} on {where}")
         say(f"ln(vocab) = {math.log(a.vocab):.3f}; loss floor (perfect copying) about "
             f"{a.block / a.seq_len * math.log(a.vocab):.3f}")
+        if device.type == "cpu" and a.steps < 100:
+            say("CPU run: a smoke test of training through Triton's interpreter (about 3 s a "
+                "step); expect the loss to wander around ln(vocab): the copy is learned after "
+                "a plateau of about 55 steps with the GPU settings (README), more than fit here")
 
         launches0 = _kernel_launches(model, device)
         losses, copy_losses, pending = [], [], []

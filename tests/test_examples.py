@@ -42,7 +42,7 @@ def test_train_tiny_lm_loss_falls_and_writes_json(example, tmp_path):
     assert data["first_loss"] == losses[0] and data["last_loss"] == losses[-1]
     assert data["tokens_per_s"] > 0 and data["device"].startswith("cpu")
     assert {"python", "torch", "triton", "dilgen"} <= set(data["versions"])
-    assert data["settings"]["segments"] == [16, 16, 64] and data["settings"]["rates"] == [2, 4, 8]
+    assert data["settings"]["segments"] == [16, 32, 64] and data["settings"]["rates"] == [2, 4, 8]
 
 
 def test_train_tiny_lm_is_deterministic(example):
