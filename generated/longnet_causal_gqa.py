@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 3de8f4921097e6f0
+# template hash: 1d8aaf9651f105fa
 # plan key:      6b4831c891d61a2b8895d970c7f441e330b8565ddb79d578b409b10287b4e08e
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -260,10 +260,8 @@ def longnet_causal_gqa_fwd_lanes(
         l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
-        # causal: key lanes up to the tile's first query lane need no mask; lanes past its
-        # last one are never needed (the diagonal is the LANE_BLOCK_M lanes of the tile)
-        n_free = tl.minimum(m0, n_keys)
-        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
+        n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
         k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
@@ -340,10 +338,8 @@ def longnet_causal_gqa_fwd_lanes(
         l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
-        # causal: key lanes up to the tile's first query lane need no mask; lanes past its
-        # last one are never needed (the diagonal is the LANE_BLOCK_M lanes of the tile)
-        n_free = tl.minimum(m0, n_keys)
-        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
+        n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
         k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
@@ -420,10 +416,8 @@ def longnet_causal_gqa_fwd_lanes(
         l_i = tl.zeros([LANE_BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([LANE_BLOCK_M, HEAD_DIM], dtype=tl.float32)
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
-        # causal: key lanes up to the tile's first query lane need no mask; lanes past its
-        # last one are never needed (the diagonal is the LANE_BLOCK_M lanes of the tile)
-        n_free = tl.minimum(m0, n_keys)
-        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)
+        n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
         k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
@@ -1104,8 +1098,8 @@ def longnet_causal_gqa_bwd_dq_lanes(
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
         dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
-        n_free = tl.minimum(m0, n_keys)  # causal: lanes before the tile's first query: no mask
-        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)
+        n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
         for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
@@ -1162,8 +1156,8 @@ def longnet_causal_gqa_bwd_dq_lanes(
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
         dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
-        n_free = tl.minimum(m0, n_keys)  # causal: lanes before the tile's first query: no mask
-        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)
+        n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
         for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
@@ -1220,8 +1214,8 @@ def longnet_causal_gqa_bwd_dq_lanes(
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 domain
         dq = tl.zeros([LANE_DQ_BLOCK_M, HEAD_DIM], dtype=tl.float32)
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
-        n_free = tl.minimum(m0, n_keys)  # causal: lanes before the tile's first query: no mask
-        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)
+        n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
+        n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
         for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)

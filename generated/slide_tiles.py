@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 3de8f4921097e6f0
+# template hash: 1d8aaf9651f105fa
 # plan key:      fc414fcc8f02f3284e5c7e1ea98a86731d9cfb55c303277735559db7490d0af4
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: 3de8f4921097e6f0
+# template hash: 1d8aaf9651f105fa
 # plan key:      4696e530196edfe73aa9ec648f130aa48d27725110fde539dd9987e9f730d940
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

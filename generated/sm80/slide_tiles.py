@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 3de8f4921097e6f0
+# template hash: 1d8aaf9651f105fa
 # plan key:      8eb981b79f4c02fb8da5366122c5351a9b7faae4b96403be12032252c2c4ce7e
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
