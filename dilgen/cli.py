@@ -58,6 +58,51 @@ def plan_summary(plan, seq_len: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def parse_cu_seqlens(text: str) -> list[int]:
+    """`--cu-seqlens 0,3000,10000`: B + 1 offsets, starting at 0, non-decreasing."""
+    try:
+        cu = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise SpecError(f"--cu-seqlens {text}: give comma-separated integers, e.g. 0,3000,10000") from None
+    if len(cu) < 2 or cu[0] != 0:
+        raise SpecError(f"--cu-seqlens {text}: give B + 1 >= 2 offsets starting at 0, e.g. 0,3000,10000")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise SpecError(f"--cu-seqlens {text}: offset {cu[i]} after {cu[i - 1]}: offsets must be "
+                            f"non-decreasing")
+    return cu
+
+
+def packed_summary(plan, cu: list[int]) -> list[str]:
+    """The tiles of a packed batch (kernel(q, k, v, cu_seqlens=cu)), in words: each
+    sequence restarts the segments of every branch; one lane-kernel launch per branch
+    covers every sequence."""
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    longest = max(lengths)
+    bm = plan.config.lane_fwd[0]
+    lines = [f"  packed batch: {len(lengths)} sequence(s), {cu[-1]} rows, longest {longest} "
+             f"(cu_seqlens {','.join(map(str, cu))})"]
+    for s, (a, n) in enumerate(zip(cu, lengths)):
+        lines.append(f"    sequence {s}: rows [{a}, {a + n}), N = {n}" + ("  (empty)" if n == 0 else ""))
+        if n == 0:
+            continue
+        for b in plan.branches:
+            w, r = b.segment_length, b.dilation
+            full, tail = divmod(n, w)
+            segs = f"{full} x {w}" + (f" + {tail}" if tail else "") if full else f"1 short segment of {tail}"
+            tiles = full * -(-(-(-w // r)) // bm) + (-(-(-(-tail // r)) // bm) if tail else 0)
+            lines.append(f"      [{b.index}] w = {w}, r = {r}: {segs}; {tiles} query tile(s) of "
+                         f"{bm} lanes per head")
+    lines.append("  launches: one per branch over every sequence, grid (sequences x heads, lane "
+                 "tiles, segments of the longest sequence)")
+    for b in plan.branches:
+        w, r = b.segment_length, b.dilation
+        grid = (len(lengths) * plan.num_heads, -(-(-(-min(w, max(longest, 1)) // r)) // bm),
+                -(-max(longest, 1) // w))
+        lines.append(f"    [{b.index}] grid {grid}")
+    return lines
+
+
 def ring_summary(plan, seq_len: int | None) -> list[str]:
     """The ring schedule in words, for N = seq_len (default: 64K tokens per rank)."""
     from .ir import ring_schedule
@@ -189,11 +234,16 @@ def cmd_explain(args) -> int:
     spec = load_spec(args.spec)
     from .planner import plan as make_plan
     plan = make_plan(spec, _target(args.arch))
+    cu = parse_cu_seqlens(args.cu_seqlens) if args.cu_seqlens else None
+    if cu is not None and args.seq_len is not None:
+        raise SpecError("--cu-seqlens and --seq-len: give one (a packed batch has cu_seqlens[-1] rows)")
     print(plan_summary(plan, args.seq_len))
+    if cu is not None:
+        print("\n".join(packed_summary(plan, cu)))
     if args.png:
         from .explain import default_seq_len, write_pattern_png
-        n = args.seq_len or default_seq_len(spec)
-        path = write_pattern_png(spec, n, args.png, heads=args.heads)
+        n = cu[-1] if cu is not None else (args.seq_len or default_seq_len(spec))
+        path = write_pattern_png(spec, n, args.png, heads=args.heads, cu_seqlens=cu)
         print(f"wrote {path}")
     return EXIT_OK
 
@@ -227,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length N for numbers")
     p.add_argument("--png", default=None, help="write a picture of who attends to whom")
     p.add_argument("--heads", type=int, nargs="*", default=None, help="heads to draw")
+    p.add_argument("--cu-seqlens", default=None, metavar="0,N1,N1+N2,...",
+                   help="a packed batch (kernel(q, k, v, cu_seqlens=...)): its sequences and tiles")
     p.add_argument("--arch", default="sm90")
     p.set_defaults(func=cmd_explain)
     return parser

@@ -156,15 +156,25 @@ class Kernel:
         return planner.plan(self.spec, t)
 
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
-                 chunk_order: str = "contiguous"):
+                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
+        """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length)."""
         import torch
         if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
             from .runtime.op import kernel_call
             return kernel_call(self, q, k, v, return_lse=return_lse, group=group,
-                               chunk_order=chunk_order)
+                               chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group,
-                                                   chunk_order=chunk_order)
+                                                   chunk_order=chunk_order, cu_seqlens=cu_seqlens,
+                                                   max_seqlen=max_seqlen)
+
+    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
+        """A right-padded batch (B, N, ...) with key_padding_mask (B, N), True = padding: each
+        item at its own length, padded rows 0 (GeneratedAttention.padded)."""
+        import torch
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        return self.compiled_for(device).attention.padded(q, k, v, key_padding_mask,
+                                                          return_lse=return_lse)
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -193,7 +203,8 @@ def _op_key_for(spec: Spec) -> str:
     return _kernel_for(spec)._op_key
 
 
-def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=None):
+def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=None,
+                      cu_seqlens=None, max_seqlen: int | None = None):
     """One-call form: `dilgen.compile(spec)(q, k, v)` with the kernel kept per spec. It
     runs through the custom op dilgen::attention_fwd, so it traces under
     torch.compile(fullgraph=True): the kernel of `spec` is found (or made) once while
@@ -203,8 +214,9 @@ def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=No
     if torch.compiler.is_compiling():
         from .runtime.op import constant_key, kernel_call
         return kernel_call(constant_key(_op_key_for, spec), q, k, v, return_lse=return_lse,
-                           group=group)
-    return _kernel_for(spec)(q, k, v, return_lse=return_lse, group=group)
+                           group=group, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return _kernel_for(spec)(q, k, v, return_lse=return_lse, group=group, cu_seqlens=cu_seqlens,
+                             max_seqlen=max_seqlen)
 
 
 #: The architecture `dilgen compile` targets unless told otherwise.

@@ -27,7 +27,21 @@ def _block_mean(counts, block: int, cells: int):
     return c.reshape(cells, block, cells, block).mean(axis=(1, 3))
 
 
-def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[int] | None = None) -> Path:
+def _packed_counts(spec: Spec, cu: list[int], head: int):
+    """Pair counts of a packed batch: each sequence's own pattern on the diagonal, nothing
+    across sequences."""
+    import torch
+    from .reference import reference_mask_counts
+    total = cu[-1]
+    out = torch.zeros(total, total, dtype=torch.int64)
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            out[a:b, a:b] = reference_mask_counts(b - a, spec, head)
+    return out
+
+
+def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[int] | None = None,
+                      cu_seqlens: list[int] | None = None) -> Path:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -39,14 +53,21 @@ def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[in
 
     if seq_len > 4096:
         raise SpecError(f"--png draws at most 4096 tokens (one pixel each), got --seq-len {seq_len}")
-    if spec.hilbert is not None and spec.hilbert.scope == "sequence":
+    if cu_seqlens is not None:
+        seq_len = cu_seqlens[-1]
+        if spec.hilbert is not None and spec.hilbert.scope == "sequence":
+            raise SpecError("--cu-seqlens: hilbert scope 'sequence' takes one image, not a packed batch")
+    elif spec.hilbert is not None and spec.hilbert.scope == "sequence":
         rows, cols = spec.hilbert.grid
         seq_len = rows * cols
     heads = heads if heads else sorted({0, min(1, spec.num_heads - 1), spec.num_heads - 1})
     bad = [h for h in heads if not 0 <= h < spec.num_heads]
     if bad:
         raise SpecError(f"--heads {bad[0]}: must be in [0, {spec.num_heads - 1}]")
-    counts = [reference_mask_counts(seq_len, spec, h).numpy() for h in heads]
+    if cu_seqlens is not None:
+        counts = [_packed_counts(spec, cu_seqlens, h).numpy() for h in heads]
+    else:
+        counts = [reference_mask_counts(seq_len, spec, h).numpy() for h in heads]
     top = max(1, max(int(c.max()) for c in counts))
     # one cell per token up to MAX_CELLS per axis; beyond, a cell is a block of tokens
     # coloured by the mean number of branches per pair (a dilated lattice shows as a
@@ -72,10 +93,15 @@ def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[in
         ax.set_title(f"head {h}  (offsets h mod r = {[h % r for r in spec.dilation_rates]})", fontsize=9)
         ax.set_xlabel("key position")
         ax.set_ylabel("query position")
+        for edge in (cu_seqlens or [])[1:-1]:   # sequence boundaries of a packed batch
+            ax.axhline(edge, color="#d94801", lw=0.6)
+            ax.axvline(edge, color="#d94801", lw=0.6)
     branches = ", ".join(f"(w={w}, r={r})" for w, r in spec.branches())
     extra = " causal" if spec.causal else ""
     if spec.hilbert is not None:
         extra += f" hilbert={spec.hilbert.scope}"
+    if cu_seqlens is not None:
+        extra += f" packed cu_seqlens={','.join(map(str, cu_seqlens))}"
     fig.suptitle(f"{spec.name}: N={seq_len}, branches {branches}{extra}\n"
                  f"colour = number of branches that keep the (query, key) pair", fontsize=10)
     fig.colorbar(image, ax=axes[0].tolist(), ticks=ticks, shrink=0.8, label=label)

@@ -3,7 +3,8 @@
 - `DilatedAttention(spec)`: (q, k, v) -> out, the kernel as a module.
 - `MultiheadDilatedAttention(embed_dim, num_heads, segment_lengths, dilation_rates, ...)`:
   projections + dilated attention, following nn.MultiheadAttention's conventions where
-  they make sense (batch_first=True only; no attention masks: the spec is the mask).
+  they make sense (batch_first=True only; the spec is the attention mask; key_padding_mask
+  for right-padded batches).
 - `LongNetDecoderBlock`: pre-norm residual block (causal dilated attention + MLP).
 """
 from __future__ import annotations
@@ -23,7 +24,11 @@ class DilatedAttention(nn.Module):
         self.spec = spec
         self.kernel = compile_spec(spec)
 
-    def forward(self, q, k, v, return_lse: bool = False):
+    def forward(self, q, k, v, return_lse: bool = False, key_padding_mask=None):
+        """key_padding_mask (B, N) bool, True = padding (right padding only): each item runs
+        at its own length and its padded rows come out 0."""
+        if key_padding_mask is not None:
+            return self.kernel.padded(q, k, v, key_padding_mask, return_lse=return_lse)
         return self.kernel(q, k, v, return_lse=return_lse)
 
     def extra_repr(self) -> str:
@@ -68,7 +73,11 @@ class MultiheadDilatedAttention(nn.Module):
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
         self.attention = DilatedAttention(self.spec)
 
-    def forward(self, query, key=None, value=None, need_weights: bool = False):
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights: bool = False):
+        """key_padding_mask (B, N) bool, True = padding, as nn.MultiheadAttention takes it, for
+        right-padded batches: every item is computed at its own length (segments of the
+        padding never enter), and the attention output of padded rows is 0 before out_proj
+        adds its bias."""
         if need_weights:
             raise ValueError("need_weights=True is not supported: dilated attention never "
                              "materialises the (N, N) weights")
@@ -78,7 +87,7 @@ class MultiheadDilatedAttention(nn.Module):
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)
         k = self.k_proj(key).view(B, N, self.num_kv_heads, self.head_dim)
         v = self.v_proj(value).view(B, N, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v)
+        out = self.attention(q, k, v, key_padding_mask=key_padding_mask)
         return self.out_proj(out.reshape(B, N, self.num_heads * self.head_dim)), None
 
 

@@ -42,7 +42,7 @@ def _param_value(name: str, ctx: dict):
         return _mock(ctx["dtype"])
     if name in ("Lse", "Delta", "DLse", "DK", "DV"):
         return _mock(torch.float32)
-    if name == "ClassOrder" or re.fullmatch(r"(Fwd|Inv)\d+", name):
+    if name in ("ClassOrder", "SeqStart", "SeqLen") or re.fullmatch(r"(Fwd|Inv)\d+", name):
         return _mock(torch.int32)
     m = _STRIDE.match(name)
     if m:
@@ -103,7 +103,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],
             "dtype": {"float16": torch.float16, "bfloat16": torch.bfloat16,
                       "float32": torch.float32}[plan["dtype"]],
-            "UPCAST": False}
+            "UPCAST": False, "VARLEN": False}
     lattice = plan["query"]["lattice"]
     out = []
 

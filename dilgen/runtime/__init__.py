@@ -135,12 +135,13 @@ class GeneratedAttention:
     """
 
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
-                 lane_kernel=None) -> None:
+                 lane_kernel=None, decode_kernels=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
         self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
         self.backward_kernels = backward_kernels   # {name: python function} or None
+        self.decode_kernels = decode_kernels       # incremental decoding (runtime.decode) or None
         self._jitted: dict[Any, Any] = {}
         self._device_tensors: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
@@ -151,6 +152,18 @@ class GeneratedAttention:
 
     def __repr__(self) -> str:
         return f"<dilgen attention {self.spec['name']} target={self.plan['target']}>"
+
+    def decode(self, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
+               validate: bool = True):
+        """Incremental decoding (causal specs; SPEC §3): q (B, T, H, D) new tokens, caches
+        (B, N_max, H_kv, D) already holding their keys and values, cache_seqlens (B,) int32
+        valid rows per item (new ones included). Returns out (B, T, H, D), the rows
+        cache_seqlens[b] - T .. cache_seqlens[b] - 1 of the causal forward over each item's
+        prefix, and with return_lse=True lse (B, H, T) float32. Not autograd-aware (see
+        dilgen.runtime.decode)."""
+        from .decode import decode
+        return decode(self, q, k_cache, v_cache, cache_seqlens, return_lse=return_lse,
+                      validate=validate)
 
     # -- kernels ------------------------------------------------------------------------
     def _kernel(self, interpret: bool, source_fn=None):
@@ -223,8 +236,8 @@ class GeneratedAttention:
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
             launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
                              (B * H, n_tiles, n_seg),
-                             (q, k, v, out, lse, *tables, N, n_tiles,
-                              *strides, interpret, i, accumulate),
+                             (q, k, v, out, lse, *tables, N, n_tiles, class_order, class_order,
+                              *strides, interpret, i, accumulate, False),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate = True
         if cfg.get("lane_tma") and lanes and not interpret:
@@ -239,7 +252,14 @@ class GeneratedAttention:
         return out, lse
 
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
-                 chunk_order: str = "contiguous"):
+                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
+        if cu_seqlens is not None:
+            if group is not None or chunk_order != "contiguous":
+                raise InputError(f"{self.spec['name']}: cu_seqlens does not combine with group= or "
+                                 f"chunk_order= (packed batches run on one device)")
+            return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
+        if max_seqlen is not None:
+            raise InputError(f"{self.spec['name']}: max_seqlen goes with cu_seqlens (packed batches)")
         ring = self.plan["ring"]["ring_size"]
         if ring > 1:   # every rank of the group calls with its rows (SPEC §3)
             from .ring import ring_attention
@@ -253,3 +273,39 @@ class GeneratedAttention:
         from .op import attention_op
         out, lse = attention_op(self, q, k, v)   # torch.ops.dilgen.attention_fwd: autograd, torch.compile
         return (out, lse) if return_lse else out
+
+    # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
+    def _varlen_ready(self) -> None:
+        if self.plan["ring"]["ring_size"] > 1:
+            raise InputError(f"{self.spec['name']}: packed sequences (cu_seqlens) run on one device; "
+                             f"this spec has ring_size = {self.plan['ring']['ring_size']}: use a "
+                             f"ring_size = 1 spec for packed batches")
+
+    def varlen(self, q, k, v, cu_seqlens, *, max_seqlen: int | None = None, return_lse: bool = False):
+        """Packed sequences: q (total, H, D), k and v (total, H_kv, D), cu_seqlens int32 (B + 1)
+        offsets (cu[0] = 0, non-decreasing, cu[-1] = total; empty sequences allowed). Sequence b
+        is rows cu[b]:cu[b+1] and gets exactly its output alone. Returns out (total, H, D) and,
+        with return_lse=True, lse (H, total) float32. Autograd-aware."""
+        from .varlen import check_varlen_inputs, packing_from_cu_seqlens
+        self._varlen_ready()
+        total = check_varlen_inputs(self.spec, q, k, v)
+        packing = packing_from_cu_seqlens(self.spec["name"], cu_seqlens, total, q.device, max_seqlen)
+        from .op import varlen_attention_op
+        out, lse = varlen_attention_op(self, q, k, v, packing)
+        return (out, lse) if return_lse else out
+
+    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
+        """A right-padded batch: q (B, N, H, D), k and v (B, N, H_kv, D), key_padding_mask (B, N)
+        bool, True = padding. Item b is computed at its own length; padded rows get out = 0,
+        lse = -inf and zero gradients. lse is (B, H, N)."""
+        from .varlen import packing_from_padding_mask
+        self._varlen_ready()
+        B, N = _check_inputs(self.spec, q, k, v)
+        packing = packing_from_padding_mask(self.spec["name"], key_padding_mask, B, N, q.device)
+        rows = lambda t: t.reshape(B * N, t.shape[2], t.shape[3])   # a view for (B, N, h, D) layouts
+        from .op import varlen_attention_op
+        out, lse = varlen_attention_op(self, rows(q), rows(k), rows(v), packing)
+        out = out.view(B, N, q.shape[2], q.shape[3])
+        if return_lse:
+            return out, lse.view(lse.shape[0], B, N).transpose(0, 1)
+        return out

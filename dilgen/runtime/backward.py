@@ -126,9 +126,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
             n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
             dkdv[(n_seg * n_o * n_jt, B * Hkv)](
                 q, k, v, grad_out, dk, dv, lse, delta, *tables,
-                N, n_jt, *q_strides, *k_strides, *v_strides, *do_strides,
+                N, n_jt, class_order, class_order, *q_strides, *k_strides, *v_strides, *do_strides,
                 dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
-                interpret, br["index"], **launch["dkdv"])
+                interpret, br["index"], False, **launch["dkdv"])
         dq_strides = (dq.stride(0), dq.stride(1), dq.stride(2))
         if has_fused_q:
             bm = conf["dq_block_m"]
@@ -144,9 +144,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
             dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
             dq_lanes[(B * H, n_tiles, n_seg)](
                 q, k, v, grad_out, dq, lse, delta, *tables,
-                N, n_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
+                N, n_tiles, class_order, class_order, *q_strides, *k_strides, *v_strides, *do_strides,
                 *dq_strides, *l_strides,
-                interpret, i, accumulate, **launch["dq_lanes"])
+                interpret, i, accumulate, False, **launch["dq_lanes"])
             accumulate = True
 
     if interpret:
