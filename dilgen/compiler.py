@@ -155,6 +155,18 @@ class Kernel:
         t = get_target(target) if isinstance(target, str) else target
         return planner.plan(self.spec, t)
 
+    def decode(self, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
+               validate: bool = True):
+        """Incremental decoding with a KV cache (causal specs; SPEC §3): q (B, T, H, D) new
+        tokens, caches (B, N_max, H_kv, D) holding their keys and values, cache_seqlens (B,)
+        int32 valid rows (new ones included). Returns rows cache_seqlens[b] - T ..
+        cache_seqlens[b] - 1 of the causal forward over each prefix (and lse (B, H, T) with
+        return_lse=True). Inference only: not autograd-aware (dilgen.runtime.decode)."""
+        import torch
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        return self.compiled_for(device).attention.decode(
+            q, k_cache, v_cache, cache_seqlens, return_lse=return_lse, validate=validate)
+
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
         """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length)."""

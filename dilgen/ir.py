@@ -179,12 +179,20 @@ class KernelConfig:
     # loop warp-specialized (producer / consumer warps) when lane_ws is set
     lane_tma: bool = False
     lane_ws: bool = False
+    # incremental decoding (templates/decode.py.jinja): keys per step of the split kernel,
+    # the largest split (kept keys per program; the runtime may halve it down to the block
+    # to fill the GPU at small batch), warps, stages
+    decode: tuple[int, int, int, int] = (16, 32, 1, 1)
 
     def __post_init__(self) -> None:
-        for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq"):
+        for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
             value = getattr(self, name)
             if len(value) != 4 or not all(isinstance(x, int) and x > 0 for x in value):
                 raise ValueError(f"KernelConfig.{name} = {value!r}: four positive ints")
+        block, split = self.decode[:2]
+        if block < 16 or block & (block - 1) or split % block:
+            raise ValueError(f"KernelConfig.decode = {self.decode!r}: the block must be a power "
+                             f"of two >= 16 and divide the split")
         if self.block_m % self.bwd_dq[0]:
             raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
                              f"{self.block_m} (a dq tile must nest in the forward's tiles)")
@@ -194,7 +202,7 @@ class KernelConfig:
                 "num_stages": self.num_stages, "dot_precision": self.dot_precision,
                 "bwd_kv": list(self.bwd_kv), "bwd_dq": list(self.bwd_dq),
                 "lane_fwd": list(self.lane_fwd), "lane_dq": list(self.lane_dq),
-                "lane_tma": self.lane_tma, "lane_ws": self.lane_ws}
+                "lane_tma": self.lane_tma, "lane_ws": self.lane_ws, "decode": list(self.decode)}
 
 
 @dataclass(frozen=True)

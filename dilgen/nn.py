@@ -90,6 +90,19 @@ class MultiheadDilatedAttention(nn.Module):
         out = self.attention(q, k, v, key_padding_mask=key_padding_mask)
         return self.out_proj(out.reshape(B, N, self.num_heads * self.head_dim)), None
 
+    def step(self, query, cache: "KVCache"):
+        """Incremental decoding (causal layers): query (B, T, embed_dim) holds T new tokens;
+        their keys and values are appended to `cache` (a KVCache of this layer) and the
+        queries attend through kernel.decode. Returns the (B, T, embed_dim) output, equal to
+        the last T rows of forward() over the whole sequence so far. Inference only (run it
+        under torch.no_grad() or torch.inference_mode())."""
+        B, T, _ = query.shape
+        q = self.q_proj(query).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(query).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(query).view(B, T, self.num_kv_heads, self.head_dim)
+        out = cache.attend(self.attention.kernel, q, k, v)
+        return self.out_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
 
 class LongNetDecoderBlock(nn.Module):
     """x + attn(norm(x)); x + mlp(norm(x)), with causal dilated self-attention."""
@@ -107,6 +120,100 @@ class LongNetDecoderBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(embed_dim, mlp_ratio * embed_dim, **factory), nn.GELU(),
                                  nn.Linear(mlp_ratio * embed_dim, embed_dim, **factory))
 
-    def forward(self, x):
+    def forward(self, x, cache: "KVCache | None" = None):
+        """cache: a KVCache of this block for generation; x then holds only the new tokens."""
+        if cache is not None:
+            x = x + self.attn.step(self.norm1(x), cache)
+            return x + self.mlp(self.norm2(x))
         x = x + self.attn(self.norm1(x))[0]
         return x + self.mlp(self.norm2(x))
+
+
+# --------------------------------------------------------------------------- generation
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class KVCache:
+    """The keys and values of one causal dilated attention layer during generation.
+
+    Preallocates k and v of shape (batch, max_len, num_kv_heads, head_dim) in the layer
+    spec's dtype; `lengths` (host ints) and `seqlens` ((batch,) int32 on the device) count
+    each item's valid rows. `attend(kernel, q, k, v)` appends the new tokens' k and v
+    (B, T, H_kv, D) at each item's length and returns kernel.decode(q, ...) for them: the
+    rows the causal forward over each item's whole prefix would give. A first call on an
+    empty cache (the prompt, T > 1) runs the forward kernel instead (the same rows, faster).
+    Per step the work does not grow with the context: a query reads at most ceil(w / r)
+    kept rows per branch, in place.
+
+        caches = [KVCache.for_layer(block, batch=B, max_len=N) for block in blocks]
+        with torch.no_grad():
+            for step in ...:
+                x = embed(new_tokens)                  # (B, T, E), T new tokens
+                for block, cache in zip(blocks, caches):
+                    x = block(x, cache=cache)
+    """
+
+    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device=None) -> None:
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"KVCache: batch = {batch} and max_len = {max_len} must be >= 1")
+        self.k = torch.zeros(batch, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.seqlens = torch.zeros(batch, dtype=torch.int32, device=self.k.device)
+        self.lengths = [0] * batch
+
+    @classmethod
+    def for_layer(cls, layer, batch: int, max_len: int, device=None) -> "KVCache":
+        """A cache for a LongNetDecoderBlock, MultiheadDilatedAttention or DilatedAttention
+        (heads, head_dim and dtype from its spec; device from its parameters unless given)."""
+        attn = getattr(layer, "attn", layer)
+        spec = attn.spec
+        if device is None:
+            param = next(iter(attn.parameters()), None)
+            device = param.device if param is not None else torch.device("cpu")
+        return cls(batch, max_len, spec.num_kv_heads, spec.head_dim, dtype=_DTYPES[spec.dtype],
+                   device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self) -> None:
+        """Forget every item's tokens (the buffers stay allocated)."""
+        self.seqlens.zero_()
+        self.lengths = [0] * self.batch
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (B, T, H_kv, D) at rows lengths[b] .. lengths[b] + T - 1 of each item."""
+        B, T = k.shape[0], k.shape[1]
+        if B != self.batch or k.shape[2:] != self.k.shape[2:] or v.shape != k.shape:
+            raise ValueError(f"KVCache.append: k {tuple(k.shape)}, v {tuple(v.shape)}; this cache "
+                             f"takes ({self.batch}, T, {self.k.shape[2]}, {self.k.shape[3]})")
+        if max(self.lengths) + T > self.max_len:
+            raise ValueError(f"KVCache.append: {T} more token(s) after {max(self.lengths)} exceed "
+                             f"max_len = {self.max_len}; make a larger cache")
+        if len(set(self.lengths)) == 1:       # every item at the same length: one slice
+            n = self.lengths[0]
+            self.k[:, n:n + T] = k.to(self.k.dtype)
+            self.v[:, n:n + T] = v.to(self.v.dtype)
+        else:
+            rows = self.seqlens.long()[:, None] + torch.arange(T, device=self.k.device)
+            items = torch.arange(B, device=self.k.device)[:, None]
+            self.k[items, rows] = k.to(self.k.dtype)
+            self.v[items, rows] = v.to(self.v.dtype)
+        self.seqlens += T
+        self.lengths = [n + T for n in self.lengths]
+
+    def attend(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append k, v of the T new tokens and return their attention output (B, T, H, D)."""
+        prompt = q.shape[1] > 1 and not any(self.lengths)
+        self.append(k, v)
+        if prompt:        # an empty cache: the tokens are the whole sequence so far
+            return kernel(q, k.to(self.k.dtype), v.to(self.v.dtype))
+        return kernel.decode(q, self.k, self.v, self.seqlens, validate=False)
+

@@ -73,7 +73,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
-           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws")
+           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "decode")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -202,6 +202,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              # non-causal lane branches keep pointer loads
                              lane_tma=bool((tuning or {}).get("lane_tma", target.lane_tma and spec.causal and spec.dtype != "float32")),
                              lane_ws=bool((tuning or {}).get("lane_ws", target.lane_ws and spec.causal and spec.dtype != "float32")),
+                             decode=tuple((tuning or {}).get("decode", target.decode_table(spec.head_dim, itemsize))),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(
         fused_dkdv=fused_dkdv,

@@ -80,6 +80,16 @@ class Target:
         _, dq = self.backward_table(head_dim, itemsize, causal)
         return fwd, dq
 
+    def decode_table(self, head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
+        """Incremental decoding (split kernel): (keys per step, largest split, warps,
+        stages). Memory-bound, so sm80 and sm90 share the row; the interpreter takes small
+        splits so that short test prefixes still span several programs."""
+        if self.name == "interpreter":
+            return (16, 32, 1, 1)
+        if head_dim >= 256 or itemsize == 4:
+            return (32, 512, 4, 2)
+        return (64, 512, 4, 3)
+
     # Causal: a lattice tile spans L*BLOCK_M positions, so its diagonal is L times wider
     # than a square one; lane tiles have square diagonals. On an H200 (bf16, forward):
     # causal A 1.60 -> 1.29 ms, B 6.35 -> 5.78, E 7.77 -> 6.20 with every branch a lane

@@ -1,0 +1,236 @@
+"""Incremental decoding with a KV cache (issue 15; SPEC §3 "Incremental decoding"): input
+checks and the launches of a generated module's decode kernels (templates/decode.py.jinja).
+
+`decode(attention, q, k_cache, v_cache, cache_seqlens)`: q (B, T, H, D) holds T new tokens
+per item; k_cache, v_cache (B, N_max, H_kv, D) already hold their keys and values;
+cache_seqlens (B,) int32 counts each item's valid rows, new ones included. The new tokens
+sit at positions cache_seqlens[b] - T .. cache_seqlens[b] - 1, and the result equals those
+rows of the causal forward over each item's prefix.
+
+Work per step does not grow with the context: in a branch (w, r) a query reads at most
+ceil(w / r) kept keys of its own segment, straight from the cache (no copy, no gather).
+Two launches: the split kernel (one program per (item, new token, kv head, chunk of a
+branch's kept keys), partial (out, lse) in fp32) and the combine kernel (LongNet Eq. 10).
+
+Not autograd-aware: decoding is inference. With grad mode on and an input that requires
+grad, decode raises InputError (call it under torch.no_grad() or torch.inference_mode()).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import InputError, _TORCH_DTYPES, _interpreting
+from .tables import table_tensors
+
+#: The runtime halves the planner's split (down to the key block) until the split kernel has
+#: at least this many programs per SM, so that a small batch still fills the GPU.
+PROGRAMS_PER_SM = 8
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def why_no_decode(spec: dict) -> str | None:
+    """None if the spec can decode, else the reason (one sentence, with the fix)."""
+    name = spec["name"]
+    if not spec.get("causal"):
+        return (f"{name}: decode needs a causal spec (a new token must not see keys after it); "
+                f"this spec has causal = false: set \"causal\": true")
+    if spec.get("ring_size", 1) > 1:
+        return (f"{name}: decode runs on one device; this spec has ring_size = "
+                f"{spec['ring_size']}: use the same spec with ring_size = 1 for generation")
+    if spec.get("head_offsets", "mod") != "mod":
+        return (f"{name}: decode supports head_offsets \"mod\" (head h keeps offset h mod r) only; "
+                f"this spec has head_offsets = \"{spec['head_offsets']}\"")
+    hil = spec.get("hilbert")
+    if hil is not None and hil.get("scope") == "sequence":
+        return (f"{name}: decode does not support Hilbert scope \"sequence\" (the whole sequence is "
+                f"one image of fixed size, so a growing prefix has no curve order); use scope "
+                f"\"segment\" or no Hilbert order")
+    return None
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def check_decode_inputs(spec: dict, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
+                        validate: bool = True) -> tuple[int, int, int]:
+    """(B, T, N_max), or InputError naming what is wrong and how to fix it. With validate,
+    also checks T <= cache_seqlens[b] <= N_max for every item (one small copy to the host)."""
+    name = spec["name"]
+    for label, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                     ("cache_seqlens", cache_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: decode: {label} must be a torch.Tensor, got {type(t).__name__}")
+    H, Hkv, D = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    if q.dim() != 4 or tuple(q.shape[2:]) != (H, D):
+        raise InputError(f"{name}: decode: q has shape {tuple(q.shape)}; it must be (B, T, {H}, {D}) "
+                         f"(T new tokens; num_heads={H}, head_dim={D})")
+    B, T = q.shape[0], q.shape[1]
+    if B < 1 or T < 1:
+        raise InputError(f"{name}: decode: empty q (B = {B}, T = {T}); pass at least one new token")
+    for label, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4 or t.shape[0] != B or tuple(t.shape[2:]) != (Hkv, D):
+            raise InputError(f"{name}: decode: {label} has shape {tuple(t.shape)}; with q of shape "
+                             f"{tuple(q.shape)} it must be ({B}, N_max, {Hkv}, {D}) "
+                             f"(num_kv_heads={Hkv})")
+    if k_cache.shape != v_cache.shape:
+        raise InputError(f"{name}: decode: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have the same shape")
+    n_max = k_cache.shape[1]
+    want = _TORCH_DTYPES[spec["dtype"]]
+    for label, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != want:
+            raise InputError(f"{name}: decode: {label} has dtype {t.dtype} but the spec says "
+                             f"\"{spec['dtype']}\"; pass {label}.to({want}) or change the spec")
+        if t.device != q.device:
+            raise InputError(f"{name}: decode: q is on {q.device} but {label} is on {t.device}; "
+                             f"move q, the caches and cache_seqlens to one device")
+        if t.stride(-1) != 1:
+            raise InputError(f"{name}: decode: {label} must be contiguous in head_dim "
+                             f"(stride(-1) == 1, got {t.stride(-1)}); pass {label}.contiguous()")
+    if q.device.type not in ("cuda", "cpu"):
+        raise InputError(f"{name}: decode: tensors on {q.device} are not supported; use a CUDA "
+                         f"GPU, or the CPU (Triton's interpreter)")
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B or cache_seqlens.dtype != torch.int32:
+        raise InputError(f"{name}: decode: cache_seqlens must be an int32 tensor of shape ({B},) "
+                         f"(valid cache rows per item, new tokens included), got "
+                         f"{cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise InputError(f"{name}: decode: cache_seqlens is on {cache_seqlens.device} but q is on "
+                         f"{q.device}; pass cache_seqlens.to({str(q.device)!r})")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise InputError(f"{name}: decode is not autograd-aware (it is for generation); call it "
+                         f"under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    if validate:
+        lens = cache_seqlens.tolist()
+        for b, n in enumerate(lens):
+            if n < T:
+                raise InputError(f"{name}: decode: cache_seqlens[{b}] = {n} < T = {T}: the cache must "
+                                 f"already hold the keys and values of the {T} new token(s) (append "
+                                 f"them first; cache_seqlens counts them)")
+            if n > n_max:
+                raise InputError(f"{name}: decode: cache_seqlens[{b}] = {n} > N_max = {n_max} rows of "
+                                 f"k_cache/v_cache; allocate a larger cache")
+    return B, T, n_max
+
+
+def num_chunks(lanes: list[int], split: int) -> list[int]:
+    """Cumulative chunk ends per branch: branch i owns chunks [end_(i-1), end_i)."""
+    ends, total = [], 0
+    for n in lanes:
+        total += -(-n // split)
+        ends.append(total)
+    return ends
+
+
+def choose_split(config: dict, rows: int, device: torch.device) -> int:
+    """The planner's split, halved (down to the key block) while the split kernel would have
+    fewer than PROGRAMS_PER_SM programs per SM (GPU only: the interpreter runs programs one
+    by one, so fewer is faster there)."""
+    split, block = config["split"], config["block_n"]
+    if device.type != "cuda":
+        return split
+    want = PROGRAMS_PER_SM * _sm_count(device)
+    while split // 2 >= block and rows * num_chunks(config["lanes"], split)[-1] < want:
+        split //= 2
+    return split
+
+
+def _kernel(attention, fn, interpret: bool):
+    """A decode kernel: Triton's interpreter on CPU, triton.jit on CUDA (decode kernels are
+    not in `dilgen build`'s ahead-of-time cache, so they skip its lookup)."""
+    key = ("decode", fn.__name__, interpret)
+    k = attention._jitted.get(key)
+    if k is None:
+        with attention._lock:
+            k = attention._jitted.get(key)
+            if k is None:
+                if interpret:
+                    from triton.runtime.interpreter import InterpretedFunction
+                    k = InterpretedFunction(fn)
+                else:
+                    import triton
+                    k = triton.jit(fn)
+                attention._jitted[key] = k
+    return k
+
+
+def _curves(attention, device: torch.device) -> list:
+    """[Curve, CurveInv] of the Hilbert segment branches (their full-grid curves, curve index
+    -> raster offset and back, one after the other in chunk order), built once per device;
+    [] when no branch has a curve table."""
+    grids = attention.decode_kernels["config"]["curves"]
+    if not grids:
+        return []
+    cache = attention.__dict__.setdefault("_decode_curves", {})
+    hit = cache.get(str(device))
+    if hit is None:
+        fwd, inv = [], []
+        for rows, cols in grids:
+            f, i = table_tensors({"scope": "segment", "grid": [rows, cols]}, rows * cols, device)
+            fwd.append(f)
+            inv.append(i)
+        hit = cache[str(device)] = [torch.cat(fwd), torch.cat(inv)]
+    return hit
+
+
+def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
+           validate: bool = True, split: int | None = None):
+    """See the module docstring. `split` (kept keys per program) overrides the runtime's
+    choice (tests, benchmarks); validate=False skips the host check of cache_seqlens (no
+    device-to-host copy: for loops that track the lengths themselves, like nn.KVCache)."""
+    from . import _POISON
+    spec, plan = attention.spec, attention.plan
+    why = why_no_decode(spec)
+    if why is not None or attention.decode_kernels is None:
+        raise InputError(why or f"{spec['name']}: this generated module has no decode kernels; "
+                                f"re-run `dilgen compile` with this version of dilgen")
+    B, T, _ = check_decode_inputs(spec, q, k_cache, v_cache, cache_seqlens, validate)
+    kernels = attention.decode_kernels
+    cfg = kernels["config"]
+    H, Hkv, D = plan["num_heads"], plan["num_kv_heads"], plan["head_dim"]
+    device = q.device
+    interpret = device.type == "cpu"
+    if split is None:
+        split = choose_split(cfg, B * T * Hkv, device)
+    elif split < 1:
+        raise InputError(f"{spec['name']}: decode: split = {split}: must be >= 1")
+    ends = num_chunks(cfg["lanes"], split)
+    C = ends[-1]
+    out = torch.empty((B, T, H, D), dtype=q.dtype, device=device)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=device)
+    if _POISON:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    out_p = torch.empty((B * T * H, C, D), dtype=torch.float32, device=device)
+    lse_p = torch.empty((B * T * H, C), dtype=torch.float32, device=device)
+    split_args = (q, k_cache, v_cache, cache_seqlens, out_p, lse_p, *_curves(attention, device),
+                  T, split, C, *ends,
+                  q.stride(0), q.stride(1), q.stride(2),
+                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), interpret)
+    combine_args = (out_p, lse_p, out, lse, T, C,
+                    out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
+    launches = [(_kernel(attention, kernels["split"], interpret), (B * T * Hkv, C), split_args,
+                 cfg["launch"]["split"]),
+                (_kernel(attention, kernels["combine"], interpret), (B * T * H,), combine_args,
+                 cfg["launch"]["combine"])]
+    for kernel, grid, args, opts in launches:
+        if interpret:
+            with _interpreting():
+                kernel[grid](*args)
+        else:
+            kernel[grid](*args, **opts)
+    attention.launches += 1
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["decode", "check_decode_inputs", "why_no_decode", "choose_split", "num_chunks",
+           "PROGRAMS_PER_SM"]
