@@ -13,6 +13,22 @@ meant for tests and pictures on small inputs (N up to a few thousand).
 hilbert, softmax_scale, ...). ``spec.hilbert`` is None or an object with
 ``scope`` ("segment" | "sequence"), ``grids`` (segment scope, optional) and
 ``grid`` (sequence scope). Plain dicts are accepted for ``hilbert`` as well.
+
+Two optional fields (issue 16, torchscale's LongNet), absent = SPEC's defaults:
+
+- ``head_offsets``: "mod" (default) — head h keeps the lanes t with t mod r == h mod r;
+  "block" — the heads are cut into r contiguous blocks of ceil(H / r) heads and block g
+  keeps t mod r == g, i.e. head h keeps t mod r == floor(h / ceil(H / r)).
+- ``short_segments``: "exact" (default) — no padding; "zero_pad" — torchscale's padding:
+  branch (w, r) cuts the sequence into segments of w' = min(w, N) positions (the same
+  segments as "exact") and pads every segment with zero rows to P = ceil(w' / r) * r
+  positions (the last one from its real length, all of them from w' to P). A kept query
+  of segment s then also sees the pad rows t in [len_s, P) with t mod r == its head's
+  offset: each adds a key of score 0 and value 0, i.e. exp(0 - max) to the softmax
+  denominator and nothing to the numerator. Pad rows come after every real query of
+  their segment, so causal specs never see them. Pad queries are dropped. When N > w and
+  w is not a multiple of r, torchscale's branch outputs land on shifted rows (its layout
+  slip): refused with a ValueError rather than reproduced.
 """
 
 from __future__ import annotations
@@ -150,6 +166,70 @@ def _segment_grid(w: int, branch: int, grids):
     return 1 << (k // 2), 1 << ((k + 1) // 2)
 
 
+# --------------------------------------------------------------------------- offsets, padding
+
+
+def _offset_fn(spec):
+    """head -> its offset in a branch of rate r, per ``spec.head_offsets``."""
+    mode = _attr(spec, "head_offsets", "mod") or "mod"
+    if mode == "mod":
+        return lambda head, r: head % r
+    if mode == "block":
+        nh = _attr(spec, "num_heads", None)
+        if nh is None:
+            raise ValueError('head_offsets = "block" needs num_heads')
+        nh = int(nh)
+        return lambda head, r: head // -(-nh // r)
+    raise ValueError(f'head_offsets = {mode!r}: must be "mod" or "block"')
+
+
+def _zero_pad(spec) -> bool:
+    mode = _attr(spec, "short_segments", "exact") or "exact"
+    if mode not in ("exact", "zero_pad"):
+        raise ValueError(f'short_segments = {mode!r}: must be "exact" or "zero_pad"')
+    if mode == "zero_pad" and _attr(spec, "hilbert") is not None:
+        raise ValueError('short_segments = "zero_pad" is defined for raster order only (hilbert null)')
+    return mode == "zero_pad"
+
+
+def _check_layout_slip(n: int, spec) -> None:
+    for i, (w, r) in enumerate(zip(*_branches(spec))):
+        if n > w and w % r:
+            raise ValueError(
+                f"N = {n} with segment_lengths[{i}] = {w}, dilation_rates[{i}] = {r}: "
+                f'short_segments "zero_pad" needs w to be a multiple of r once N > w '
+                f"(torchscale's layout slip is not reproduced)")
+
+
+def _count_lanes(lo, hi, o: int, r: int):
+    """How many t in [lo, hi) have t mod r == o (lo, hi int64 tensors; 0 <= o < r)."""
+    def below(x):  # t in [0, x) with t mod r == o
+        return torch.clamp(x - o + r - 1, min=0) // r
+    return torch.clamp(below(hi) - below(lo), min=0)
+
+
+def _pad_counts(n: int, spec, head: int) -> torch.Tensor:
+    """(N,) int64: zero keys (short_segments "zero_pad") the query at each raster position
+    sees in query head ``head``, summed over the branches that keep it; zeros when causal
+    (pad rows follow every real query of their segment) or with "exact"."""
+    counts = torch.zeros(n, dtype=torch.int64)
+    if not _zero_pad(spec) or bool(_attr(spec, "causal", False)):
+        return counts
+    _check_layout_slip(n, spec)
+    offset = _offset_fn(spec)
+    pos = torch.arange(n, dtype=torch.int64)
+    for w, r in zip(*_branches(spec)):
+        wn = min(w, n)                      # torchscale's segment: min(w, N) positions
+        padded = -(-wn // r) * r            # ... padded to a multiple of r
+        seg, t = pos // wn, pos % wn
+        real = torch.clamp(n - seg * wn, max=wn)   # real length of each position's segment
+        o = offset(head, r)
+        keep = (t % r) == o
+        counts += torch.where(keep, _count_lanes(real, torch.full_like(real, padded), o, r),
+                              torch.zeros_like(real))
+    return counts
+
+
 # --------------------------------------------------------------------------- masks
 
 
@@ -211,13 +291,13 @@ def _layouts(n: int, spec):
     return [(r,) + _branch_layout(n, w, i, hilbert, grids) for i, (w, r) in enumerate(zip(ws, rs))]
 
 
-def _counts_from_layouts(n: int, layouts, head: int, causal: bool) -> torch.Tensor:
+def _counts_from_layouts(n: int, layouts, head: int, causal: bool, offset=None) -> torch.Tensor:
     counts = torch.zeros(n, n, dtype=torch.int64)
     if causal:
         pos = torch.arange(n)
         allowed = pos[None, :] <= pos[:, None]  # key raster pos <= query raster pos
     for r, seg, lane in layouts:
-        keep = (lane % r) == (head % r)
+        keep = (lane % r) == (head % r if offset is None else offset(head, r))
         pair = keep[:, None] & keep[None, :] & (seg[:, None] == seg[None, :])
         if causal:
             pair &= allowed
@@ -231,7 +311,8 @@ def reference_mask_counts(n, spec, head) -> torch.Tensor:
     n = int(n)
     if n < 1:
         raise ValueError(f"N = {n}: must be >= 1")
-    return _counts_from_layouts(n, _layouts(n, spec), int(head), bool(_attr(spec, "causal", False)))
+    return _counts_from_layouts(n, _layouts(n, spec), int(head), bool(_attr(spec, "causal", False)),
+                                _offset_fn(spec))
 
 
 # --------------------------------------------------------------------------- attention
@@ -277,26 +358,35 @@ def reference_attention(q, k, v, spec, *, return_lse=False):
     vf = v.detach().to(device="cpu", dtype=torch.float64)
 
     layouts = _layouts(N, spec)
+    offset = _offset_fn(spec)
+    zero_pad = _zero_pad(spec)
+    if zero_pad:
+        _check_layout_slip(N, spec)
     out = torch.zeros(B, N, H, D, dtype=torch.float64)
     lse = torch.full((B, H, N), float("-inf"), dtype=torch.float64)
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
 
-    # heads with equal (h mod r_i) for all branches share the same mask
+    # heads with equal offsets in all branches share the same mask (and pad keys)
     mask_cache: dict = {}
     rs = tuple(r for r, _, _ in layouts)
     for h in range(H):
-        key = tuple(h % r for r in rs)
+        key = tuple(offset(h, r) for r in rs)
         if key not in mask_cache:
-            mask_cache[key] = _counts_from_layouts(N, layouts, h, causal).to(torch.float64)
-        M = mask_cache[key]  # (N, N) multiplicities
+            mask_cache[key] = (_counts_from_layouts(N, layouts, h, causal, offset).to(torch.float64),
+                               _pad_counts(N, spec, h).to(torch.float64) if zero_pad else None)
+        M, pads = mask_cache[key]  # (N, N) multiplicities; (N,) zero keys per query or None
         present = M > 0
         kh = h // group
         s = scale * torch.einsum("bid,bjd->bij", qf[:, :, h], kf[:, :, kh])  # (B, N, N)
         s = torch.where(present, s, neg_inf)
         m = s.amax(dim=-1, keepdim=True)  # -inf on rows with no key
+        if pads is not None:  # zero keys score 0: the running max includes 0 where there are some
+            m = torch.where(pads[None, :, None] > 0, torch.clamp(m, min=0.0), m)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = M * torch.exp(s - m)  # exp(-inf) = 0 on masked entries
         denom = p.sum(dim=-1)  # (B, N)
+        if pads is not None:  # each zero key: exp(0 - m) in the denominator, 0 in the numerator
+            denom = denom + pads[None, :] * torch.exp(-m.squeeze(-1))
         num = torch.einsum("bij,bjd->bid", p, vf[:, :, kh])
         safe = torch.where(denom > 0, denom, torch.ones_like(denom))
         o = num / safe[..., None]
@@ -311,26 +401,34 @@ def reference_attention(q, k, v, spec, *, return_lse=False):
 
 def differentiable_reference(q, k, v, spec):
     """(out, lse) in float64 with autograd (for gradient references): one softmax per query over the multiset of
-    keys the branches keep (weights = pair multiplicities). Rows no branch keeps get
-    out = 0, lse = -inf and a zero (never NaN) gradient."""
+    keys the branches keep (weights = pair multiplicities; with short_segments "zero_pad"
+    also the zero keys, score 0 and value 0). Rows no branch keeps get out = 0, lse = -inf
+    and a zero (never NaN) gradient."""
     B, N, H, D = q.shape
     group = H // k.shape[2]
     scale = spec.softmax_scale if spec.softmax_scale is not None else 1.0 / math.sqrt(D)
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
+    offset = _offset_fn(spec)
+    zero_pad = _zero_pad(spec)
     masks: dict = {}
     outs, lses = [], []
     for h in range(H):
-        key = tuple(h % r for r in spec.dilation_rates)
+        key = tuple(offset(h, r) for r in spec.dilation_rates)
         if key not in masks:
-            masks[key] = reference_mask_counts(N, spec, h).to(torch.float64)
-        M = masks[key]
+            masks[key] = (reference_mask_counts(N, spec, h).to(torch.float64),
+                          _pad_counts(N, spec, h).to(torch.float64) if zero_pad else None)
+        M, pads = masks[key]
         kh = h // group
         s = scale * torch.einsum("bid,bjd->bij", q[:, :, h], k[:, :, kh])
         s = torch.where(M > 0, s, neg_inf)
         m = s.amax(-1, keepdim=True).detach()
+        if pads is not None:
+            m = torch.where(pads[None, :, None] > 0, torch.clamp(m, min=0.0), m)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = M * torch.exp(s - m)
         den = p.sum(-1)
+        if pads is not None:
+            den = den + pads[None, :] * torch.exp(-m.squeeze(-1))
         kept = den > 0
         safe = torch.where(kept, den, torch.ones_like(den))
         o = torch.einsum("bij,bjd->bid", p, v[:, :, kh]) / safe[..., None]

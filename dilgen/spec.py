@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 NAME_RE = re.compile(r"[a-z_][a-z0-9_]*\Z")
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = tuple(range(8, 257, 8))   # SPEC §1: any multiple of 8 from 8 to 256
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)   # what the kernels run today (unsupported_by_kernels)
+HEAD_OFFSETS = ("mod", "block")           # head h -> offset h mod r | floor(h / ceil(H / r))
+SHORT_SEGMENTS = ("exact", "zero_pad")    # SPEC's short last segment | torchscale's zero padding
 DTYPES = ("float16", "bfloat16", "float32")
 HILBERT_SCOPES = ("segment", "sequence")
 MAX_INT = 1 << 40          # larger than any sequence a GPU can hold; guards against 1e300-sized ints
@@ -125,6 +128,8 @@ class Spec:
     hilbert: Hilbert | None = None
     ring_size: int = 1
     softmax_scale: float | None = None
+    head_offsets: str = "mod"
+    short_segments: str = "exact"
     source: str = field(default="<spec>", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +176,10 @@ class Spec:
             "hilbert": None if self.hilbert is None else self.hilbert.to_json(),
             "ring_size": self.ring_size,
             "softmax_scale": self.softmax_scale,
+            # fields added later appear only when set, so that the keys (and generated
+            # files) of every spec written before them stay the same
+            **({} if self.head_offsets == "mod" else {"head_offsets": self.head_offsets}),
+            **({} if self.short_segments == "exact" else {"short_segments": self.short_segments}),
         }
 
     def key(self) -> str:
@@ -189,7 +198,8 @@ class Spec:
 
 _REQUIRED = ("name", "num_heads", "head_dim", "segment_lengths", "dilation_rates")
 _ALLOWED = ("name", "num_heads", "num_kv_heads", "head_dim", "dtype", "segment_lengths",
-            "dilation_rates", "causal", "hilbert", "ring_size", "softmax_scale")
+            "dilation_rates", "causal", "hilbert", "ring_size", "softmax_scale", "head_offsets",
+            "short_segments")
 
 
 def _validate(raw: dict, src: str) -> dict:
@@ -207,8 +217,8 @@ def _validate(raw: dict, src: str) -> dict:
     if num_heads % num_kv:
         raise _fail(src, "num_kv_heads", num_kv, f"must divide num_heads = {num_heads}")
     head_dim = raw["head_dim"]
-    if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS or not isinstance(head_dim, int):
-        raise _fail(src, "head_dim", head_dim, "must be one of 16, 32, 64, 128, 256")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
+        raise _fail(src, "head_dim", head_dim, "must be a multiple of 8 from 8 to 256 (one of 8, 16, 24, ..., 256)")
     dtype = raw["dtype"]
     if dtype not in DTYPES or not isinstance(dtype, str):
         raise _fail(src, "dtype", dtype, 'must be one of "float16", "bfloat16", "float32"')
@@ -243,7 +253,20 @@ def _validate(raw: dict, src: str) -> dict:
             raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
         scale = float(scale)
 
+    head_offsets = raw["head_offsets"]
+    if not isinstance(head_offsets, str) or head_offsets not in HEAD_OFFSETS:
+        raise _fail(src, "head_offsets", head_offsets,
+                    'must be "mod" (offset h mod r) or "block" (torchscale: offset floor(h / ceil(H / r)))')
+    short_segments = raw["short_segments"]
+    if not isinstance(short_segments, str) or short_segments not in SHORT_SEGMENTS:
+        raise _fail(src, "short_segments", short_segments,
+                    'must be "exact" (no padding) or "zero_pad" (torchscale: zero keys pad each segment)')
+
     hilbert = _validate_hilbert(raw["hilbert"], segs, src)
+    if short_segments == "zero_pad" and hilbert is not None:
+        raise _fail(src, "short_segments", short_segments,
+                    "is torchscale's padding of raster segments: use hilbert null, or short_segments "
+                    '"exact" with a Hilbert order')
     if ring > 1 and hilbert is not None and hilbert.scope == "sequence" and causal:
         raise _fail(src, "ring_size", ring,
                     'cannot be > 1 with hilbert scope "sequence" and causal true (a rank holds a '
@@ -251,7 +274,8 @@ def _validate(raw: dict, src: str) -> dict:
                     'false, scope "segment", or ring_size 1')
     return dict(name=name, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
                 dtype=dtype, segment_lengths=segs, dilation_rates=rates, causal=causal,
-                hilbert=hilbert, ring_size=ring, softmax_scale=scale)
+                hilbert=hilbert, ring_size=ring, softmax_scale=scale, head_offsets=head_offsets,
+                short_segments=short_segments)
 
 
 def _grid(src: str, path: str, value: Any) -> tuple[int, int]:
@@ -356,3 +380,42 @@ def load_spec(path: str | Path) -> Spec:
 
 def _parse_int(text: str) -> Any:
     return int(text) if len(text) <= 64 else _LongInt(text[:20] + "...")
+
+
+# --------------------------------------------------------------------------- kernel support
+# Issue 16 (torchscale / Prov-GigaPath): the spec language and the float64 reference
+# (dilgen.reference) know head_offsets "block", short_segments "zero_pad" and head_dim any
+# multiple of 8; the kernels do not yet. The planner refuses such specs with this message.
+# TODO(issue 16, kernels): planner.plan() calls this and raises SpecError(message); drop each
+# clause here as its kernel support lands, and the function once it returns None always.
+
+def unsupported_by_kernels(spec: Spec) -> str | None:
+    """One line saying which fields of a valid `spec` the generated kernels cannot run yet
+    (in the style of every spec error: source, field, value, why), or None if they can."""
+    problems = []
+    if spec.head_dim not in KERNEL_HEAD_DIMS:
+        problems.append(f"head_dim = {spec.head_dim}: the kernels run 16, 32, 64, 128, 256 so far")
+    if spec.head_offsets != "mod":
+        problems.append(f'head_offsets = "{spec.head_offsets}": not in the kernels yet')
+    if spec.short_segments != "exact":
+        problems.append(f'short_segments = "{spec.short_segments}": not in the kernels yet')
+    if not problems:
+        return None
+    return (f"{spec.source}: " + "; ".join(problems)
+            + " (issue 16; dilgen.reference computes these specs in float64)")
+
+
+def zero_pad_layout_slip(spec: Spec, seq_len: int) -> str | None:
+    """The one case of short_segments "zero_pad" that dilgen refuses, as a one-line message
+    (None when `seq_len` is fine): torchscale pads each segment of min(w, N) positions to a
+    multiple of r, so when min(w, N) is not a multiple of r and there are two or more
+    segments (N > w), its branch outputs land on shifted rows; that is not reproduced."""
+    if spec.short_segments != "zero_pad":
+        return None
+    for i, (w, r) in enumerate(spec.branches()):
+        if seq_len > w and w % r:
+            return (f"{spec.source}: N = {seq_len} with segment_lengths[{i}] = {w}, "
+                    f"dilation_rates[{i}] = {r}: short_segments \"zero_pad\" needs w to be a "
+                    f"multiple of r once N > w (torchscale's layout slip: its outputs of this "
+                    f"branch land on shifted rows; dilgen does not reproduce it)")
+    return None

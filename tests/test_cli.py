@@ -234,7 +234,7 @@ def test_explain_bad_arguments(tmp_path):
     assert "--seq-len" in one_error_line((rc, err))
     rc, out, err = main_in_process("explain", spec_path, "--seq-len", "many")
     assert "--seq-len" in one_error_line((rc, err))
-    bad = write_spec(tmp_path, dict(TINY, head_dim=48), "bad.json")
+    bad = write_spec(tmp_path, dict(TINY, head_dim=12), "bad.json")
     rc, out, err = main_in_process("explain", bad)
     assert "head_dim" in one_error_line((rc, err))
 

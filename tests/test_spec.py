@@ -129,6 +129,8 @@ CHANGES = [
     ("hilbert", {"scope": "segment"}),
     ("ring_size", 2),
     ("softmax_scale", 0.5),
+    ("head_offsets", "block"),
+    ("short_segments", "zero_pad"),
 ]
 
 
@@ -180,9 +182,9 @@ def test_hand_built_hilbert_spec_equals_loaded_spec(tmp_path):
 
 def test_hand_built_spec_is_validated():
     with pytest.raises(SpecError) as exc:
-        Spec(name="ok_spec", num_heads=4, head_dim=48, segment_lengths=[16], dilation_rates=[1])
+        Spec(name="ok_spec", num_heads=4, head_dim=12, segment_lengths=[16], dilation_rates=[1])
     _one_line(str(exc.value))
-    assert "head_dim" in str(exc.value) and "48" in str(exc.value)
+    assert "head_dim" in str(exc.value) and "12" in str(exc.value)
     with pytest.raises(SpecError):
         Spec(name="../evil", num_heads=4, head_dim=64, segment_lengths=[16], dilation_rates=[1])
     with pytest.raises(SpecError):
@@ -212,11 +214,16 @@ def test_replace_revalidates(tmp_path):
     {"hilbert": {"scope": "sequence", "grid": [8, 8]}},
     {"ring_size": 4}, {"softmax_scale": 0.125}, {"softmax_scale": 2},
     {"causal": True},
+    {"head_dim": 8}, {"head_dim": 48}, {"head_dim": 80}, {"head_dim": 96}, {"head_dim": 248},
+    {"head_offsets": "block"}, {"head_offsets": "mod"},
+    {"short_segments": "zero_pad"}, {"short_segments": "exact"},
+    {"head_offsets": "block", "short_segments": "zero_pad", "head_dim": 48, "num_heads": 16,
+     "segment_lengths": [1024, 5792, 32768, 185363, 1048576], "dilation_rates": [1, 2, 4, 8, 16]},
 ], ids=lambda p: json.dumps(p))
 def test_valid_variants_load(tmp_path, patch):
     spec = load_spec(_write(tmp_path / "v.json", _patched(patch)))
     for key, value in patch.items():
-        got = spec.to_json()[key]
+        got = spec.to_json().get(key, getattr(spec, key))   # later fields: absent when default
         if key == "softmax_scale":
             assert got == float(value)
         elif key == "hilbert":
@@ -279,9 +286,18 @@ BAD = [
     ("num_kv_heads_zero", {"num_kv_heads": 0}, "num_kv_heads", "0", ">= 1"),
     ("num_kv_heads_null", {"num_kv_heads": None}, "num_kv_heads", "null", "integer"),
     # head_dim / dtype
-    ("head_dim_48", {"head_dim": 48}, "head_dim", "48", "one of"),
+    ("head_dim_12", {"head_dim": 12}, "head_dim", "12", "multiple of 8"),
+    ("head_dim_264", {"head_dim": 264}, "head_dim", "264", "multiple of 8 from 8 to 256"),
+    ("head_dim_0", {"head_dim": 0}, "head_dim", "0", "multiple of 8"),
     ("head_dim_string", {"head_dim": "64"}, "head_dim", '"64"', "one of"),
     ("dtype_fp8", {"dtype": "fp8"}, "dtype", '"fp8"', "one of"),
+    # head_offsets / short_segments (issue 16: torchscale's layout)
+    ("head_offsets_unknown", {"head_offsets": "blocks"}, "head_offsets", '"blocks"', '"mod" (offset h mod r) or "block"'),
+    ("head_offsets_null", {"head_offsets": None}, "head_offsets", "null", '"mod"'),
+    ("short_segments_unknown", {"short_segments": "pad"}, "short_segments", '"pad"', '"exact"'),
+    ("short_segments_bool", {"short_segments": True}, "short_segments", "true", '"zero_pad"'),
+    ("zero_pad_with_hilbert", {"short_segments": "zero_pad", "hilbert": {"scope": "segment"}},
+     "short_segments", '"zero_pad"', "hilbert null"),
     # segment_lengths / dilation_rates
     ("segment_lengths_empty", {"segment_lengths": [], "dilation_rates": []},
      "segment_lengths", "[]", "empty"),
@@ -423,6 +439,51 @@ def test_bad_spec_is_refused(tmp_path, cli_subprocess_results, cid, body, field,
     _check_cli(*run_cli(["compile", str(path), "--out", str(out)]), out, field)
     if cid in SUBPROCESS_IDS:
         _check_cli(*cli_subprocess_results[cid], field)
+
+
+def test_later_fields_leave_earlier_keys_alone(tmp_path):
+    """head_offsets and short_segments (issue 16) appear in the canonical form only when
+    set, so a spec that does not set them keeps its key (and its generated files)."""
+    spec = load_spec(_write(tmp_path / "a.json", BASE))
+    same = load_spec(_write(tmp_path / "b.json", _patched({"head_offsets": "mod",
+                                                             "short_segments": "exact"})))
+    assert same == spec and same.key() == spec.key()
+    assert "head_offsets" not in spec.to_json() and "short_segments" not in spec.to_json()
+    ts = spec.replace(head_offsets="block", short_segments="zero_pad", head_dim=48)
+    canon = ts.to_json()
+    assert canon["head_offsets"] == "block" and canon["short_segments"] == "zero_pad"
+    assert list(canon)[-2:] == ["head_offsets", "short_segments"]
+    assert spec_from_dict(canon) == ts and spec_from_dict(canon).key() == ts.key()
+    assert Spec(**canon) == ts
+
+
+def test_unsupported_by_kernels_names_each_new_value():
+    from dilgen.spec import KERNEL_HEAD_DIMS, unsupported_by_kernels
+    base = Spec(name="ok_spec", num_heads=4, head_dim=64, segment_lengths=[16], dilation_rates=[2])
+    assert unsupported_by_kernels(base) is None
+    for hd in KERNEL_HEAD_DIMS:
+        assert unsupported_by_kernels(base.replace(head_dim=hd)) is None
+    for change, words in [({"head_dim": 48}, ["head_dim = 48"]),
+                          ({"head_offsets": "block"}, ['head_offsets = "block"']),
+                          ({"short_segments": "zero_pad"}, ['short_segments = "zero_pad"']),
+                          ({"head_dim": 80, "head_offsets": "block", "short_segments": "zero_pad"},
+                           ["head_dim = 80", "head_offsets", "short_segments"])]:
+        msg = unsupported_by_kernels(base.replace(**change))
+        _one_line(msg)
+        assert msg.startswith("<spec>, .replace(") and "issue 16" in msg
+        assert all(w in msg for w in words), msg
+
+
+def test_zero_pad_layout_slip():
+    from dilgen.spec import zero_pad_layout_slip
+    spec = Spec(name="ok_spec", num_heads=4, head_dim=48, segment_lengths=[16, 12],
+                dilation_rates=[2, 8], short_segments="zero_pad", source="ts")
+    assert zero_pad_layout_slip(spec, 12) is None        # one segment of min(w, N) = 12 rows
+    assert zero_pad_layout_slip(spec, 5) is None
+    msg = zero_pad_layout_slip(spec, 13)                 # two segments of 12, 12 % 8 != 0
+    _one_line(msg)
+    assert msg.startswith("ts: N = 13 with segment_lengths[1] = 12, dilation_rates[1] = 8") and "slip" in msg
+    assert zero_pad_layout_slip(spec.replace(short_segments="exact"), 13) is None
 
 
 def test_replace_names_where_the_bad_value_came_from():
