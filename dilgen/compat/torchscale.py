@@ -1,0 +1,304 @@
+"""A drop-in for torchscale's LongNet `DilatedAttention` (Prov-GigaPath's slide encoder).
+
+    from dilgen.compat.torchscale import patch
+    model = ...                     # a torchscale LongNetEncoder, GigaPath's slide encoder, ...
+    patch(model)                    # every torchscale DilatedAttention now runs on dilgen
+
+`DilatedAttention` has torchscale's constructor `(args, embed_dim, num_heads, dropout=0.0,
+self_attention=False, encoder_decoder_attention=False, subln=False)`, its forward
+`(query, key, value, incremental_state=None, key_padding_mask=None, attn_mask=None,
+rel_pos=None, is_first_step=False, is_causal=False) -> (attn, None)` and its parameter names
+(`q_proj`, `k_proj`, `v_proj`, `out_proj`, `inner_attn_ln`), so a torchscale state_dict loads
+unchanged. It reads `args.segment_length` and `args.dilated_ratio` (lists, or their string
+form) and computes torchscale's function, not SPEC's default one: the spec it builds has
+`"head_offsets": "block"` (head h -> offset floor(h / ceil(H / r))) and
+`"short_segments": "zero_pad"` (torchscale's zero keys in padded segments), see docs/SPEC.md.
+The branch weights of LongNet Eq. 10 get their exact gradient here (torchscale computes
+them under no_grad: same forward, different gradients).
+
+What is refused, with one line naming it: torchscale's xpos (`args.xpos_rel_pos`),
+`incremental_state`, `attn_mask`, `rel_pos`, multiway projections (`args.multiway`),
+sequence parallelism (`args.seq_parallel`), cross-attention, attention dropout while
+training, and torchscale's layout slip (min(w, N) not a multiple of r with two or more
+segments, where torchscale's outputs land on shifted rows).
+
+`key_padding_mask` (B, N) bool, True = padding (right-padded batches): torchscale ignores
+it; here it goes through dilgen's variable-length kernels (each sequence computed alone)
+when this dilgen has them, and is refused otherwise. An all-False mask is the same as none.
+
+dilgen never imports torchscale: `patch` recognises torchscale's modules by class name
+(`DilatedAttention`) and attributes (`args.segment_length`, `args.dilated_ratio`,
+`q_proj`, `k_proj`, `v_proj`, `out_proj`), as they appear in any vendored copy.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+
+import torch
+from torch import nn
+from torch.nn import LayerNorm
+
+from ..spec import Spec, unsupported_by_kernels, zero_pad_layout_slip
+
+__all__ = ["DilatedAttention", "patch", "is_torchscale_dilated_attention", "spec_for"]
+
+PREFIX = "dilgen.compat.torchscale"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _unsupported(feature: str, hint: str) -> NotImplementedError:
+    return NotImplementedError(f"{PREFIX}: {feature} is not supported: {hint}")
+
+
+def _as_list(value, field: str) -> list:
+    """args.segment_length / args.dilated_ratio: a list, a tuple or their string form."""
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{PREFIX}: args.{field} = {value!r}: not a list of integers") from None
+    if isinstance(value, int):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{PREFIX}: args.{field} = {value!r}: not a list of integers")
+    return [int(x) for x in value]
+
+
+def spec_for(args, num_heads: int, head_dim: int, *, causal: bool = False,
+             dtype: str = "bfloat16") -> Spec:
+    """The dilgen spec of torchscale's DilatedAttention with these args."""
+    return Spec(name="torchscale_dilated_attention", num_heads=num_heads, head_dim=head_dim,
+                dtype=dtype, segment_lengths=_as_list(args.segment_length, "segment_length"),
+                dilation_rates=_as_list(args.dilated_ratio, "dilated_ratio"), causal=causal,
+                head_offsets="block", short_segments="zero_pad", source=f"{PREFIX} args")
+
+
+# --------------------------------------------------------------------------- the kernel calls
+# Module-level, so that a test can swap in dilgen.reference while the kernels refuse.
+
+def _attend(q, k, v, spec: Spec):
+    """dilgen's dilated attention of (B, N, H, D) tensors."""
+    msg = unsupported_by_kernels(spec)
+    if msg:
+        raise NotImplementedError(f"{PREFIX}: {msg}; torchscale's layout in the kernels is pending")
+    from .. import compiler
+    return compiler.dilated_attention(q, k, v, spec)
+
+
+_KERNELS: dict = {}
+
+
+def varlen_supported() -> bool:
+    """Whether this dilgen's kernels take packed variable-length batches (cu_seqlens=)."""
+    from ..compiler import Kernel
+    return "cu_seqlens" in inspect.signature(Kernel.__call__).parameters
+
+
+def _attend_varlen(q, k, v, cu_seqlens, spec: Spec):
+    """Packed rows (total, H, D), cu_seqlens int32 (B + 1,): each sequence alone."""
+    msg = unsupported_by_kernels(spec)
+    if msg:
+        raise NotImplementedError(f"{PREFIX}: {msg}; torchscale's layout in the kernels is pending")
+    from .. import compiler
+    kernel = _KERNELS.get(spec.key())
+    if kernel is None:
+        kernel = _KERNELS[spec.key()] = compiler.compile(spec)
+    return kernel(q, k, v, cu_seqlens=cu_seqlens)
+
+
+# --------------------------------------------------------------------------- the module
+
+
+class DilatedAttention(nn.Module):
+    """torchscale's DilatedAttention (constructor, forward, parameter names) on dilgen."""
+
+    def __init__(self, args, embed_dim, num_heads, dropout=0.0, self_attention=False,
+                 encoder_decoder_attention=False, subln=False):
+        super().__init__()
+        if getattr(args, "multiway", False):
+            raise _unsupported("args.multiway = True (MultiwayNetwork projections)",
+                               "build the model with multiway off")
+        if getattr(args, "xpos_rel_pos", False) and self_attention:
+            raise _unsupported("args.xpos_rel_pos = True (xpos rotary positions)",
+                               "dilgen's kernels take q and k as they are; build the model without xpos")
+        if getattr(args, "seq_parallel", False):
+            raise _unsupported("args.seq_parallel = True (torchscale's sequence parallelism)",
+                               "run one sequence per GPU, or dilgen's own ring (spec ring_size)")
+        if encoder_decoder_attention:
+            raise _unsupported("encoder_decoder_attention=True (cross-attention)",
+                               "dilated attention here is self-attention")
+        if embed_dim % num_heads:
+            raise ValueError(f"{PREFIX}: embed_dim = {embed_dim} must be divisible by num_heads = {num_heads}")
+        self.args = args
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.dropout = dropout
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+        # the spec, validated now (a head_dim or a segment list dilgen refuses fails here)
+        self.spec = spec_for(args, num_heads, self.head_dim)
+        self._specs: dict = {}
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=True)
+        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=True)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=True)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=True)
+        self.inner_attn_ln = (LayerNorm(embed_dim, eps=getattr(args, "layernorm_eps", 1e-5))
+                              if subln and self_attention else None)
+        self.dropout_module = nn.Dropout(dropout)
+        self.xpos = None
+
+    @classmethod
+    def from_torchscale(cls, module: nn.Module) -> "DilatedAttention":
+        """A dilgen DilatedAttention with the configuration, weights, device, dtype and
+        train/eval mode of a torchscale one."""
+        if getattr(module, "xpos", None) is not None:
+            raise _unsupported("xpos (module.xpos is set)",
+                               "dilgen's kernels take q and k as they are; build the model without xpos")
+        new = cls(module.args, module.embed_dim, module.num_heads,
+                  dropout=getattr(module, "dropout", 0.0),
+                  self_attention=getattr(module, "self_attention", True),
+                  encoder_decoder_attention=getattr(module, "encoder_decoder_attention", False),
+                  subln=getattr(module, "inner_attn_ln", None) is not None)
+        ref = next(module.parameters(), None)
+        if ref is not None:
+            new.to(device=ref.device, dtype=ref.dtype)
+        missing, unexpected = new.load_state_dict(module.state_dict(), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{PREFIX}: the torchscale module's weights do not match "
+                             f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+        new.train(module.training)
+        return new
+
+    def _spec(self, dtype: torch.dtype, causal: bool) -> Spec:
+        key = (dtype, bool(causal))
+        spec = self._specs.get(key)
+        if spec is None:
+            # float64 and other dtypes: the kernels refuse them with their own one line
+            spec = self._specs[key] = spec_for(self.args, self.num_heads, self.head_dim,
+                                               causal=bool(causal),
+                                               dtype=_DTYPES.get(dtype, "float32"))
+        return spec
+
+    def forward(self, query, key, value, incremental_state=None, key_padding_mask=None,
+                attn_mask=None, rel_pos=None, is_first_step=False, is_causal=False):
+        if incremental_state is not None:
+            raise _unsupported("incremental_state (torchscale's incremental decoding)",
+                               "call without it, on the whole sequence")
+        if attn_mask is not None:
+            raise _unsupported("attn_mask", "the spec is the mask; pass attn_mask=None "
+                               "(and is_causal=True for causal attention)")
+        if rel_pos is not None:
+            raise _unsupported("rel_pos (relative position bias)", "pass rel_pos=None")
+        if self.training and self.dropout > 0:
+            raise _unsupported(f"attention dropout while training (dropout = {self.dropout})",
+                               "set the attention dropout to 0 (or call model.eval())")
+        key = query if key is None else key
+        value = key if value is None else value
+        B, N, E = query.shape
+        if key.shape != query.shape or value.shape != query.shape:
+            raise ValueError(f"{PREFIX}: query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                             f"value {tuple(value.shape)} must have one shape (self-attention)")
+        if E != self.embed_dim:
+            raise ValueError(f"{PREFIX}: query has {E} features but embed_dim = {self.embed_dim}")
+        H, D = self.num_heads, self.head_dim
+        mask = _padding_mask(key_padding_mask, B, N)
+        longest = N if mask is None else int((~mask).sum(1).max())
+        slip = zero_pad_layout_slip(self.spec, longest)
+        if slip:
+            raise ValueError(f"{PREFIX}: {slip}")
+        q = self.q_proj(query).view(B, N, H, D)
+        k = self.k_proj(key).view(B, N, H, D)
+        v = self.v_proj(value).view(B, N, H, D)
+        spec = self._spec(q.dtype, is_causal)
+        if mask is None:
+            out = _attend(q, k, v, spec)
+        else:
+            out = _varlen(q, k, v, mask, spec)
+        attn = out.reshape(B, N, E)
+        if self.inner_attn_ln is not None:
+            attn = self.inner_attn_ln(attn)
+        return self.out_proj(attn), None
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"segment_length={list(self.spec.segment_lengths)}, "
+                f"dilated_ratio={list(self.spec.dilation_rates)} (dilgen)")
+
+
+def _padding_mask(mask, B: int, N: int):
+    """key_padding_mask as a (B, N) bool tensor with some padding, or None for none."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != (B, N):
+        raise ValueError(f"{PREFIX}: key_padding_mask has shape {tuple(mask.shape)}, expected ({B}, {N})")
+    mask = mask.to(torch.bool)
+    if not bool(mask.any()):
+        return None
+    lengths = (~mask).sum(1)
+    right = torch.arange(N, device=mask.device)[None, :] >= lengths[:, None]
+    if not torch.equal(mask, right):
+        raise ValueError(f"{PREFIX}: key_padding_mask must mark right padding (True after the "
+                         f"last real token of each row)")
+    return mask
+
+
+def _varlen(q, k, v, mask, spec: Spec):
+    """Right-padded batch -> packed rows -> dilgen's variable-length kernel -> batch (pad rows 0)."""
+    if not varlen_supported():
+        # TODO(issue 16): dilgen's variable-length kernels (kernel(q, k, v, cu_seqlens=cu),
+        # and key_padding_mask in dilgen.nn) are being added; this path turns on with them.
+        raise _unsupported("key_padding_mask with padding",
+                           "this dilgen has no variable-length kernels yet (kernel(q, k, v, "
+                           "cu_seqlens=...)); torchscale itself ignores the mask: pass "
+                           "key_padding_mask=None to get its outputs, or one sequence per call")
+    B, N, H, D = q.shape
+    keep = ~mask
+    lengths = keep.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
+    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    packed = _attend_varlen(q[keep], k[keep], v[keep], cu, spec)
+    out = q.new_zeros(B, N, H, D)
+    out[keep] = packed.to(out.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- patch
+
+_ATTRS = ("args", "embed_dim", "num_heads", "q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def is_torchscale_dilated_attention(module) -> bool:
+    """A torchscale DilatedAttention (any vendored copy): recognised by name and attributes."""
+    return (type(module).__name__ == "DilatedAttention" and not isinstance(module, DilatedAttention)
+            and all(hasattr(module, a) for a in _ATTRS)
+            and hasattr(module.args, "segment_length") and hasattr(module.args, "dilated_ratio"))
+
+
+def patch(model: nn.Module, *, verbose: bool = True) -> list[str]:
+    """Replace, in place, every torchscale DilatedAttention inside `model` by dilgen's,
+    keeping its weights (device, dtype, train/eval mode); return the dotted names of the
+    replaced modules (and print them unless verbose=False). A second call finds none."""
+    if is_torchscale_dilated_attention(model):
+        raise TypeError(f"{PREFIX}: patch(model) replaces modules inside a model; for a lone "
+                        f"DilatedAttention use DilatedAttention.from_torchscale(module)")
+    replaced: list[str] = []
+    done: dict[int, DilatedAttention] = {}      # a module shared by two parents is converted once
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not is_torchscale_dilated_attention(child):
+                continue
+            new = done.get(id(child))
+            if new is None:
+                new = done[id(child)] = DilatedAttention.from_torchscale(child)
+            setattr(parent, child_name, new)
+            replaced.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    if verbose:
+        if replaced:
+            print(f"{PREFIX}.patch: replaced {len(replaced)} torchscale DilatedAttention "
+                  f"module(s) with dilgen's: {', '.join(replaced)}")
+        else:
+            print(f"{PREFIX}.patch: found no torchscale DilatedAttention module")
+    return replaced
