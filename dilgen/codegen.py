@@ -83,9 +83,7 @@ def emit(plan: Plan) -> str:
         plan_json=_py_literal(plan_json),
         kernel_name=kernel_name(plan),
         group=plan.num_heads // plan.num_kv_heads,
-        # the lane kernels take every branch (packed batches run each branch there; a plan's
-        # own lane branches too); a ring keeps every branch in the windowed fused kernel
-        lane_branches=list(plan.branches) if plan.ring.ring_size == 1 else [],
+        lane_branches=[b for b in plan.branches if b.lanes],
         table_index={t.name: i for i, t in enumerate(plan.tables)},
         qk_scale=repr(plan.scale * LOG2E),
         ln2=repr(LN2),

@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 1d8aaf9651f105fa
-# plan key:      e82e5bea11b9228eea8247acac0733575de0b0056bdf2bf75929e62cb6bfc169
+# template hash: a2589df827d3cd30
+# plan key:      c7a27a6ccadabaecff3ab9baf2bb4b1e78f36a3fcf8e21e0e5052d0f277f31d4
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -83,6 +83,7 @@ PLAN = {
         "block_n": 64,
         "bwd_dq": [128, 64, 8, 3],
         "bwd_kv": [128, 64, 8, 3],
+        "decode": [64, 2048, 4, 3],
         "dot_precision": None,
         "lane_dq": [128, 64, 8, 3],
         "lane_fwd": [128, 64, 8, 3],
@@ -139,12 +140,14 @@ HEAD_DIM = tl.constexpr(128)
 def longnet_base_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
     N, num_m_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Notation.
     b, h       batch, query head; kv head = h // 1 (GQA group size 1)
@@ -154,6 +157,7 @@ def longnet_base_fwd_kernel(
     p          raster position in q, k, v, out
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
     m_i, l_i   running max (log2 domain) and softmax denominator; acc the unnormalised output
+    VARLEN     b is sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b]
     Branches:
       0: w = 2048, r = 1, key u = j + o + 2048*s, class membership, one segment per tile
       1: w = 4096, r = 2, key u = 2*j + o + 4096*s, class membership, one segment per tile
@@ -164,6 +168,14 @@ def longnet_base_fwd_kernel(
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 1
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        Out += row0 * stride_on
+        Lse += row0
     d = tl.load(ClassOrder + pid_t // num_m_tiles)
     c = (h + d) % 4
     m0 = (pid_t % num_m_tiles) * BLOCK_M
@@ -386,6 +398,7 @@ def longnet_base_bwd_preprocess(
 def longnet_base_bwd_dkdv(
     Q, K, V, DO, DK, DV, Lse, Delta,
     N, num_j_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -394,6 +407,7 @@ def longnet_base_bwd_dkdv(
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
 
@@ -405,6 +419,8 @@ def longnet_base_bwd_dkdv(
     same table). Every key lane of the branch belongs to one program, so the
     read-add-write of DK, DV is race free; launches of different branches run one after
     the other.
+    VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
+    [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -412,6 +428,17 @@ def longnet_base_bwd_dkdv(
     kvh = pid_bh % 16
     jt = pid_t % num_j_tiles
     rest = pid_t // num_j_tiles
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DK += row0 * stride_dkn
+        DV += row0 * stride_dkn
+        Lse += row0
+        Delta += row0
     offs_d = tl.arange(0, HEAD_DIM)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -654,7 +681,7 @@ def longnet_base_bwd_dkdv(
 
 def longnet_base_bwd_dkdv_fused(
     Q, K, V, DO, DK, DV, Lse, Delta,
-    N, num_k_tiles,
+    N, num_k_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -662,6 +689,7 @@ def longnet_base_bwd_dkdv_fused(
     stride_dkb, stride_dkn, stride_dkh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dK, dV of every branch in one program per key tile, written once in K's dtype
     into DK, DV (B, N, H_kv, D), which share their strides.
@@ -673,12 +701,24 @@ def longnet_base_bwd_dkdv_fused(
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
     the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
     branches counts twice; every key row belongs to one program: no atomics, no zero
-    fill, no float32 buffers.
+    fill, no float32 buffers. VARLEN: b is sequence b of a packed batch (rows SeqStart[b] +
+    [0, SeqLen[b]), N = SeqLen[b]).
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 16).to(tl.int64)
     kvh = pid_bh % 16
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DK += row0 * stride_dkn
+        DV += row0 * stride_dkn
+        Lse += row0
+        Delta += row0
     c = pid_t // num_k_tiles
     m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
     u_k = c + 4 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
@@ -869,6 +909,7 @@ def longnet_base_bwd_dkdv_fused(
 def longnet_base_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     N, num_m_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -876,15 +917,27 @@ def longnet_base_bwd_dq(
     stride_dqb, stride_dqn, stride_dqh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dQ with the forward's query tiling (lattice classes, rows u = c + 4*m): every
     branch's kept keys of the tile's segment(s), as in the forward; P from the final lse.
-    Rows no branch keeps (lse = -inf) see no kept pair and get dQ = 0."""
+    Rows no branch keeps (lse = -inf) see no kept pair and get dQ = 0.
+    VARLEN: b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 1
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DQ += row0 * stride_dqn
+        Lse += row0
+        Delta += row0
     d = tl.load(ClassOrder + pid_t // num_m_tiles)
     c = (h + d) % 4
     m0 = (pid_t % num_m_tiles) * BWD_DQ_BLOCK_M
@@ -1054,6 +1107,14 @@ BACKWARD_KERNELS = {
 }
 
 
+
+
+# Incremental decoding needs a causal single-device spec without the Hilbert sequence
+# scope (dilgen.runtime.decode says which rule this spec breaks).
+DECODE_KERNELS = None
+
+
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_base_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
+                               decode_kernels=DECODE_KERNELS,
                                lane_kernel=None)

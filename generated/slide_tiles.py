@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 1d8aaf9651f105fa
-# plan key:      fc414fcc8f02f3284e5c7e1ea98a86731d9cfb55c303277735559db7490d0af4
+# template hash: a2589df827d3cd30
+# plan key:      55591ab0a1e5411c55d2a3b9414f6a1973f159bbee680d823accf73e3627a7b1
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -79,6 +79,7 @@ PLAN = {
         "block_n": 64,
         "bwd_dq": [128, 64, 4, 3],
         "bwd_kv": [128, 32, 4, 3],
+        "decode": [64, 2048, 4, 3],
         "dot_precision": None,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],
@@ -146,12 +147,14 @@ def slide_tiles_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
     Fwd0, Inv0,
     N, num_m_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Notation.
     b, h       batch, query head; kv head = h // 4 (GQA group size 4)
@@ -161,6 +164,7 @@ def slide_tiles_fwd_kernel(
     p          raster position in q, k, v, out
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
     m_i, l_i   running max (log2 domain) and softmax denominator; acc the unnormalised output
+    VARLEN     b is sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b]
     Branches:
       0: w = 1024, r = 1, key u = j + o + 1024*s, class membership, one segment per tile
       1: w = 4096, r = 4: its own launch, slide_tiles_fwd_lanes (below)
@@ -170,6 +174,16 @@ def slide_tiles_fwd_kernel(
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        Out += row0 * stride_on
+        Lse += row0
+        Fwd0 += row0
+        Inv0 += row0
     c = 0
     m0 = (pid_t % num_m_tiles) * BLOCK_M
     m = m0 + tl.arange(0, BLOCK_M)
@@ -256,7 +270,7 @@ LANE_BLOCK_N = tl.constexpr(64)
 def slide_tiles_fwd_lanes(
     Q, K, V, Out, Lse,
     Fwd0, Inv0,
-    N, num_lane_tiles,
+    N, num_lane_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -265,6 +279,7 @@ def slide_tiles_fwd_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
@@ -276,6 +291,7 @@ def slide_tiles_fwd_lanes(
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
     ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    VARLEN     b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])
     Lane branches:
       1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
     """
@@ -287,6 +303,16 @@ def slide_tiles_fwd_lanes(
     mt = tl.program_id(1)
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        Out += row0 * stride_on
+        Lse += row0
+        Fwd0 += row0
+        Inv0 += row0
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + kvh * stride_kh
@@ -416,6 +442,7 @@ def slide_tiles_bwd_dkdv(
     Q, K, V, DO, DK, DV, Lse, Delta,
     Fwd0, Inv0,
     N, num_j_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -424,6 +451,7 @@ def slide_tiles_bwd_dkdv(
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
 
@@ -435,6 +463,8 @@ def slide_tiles_bwd_dkdv(
     same table). Every key lane of the branch belongs to one program, so the
     read-add-write of DK, DV is race free; launches of different branches run one after
     the other.
+    VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
+    [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -442,6 +472,19 @@ def slide_tiles_bwd_dkdv(
     kvh = pid_bh % 2
     jt = pid_t % num_j_tiles
     rest = pid_t // num_j_tiles
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DK += row0 * stride_dkn
+        DV += row0 * stride_dkn
+        Lse += row0
+        Delta += row0
+        Fwd0 += row0
+        Inv0 += row0
     offs_d = tl.arange(0, HEAD_DIM)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -606,7 +649,7 @@ def slide_tiles_bwd_dkdv(
 
 def slide_tiles_bwd_dkdv_fused(
     Q, K, V, DO, DK, DV, Lse, Delta,
-    N, num_k_tiles,
+    N, num_k_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -614,6 +657,7 @@ def slide_tiles_bwd_dkdv_fused(
     stride_dkb, stride_dkn, stride_dkh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dK, dV of every branch in one program per key tile, written once in K's dtype
     into DK, DV (B, N, H_kv, D), which share their strides.
@@ -625,12 +669,24 @@ def slide_tiles_bwd_dkdv_fused(
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
     the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
     branches counts twice; every key row belongs to one program: no atomics, no zero
-    fill, no float32 buffers.
+    fill, no float32 buffers. VARLEN: b is sequence b of a packed batch (rows SeqStart[b] +
+    [0, SeqLen[b]), N = SeqLen[b]).
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 2).to(tl.int64)
     kvh = pid_bh % 2
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DK += row0 * stride_dkn
+        DV += row0 * stride_dkn
+        Lse += row0
+        Delta += row0
     c = pid_t // num_k_tiles
     m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
     u_k = c + 1 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
@@ -718,6 +774,7 @@ def slide_tiles_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     Fwd0, Inv0,
     N, num_m_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -725,15 +782,29 @@ def slide_tiles_bwd_dq(
     stride_dqb, stride_dqn, stride_dqh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dQ with the forward's query tiling (lattice classes, rows u = c + m): every
     branch's kept keys of the tile's segment(s), as in the forward; P from the final lse.
-    Rows no branch keeps (lse = -inf) see no kept pair and get dQ = 0."""
+    Rows no branch keeps (lse = -inf) see no kept pair and get dQ = 0.
+    VARLEN: b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DQ += row0 * stride_dqn
+        Lse += row0
+        Delta += row0
+        Fwd0 += row0
+        Inv0 += row0
     c = 0
     m0 = (pid_t % num_m_tiles) * BWD_DQ_BLOCK_M
     m = m0 + tl.arange(0, BWD_DQ_BLOCK_M)
@@ -811,7 +882,7 @@ LANE_DQ_BLOCK_N = tl.constexpr(64)
 def slide_tiles_bwd_dq_lanes(
     Q, K, V, DO, DQ, Lse, Delta,
     Fwd0, Inv0,
-    N, num_lane_tiles,
+    N, num_lane_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -821,9 +892,11 @@ def slide_tiles_bwd_dq_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dQ of one lane branch (BRANCH), with the tiling of slide_tiles_fwd_lanes (query lanes
-    u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ."""
+    u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
+    VARLEN as in slide_tiles_fwd_lanes."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
@@ -832,6 +905,18 @@ def slide_tiles_bwd_dq_lanes(
     mt = tl.program_id(1)
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DQ += row0 * stride_dqn
+        Lse += row0
+        Delta += row0
+        Fwd0 += row0
+        Inv0 += row0
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
@@ -918,6 +1003,14 @@ BACKWARD_KERNELS = {
 }
 
 
+
+
+# Incremental decoding needs a causal single-device spec without the Hilbert sequence
+# scope (dilgen.runtime.decode says which rule this spec breaks).
+DECODE_KERNELS = None
+
+
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
+                               decode_kernels=DECODE_KERNELS,
                                lane_kernel=slide_tiles_fwd_lanes)

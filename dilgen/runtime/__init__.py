@@ -193,51 +193,71 @@ class GeneratedAttention:
         if hit is None:
             class_order = torch.tensor(self.plan["query"]["class_order"], dtype=torch.int32, device=device)
             tables = []
-            for t in self.plan["tables"]:
+            for t in self.plan["tables"] if n >= 0 else ():    # n = -1: the class order only
                 tables.extend(table_tensors(t, n, device))
             if len(self._device_tensors) > 16:
                 self._device_tensors.clear()
             hit = self._device_tensors[key] = (class_order, tables)
         return hit
 
-    def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward launch without autograd: (out, lse)."""
-        B, N = _check_inputs(self.spec, q, k, v)
+    def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    packing=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward launch without autograd: (out, lse). With a `packing`
+        (dilgen.runtime.varlen.Packing), q, k, v are rows (total, heads, D) holding several
+        sequences, out is (total, H, D) and lse (H, total); every kernel runs with VARLEN."""
         plan, cfg = self.plan, self.plan["config"]
         H = plan["num_heads"]
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+        interpret = q.device.type == "cpu"
+        if packing is None:
+            B, N = _check_inputs(self.spec, q, k, v)
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+            class_order, tables = self._launch_tensors(N, q.device)
+            strides = (q.stride(0), q.stride(1), q.stride(2),
+                       k.stride(0), k.stride(1), k.stride(2),
+                       v.stride(0), v.stride(1), v.stride(2),
+                       out.stride(0), out.stride(1), out.stride(2),
+                       lse.stride(0), lse.stride(1))
+            seqs, varlen, covers_all = (class_order, class_order), False, True
+        else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
+            from .varlen import packed_tables
+            B, N = packing.num_seqs, packing.max_len
+            class_order = self._launch_tensors(-1, q.device)[0]
+            out = torch.empty((q.shape[0], H, q.shape[2]), dtype=q.dtype, device=q.device)
+            lse = torch.empty((H, q.shape[0]), dtype=torch.float32, device=q.device)
+            tables = packed_tables(plan, packing, q.shape[0], q.device)
+            strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
+                       0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
+            seqs, varlen, covers_all = (packing.starts, packing.lengths), True, packing.covers_all
         if _POISON:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
         lattice = plan["query"]["lattice"]
-        class_order, tables = self._launch_tensors(N, q.device)
-        interpret = q.device.type == "cpu"
-        strides = (q.stride(0), q.stride(1), q.stride(2),
-                   k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2),
-                   out.stride(0), out.stride(1), out.stride(2),
-                   lse.stride(0), lse.stride(1))
         lanes = lane_order(plan)
+        fused = any(not br["lanes"] for br in plan["branches"])
+        # the fused kernel, or a first r = 1 lane branch, writes every row of every sequence;
+        # otherwise (or with padding rows between sequences) start from "no branch": 0, -inf
+        writes_all = covers_all and (fused or (lanes and plan["branches"][lanes[0]]["r"] == 1))
+        if not writes_all:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        if B == 0 or N == 0:
+            return out, lse
         launches = []
-        if any(not br["lanes"] for br in plan["branches"]):
-            # the fused kernel: every branch that is not a lane branch; writes every row
+        if fused:   # every branch that is not a lane branch
             num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
             launches.append((self._kernel(interpret), (lattice * num_m_tiles, B * H),
-                             (q, k, v, out, lse, class_order, *tables, N, num_m_tiles,
-                              *strides, interpret),
+                             (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, *seqs,
+                              *strides, interpret, varlen),
                              {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
-        elif lanes and plan["branches"][lanes[0]]["r"] != 1:
-            out.zero_()                  # no launch writes every row: start from "no branch"
-            lse.fill_(float("-inf"))
-        accumulate = bool(launches) or not (lanes and plan["branches"][lanes[0]]["r"] == 1)
+        accumulate = fused or not writes_all
         for i in lanes:
             br = plan["branches"][i]
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
             launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
                              (B * H, n_tiles, n_seg),
-                             (q, k, v, out, lse, *tables, N, n_tiles, class_order, class_order,
-                              *strides, interpret, i, accumulate, False),
+                             (q, k, v, out, lse, *tables, N, n_tiles, *seqs,
+                              *strides, interpret, i, accumulate, varlen),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate = True
         if cfg.get("lane_tma") and lanes and not interpret:

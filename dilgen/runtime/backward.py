@@ -41,74 +41,90 @@ def backward_inputs(out, lse, grad_out, grad_lse):
     return grad_out, lse, delta, dlse, has_dlse
 
 
-def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
-    """Return (dq, dk, dv) for one forward call; grad_lse may be None."""
+def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
+    """Return (dq, dk, dv) for one forward call; grad_lse may be None. With a `packing`
+    (dilgen.runtime.varlen.Packing) q, k, v are rows (total, heads, D) of several sequences,
+    lse is (H, total), and every kernel runs with VARLEN."""
     from . import _interpreting
     from .. import runtime as _rt
 
     kernels = attn.backward_kernels
     conf = kernels["config"]
     plan = attn.plan
-    B, N, H, D = q.shape
-    Hkv = k.shape[2]
-    group = H // Hkv
     dev = q.device
     interpret = dev.type == "cpu"
-
+    class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=dev)
+    H = plan["num_heads"]
+    Hkv = plan["num_kv_heads"]
+    group = H // Hkv
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
+    if packing is None:
+        B, N = q.shape[0], q.shape[1]
+        rows = N       # positions per batch element for the preprocess
+        tables = []
+        for t in plan["tables"]:
+            tables.extend(table_tensors(t, N, dev))
+        seqs, varlen, covers_all = (class_order, class_order), False, True
+        q_strides = (q.stride(0), q.stride(1), q.stride(2))
+        k_strides = (k.stride(0), k.stride(1), k.stride(2))
+        v_strides = (v.stride(0), v.stride(1), v.stride(2))
+        do_strides = (grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
+        l_strides = (lse.stride(0), lse.stride(1))
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+        pre_b = B
+    else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
+        from .varlen import packed_tables
+        B, N = packing.num_seqs, packing.max_len
+        rows = q.shape[0]
+        tables = packed_tables(plan, packing, rows, dev)
+        seqs, varlen, covers_all = (packing.starts, packing.lengths), True, packing.covers_all
+        q_strides = (0, q.stride(0), q.stride(1))
+        k_strides = (0, k.stride(0), k.stride(1))
+        v_strides = (0, v.stride(0), v.stride(1))
+        do_strides = (0, grad_out.stride(0), grad_out.stride(1))
+        l_strides = (0, lse.stride(0))
+        o_strides = (0, out.stride(0), out.stride(1))
+        pre_b = 1      # the preprocess sees every row as one batch element: it needs no sequences
 
     lanes = _rt.lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
+    fused = conf.get("fused_dkdv", False)
     # dK, dV: the fused launch covers the fused kernel's branches; per-branch launches the rest
-    per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if conf.get("fused_dkdv")
+    per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
                   else plan["branches"])
-    if lanes:   # lane launches add their dQ: float32 accumulation
-        dq = torch.empty(q.shape, dtype=torch.float32, device=dev)
-    else:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
+    dq = torch.empty(q.shape, dtype=torch.float32 if lanes else q.dtype, device=dev)
     if _rt._POISON:
         dq.fill_(float("nan"))
         delta.fill_(float("nan"))
-    if lanes and not has_fused_q and plan["branches"][lanes[0]]["r"] != 1:
+    if not dq_writes_all:
         dq.zero_()              # no launch writes every row of dq
-    fused = conf.get("fused_dkdv", False)
-    if fused and not per_branch:   # one launch writes every row of dk, dv in k's dtype
+    if fused and not per_branch and covers_all:   # one launch writes every row in k's dtype
         dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
         dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
-        if _rt._POISON:
-            dk.fill_(float("nan"))
-            dv.fill_(float("nan"))
-    elif fused:  # the fused launch writes every row, then lane branches add: float32
+    elif fused and covers_all:  # the fused launch writes every row, then lane branches add
         dk = torch.empty(k.shape, dtype=torch.float32, device=dev)
         dv = torch.empty(v.shape, dtype=torch.float32, device=dev)
-        if _rt._POISON:
-            dk.fill_(float("nan"))
-            dv.fill_(float("nan"))
-    else:       # per-branch launches add into float32 buffers
+    else:       # per-branch launches add into float32 buffers (and padding rows stay 0)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
-
-    tables = []
-    for t in plan["tables"]:
-        tables.extend(table_tensors(t, N, dev))
-    class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=dev)
+    if _rt._POISON and fused and covers_all:
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+    if B == 0 or N == 0:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     lattice = plan["query"]["lattice"]
 
     launch = {name: ({} if interpret else dict(opts)) for name, opts in conf["launch"].items()}
     pre = attn._kernel(interpret, source_fn=kernels["preprocess"])
     dkdv = attn._kernel(interpret, source_fn=kernels["dkdv"])
     dqk = attn._kernel(interpret, source_fn=kernels["dq"])
-
-    q_strides = (q.stride(0), q.stride(1), q.stride(2))
-    k_strides = (k.stride(0), k.stride(1), k.stride(2))
-    v_strides = (v.stride(0), v.stride(1), v.stride(2))
-    do_strides = (grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
-    l_strides = (lse.stride(0), lse.stride(1))
+    dk_strides = (0 if varlen else dk.stride(0), dk.stride(-3), dk.stride(-2))
+    dq_strides = (0 if varlen else dq.stride(0), dq.stride(-3), dq.stride(-2))
 
     def launches():
-        pre[(math.ceil(N / conf["pre_block"]), B * H)](
-            out, grad_out, dlse, delta, N,
-            out.stride(0), out.stride(1), out.stride(2), *do_strides, *l_strides,
+        pre[(math.ceil(rows / conf["pre_block"]), pre_b * H)](
+            out, grad_out, dlse, delta, rows, *o_strides, *do_strides, *l_strides,
             has_dlse, **launch["preprocess"])
         kv_bn = conf["kv_block_n"]
         if fused:
@@ -116,9 +132,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
             dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
             dkdv_fused[(lattice * n_kt, B * Hkv)](
                 q, k, v, grad_out, dk, dv, lse, delta,
-                N, n_kt, *q_strides, *k_strides, *v_strides, *do_strides,
-                dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
-                interpret, **launch["dkdv_fused"])
+                N, n_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                *dk_strides, *l_strides,
+                interpret, varlen, **launch["dkdv_fused"])
         for br in per_branch:
             w, r = br["w"], br["r"]
             n_seg = math.ceil(N / w)
@@ -126,27 +142,26 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse):
             n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
             dkdv[(n_seg * n_o * n_jt, B * Hkv)](
                 q, k, v, grad_out, dk, dv, lse, delta, *tables,
-                N, n_jt, class_order, class_order, *q_strides, *k_strides, *v_strides, *do_strides,
-                dk.stride(0), dk.stride(1), dk.stride(2), *l_strides,
-                interpret, br["index"], False, **launch["dkdv"])
-        dq_strides = (dq.stride(0), dq.stride(1), dq.stride(2))
+                N, n_jt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                *dk_strides, *l_strides,
+                interpret, br["index"], varlen, **launch["dkdv"])
         if has_fused_q:
             bm = conf["dq_block_m"]
             num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
             dqk[(lattice * num_m_tiles, B * H)](
                 q, k, v, grad_out, dq, lse, delta, class_order, *tables,
-                N, num_m_tiles, *q_strides, *k_strides, *v_strides, *do_strides,
+                N, num_m_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                 *dq_strides, *l_strides,
-                interpret, **launch["dq"])
-        accumulate = has_fused_q or plan["branches"][lanes[0]]["r"] != 1 if lanes else False
+                interpret, varlen, **launch["dq"])
+        accumulate = has_fused_q or not dq_writes_all
         for i in lanes:
             n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
             dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
             dq_lanes[(B * H, n_tiles, n_seg)](
                 q, k, v, grad_out, dq, lse, delta, *tables,
-                N, n_tiles, class_order, class_order, *q_strides, *k_strides, *v_strides, *do_strides,
+                N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                 *dq_strides, *l_strides,
-                interpret, i, accumulate, False, **launch["dq_lanes"])
+                interpret, i, accumulate, varlen, **launch["dq_lanes"])
             accumulate = True
 
     if interpret:

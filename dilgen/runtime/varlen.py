@@ -2,17 +2,17 @@
 batches (a key padding mask), forward and backward.
 
 A packing is a list of sequences, sequence b being the rows starts[b] + [0, lengths[b]) of
-q, k, v laid out as (rows, heads, D). Every branch runs in the lane kernels with VARLEN set
-(templates/common.jinja `varlen_rows`): program b of the grid (sequences * H, lane tiles,
-segments of the longest sequence) shifts its row pointers to starts[b] and takes
-lengths[b] as N, so each sequence computes exactly what it computes alone (segments restart
-at its first row, causal is per sequence, curve tables are packed per sequence) in one
-launch per branch, reading q, k, v in place. Rows outside every sequence (padding) get
-out = 0 and lse = -inf, and zero gradients.
+q, k, v laid out as (rows, heads, D). The kernels of a plan run as for a batch of
+sequences of the longest length, with VARLEN set (templates/common.jinja `varlen_rows`):
+program b (the batch index) shifts its row pointers to starts[b] and takes lengths[b] as
+N, so each sequence computes exactly what it computes alone (segments restart at its
+first row, causal is per sequence, curve tables are packed per sequence) in the same
+launches as a fixed-length call (GeneratedAttention.forward_raw, backward.backward_raw),
+reading q, k, v in place. Rows outside every sequence (padding) get out = 0, lse = -inf
+and zero gradients.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -131,23 +131,12 @@ def packed_tables(plan: dict, packing: Packing, rows: int, device: torch.device)
     return out
 
 
-def branch_order(plan: dict) -> list[int]:
-    """Every branch, r = 1 first (it keeps every row, so it writes without a merge)."""
-    return sorted(range(len(plan["branches"])), key=lambda i: (plan["branches"][i]["r"] != 1, i))
-
-
-def _grid(branch: dict, max_len: int, block_m: int) -> tuple[int, int]:
-    w, r = branch["w"], branch["r"]
-    n = max(max_len, 1)
-    return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
-
-
 def _check_plan(attn) -> None:
     plan = attn.plan
     name = attn.spec["name"]
-    if attn.lane_kernel is None:
-        raise _fail(name, "variable-length batches need the lane kernels, which ring specs "
-                          "(ring_size > 1) do not have: call a ring_size = 1 spec on packed rows")
+    if plan["ring"]["ring_size"] > 1:
+        raise _fail(name, f"packed sequences run on one device; this spec has ring_size = "
+                          f"{plan['ring']['ring_size']}: use a ring_size = 1 spec for packed batches")
     if any(t["scope"] == "sequence" for t in plan["tables"]):
         raise _fail(name, "hilbert scope 'sequence' fixes N = rows * cols (one image), so a "
                           "sequence of another length has no curve: pad the images to the grid, "
@@ -170,114 +159,15 @@ def check_varlen_inputs(spec: dict, q, k, v) -> int:
 
 def forward_varlen_raw(attn, q, k, v, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (rows, H, D), lse (H, rows) float32) of a variable-length call, no autograd."""
-    from . import _POISON, _ensure_descriptor_allocator, _interpreting
     _check_plan(attn)
-    plan, cfg = attn.plan, attn.plan["config"]
-    rows, H = q.shape[0], plan["num_heads"]
-    out = torch.empty((rows, H, q.shape[2]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((H, rows), dtype=torch.float32, device=q.device)
-    order = branch_order(plan)
-    first_writes = packing.covers_all and plan["branches"][order[0]]["r"] == 1
-    if _POISON:
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-    if not first_writes:        # rows no launch writes: no branch keeps them, or padding
-        out.zero_()
-        lse.fill_(float("-inf"))
-    if packing.num_seqs == 0 or packing.max_len == 0:
-        return out, lse
-    interpret = q.device.type == "cpu"
-    tables = packed_tables(plan, packing, rows, q.device)
-    # b (the sequence) moves the row pointers itself: batch strides are 0
-    strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
-               0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
-    kernel = attn._kernel(interpret, source_fn=attn.lane_kernel)
-    opts = {} if interpret else {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}
-    if cfg.get("lane_tma") and not interpret:
-        _ensure_descriptor_allocator()
-    accumulate = not first_writes
-    for i in order:
-        n_seg, n_tiles = _grid(plan["branches"][i], packing.max_len, cfg["lane_fwd"][0])
-        args = (q, k, v, out, lse, *tables, packing.max_len, n_tiles, packing.starts, packing.lengths,
-                *strides, interpret, i, accumulate, True)
-        grid = (packing.num_seqs * H, n_tiles, n_seg)
-        if interpret:
-            with _interpreting():
-                kernel[grid](*args)
-        else:
-            kernel[grid](*args, **opts)
-        accumulate = True
-    attn.launches += 1
-    return out, lse
+    return attn.forward_raw(q, k, v, packing=packing)
 
 
 def backward_varlen_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing: Packing):
     """(dq, dk, dv) of a variable-length call; grad_lse (H, rows) may be None."""
-    from . import _POISON, _interpreting
-    from .backward import backward_inputs
+    from .backward import backward_raw
     _check_plan(attn)
-    kernels = attn.backward_kernels
-    if kernels is None:
+    if attn.backward_kernels is None:
         raise NotImplementedError(f"dilgen ({attn.spec['name']}): this generated module has no "
                                   f"backward kernels")
-    conf, plan = kernels["config"], attn.plan
-    rows, H, _ = q.shape
-    Hkv = k.shape[1]
-    group = H // Hkv
-    dev = q.device
-    interpret = dev.type == "cpu"
-    grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
-    order = branch_order(plan)
-    first_writes = packing.covers_all and plan["branches"][order[0]]["r"] == 1
-    dq = torch.empty(q.shape, dtype=torch.float32, device=dev)
-    if _POISON:
-        dq.fill_(float("nan"))
-        delta.fill_(float("nan"))
-    if not first_writes:
-        dq.zero_()
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
-    if packing.num_seqs == 0 or packing.max_len == 0:
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    tables = packed_tables(plan, packing, rows, dev)
-    launch = {name: ({} if interpret else dict(opts)) for name, opts in conf["launch"].items()}
-    pre = attn._kernel(interpret, source_fn=kernels["preprocess"])
-    dkdv = attn._kernel(interpret, source_fn=kernels["dkdv"])
-    dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
-    qs = (0, q.stride(0), q.stride(1))
-    ks = (0, k.stride(0), k.stride(1))
-    vs = (0, v.stride(0), v.stride(1))
-    dos = (0, grad_out.stride(0), grad_out.stride(1))
-    ls = (0, lse.stride(0))
-    seqs = (packing.starts, packing.lengths)
-    S, L = packing.num_seqs, packing.max_len
-
-    def launches():
-        # Delta over every row (one "batch" of `rows` positions: it does not see sequences)
-        pre[(math.ceil(rows / conf["pre_block"]), H)](
-            out, grad_out, dlse, delta, rows, 0, out.stride(0), out.stride(1), *dos, *ls,
-            has_dlse, **launch["preprocess"])
-        kv_bn = conf["kv_block_n"]
-        for br in plan["branches"]:
-            w, r = br["w"], br["r"]
-            n_jt = math.ceil(math.ceil(min(w, L) / r) / kv_bn)
-            dkdv[(math.ceil(L / w) * min(group, r) * n_jt, S * Hkv)](
-                q, k, v, grad_out, dk, dv, lse, delta, *tables, L, n_jt, *seqs,
-                *qs, *ks, *vs, *dos, 0, dk.stride(0), dk.stride(1), *ls,
-                interpret, br["index"], True, **launch["dkdv"])
-        accumulate = not first_writes
-        for i in order:
-            n_seg, n_tiles = _grid(plan["branches"][i], L, conf["lane_dq_block_m"])
-            dq_lanes[(S * H, n_tiles, n_seg)](
-                q, k, v, grad_out, dq, lse, delta, *tables, L, n_tiles, *seqs,
-                *qs, *ks, *vs, *dos, 0, dq.stride(0), dq.stride(1), *ls,
-                interpret, i, accumulate, True, **launch["dq_lanes"])
-            accumulate = True
-
-    if interpret:
-        with _interpreting():
-            launches()
-    else:
-        launches()
-    attn.launches += 1
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=packing)

@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 1d8aaf9651f105fa
-# plan key:      3ef6cae3a2bd507159fdaeead278ba00ef8ecad557cb7c74ab147d87ca8281c4
+# template hash: a2589df827d3cd30
+# plan key:      9f859ea227e49da246ddff6edd08698babce203b04370fdfd05a7066c0d957e8
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -89,6 +89,7 @@ PLAN = {
         "block_n": 64,
         "bwd_dq": [64, 32, 4, 3],
         "bwd_kv": [64, 32, 4, 3],
+        "decode": [64, 2048, 4, 3],
         "dot_precision": None,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 32, 8, 3],
@@ -145,12 +146,14 @@ HEAD_DIM = tl.constexpr(128)
 def longnet_causal_gqa_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
     N, num_m_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Notation.
     b, h       batch, query head; kv head = h // 4 (GQA group size 4)
@@ -160,6 +163,7 @@ def longnet_causal_gqa_fwd_kernel(
     p          raster position in q, k, v, out
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
     m_i, l_i   running max (log2 domain) and softmax denominator; acc the unnormalised output
+    VARLEN     b is sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b]
     Branches:
       0: w = 2048, r = 1, key u = j + o + 2048*s, class membership, one segment per tile
       1: w = 8192, r = 6: its own launch, longnet_causal_gqa_fwd_lanes (below)
@@ -170,6 +174,14 @@ def longnet_causal_gqa_fwd_kernel(
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        Out += row0 * stride_on
+        Lse += row0
     c = 0
     m0 = (pid_t % num_m_tiles) * BLOCK_M
     m = m0 + tl.arange(0, BLOCK_M)
@@ -258,7 +270,7 @@ LANE_BLOCK_N = tl.constexpr(32)
 
 def longnet_causal_gqa_fwd_lanes(
     Q, K, V, Out, Lse,
-    N, num_lane_tiles,
+    N, num_lane_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -267,6 +279,7 @@ def longnet_causal_gqa_fwd_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
@@ -278,6 +291,7 @@ def longnet_causal_gqa_fwd_lanes(
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
     ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    VARLEN     b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])
     Lane branches:
       1: w = 8192, r = 6, key u = 6*j + o + 8192*s
       2: w = 32768, r = 12, key u = 12*j + o + 32768*s
@@ -290,6 +304,14 @@ def longnet_causal_gqa_fwd_lanes(
     mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        Out += row0 * stride_on
+        Lse += row0
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + kvh * stride_kh
@@ -496,6 +518,7 @@ def longnet_causal_gqa_bwd_preprocess(
 def longnet_causal_gqa_bwd_dkdv(
     Q, K, V, DO, DK, DV, Lse, Delta,
     N, num_j_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -504,6 +527,7 @@ def longnet_causal_gqa_bwd_dkdv(
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
 
@@ -515,6 +539,8 @@ def longnet_causal_gqa_bwd_dkdv(
     same table). Every key lane of the branch belongs to one program, so the
     read-add-write of DK, DV is race free; launches of different branches run one after
     the other.
+    VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
+    [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -522,6 +548,17 @@ def longnet_causal_gqa_bwd_dkdv(
     kvh = pid_bh % 4
     jt = pid_t % num_j_tiles
     rest = pid_t // num_j_tiles
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DK += row0 * stride_dkn
+        DV += row0 * stride_dkn
+        Lse += row0
+        Delta += row0
     offs_d = tl.arange(0, HEAD_DIM)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -833,7 +870,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
 def longnet_causal_gqa_bwd_dkdv_fused(
     Q, K, V, DO, DK, DV, Lse, Delta,
-    N, num_k_tiles,
+    N, num_k_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -841,6 +878,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
     stride_dkb, stride_dkn, stride_dkh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dK, dV of every branch in one program per key tile, written once in K's dtype
     into DK, DV (B, N, H_kv, D), which share their strides.
@@ -852,12 +890,24 @@ def longnet_causal_gqa_bwd_dkdv_fused(
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
     the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
     branches counts twice; every key row belongs to one program: no atomics, no zero
-    fill, no float32 buffers.
+    fill, no float32 buffers. VARLEN: b is sequence b of a packed batch (rows SeqStart[b] +
+    [0, SeqLen[b]), N = SeqLen[b]).
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 4).to(tl.int64)
     kvh = pid_bh % 4
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DK += row0 * stride_dkn
+        DV += row0 * stride_dkn
+        Lse += row0
+        Delta += row0
     c = pid_t // num_k_tiles
     m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
     u_k = c + 1 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
@@ -968,6 +1018,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
 def longnet_causal_gqa_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     N, num_m_tiles,
+    SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -975,15 +1026,27 @@ def longnet_causal_gqa_bwd_dq(
     stride_dqb, stride_dqn, stride_dqh,
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dQ with the forward's query tiling (lattice classes, rows u = c + m): every
     branch's kept keys of the tile's segment(s), as in the forward; P from the final lse.
-    Rows no branch keeps (lse = -inf) see no kept pair and get dQ = 0."""
+    Rows no branch keeps (lse = -inf) see no kept pair and get dQ = 0.
+    VARLEN: b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DQ += row0 * stride_dqn
+        Lse += row0
+        Delta += row0
     c = 0
     m0 = (pid_t % num_m_tiles) * BWD_DQ_BLOCK_M
     m = m0 + tl.arange(0, BWD_DQ_BLOCK_M)
@@ -1063,7 +1126,7 @@ LANE_DQ_BLOCK_N = tl.constexpr(32)
 
 def longnet_causal_gqa_bwd_dq_lanes(
     Q, K, V, DO, DQ, Lse, Delta,
-    N, num_lane_tiles,
+    N, num_lane_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -1073,9 +1136,11 @@ def longnet_causal_gqa_bwd_dq_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dQ of one lane branch (BRANCH), with the tiling of longnet_causal_gqa_fwd_lanes (query lanes
-    u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ."""
+    u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
+    VARLEN as in longnet_causal_gqa_fwd_lanes."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
@@ -1084,6 +1149,16 @@ def longnet_causal_gqa_bwd_dq_lanes(
     mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
+    if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
+        row0 = tl.load(SeqStart + b).to(tl.int64)
+        N = tl.load(SeqLen + b)
+        Q += row0 * stride_qn
+        K += row0 * stride_kn
+        V += row0 * stride_vn
+        DO += row0 * stride_don
+        DQ += row0 * stride_dqn
+        Lse += row0
+        Delta += row0
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
@@ -1228,7 +1303,177 @@ BACKWARD_KERNELS = {
     },
 }
 
+# Incremental decoding (kernel.decode): tiles chosen by the planner for sm80.
+DECODE_BLOCK_N = tl.constexpr(64)
+DECODE_BLOCK_G = tl.constexpr(16)  # rows of a tile: the 4 query head(s) of one kv head, padded
+
+
+def longnet_causal_gqa_decode_split(
+    Q, K, V, SeqLens, OutP, LseP,
+    T, split, num_chunks,
+    chunk_end_0,
+    chunk_end_1,
+    chunk_end_2,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    UPCAST: tl.constexpr,
+):
+    """Partial (out, lse) of one chunk of one branch's kept keys, for the 4 query head(s)
+    of one kv head (GQA group size 4) and one new token.
+
+    Notation.
+    grid       (B*T*H_kv, num_chunks): program ((b*T + t)*H_kv + kvh, chunk)
+    b, t, kvh  batch item, new token, kv head; query heads h = kvh*4 + g, g < 4
+    n          SeqLens[b], the item's valid cache rows (new ones included); the new token t
+               sits at raster position P = n - T + t (causal: keys <= P)
+    chunk      the branches own consecutive chunk ranges, in the order below (raster
+               branches first): the k-th listed owns [chunk_end_(k-1), chunk_end_k); its
+               chunk c takes key lanes [c*split, (c+1)*split) of the branch
+    W, R       segment length and dilation of the branch that owns the chunk
+    s, x_q     segment s = P // W and the query's offset in it
+    j          key lane: raster branch, key x = x_q mod R + R*j (<= x_q); Hilbert branch,
+               curve index j of the segment's grid, Curve[j] its raster offset
+    keep       heads that keep the query in this branch (h mod R == its residue class)
+    OutP, LseP partials (B*T*H, num_chunks, D) and (B*T*H, num_chunks), fp32; LseP in the
+               log2 domain of the scaled scores (-inf: nothing kept in this chunk)
+    Branches, in chunk order:
+      0: w = 2048, r = 1, raster, key u = s*w + x_q mod r + r*j, lanes [0, x_q // r]
+      1: w = 8192, r = 6, raster, key u = s*w + x_q mod r + r*j, lanes [0, x_q // r]
+      2: w = 32768, r = 12, raster, key u = s*w + x_q mod r + r*j, lanes [0, x_q // r]
+    """
+    pid_r = tl.program_id(0)
+    chunk = tl.program_id(1)
+    kvh = pid_r % 4
+    bt = pid_r // 4
+    t = bt % T
+    b = (bt // T).to(tl.int64)
+    n = tl.load(SeqLens + b)
+    P = n - T + t
+    g = tl.arange(0, DECODE_BLOCK_G)
+    g_valid = g < 4
+    h = kvh * 4 + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b * stride_qb + t * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_valid[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    m_i = tl.full([DECODE_BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([DECODE_BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([DECODE_BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    qk_scale = 0.12751743082459868  # softmax_scale * log2(e): scores in the exp2 domain
+    if chunk < chunk_end_2:  # a raster branch: one loop for all of them
+        W = 32768
+        R = 12
+        c_start = chunk_end_1
+        W = tl.where(chunk < chunk_end_1, 8192, W)
+        R = tl.where(chunk < chunk_end_1, 6, R)
+        c_start = tl.where(chunk < chunk_end_1, chunk_end_0, c_start)
+        W = tl.where(chunk < chunk_end_0, 2048, W)
+        R = tl.where(chunk < chunk_end_0, 1, R)
+        c_start = tl.where(chunk < chunk_end_0, 0, c_start)
+        seg_start = (P // W) * W
+        x_q = P - seg_start
+        res = x_q % R
+        keep = g_valid & (h % R == res)
+        n_lanes = tl.where(tl.max(keep.to(tl.int32), 0) > 0, x_q // R + 1, 0)
+        j_lo = (chunk - c_start) * split
+        j_hi = tl.minimum(j_lo + split, n_lanes)
+        for j0 in range(j_lo, j_hi, DECODE_BLOCK_N):
+            j = j0 + tl.arange(0, DECODE_BLOCK_N)
+            k_valid = j < j_hi
+            p_k = seg_start + res + R * j
+            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            qk = tl.dot(q, k) * qk_scale
+            qk = tl.where(keep[:, None] & k_valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    # partial of this chunk: out = acc / l, lse (log2 domain); rows with no key: 0, -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    row = (b * T + t) * 16 + h
+    tl.store(LseP + row * num_chunks + chunk, lse2, mask=g_valid)
+    tl.store(OutP + (row * num_chunks + chunk)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=g_valid[:, None])
+
+
+DECODE_BLOCK_C = tl.constexpr(16)
+
+
+def longnet_causal_gqa_decode_combine(
+    OutP, LseP, Out, Lse, T, num_chunks,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh,
+):
+    """Merge the partials of one query row (LongNet Eq. 10): lse = log sum_c exp(lse_c),
+    out = sum_c exp(lse_c - lse) out_c. grid (B*T*H,): program (b*T + t)*H + h. Partials
+    with lse_c = -inf (nothing kept) are not read. A query no branch keeps: out 0, lse -inf.
+    Lse (B, H, T) in natural log."""
+    row = tl.program_id(0).to(tl.int64)
+    h = row % 16
+    bt = row // 16
+    t = bt % T
+    b = bt // T
+    offs_d = tl.arange(0, HEAD_DIM)
+    # per lane c of the block: running max, denominator and output over chunks c, c + BLOCK_C, ...
+    m_c = tl.full([DECODE_BLOCK_C], float("-inf"), dtype=tl.float32)
+    l_c = tl.zeros([DECODE_BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([DECODE_BLOCK_C, HEAD_DIM], dtype=tl.float32)
+    for c0 in range(0, num_chunks, DECODE_BLOCK_C):
+        c = c0 + tl.arange(0, DECODE_BLOCK_C)
+        lse_c = tl.load(LseP + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+        has = lse_c > float("-inf")
+        out_c = tl.load(OutP + (row * num_chunks + c)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=has[:, None], other=0.0)
+        m_new = tl.maximum(m_c, lse_c)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_c - m_use)
+        p = tl.math.exp2(lse_c - m_use)
+        acc = acc * alpha[:, None] + p[:, None] * out_c
+        l_c = l_c * alpha + p
+        m_c = m_new
+    m = tl.max(m_c, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    wgt = tl.math.exp2(m_c - m_use)
+    l_i = tl.sum(l_c * wgt, 0)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = tl.sum(acc * wgt[:, None], 0) / l_safe
+    lse = tl.where(l_i == 0.0, float("-inf"), (m + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(Lse + b * stride_lb + h * stride_lh + t, lse)
+
+
+DECODE_KERNELS = {
+    "split": longnet_causal_gqa_decode_split,
+    "combine": longnet_causal_gqa_decode_combine,
+    # launch parameters for dilgen.runtime.decode (not a kernel); branches in chunk order
+    # and their key lanes per query (raster: ceil(w / r) at most; Hilbert: every curve index, w)
+    "config": {
+        "block_n": 64, "split": 2048, "block_g": 16,
+        "order": [0, 1, 2],
+        "lanes": [2048, 1366, 2731],
+        # Hilbert branches: (rows, cols) of the curves concatenated into Curve / CurveInv
+        "curves": [],
+        "launch": {"split": {"num_warps": 4, "num_stages": 3},
+                   "combine": {"num_warps": 4, "num_stages": 1}},
+    },
+}
+
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_causal_gqa_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
+                               decode_kernels=DECODE_KERNELS,
                                lane_kernel=longnet_causal_gqa_fwd_lanes)
