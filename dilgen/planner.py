@@ -19,7 +19,7 @@ from functools import reduce
 import sympy
 
 from . import ir
-from .spec import Spec, default_grid
+from .spec import Spec, SpecError, default_grid, unsupported_by_kernels
 from .targets import Target
 
 MAX_LATTICE = 64  # beyond this, classes are too thin to fill a tile: use row masks
@@ -79,7 +79,11 @@ LANES_CHOICES = ("auto", "all")
 
 def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     """Lower a validated spec for one target. `tuning` (from dilgen.autotune) overrides
-    the target's block table: any of block_m, block_n, num_warps, num_stages."""
+    the target's block table: any of block_m, block_n, num_warps, num_stages.
+    Raises SpecError (one line) for a valid spec the kernels cannot run yet."""
+    refusal = unsupported_by_kernels(spec)
+    if refusal is not None:
+        raise SpecError(refusal)
     query_order, orders = _branch_orders(spec)
     itemsize = 4 if spec.dtype == "float32" else 2
     block_m, block_n, warps, stages = target.block_table(spec.head_dim, itemsize, spec.causal)

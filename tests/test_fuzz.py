@@ -440,8 +440,10 @@ def check_valid(spec: Spec, data: dict, canonical: dict, folder: Path) -> None:
     refusal = spec_mod.unsupported_by_kernels(spec)
     if refusal is not None:
         # valid, but not in the kernels yet (issue 16): the planner refuses it with this line
-        # TODO(issue 16): plan these too once the kernels take them
         assert_one_line(refusal)
+        with pytest.raises(SpecError) as exc:
+            plan(spec, INTERPRETER)
+        assert str(exc.value) == refusal
         return
     for target in (INTERPRETER, SM90):
         p = plan(spec, target)
@@ -622,15 +624,19 @@ def test_fuzz_cli_compile(scratch, monkeypatch, data):
         with contextlib.suppress(OSError, ValueError):
             if not candidate.resolve().is_relative_to(out.resolve()) and not candidate.exists():
                 outside.append(candidate)
-    if not problems and spec_mod.unsupported_by_kernels(spec_from_dict(data)) is not None:
-        # TODO(issue 16): valid, but the kernels do not take it yet; once the planner calls
-        # unsupported_by_kernels, `dilgen compile` exits 2 with that line (then test it here)
-        return
+    refusal = None if problems else spec_mod.unsupported_by_kernels(spec_from_dict(data, source="spec.json"))
     rc, stdout, stderr = run_cli(["compile", str(path), "--arch", "interpreter",
                                           "--out", str(out)])
     for candidate in outside:
         assert not candidate.exists(), f"wrote {candidate} outside --out"
-    if problems:
+    if refusal is not None:
+        # valid, but not in the kernels (issue 16): the planner refuses it, exit 2, one line
+        assert "Traceback" not in stderr, stderr
+        assert rc == 2, (rc, stderr)
+        assert stderr.splitlines() == [f"dilgen: error: {refusal}"], stderr
+        assert stdout == ""
+        assert _tree(root) == {"spec.json"}, "a refused spec wrote something"
+    elif problems:
         assert "Traceback" not in stderr, stderr
         assert rc == 2, (rc, stderr)
         lines = stderr.splitlines()
