@@ -87,8 +87,12 @@ class Target:
         if self.name == "interpreter":
             return (16, 32, 1, 1)
         if head_dim >= 256 or itemsize == 4:
-            return (32, 512, 4, 2)
-        return (64, 512, 4, 3)
+            return (32, 1024, 4, 2)
+        # H200, bf16, H 32/8, D 128, LongNet's five branches (bench/bench_decode.py --sweep,
+        # bench/results/decode-2026-11-23-h200.json): batch 64 at 128K, split 2048 473 us
+        # against 490 at 512; blocks of 32 or 64 keys, 2 or 4 warps, 2 or 3 stages within 4%.
+        # The runtime halves the split for small batches (dilgen.runtime.decode.choose_split).
+        return (64, 2048, 4, 3)
 
     # Causal: a lattice tile spans L*BLOCK_M positions, so its diagonal is L times wider
     # than a square one; lane tiles have square diagonals. On an H200 (bf16, forward):

@@ -174,12 +174,12 @@ def test_kv_cache_decoder_block_matches_full_forward():
     full forward; items of one batch at different lengths through KVCache.append."""
     from dilgen.nn import KVCache, LongNetDecoderBlock
     torch.manual_seed(0)
-    block = LongNetDecoderBlock(32, 4, [8, 16], [1, 2], num_kv_heads=2, name="dec_block").to(device())
-    x = torch.randn(2, 14, 32, device=device())
+    block = LongNetDecoderBlock(64, 4, [8, 16], [1, 2], num_kv_heads=2, name="dec_block").to(device())
+    x = torch.randn(2, 14, 64, device=device())
     with torch.no_grad():
         full = block(x)
         cache = KVCache.for_layer(block, batch=2, max_len=16)
-        assert cache.k.shape == (2, 16, 2, 8)
+        assert cache.k.shape == (2, 16, 2, 16)
         outs = [block(x[:, :10], cache=cache)]                 # prompt: forward kernel
         for i in range(10, 14):
             outs.append(block(x[:, i:i + 1], cache=cache))     # decode
@@ -188,13 +188,13 @@ def test_kv_cache_decoder_block_matches_full_forward():
         torch.testing.assert_close(step, full, rtol=2e-4, atol=2e-4)
         # items at different lengths: item 1 restarts (reset rows by hand) and both advance
         cache.reset()
-        cache.append(*(t[:, :3] for t in (torch.zeros(2, 3, 2, 8), torch.zeros(2, 3, 2, 8))))
+        cache.append(torch.zeros(2, 3, 2, 16), torch.zeros(2, 3, 2, 16))
         cache.lengths, cache.seqlens = [3, 0], torch.tensor([3, 0], dtype=torch.int32, device=device())
-        cache.append(torch.ones(2, 2, 2, 8), torch.ones(2, 2, 2, 8))
+        cache.append(torch.ones(2, 2, 2, 16), torch.ones(2, 2, 2, 16))
         assert cache.lengths == [5, 2]
         assert cache.k[0, 3:5].eq(1).all() and cache.k[1, 0:2].eq(1).all() and cache.k[0, :3].eq(0).all()
         with pytest.raises(ValueError, match="max_len"):
-            cache.append(torch.ones(2, 12, 2, 8), torch.ones(2, 12, 2, 8))
+            cache.append(torch.ones(2, 12, 2, 16), torch.ones(2, 12, 2, 16))
 
 
 def test_generate_tiny_lm_example():
@@ -207,3 +207,14 @@ def test_generate_tiny_lm_example():
                                      "quiet": True})
     assert res["new"] == 4 and res["max_rel_err"] <= res["tolerance"]
     assert len(res["tokens"]) == 4
+
+
+def test_split_choice_fills_the_gpu_and_keeps_programs_big(monkeypatch):
+    """The runtime's split for LongNet's five branches on a 132-SM GPU (H_kv 8): the splits
+    the H200 sweep measured best (bench/results/decode-2026-11-23-h200.json)."""
+    from dilgen.runtime import decode as dec
+    monkeypatch.setattr(dec, "_sm_count", lambda dev: 132)
+    cfg = {"split": 2048, "block_n": 64, "lanes": [2048] * 5}
+    assert [dec.choose_split(cfg, B * 8, torch.device("cuda")) for B in (1, 8, 16, 64)] == [256, 512, 1024, 2048]
+    assert dec.choose_split(cfg, 8, torch.device("cpu")) == 2048       # interpreter: no halving
+    assert dec.num_chunks([2048, 100, 5], 64) == [32, 34, 35]

@@ -24,9 +24,14 @@ import torch
 from . import InputError, _TORCH_DTYPES, _interpreting
 from .tables import table_tensors
 
-#: The runtime halves the planner's split (down to the key block) until the split kernel has
-#: at least this many programs per SM, so that a small batch still fills the GPU.
-PROGRAMS_PER_SM = 8
+#: The runtime halves the planner's split until the split kernel has at least this many
+#: programs per SM (a small batch still fills the GPU), but not below MIN_SPLIT_BLOCKS key
+#: blocks: a program's fixed work (its query tile, its partial, the combine's read of it)
+#: must stay small beside its keys. H200, bf16, H 32/8, D 128, LongNet's five branches, CUDA
+#: graphs (bench/results/decode-2026-11-23-h200.json, split sweep): the best splits were
+#: 256-512 at batch 1, 512 at 8, 512-1024 at 16, 2048 at 64; this rule picks 256, 512, 1024, 2048.
+PROGRAMS_PER_SM = 9
+MIN_SPLIT_BLOCKS = 4
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -131,14 +136,15 @@ def num_chunks(lanes: list[int], split: int) -> list[int]:
 
 
 def choose_split(config: dict, rows: int, device: torch.device) -> int:
-    """The planner's split, halved (down to the key block) while the split kernel would have
-    fewer than PROGRAMS_PER_SM programs per SM (GPU only: the interpreter runs programs one
-    by one, so fewer is faster there)."""
+    """The planner's split, halved while the split kernel would have fewer than
+    PROGRAMS_PER_SM programs per SM, down to MIN_SPLIT_BLOCKS key blocks (GPU only: the
+    interpreter runs programs one by one, so fewer is faster there)."""
     split, block = config["split"], config["block_n"]
     if device.type != "cuda":
         return split
     want = PROGRAMS_PER_SM * _sm_count(device)
-    while split // 2 >= block and rows * num_chunks(config["lanes"], split)[-1] < want:
+    floor = min(split, MIN_SPLIT_BLOCKS * block)
+    while split // 2 >= floor and rows * num_chunks(config["lanes"], split)[-1] < want:
         split //= 2
     return split
 
@@ -233,4 +239,4 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
 
 
 __all__ = ["decode", "check_decode_inputs", "why_no_decode", "choose_split", "num_chunks",
-           "PROGRAMS_PER_SM"]
+           "PROGRAMS_PER_SM", "MIN_SPLIT_BLOCKS"]
