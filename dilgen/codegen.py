@@ -37,6 +37,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.globals["expr"] = _expr
+    env.globals["dm"] = _dim_mask
     return env
 
 
@@ -52,6 +53,18 @@ def _expr(amap: AffineMap, **names: str) -> str:
     """Print an index map with some symbols renamed (e.g. u → u_b)."""
     subs = {sympy.Symbol(k, integer=True, nonnegative=True): sympy.Symbol(v) for k, v in names.items()}
     return print_expr(amap.expr.subs(subs))
+
+
+@jinja2.pass_context
+def _dim_mask(ctx, row_mask: str | None, transpose: bool = False) -> str | None:
+    """The mask of a (rows x head_dim) load or store: `row_mask` as given when the tiles are
+    exactly head_dim wide, else also offs_d < HEAD_DIM (the tile is HEAD_DIM_PAD wide and
+    the columns past head_dim exist neither in memory nor in the result). Templates that
+    render without the plan's context (no pad_d) get the row mask."""
+    if not ctx.get("pad_d", False):
+        return row_mask
+    cols = "(offs_d[:, None] < HEAD_DIM)" if transpose else "(offs_d[None, :] < HEAD_DIM)"
+    return cols if row_mask is None else f"{row_mask} & {cols}"
 
 
 def _py_literal(obj: object) -> str:
@@ -89,6 +102,9 @@ def emit(plan: Plan) -> str:
         ln2=repr(LN2),
         dot_kwargs=dot_kwargs,
         ring=plan.ring.ring_size > 1,
+        # head_dim not a power of two (or below 16): tiles HEAD_DIM_PAD wide, masked columns
+        pad_d=plan.head_dim_pad is not None,
+        dw="HEAD_DIM" if plan.head_dim_pad is None else "HEAD_DIM_PAD",
     )
     # Strip trailing spaces that conditional blocks leave behind: byte-stable and tidy.
     lines = [line.rstrip() for line in source.splitlines()]

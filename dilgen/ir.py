@@ -398,6 +398,9 @@ class Plan:
     tables: tuple[TableMap, ...] = field(default=())
     # dK, dV of every branch in one launch over key lattice tiles (see the planner)
     fused_dkdv: bool = False
+    # tile width when head_dim is not a power of two >= 16 (the next one; the kernels mask
+    # the columns past head_dim on every load and store), else None
+    head_dim_pad: int | None = None
 
     def to_json(self) -> dict:
         return {
@@ -409,6 +412,8 @@ class Plan:
             "branches": [b.to_json() for b in self.branches],
             "config": self.config.to_json(), "ring": self.ring.to_json(),
             "tables": [t.to_json() for t in self.tables],
+            # only when set: plans (and their keys) of power-of-two head dims are unchanged
+            **({} if self.head_dim_pad is None else {"head_dim_pad": self.head_dim_pad}),
         }
 
     def key(self) -> str:

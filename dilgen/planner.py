@@ -85,8 +85,12 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     if refusal is not None:
         raise SpecError(refusal)
     query_order, orders = _branch_orders(spec)
+    # head_dim any multiple of 8: the tiles are the next power of two >= 16 wide (tl.dot's
+    # smallest K), masked past head_dim; tile tables are keyed by that width
+    tile_d = max(16, 1 << (spec.head_dim - 1).bit_length())
+    head_dim_pad = None if tile_d == spec.head_dim else tile_d
     itemsize = 4 if spec.dtype == "float32" else 2
-    block_m, block_n, warps, stages = target.block_table(spec.head_dim, itemsize, spec.causal)
+    block_m, block_n, warps, stages = target.block_table(tile_d, itemsize, spec.causal)
     if tuning:
         unknown = set(tuning) - set(TUNABLE)
         if unknown:
@@ -95,12 +99,12 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         block_n = tuning.get("block_n", block_n)
         warps = tuning.get("num_warps", warps)
         stages = tuning.get("num_stages", stages)
-    bwd_kv, bwd_dq = target.backward_table(spec.head_dim, itemsize, spec.causal)
+    bwd_kv, bwd_dq = target.backward_table(tile_d, itemsize, spec.causal)
     if tuning:
         bwd_kv = tuple(tuning.get("bwd_kv", bwd_kv))
         bwd_dq = tuple(tuning.get("bwd_dq", bwd_dq))
 
-    lane_fwd, lane_dq = target.lane_table(spec.head_dim, itemsize, spec.causal)
+    lane_fwd, lane_dq = target.lane_table(tile_d, itemsize, spec.causal)
     lanes_mode = "auto"
     if tuning:
         lane_fwd = tuple(tuning.get("lane_fwd", lane_fwd))
@@ -117,7 +121,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         lattice, lattice_ok = 1, [False] * spec.num_branches
     dkdv_lattice = lattice
     if lanes_mode == "auto":
-        lanes_mode = target.lanes_mode(spec.causal, lattice, spec.head_dim)
+        lanes_mode = target.lanes_mode(spec.causal, lattice, tile_d)
 
     # Lane branches (single device only; a ring window keeps every branch in the fused
     # kernel): those whose membership is per row (r does not divide w, or a curve table),
@@ -194,7 +198,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                 and not any(b.order is not None for b in fused_set) and query_order is None
                 and all(b.keep_map is None for b in fused_set)
                 and all(b.segment_length % (lattice * kv_tile[0]) == 0 for b in fused_set))
-    fused_tile = target.fused_dkdv_tile(spec.head_dim, itemsize, spec.causal)
+    fused_tile = target.fused_dkdv_tile(tile_d, itemsize, spec.causal)
     if fused_tile and not (tuning and "bwd_kv" in tuning) and fusable(fused_tile):
         bwd_kv = fused_tile
     fused_dkdv = fusable(bwd_kv)
@@ -203,13 +207,14 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
                              lane_fwd=tuple(lane_fwd), lane_dq=tuple(lane_dq),
                              # descriptors pay off on square causal diagonals (measured);
-                             # non-causal lane branches keep pointer loads
-                             lane_tma=bool((tuning or {}).get("lane_tma", target.lane_tma and spec.causal and spec.dtype != "float32")),
-                             lane_ws=bool((tuning or {}).get("lane_ws", target.lane_ws and spec.causal and spec.dtype != "float32")),
-                             decode=tuple((tuning or {}).get("decode", target.decode_table(spec.head_dim, itemsize))),
+                             # non-causal lane branches keep pointer loads, and so do padded
+                             # head dims (their masked columns are pointer loads' job)
+                             lane_tma=head_dim_pad is None and bool((tuning or {}).get("lane_tma", target.lane_tma and spec.causal and spec.dtype != "float32")),
+                             lane_ws=head_dim_pad is None and bool((tuning or {}).get("lane_ws", target.lane_ws and spec.causal and spec.dtype != "float32")),
+                             decode=tuple((tuning or {}).get("decode", target.decode_table(tile_d, itemsize))),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(
-        fused_dkdv=fused_dkdv,
+        fused_dkdv=fused_dkdv, head_dim_pad=head_dim_pad,
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,

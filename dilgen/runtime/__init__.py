@@ -125,6 +125,16 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
     return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
 
 
+def decode_unsupported(plan: dict) -> str | None:
+    """What of a plan the decode kernel (templates/decode.py.jinja) cannot run, or None:
+    it tiles head_dim exactly and reads offsets h mod r."""
+    if plan.get("head_dim_pad"):
+        return f"head_dim = {plan['head_dim']} (not a power of two >= 16)"
+    if any(br.get("head_offset") for br in plan["branches"]):
+        return 'head_offsets = "block"'
+    return None
+
+
 class GeneratedAttention:
     """The callable of a generated module: `attention(q, k, v, return_lse=False)`.
 
@@ -161,6 +171,10 @@ class GeneratedAttention:
         cache_seqlens[b] - T .. cache_seqlens[b] - 1 of the causal forward over each item's
         prefix, and with return_lse=True lse (B, H, T) float32. Not autograd-aware (see
         dilgen.runtime.decode)."""
+        why = decode_unsupported(self.plan)
+        if why:
+            raise InputError(f"{self.spec['name']}: decode does not take {why} yet (issue 16): "
+                             f"run the full forward instead")
         from .decode import decode
         return decode(self, q, k_cache, v_cache, cache_seqlens, return_lse=return_lse,
                       validate=validate)
