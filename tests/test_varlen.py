@@ -210,3 +210,15 @@ def test_multihead_layer_with_key_padding_mask_equals_each_item_alone():
         assert _err(y[b, :n].detach(), alone[0].detach().double()) < 1e-5
         # padded rows: attention output 0, so the layer gives out_proj's bias
         assert torch.allclose(y[b, n:], layer.out_proj.bias.expand(N - n, 32))
+
+
+def test_explain_shows_the_tiles_of_a_packed_batch(capsys):
+    from pathlib import Path
+    from dilgen.cli import main
+    spec = str(Path(__file__).resolve().parents[1] / "examples" / "specs" / "longnet_base.json")
+    assert main(["explain", spec, "--cu-seqlens", "0,3000,10000"]) == 0
+    text = capsys.readouterr().out
+    assert "packed batch: 2 sequence(s), 10000 rows, longest 7000" in text
+    assert "[0] w = 2048, r = 1: 3 x 2048 + 856; 55 query tile(s)" in text
+    assert main(["explain", spec, "--cu-seqlens", "0,5,3"]) == 2
+    assert "non-decreasing" in capsys.readouterr().err
