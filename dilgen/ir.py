@@ -114,6 +114,10 @@ class BranchIR:
     lanes:       the branch runs in its own launch whose query tiles walk its kept lanes
                  u = s*w + o + r*m of one segment (full tiles, no row membership), merging
                  into the running (out, lse) of the launches before it (LongNet Eq. 10)
+    head_offset: the offset o of head h as a map of h (head_offsets "block": floor(h / ceil(H/r)),
+                 printed into the lane and per-branch dkdv kernels), or None for o = h mod r
+    zero_pad:    short_segments "zero_pad" (non-causal): the kernels that finish a query's
+                 softmax for this branch add its segment's zero keys (score 0, value 0)
     """
     index: int
     segment_length: int
@@ -124,6 +128,8 @@ class BranchIR:
     single_segment: bool
     keys_per_query: int
     lanes: bool = False
+    head_offset: AffineMap | None = None
+    zero_pad: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -135,6 +141,9 @@ class BranchIR:
             "single_segment": self.single_segment,
             "keys_per_query": self.keys_per_query,
             "lanes": self.lanes,
+            # only when set: plans of SPEC's default layout are unchanged
+            **({} if self.head_offset is None else {"head_offset": self.head_offset.to_json()}),
+            **({"zero_pad": True} if self.zero_pad else {}),
         }
 
 

@@ -122,6 +122,13 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     dkdv_lattice = lattice
     if lanes_mode == "auto":
         lanes_mode = target.lanes_mode(spec.causal, lattice, tile_d)
+    # torchscale's layout (issue 16): the fused kernel's query classes assume o = h mod r and
+    # it does not count zero keys, so head_offsets "block" and (non-causal) zero padding run
+    # every branch in the lane kernels, whose offsets and pad counts are per program
+    block = spec.head_offsets == "block"
+    zero_pad = spec.short_segments == "zero_pad" and not spec.causal
+    if block or zero_pad:
+        lanes_mode = "all"
 
     # Lane branches (single device only; a ring window keeps every branch in the fused
     # kernel): those whose membership is per row (r does not divide w, or a curve table),
@@ -155,12 +162,17 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         else:
             # Lane offset of the query inside its segment (in the branch's own order).
             keep_map = ir.AffineMap(sympy.simplify(sympy.Mod(sympy.Mod(u, w), r)))
+        if block and r > 1:
+            head_offset = ir.AffineMap(sympy.floor(h / -(-spec.num_heads // r)))
+        else:
+            head_offset = None   # h mod r (and r = 1: 0 either way)
         branches.append(ir.BranchIR(
             index=i, segment_length=w, dilation=r, key_map=key_map, keep_map=keep_map,
             # single_segment: tiles nest in segments; a ring window must also start on a
             # tile boundary (the runtime passes ALIGNED), else its tiles loop over segments
             order=order, single_segment=lane[i] or w % (lattice * block_m) == 0,
-            keys_per_query=-(-w // r), lanes=lane[i]))
+            keys_per_query=-(-w // r), lanes=lane[i], head_offset=head_offset,
+            zero_pad=zero_pad))
 
     # Query classes of the fused kernel, longest work first: class d is kept by its
     # branches with r | d.
@@ -193,7 +205,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     # dkdv after it (adding into float32 buffers).
     fused_set = [b for b in branches if b.keep_map is None]
     def fusable(kv_tile) -> bool:
-        return (spec.ring_size == 1 and bool(fused_set)
+        return (spec.ring_size == 1 and bool(fused_set) and not block
                 and target.fused_dkdv_ok(spec.causal, dkdv_lattice)
                 and not any(b.order is not None for b in fused_set) and query_order is None
                 and all(b.keep_map is None for b in fused_set)

@@ -393,10 +393,14 @@ def unsupported_by_kernels(spec: Spec) -> str | None:
     """One line saying which fields of a valid `spec` the generated kernels cannot run yet
     (in the style of every spec error: source, field, value, why), or None if they can."""
     problems = []
-    if spec.head_offsets != "mod":
-        problems.append(f'head_offsets = "{spec.head_offsets}": not in the kernels yet')
-    if spec.short_segments != "exact":
-        problems.append(f'short_segments = "{spec.short_segments}": not in the kernels yet')
+    # the lane kernels take torchscale's layout; a ring keeps every branch in the fused kernel
+    if spec.head_offsets != "mod" and spec.ring_size > 1:
+        problems.append(f'head_offsets = "{spec.head_offsets}" with ring_size = {spec.ring_size}: '
+                        f'the ring kernels take head_offsets "mod" only')
+    if spec.short_segments != "exact" and spec.ring_size > 1 and not spec.causal:
+        problems.append(f'short_segments = "{spec.short_segments}" with ring_size = '
+                        f'{spec.ring_size}: the ring kernels take short_segments "exact" only '
+                        f'(or causal specs, which see no zero keys)')
     if not problems:
         return None
     return (f"{spec.source}: " + "; ".join(problems)

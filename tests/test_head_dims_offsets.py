@@ -80,3 +80,62 @@ def test_padded_plan_and_source():
     causal = spec.replace(causal=True, dtype="bfloat16")
     assert planner.plan(causal.replace(head_dim=64), SM90).config.lane_tma
     assert not planner.plan(causal, SM90).config.lane_tma
+
+
+# --------------------------------------------------------------------------- head_offsets "block"
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("H, Hkv", [(5, 5), (6, 2), (3, 3)], ids=["h5", "gqa6_2", "h3_below_r4"])
+def test_block_offsets(H, Hkv, causal):
+    _check(_spec(H, Hkv, 48, [8, 16, 64], [1, 2, 4], causal, head_offsets="block"), N=45)
+
+
+def test_block_offsets_plan():
+    spec = _spec(16, 16, 48, [1024, 2048, 4096], [1, 2, 4], head_offsets="block")
+    for target in (INTERPRETER, SM80, SM90):
+        p = planner.plan(spec, target)
+        assert all(b.lanes for b in p.branches) and not p.fused_dkdv
+        assert [None if b.head_offset is None else b.head_offset.text for b in p.branches] == \
+            [None, "((h) // 8)", "((h) // 4)"]
+    src = emit(planner.plan(spec, SM90))
+    assert "o = ((h) // 4)" in src and "o = ((h_first) // 4) + g0" in src
+    # the default layout's plans carry no offset map
+    assert "head_offset" not in str(planner.plan(spec.replace(head_offsets="mod"), SM90).to_json())
+
+
+def test_block_offsets_refused_with_a_ring_and_by_decode():
+    with pytest.raises(SpecError, match=r'head_offsets = "block" with ring_size = 2'):
+        planner.plan(_spec(4, 4, 64, [16], [2], ring_size=2, head_offsets="block"), INTERPRETER)
+    kernel = compiler.compile(_spec(4, 4, 48, [16], [2], causal=True, head_offsets="block"),
+                              target="interpreter")
+    q = torch.randn(1, 1, 4, 48)
+    kv = torch.randn(1, 16, 4, 48)
+    with pytest.raises(InputError, match="decode does not take head_dim = 48"):
+        kernel.decode(q, kv, kv, torch.tensor([5], dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- short_segments "zero_pad"
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("offsets", ["mod", "block"])
+def test_zero_pad(offsets, causal):
+    # N = 45: w = 8, 16 leave short last segments, w = 64 > N is one segment padded to 48
+    _check(_spec(6, 3, 48, [8, 16, 64], [1, 2, 8], causal, head_offsets=offsets,
+                 short_segments="zero_pad"), N=45)
+
+
+def test_zero_pad_batch_and_gqa():
+    _check(_spec(8, 2, 32, [16, 32], [2, 4], head_offsets="block", short_segments="zero_pad"),
+           N=37, B=2, seed=3)
+
+
+def test_zero_pad_layout_slip_refused_at_call_time():
+    spec = _spec(4, 4, 48, [16, 12], [2, 8], short_segments="zero_pad")
+    kernel = compiler.compile(spec, target="interpreter")
+    ok = torch.randn(1, 12, 4, 48)
+    kernel(ok, ok, ok)                          # N <= 12: one padded segment, no slip
+    x = torch.randn(1, 20, 4, 48)
+    with pytest.raises(InputError) as exc:
+        kernel(x, x, x)
+    msg = str(exc.value)
+    assert "\n" not in msg and "slip" in msg and "segment_lengths[1] = 12" in msg

@@ -463,9 +463,14 @@ def test_unsupported_by_kernels_names_each_new_value():
     assert unsupported_by_kernels(base) is None
     for hd in KERNEL_HEAD_DIMS:
         assert unsupported_by_kernels(base.replace(head_dim=hd)) is None
-    for change, words in [({"head_offsets": "block"}, ['head_offsets = "block"']),
-                          ({"short_segments": "zero_pad"}, ['short_segments = "zero_pad"']),
-                          ({"head_dim": 80, "head_offsets": "block", "short_segments": "zero_pad"},
+    for change in ({"head_dim": 48}, {"head_offsets": "block"}, {"short_segments": "zero_pad"},
+                   {"head_dim": 80, "head_offsets": "block", "short_segments": "zero_pad"},
+                   {"ring_size": 2, "short_segments": "zero_pad", "causal": True}):
+        assert unsupported_by_kernels(base.replace(**change)) is None, change
+    # a ring keeps every branch in the fused kernel, which takes SPEC's layout only
+    for change, words in [({"ring_size": 2, "head_offsets": "block"}, ['head_offsets = "block"']),
+                          ({"ring_size": 2, "short_segments": "zero_pad"}, ['short_segments = "zero_pad"']),
+                          ({"ring_size": 2, "head_offsets": "block", "short_segments": "zero_pad"},
                            ["head_offsets", "short_segments"])]:
         msg = unsupported_by_kernels(base.replace(**change))
         _one_line(msg)

@@ -125,6 +125,19 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
     return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
 
 
+def _check_zero_pad(spec: dict, n: int) -> None:
+    """short_segments "zero_pad" (torchscale's padding): refuse its layout slip, as
+    dilgen.spec.zero_pad_layout_slip does, for a sequence of n rows (the longest of a batch)."""
+    if spec.get("short_segments") != "zero_pad":
+        return
+    for i, (w, r) in enumerate(zip(spec["segment_lengths"], spec["dilation_rates"])):
+        if n > w and w % r:
+            raise InputError(f"{spec['name']}: N = {n} with segment_lengths[{i}] = {w}, "
+                             f"dilation_rates[{i}] = {r}: short_segments \"zero_pad\" needs w to be "
+                             f"a multiple of r once N > w (torchscale's layout slip: its outputs of "
+                             f"this branch land on shifted rows; dilgen does not reproduce it)")
+
+
 def decode_unsupported(plan: dict) -> str | None:
     """What of a plan the decode kernel (templates/decode.py.jinja) cannot run, or None:
     it tiles head_dim exactly and reads offsets h mod r."""
@@ -243,6 +256,7 @@ class GeneratedAttention:
             strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
                        0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
             seqs, varlen, covers_all = (packing.starts, packing.lengths), True, packing.covers_all
+        _check_zero_pad(self.spec, N)
         if _POISON:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
