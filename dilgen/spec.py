@@ -383,11 +383,9 @@ def _parse_int(text: str) -> Any:
 
 
 # --------------------------------------------------------------------------- kernel support
-# Issue 16 (torchscale / Prov-GigaPath): the spec language and the float64 reference
-# (dilgen.reference) know head_offsets "block", short_segments "zero_pad" and head_dim any
-# multiple of 8; the kernels do not yet. The planner refuses such specs with this message.
-# TODO(issue 16, kernels): planner.plan() calls this and raises SpecError(message); drop each
-# clause here as its kernel support lands, and the function once it returns None always.
+# Issue 16 (torchscale / Prov-GigaPath): the kernels take head_offsets "block",
+# short_segments "zero_pad" and head_dim any multiple of 8 on one device (lane kernels);
+# planner.plan() raises SpecError with this message for what they still cannot run (a ring).
 
 def unsupported_by_kernels(spec: Spec) -> str | None:
     """One line saying which fields of a valid `spec` the generated kernels cannot run yet
