@@ -110,9 +110,14 @@ def test_launches_do_not_grow_with_the_sequence_count():
             kernel(q, k, v, cu_seqlens=_cu(lengths))
         return calls
 
-    many, one = grids([1, 2, 3, 1, 5, 2]), grids([14])
-    assert len(many) == len(one) <= spec.num_branches
-    assert all(6 * spec.num_heads in grid for grid in many)   # sequences x heads programs
+    from dilgen.runtime.varlen import MAX_BUCKETS
+    one, many, lots = grids([14]), grids([1, 2, 3, 1, 5, 2]), grids([1, 2, 3, 5, 8, 13] * 10)
+    assert len(one) <= spec.num_branches
+    # sequences launch in groups of similar length (longest first), at most MAX_BUCKETS
+    # groups: the launch count does not grow with the number of sequences
+    assert len(many) == 3 * len(one) and len(lots) == MAX_BUCKETS * len(one)
+    assert sum(grid[0] if grid[0] % spec.num_heads == 0 and len(grid) == 3 else grid[1]
+               for grid in many[::len(one)]) == 6 * spec.num_heads   # every sequence once
 
 
 def test_one_call_form_and_max_seqlen():
@@ -222,3 +227,13 @@ def test_explain_shows_the_tiles_of_a_packed_batch(capsys):
     assert "[0] w = 2048, r = 1: 3 x 2048 + 856; 55 query tile(s)" in text
     assert main(["explain", spec, "--cu-seqlens", "0,5,3"]) == 2
     assert "non-decreasing" in capsys.readouterr().err
+
+
+def test_bucket_order_groups_similar_lengths_longest_first():
+    from dilgen.runtime.varlen import MAX_BUCKETS, bucket_order
+    order, buckets = bucket_order([5, 0, 17, 9, 16, 2, 3])
+    assert order == [2, 4, 3, 0, 6, 5]                      # zero-length dropped
+    assert buckets == ((0, 3, 17), (3, 5, 5), (5, 6, 2))    # each longer than half its first
+    order, buckets = bucket_order([2 ** i for i in range(12)])
+    assert len(buckets) == MAX_BUCKETS and buckets[-1][1] == 12
+    assert bucket_order([0, 0]) == ([], ())

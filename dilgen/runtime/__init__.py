@@ -245,7 +245,7 @@ class GeneratedAttention:
                        v.stride(0), v.stride(1), v.stride(2),
                        out.stride(0), out.stride(1), out.stride(2),
                        lse.stride(0), lse.stride(1))
-            seqs, varlen, covers_all = (class_order, class_order), False, True
+            groups, varlen, covers_all = [((class_order, class_order), B, N)], False, True
         else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
             from .varlen import packed_tables
             B, N = packing.num_seqs, packing.max_len
@@ -255,7 +255,8 @@ class GeneratedAttention:
             tables = packed_tables(plan, packing, q.shape[0], q.device)
             strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
                        0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
-            seqs, varlen, covers_all = (packing.starts, packing.lengths), True, packing.covers_all
+            groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups()]
+            varlen, covers_all = True, packing.covers_all
         _check_zero_pad(self.spec, N)
         if _POISON:
             out.fill_(float("nan"))
@@ -272,22 +273,23 @@ class GeneratedAttention:
         if B == 0 or N == 0:
             return out, lse
         launches = []
-        if fused:   # every branch that is not a lane branch
-            num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
-            launches.append((self._kernel(interpret), (lattice * num_m_tiles, B * H),
-                             (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, *seqs,
-                              *strides, interpret, varlen),
-                             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
-        accumulate = fused or not writes_all
-        for i in lanes:
-            br = plan["branches"][i]
-            n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
-            launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
-                             (B * H, n_tiles, n_seg),
-                             (q, k, v, out, lse, *tables, N, n_tiles, *seqs,
-                              *strides, interpret, i, accumulate, varlen),
-                             {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
-            accumulate = True
+        for seqs, B, N in groups:   # packed batches: one group per length class of sequences
+            if fused:   # every branch that is not a lane branch
+                num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
+                launches.append((self._kernel(interpret), (lattice * num_m_tiles, B * H),
+                                 (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, *seqs,
+                                  *strides, interpret, varlen),
+                                 {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
+            accumulate = fused or not writes_all
+            for i in lanes:
+                br = plan["branches"][i]
+                n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
+                launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
+                                 (B * H, n_tiles, n_seg),
+                                 (q, k, v, out, lse, *tables, N, n_tiles, *seqs,
+                                  *strides, interpret, i, accumulate, varlen),
+                                 {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
+                accumulate = True
         if cfg.get("lane_tma") and lanes and not interpret:
             _ensure_descriptor_allocator()
         for kernel, grid, args, opts in launches:

@@ -64,7 +64,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
         tables = []
         for t in plan["tables"]:
             tables.extend(table_tensors(t, N, dev))
-        seqs, varlen, covers_all = (class_order, class_order), False, True
+        groups, varlen, covers_all = [((class_order, class_order), B, N)], False, True
         q_strides = (q.stride(0), q.stride(1), q.stride(2))
         k_strides = (k.stride(0), k.stride(1), k.stride(2))
         v_strides = (v.stride(0), v.stride(1), v.stride(2))
@@ -77,7 +77,8 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
         B, N = packing.num_seqs, packing.max_len
         rows = q.shape[0]
         tables = packed_tables(plan, packing, rows, dev)
-        seqs, varlen, covers_all = (packing.starts, packing.lengths), True, packing.covers_all
+        groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups()]
+        varlen, covers_all = True, packing.covers_all
         q_strides = (0, q.stride(0), q.stride(1))
         k_strides = (0, k.stride(0), k.stride(1))
         v_strides = (0, v.stride(0), v.stride(1))
@@ -127,42 +128,43 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
             out, grad_out, dlse, delta, rows, *o_strides, *do_strides, *l_strides,
             has_dlse, **launch["preprocess"])
         kv_bn = conf["kv_block_n"]
-        if fused:
-            n_kt = math.ceil(math.ceil(N / lattice) / kv_bn)
-            dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
-            dkdv_fused[(lattice * n_kt, B * Hkv)](
-                q, k, v, grad_out, dk, dv, lse, delta,
-                N, n_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                *dk_strides, *l_strides,
-                interpret, varlen, **launch["dkdv_fused"])
-        for br in per_branch:
-            w, r = br["w"], br["r"]
-            n_seg = math.ceil(N / w)
-            n_o = min(group, r)
-            n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
-            dkdv[(n_seg * n_o * n_jt, B * Hkv)](
-                q, k, v, grad_out, dk, dv, lse, delta, *tables,
-                N, n_jt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                *dk_strides, *l_strides,
-                interpret, br["index"], varlen, **launch["dkdv"])
-        if has_fused_q:
-            bm = conf["dq_block_m"]
-            num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
-            dqk[(lattice * num_m_tiles, B * H)](
-                q, k, v, grad_out, dq, lse, delta, class_order, *tables,
-                N, num_m_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                *dq_strides, *l_strides,
-                interpret, varlen, **launch["dq"])
-        accumulate = has_fused_q or not dq_writes_all
-        for i in lanes:
-            n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
-            dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
-            dq_lanes[(B * H, n_tiles, n_seg)](
-                q, k, v, grad_out, dq, lse, delta, *tables,
-                N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                *dq_strides, *l_strides,
-                interpret, i, accumulate, varlen, **launch["dq_lanes"])
-            accumulate = True
+        for seqs, B, N in groups:   # packed batches: one group per length class
+            if fused:
+                n_kt = math.ceil(math.ceil(N / lattice) / kv_bn)
+                dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
+                dkdv_fused[(lattice * n_kt, B * Hkv)](
+                    q, k, v, grad_out, dk, dv, lse, delta,
+                    N, n_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                    *dk_strides, *l_strides,
+                    interpret, varlen, **launch["dkdv_fused"])
+            for br in per_branch:
+                w, r = br["w"], br["r"]
+                n_seg = math.ceil(N / w)
+                n_o = min(group, r)
+                n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
+                dkdv[(n_seg * n_o * n_jt, B * Hkv)](
+                    q, k, v, grad_out, dk, dv, lse, delta, *tables,
+                    N, n_jt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                    *dk_strides, *l_strides,
+                    interpret, br["index"], varlen, **launch["dkdv"])
+            if has_fused_q:
+                bm = conf["dq_block_m"]
+                num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
+                dqk[(lattice * num_m_tiles, B * H)](
+                    q, k, v, grad_out, dq, lse, delta, class_order, *tables,
+                    N, num_m_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                    *dq_strides, *l_strides,
+                    interpret, varlen, **launch["dq"])
+            accumulate = has_fused_q or not dq_writes_all
+            for i in lanes:
+                n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
+                dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
+                dq_lanes[(B * H, n_tiles, n_seg)](
+                    q, k, v, grad_out, dq, lse, delta, *tables,
+                    N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                    *dq_strides, *l_strides,
+                    interpret, i, accumulate, varlen, **launch["dq_lanes"])
+                accumulate = True
 
     if interpret:
         with _interpreting():

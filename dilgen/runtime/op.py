@@ -112,7 +112,7 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
         if spec["ring_size"] > 1 or group is not None:
             raise InputError(f"{spec['name']}: packed sequences (cu_seqlens) run on one device")
         out, lse = attention_varlen_fwd(q, k, v, cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1],
-                                        int(max_seqlen), True, key)
+                                        int(max_seqlen), True, [], key)
         return (out, lse) if return_lse else out
     if spec["ring_size"] > 1:
         if group is not None:
@@ -248,59 +248,63 @@ def varlen_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, packing) -> tuple
     key = op_key(attn)
     if not torch.compiler.is_compiling():
         register(attn)
+    flat = [x for b in packing.buckets for x in b]
     return attention_varlen_fwd(q, k, v, packing.starts, packing.lengths, packing.max_len,
-                                packing.covers_all, key)
+                                packing.covers_all, flat, key)
 
 
-def _packing(seq_starts, seq_lens, max_seqlen, covers_all):
+def _packing(seq_starts, seq_lens, max_seqlen, covers_all, buckets=()):
+    """The Packing of the op's arguments; `buckets` flattens its launch groups (first, end,
+    longest), [] for one group."""
     from .varlen import Packing
-    return Packing(seq_starts, seq_lens, int(max_seqlen), bool(covers_all))
+    groups = tuple(tuple(buckets[i:i + 3]) for i in range(0, len(buckets), 3))
+    return Packing(seq_starts, seq_lens, int(max_seqlen), bool(covers_all), groups)
 
 
 @torch.library.custom_op("dilgen::attention_varlen_fwd", mutates_args=())
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seq_starts: Tensor, seq_lens: Tensor,
-                         max_seqlen: int, covers_all: bool, key: str) -> tuple[Tensor, Tensor]:
+                         max_seqlen: int, covers_all: bool, buckets: list[int], key: str) -> tuple[Tensor, Tensor]:
     """Sequence b is rows seq_starts[b] + [0, seq_lens[b]) of q (rows, H, D); out (rows, H, D),
     lse (H, rows) float32; rows of no sequence get 0 and -inf."""
     from .varlen import forward_varlen_raw
     attn = _attention(key, q.device)
-    return forward_varlen_raw(attn, q, k, v, _packing(seq_starts, seq_lens, max_seqlen, covers_all))
+    return forward_varlen_raw(attn, q, k, v, _packing(seq_starts, seq_lens, max_seqlen, covers_all, buckets))
 
 
 @attention_varlen_fwd.register_fake
-def _attention_varlen_fwd_fake(q, k, v, seq_starts, seq_lens, max_seqlen, covers_all, key):
+def _attention_varlen_fwd_fake(q, k, v, seq_starts, seq_lens, max_seqlen, covers_all, buckets, key):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dilgen::attention_varlen_bwd", mutates_args=())
 def attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
                          grad_lse: Optional[Tensor], seq_starts: Tensor, seq_lens: Tensor,
-                         max_seqlen: int, covers_all: bool, key: str) -> tuple[Tensor, Tensor, Tensor]:
+                         max_seqlen: int, covers_all: bool, buckets: list[int], key: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a variable-length call, shaped like (q, k, v)."""
     from .varlen import backward_varlen_raw
     attn = _attention(key, q.device)
     return backward_varlen_raw(attn, q, k, v, out, lse, grad_out, grad_lse,
-                               _packing(seq_starts, seq_lens, max_seqlen, covers_all))
+                               _packing(seq_starts, seq_lens, max_seqlen, covers_all, buckets))
 
 
 @attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, seq_starts, seq_lens,
-                               max_seqlen, covers_all, key):
+                               max_seqlen, covers_all, buckets, key):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _varlen_setup_context(ctx, inputs, output) -> None:
-    q, k, v, seq_starts, seq_lens, max_seqlen, covers_all, key = inputs
+    q, k, v, seq_starts, seq_lens, max_seqlen, covers_all, buckets, key = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seq_starts, seq_lens)
-    ctx.max_seqlen, ctx.covers_all, ctx.key = max_seqlen, covers_all, key
+    ctx.max_seqlen, ctx.covers_all, ctx.buckets, ctx.key = max_seqlen, covers_all, buckets, key
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, seq_starts, seq_lens = ctx.saved_tensors
     dq, dk, dv = attention_varlen_bwd(q, k, v, out, lse, grad_out, grad_lse, seq_starts, seq_lens,
-                                      ctx.max_seqlen, ctx.covers_all, ctx.key)
-    return dq, dk, dv, None, None, None, None, None
+                                      ctx.max_seqlen, ctx.covers_all, ctx.buckets, ctx.key)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

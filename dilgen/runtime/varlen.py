@@ -27,10 +27,46 @@ class Packing:
     lengths: torch.Tensor       # (S,) int32
     max_len: int                # longest sequence: sizes the grid
     covers_all: bool            # the sequences tile every row (cu_seqlens); else padding rows exist
+    # launch groups (first, end, longest) over starts/lengths, which are then ordered
+    # longest first: each group's grid is sized by its own longest sequence, so short
+    # sequences do not launch the empty programs of the longest one; () = one group
+    buckets: tuple = ()
 
     @property
     def num_seqs(self) -> int:
         return int(self.starts.numel())
+
+    def groups(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(starts, lengths, longest) of each launch group."""
+        if not self.buckets:
+            return [(self.starts, self.lengths, self.max_len)]
+        return [(self.starts[a:b], self.lengths[a:b], n) for a, b, n in self.buckets]
+
+
+#: At most this many launch groups (so launches stay independent of the sequence count).
+MAX_BUCKETS = 4
+
+
+def bucket_order(lengths: list[int]) -> tuple[list[int], tuple]:
+    """Sequence indices longest first (zero-length ones dropped: they launch nothing) and
+    launch groups (first, end, longest) whose sequences are longer than half the group's
+    longest, the shortest groups merged so that there are at most MAX_BUCKETS."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for pos, i in enumerate(order):
+        if buckets and (2 * lengths[i] > buckets[-1][2] or len(buckets) == MAX_BUCKETS):
+            buckets[-1][1] = pos + 1
+        else:
+            buckets.append([pos, pos + 1, lengths[i]])
+    return order, tuple(tuple(b) for b in buckets)
+
+
+def _bucketed(starts: torch.Tensor, lengths: torch.Tensor, lengths_host: list[int],
+              covers_all: bool) -> Packing:
+    order, buckets = bucket_order(lengths_host)
+    idx = torch.tensor(order, dtype=torch.long).to(starts.device)
+    longest = max(lengths_host) if lengths_host else 0
+    return Packing(starts[idx].contiguous(), lengths[idx].contiguous(), longest, covers_all, buckets)
 
 
 def _fail(name: str, msg: str):
@@ -71,9 +107,7 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
         if int(max_seqlen) < longest:
             raise _fail(name, f"max_seqlen = {max_seqlen} but sequence {lengths.index(longest)} has "
                               f"{longest} rows; pass max_seqlen >= the longest sequence (or omit it)")
-    starts_t = cu_seqlens[:-1].contiguous()
-    lengths_t = (cu_seqlens[1:] - cu_seqlens[:-1]).contiguous()
-    return Packing(starts_t, lengths_t, longest, True)
+    return _bucketed(cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1], lengths, True)
 
 
 def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: int,
@@ -98,7 +132,7 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
                           f"then padding): left padding or holes are not supported; move the "
                           f"padding of each item to its end")
     starts = torch.arange(batch, dtype=torch.int32, device=device) * seq_len
-    return Packing(starts, valid.contiguous(), int(valid.max()), False)
+    return _bucketed(starts, valid, valid.tolist(), False)
 
 
 _TABLE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
