@@ -93,13 +93,13 @@ def packed_summary(plan, cu: list[int]) -> list[str]:
             tiles = full * -(-(-(-w // r)) // bm) + (-(-(-(-tail // r)) // bm) if tail else 0)
             lines.append(f"      [{b.index}] w = {w}, r = {r}: {segs}; {tiles} query tile(s) of "
                          f"{bm} lanes per head")
-    lines.append("  launches: one per branch over every sequence, grid (sequences x heads, lane "
-                 "tiles, segments of the longest sequence)")
-    for b in plan.branches:
-        w, r = b.segment_length, b.dilation
-        grid = (len(lengths) * plan.num_heads, -(-(-(-min(w, max(longest, 1)) // r)) // bm),
-                -(-max(longest, 1) // w))
-        lines.append(f"    [{b.index}] grid {grid}")
+    from .runtime.varlen import bucket_order    # the runtime's launch groups
+    order, groups = bucket_order(lengths)
+    lines.append(f"  launches: {len(groups)} group(s) of sequences of similar length, longest first; "
+                 f"each group runs the plan's launches once, its grid sized by its longest sequence")
+    for a, e, n in groups:
+        lines.append(f"    sequences {sorted(order[a:e])} (longest {n}): {e - a} x {plan.num_heads} "
+                     f"(sequence, head) programs per tile")
     return lines
 
 
