@@ -12,9 +12,9 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _spec(name, w, r, *, H=4, Hkv=4, D=16, causal=False, hilbert=None, dtype="float32"):
+def _spec(name, w, r, *, H=4, Hkv=4, D=16, causal=False, hilbert=None, dtype="float32", **extra):
     return dilgen.Spec(name=name, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype,
-                       segment_lengths=w, dilation_rates=r, causal=causal, hilbert=hilbert)
+                       segment_lengths=w, dilation_rates=r, causal=causal, hilbert=hilbert, **extra)
 
 
 # (case, spec, sequence lengths)
@@ -30,6 +30,9 @@ CASES = [
     ("hilbert_segment", _spec("vl_hil", [16, 32], [1, 2], hilbert={"scope": "segment"}), [21, 32, 45]),
     ("hilbert_causal", _spec("vl_hilc", [16], [2], causal=True, hilbert={"scope": "segment"}), [13, 35]),
     ("bf16", _spec("vl_bf16", [8, 16], [1, 2], dtype="bfloat16"), [17, 30]),
+    ("torchscale_layout_d48", _spec("vl_ts", [8, 16], [1, 2], D=48, head_offsets="block",
+                                    short_segments="zero_pad"), [13, 5, 30]),
+    ("d24_gqa_causal", _spec("vl_d24", [8, 16], [1, 2], Hkv=2, D=24, causal=True), [13, 16, 30]),
 ]
 
 
