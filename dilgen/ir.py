@@ -363,6 +363,85 @@ def ring_schedule(ring: dict, n: int, order: str = "contiguous") -> dict:
             "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
 
 
+def packed_window_mask(ring: dict, seq: tuple[int, int], qp: tuple[int, int],
+                       kp: tuple[int, int]) -> int:
+    """Branch mask of one packed sequence (start, length) in the window (query piece qp,
+    key piece kp): the branches with a segment of the sequence (segments restart at its
+    first row) holding a query of qp and a key of kp; causal drops keys after every query."""
+    s0, n = seq
+    qa, qe = max(qp[0], s0), min(qp[0] + qp[1], s0 + n)
+    ka, ke = max(kp[0], s0), min(kp[0] + kp[1], s0 + n)
+    if qe <= qa or ke <= ka:
+        return 0
+    if ring["causal"] and ka >= qe:
+        return 0
+    bits = 0
+    for br in ring["branches"]:
+        if _meets(br["w"], (qa - s0, qe - qa), (ka - s0, ke - ka)):
+            bits |= 1 << br["index"]
+    return bits
+
+
+def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -> dict:
+    """ring_schedule for a packed row (SPEC §3 "Variable-length batches" on a ring): cu holds
+    the offsets of the sequences over the whole row (n = cu[-1] rows, split in contiguous
+    chunks). A window is launched when some sequence has a segment meeting both its pieces;
+    ranks[j].seqs lists, per launch, the sequences that do (only they are launched), and
+    the launch mask is the union of theirs. Packed rows travel uncompacted (stride 1): the
+    rows a branch keeps are a residue class of each sequence's own start."""
+    if order != "contiguous":
+        raise ValueError("packed rows on a ring take contiguous chunks only")
+    import bisect
+    n, P = cu[-1], ring["ring_size"]
+    pieces = ring_pieces(n, P, order)
+    seqs = [(cu[i], cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
+    nonempty = [i for i, (_, ln) in enumerate(seqs) if ln > 0]
+    starts = [seqs[i][0] for i in nonempty]
+
+    def meeting(p):     # non-empty sequences that hold a row of piece p, in order
+        lo = max(bisect.bisect_right(starts, p[0]) - 1, 0)
+        hi = bisect.bisect_left(starts, p[0] + p[1])
+        return [i for i in nonempty[lo:hi] if seqs[i][0] + seqs[i][1] > p[0]]
+
+    steps = []
+    full_rows = sent_rows = 0
+    used = 0
+    for t in range(P):
+        ranks = []
+        for j in range(P):
+            src = (j - t) % P
+            launches, lseqs = [], []
+            for qi, qp in enumerate(pieces[j]):
+                cand = meeting(qp)
+                for ki, kp in enumerate(pieces[src]):
+                    bits, who = 0, []
+                    for i in cand:
+                        m = packed_window_mask(ring, seqs[i], qp, kp)
+                        if m:
+                            bits |= m
+                            who.append(i)
+                    if bits:
+                        launches.append([qi, ki, bits])
+                        lseqs.append(who)
+                        if t:
+                            used |= bits
+            ranks.append({"launches": launches, "seqs": lseqs, "stride": [1] * len(pieces[src])})
+        for j in range(P):
+            dst = (j + t) % P
+            ranks[j]["recv"] = bool(t) and bool(ranks[j]["launches"])
+            ranks[j]["send"] = bool(t) and bool(ranks[dst]["launches"])
+            if t and ranks[j]["recv"]:
+                rows = sum(kp[1] for kp in pieces[(j - t) % P])
+                full_rows += rows
+                sent_rows += rows
+        if t == 0 or any(r["launches"] for r in ranks):
+            steps.append({"offset": t, "ranks": ranks})
+    local_only = [br["index"] for br in ring["branches"] if not used >> br["index"] & 1]
+    return {"n": n, "ring_size": P, "order": order, "pieces": pieces, "steps": steps,
+            "local_only": local_only, "packed": True,
+            "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
+
+
 def choose_transport(ring: dict, schedule: dict, *, bytes_per_row: int,
                      step_compute_s: list[float], free_bytes: int | None = None) -> str:
     """Cost model: a ring pass overlaps each step's transfer with the previous step's

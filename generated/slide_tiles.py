@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 39c8c6794e25fad4
+# template hash: 1b957bfceb9fe6c6
 # plan key:      55591ab0a1e5411c55d2a3b9414f6a1973f159bbee680d823accf73e3627a7b1
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

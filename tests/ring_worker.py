@@ -96,6 +96,79 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     return fails
 
 
+def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> list[str]:
+    """A packed row (cu_seqlens over the whole row) split in P contiguous chunks: this rank's
+    rows of out, lse and the q, k, v gradients against the single-device packed call of the
+    same spec with ring_size 1 (itself checked against the float64 reference in
+    tests/test_varlen.py)."""
+    import dilgen
+
+    fields = dict(case["spec"])
+    fields.setdefault("num_heads", 2)
+    fields.setdefault("head_dim", 16)
+    fields.setdefault("dtype", "float32")
+    ring_spec = dilgen.Spec(name=case["name"], ring_size=P, **fields)
+    one_spec = dilgen.Spec(name=case["name"] + "_1dev", ring_size=1, **fields)
+    lengths = case["lengths"]
+    cu_list = [0]
+    for n in lengths:
+        cu_list.append(cu_list[-1] + n)
+    total = cu_list[-1]
+    assert total % P == 0, f"{case['name']}: total {total} not divisible by {P}"
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=dev)
+    H, Hkv, D = ring_spec.num_heads, ring_spec.num_kv_heads, ring_spec.head_dim
+    dt = getattr(torch, ring_spec.dtype)
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    q, k, v = (torch.randn((total, h, D), generator=gen).to(dt).to(dev) for h in (H, Hkv, Hkv))
+    gout = torch.randn((total, H, D), generator=gen).to(dev)
+    glse = torch.randn((H, total), generator=gen).to(dev)
+
+    def loss_of(out, lse, g_out, g_lse):
+        fin = torch.isfinite(lse.detach())
+        return (out.float() * g_out).sum() + torch.where(fin, lse, torch.zeros_like(lse)).mul(g_lse).sum()
+
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_out, ref_lse = dilgen.compile(one_spec)(*full, cu_seqlens=cu, return_lse=True)
+    loss_of(ref_out, ref_lse, gout, glse).backward()
+
+    c = total // P
+    rows = slice(rank * c, (rank + 1) * c)
+    mine = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
+    saved = os.environ.get("DILGEN_RING_TRANSPORT")
+    os.environ["DILGEN_RING_TRANSPORT"] = case.get("transport", "auto")
+    try:
+        out, lse = dilgen.compile(ring_spec)(*mine, cu_seqlens=cu, return_lse=True, group=group)
+    finally:
+        if saved is None:
+            del os.environ["DILGEN_RING_TRANSPORT"]
+        else:
+            os.environ["DILGEN_RING_TRANSPORT"] = saved
+    if tuple(out.shape) != (c, H, D) or tuple(lse.shape) != (H, c):
+        return [f"{case['name']} rank {rank}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}"]
+    loss_of(out, lse, gout[rows], glse[:, rows]).backward()
+
+    tol = TOL[ring_spec.dtype]
+    fails = []
+    if torch.isnan(out).any():
+        fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
+    err = rel_error(out, ref_out[rows])
+    if not err < tol:
+        fails.append(f"{case['name']} rank {rank}: out rel error {err:.3g} >= {tol}")
+    want_lse = ref_lse.detach()[:, rows].cpu()
+    if not torch.equal(torch.isfinite(lse.detach().cpu()), torch.isfinite(want_lse)):
+        fails.append(f"{case['name']} rank {rank}: lse -inf pattern differs")
+    else:
+        fin = torch.isfinite(want_lse)
+        e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
+        if not e < tol:
+            fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
+    for name, leaf, ref in zip("qkv", mine, full):
+        e = rel_error(leaf.grad, ref.grad[rows])
+        if not e < 2 * tol:
+            fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
+    return fails
+
+
 def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -113,7 +186,8 @@ def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backen
             if case.get("expect_error"):
                 report["fails"].extend(check_error(case, rank, P, dev))
                 continue
-            fails = check_case(case, rank, P, dev)
+            check = check_packed_case if case.get("lengths") else check_case
+            fails = check(case, rank, P, dev)
             report["fails"].extend(fails)
             if not fails:
                 report["passed"].append(case["name"])
@@ -132,6 +206,8 @@ def check_error(case: dict, rank: int, P: int, dev) -> list[str]:
     kind = case["expect_error"]
     fields = dict(num_heads=2, head_dim=16, dtype="float32", segment_lengths=[8, 16],
                   dilation_rates=[1, 2], ring_size=P)
+    if kind.startswith("packed_"):
+        return check_packed_error(case, rank, P, dev, fields)
     n_loc = 16
     if kind == "ring_size":
         fields["ring_size"] = P + 1
@@ -147,6 +223,34 @@ def check_error(case: dict, rank: int, P: int, dev) -> list[str]:
     q, k, v = (torch.randn(1, n_loc, 2, 16, dtype=fields_dtype, device=dev) for _ in range(3))
     try:
         dilgen.compile(spec)(q, k, v)
+    except RingError as exc:
+        msg = str(exc)
+        if "\n" in msg or case["expect_in"] not in msg:
+            return [f"{kind} rank {rank}: unexpected message: {msg!r}"]
+        return []
+    except Exception as exc:  # noqa: BLE001
+        return [f"{kind} rank {rank}: wrong exception {type(exc).__name__}: {exc}"]
+    return [f"{kind} rank {rank}: no error raised"]
+
+
+def check_packed_error(case: dict, rank: int, P: int, dev, fields: dict) -> list[str]:
+    """Packed rows on a ring that must fail the same way on every rank (never hang):
+    cu_seqlens differing across ranks, a total not divisible by P, a bad cu on one rank."""
+    import dilgen
+    from dilgen.runtime.ring import RingError
+    kind = case["expect_error"]
+    n_loc = 12
+    cu = [0, 5, 6 * P, n_loc * P]
+    if kind == "packed_cu_differs" and rank == 1:
+        cu = [0, 7, 6 * P, n_loc * P]            # same total, other borders
+    if kind == "packed_not_divisible":
+        cu = [0, 5, n_loc * P + 1]               # one row more than P chunks of n_loc
+    if kind == "packed_bad_cu" and rank == P - 1:
+        cu = [0, 9, 5, n_loc * P]                # decreasing offsets on the last rank only
+    spec = dilgen.Spec(name=f"ring_perr_{kind[7:]}", **fields)
+    q, k, v = (torch.randn(n_loc, 2, 16, device=dev) for _ in range(3))
+    try:
+        dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev))
     except RingError as exc:
         msg = str(exc)
         if "\n" in msg or case["expect_in"] not in msg:

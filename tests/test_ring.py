@@ -88,6 +88,32 @@ def test_transport_cost_model_prefers_overlap_when_compute_dominates():
     assert ir.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, free_bytes=10) == "ring"
 
 
+def test_packed_schedule_launches_only_sequences_that_meet():
+    ring = _ring_json(2, [8, 16], [1, 2])
+    # no sequence crosses the border at 16: the local step only
+    sched = ir.ring_schedule_packed(ring, [0, 16, 32])
+    assert [s["offset"] for s in sched["steps"]] == [0]
+    assert sched["steps"][0]["ranks"][1]["seqs"] == [[1]]
+    assert sched["local_only"] == [0, 1]
+    # [10, 30) crosses it: its segments (from row 10) of w = 8 end at 18, of w = 16 at 26
+    sched = ir.ring_schedule_packed(ring, [0, 10, 30, 32])
+    step1 = sched["steps"][1]
+    assert step1["ranks"][1]["launches"] == [[0, 0, 0b11]] and step1["ranks"][1]["seqs"] == [[1]]
+    assert step1["ranks"][0]["launches"] == [[0, 0, 0b11]]
+    assert step1["ranks"][0]["stride"] == [1]                 # packed rows travel uncompacted
+    # causal: rank 0 never needs the later rank's keys
+    sched = ir.ring_schedule_packed(_ring_json(2, [8, 16], [1, 2], causal=True), [0, 10, 30, 32])
+    assert sched["steps"][1]["ranks"][0]["launches"] == []
+    assert [r["recv"] for r in sched["steps"][1]["ranks"]] == [False, True]
+    # a border inside the sequence but not inside any of its segments: w = 8 from row 8
+    # ends exactly at 16; only the w = 16 branch ([8, 24)) crosses
+    sched = ir.ring_schedule_packed(ring, [0, 8, 32])
+    assert sched["steps"][1]["ranks"][1]["launches"] == [[0, 0, 0b10]]
+    # zero-length sequences launch nothing
+    sched = ir.ring_schedule_packed(ring, [0, 0, 16, 16, 32, 32])
+    assert sched["steps"][0]["ranks"][0]["seqs"] == [[1]] and sched["steps"][0]["ranks"][1]["seqs"] == [[3]]
+
+
 def test_shard_unshard_roundtrip():
     x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
     for order in ("contiguous", "zigzag"):
@@ -209,6 +235,48 @@ CASES_P4 = [
 @pytest.mark.parametrize("P, cases", [(2, CASES_P2), (4, CASES_P4)], ids=["P2", "P4"])
 def test_ring_matches_single_device_reference(P, cases, tmp_path):
     reports = _run_ring(P, cases, tmp_path, timeout_s=360)
+    fails = [f for r in reports for f in r["fails"]]
+    assert not fails, "\n".join(fails)
+    want = [c["name"] for c in cases if not c.get("expect_error")]
+    for r in reports:
+        assert r["passed"] == want
+
+
+# -- packed rows (cu_seqlens over the whole row) on a ring ------------------------------------
+# Sequences spanning rank borders, longer than a chunk, tiny and empty; causal and not; GQA,
+# MQA; r not dividing w; Hilbert segment scope; the all-gather transport. Every rank checks
+# its rows of out, lse and dq, dk, dv against the single-device packed call (ring_worker).
+PACKED_P2 = [
+    {"name": "pk_span_causal", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 2],
+                                        "causal": True}, "lengths": [5, 40, 3, 0, 16]},
+    {"name": "pk_tiny_zero", "spec": {"segment_lengths": [4, 8], "dilation_rates": [1, 2]},
+     "lengths": [1, 2, 0, 3, 1, 5, 2, 0, 1, 9]},
+    {"name": "pk_gqa_r3_causal", "spec": {"segment_lengths": [10, 20], "dilation_rates": [1, 3],
+                                          "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "lengths": [17, 29, 14]},
+    {"name": "pk_hilbert_segment", "spec": {"segment_lengths": [16, 32], "dilation_rates": [1, 2],
+                                            "hilbert": {"scope": "segment"}}, "lengths": [21, 32, 11]},
+    {"name": "pk_mqa_allgather", "spec": {"segment_lengths": [8, 16], "dilation_rates": [2, 4],
+                                          "num_heads": 4, "num_kv_heads": 1},
+     "lengths": [12, 30, 6], "transport": "allgather"},
+]
+PACKED_P3 = [
+    {"name": "p3_long_causal", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 2],
+                                        "causal": True}, "lengths": [3, 50, 7]},
+    {"name": "p3_tiny_zero", "spec": {"segment_lengths": [4, 8], "dilation_rates": [1, 2]},
+     "lengths": [1, 2, 0, 3, 1, 5, 2, 0, 1, 9]},
+    {"name": "p3_gqa_r3", "spec": {"segment_lengths": [10, 20], "dilation_rates": [1, 3],
+                                   "num_heads": 4, "num_kv_heads": 2}, "lengths": [0, 31, 14, 15]},
+    {"name": "err_cu_differs", "expect_error": "packed_cu_differs", "expect_in": "disagree on cu_seqlens"},
+    {"name": "err_not_divisible", "expect_error": "packed_not_divisible", "expect_in": "not divisible"},
+    {"name": "err_bad_cu", "expect_error": "packed_bad_cu", "expect_in": "bad inputs"},
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P, cases", [(2, PACKED_P2), (3, PACKED_P3)], ids=["P2", "P3"])
+def test_packed_ring_matches_single_device_packed_call(P, cases, tmp_path):
+    reports = _run_ring(P, cases, tmp_path, timeout_s=240)
     fails = [f for r in reports for f in r["fails"]]
     assert not fails, "\n".join(fails)
     want = [c["name"] for c in cases if not c.get("expect_error")]

@@ -199,11 +199,17 @@ def test_left_padding_is_refused():
         dilgen.compile(spec).padded(q, k, v, mask)
 
 
-def test_ring_specs_refuse_packed_batches():
+def test_ring_specs_take_packed_rows_over_a_process_group_only():
+    """A ring spec takes cu_seqlens over the ranks of a process group (tests/test_ring.py runs
+    them); without one the error says how to launch, and right-padded batches stay on one
+    device."""
     spec = _spec("vl_ring", [8], [1]).replace(ring_size=2)
     q, k, v = _inputs(_spec("x", [8], [1]), 16, 9)
-    with pytest.raises(InputError, match="ring_size = 2"):
+    with pytest.raises(InputError, match="init_process_group"):
         dilgen.compile(spec)(q, k, v, cu_seqlens=_cu([16]))
+    with pytest.raises(InputError, match="ring_size = 2"):
+        dilgen.compile(spec).padded(q.view(2, 8, 4, 16), k.view(2, 8, 4, 16), v.view(2, 8, 4, 16),
+                                    torch.zeros(2, 8, dtype=torch.bool))
 
 
 def test_multihead_layer_with_key_padding_mask_equals_each_item_alone():

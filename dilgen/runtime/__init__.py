@@ -304,9 +304,14 @@ class GeneratedAttention:
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
         if cu_seqlens is not None:
+            if self.plan["ring"]["ring_size"] > 1:   # a packed row split over the ring's ranks
+                from .ring import ring_varlen_attention
+                return ring_varlen_attention(self, q, k, v, cu_seqlens, group=group,
+                                             max_seqlen=max_seqlen, return_lse=return_lse,
+                                             chunk_order=chunk_order)
             if group is not None or chunk_order != "contiguous":
                 raise InputError(f"{self.spec['name']}: cu_seqlens does not combine with group= or "
-                                 f"chunk_order= (packed batches run on one device)")
+                                 f"chunk_order= on a ring_size = 1 spec (one device)")
             return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
         if max_seqlen is not None:
             raise InputError(f"{self.spec['name']}: max_seqlen goes with cu_seqlens (packed batches)")
@@ -327,17 +332,23 @@ class GeneratedAttention:
     # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
     def _varlen_ready(self) -> None:
         if self.plan["ring"]["ring_size"] > 1:
-            raise InputError(f"{self.spec['name']}: packed sequences (cu_seqlens) run on one device; "
-                             f"this spec has ring_size = {self.plan['ring']['ring_size']}: use a "
-                             f"ring_size = 1 spec for packed batches")
+            raise InputError(f"{self.spec['name']}: right-padded batches (key_padding_mask) run on "
+                             f"one device; this spec has ring_size = {self.plan['ring']['ring_size']}: "
+                             f"on a ring pack the items and call kernel(q, k, v, cu_seqlens=cu) on "
+                             f"every rank, or use a ring_size = 1 spec")
 
     def varlen(self, q, k, v, cu_seqlens, *, max_seqlen: int | None = None, return_lse: bool = False):
         """Packed sequences: q (total, H, D), k and v (total, H_kv, D), cu_seqlens int32 (B + 1)
         offsets (cu[0] = 0, non-decreasing, cu[-1] = total; empty sequences allowed). Sequence b
         is rows cu[b]:cu[b+1] and gets exactly its output alone. Returns out (total, H, D) and,
-        with return_lse=True, lse (H, total) float32. Autograd-aware."""
+        with return_lse=True, lse (H, total) float32. Autograd-aware. On a ring spec (ring_size
+        P > 1) every rank passes its N/P contiguous rows and the same cu_seqlens over the whole
+        row of N rows, and gets back its rows (lse (H, N/P)): see ring.ring_varlen_attention."""
         from .varlen import check_varlen_inputs, packing_from_cu_seqlens
-        self._varlen_ready()
+        if self.plan["ring"]["ring_size"] > 1:   # this rank's rows of a packed row (default group)
+            from .ring import ring_varlen_attention
+            return ring_varlen_attention(self, q, k, v, cu_seqlens, max_seqlen=max_seqlen,
+                                         return_lse=return_lse)
         total = check_varlen_inputs(self.spec, q, k, v)
         packing = packing_from_cu_seqlens(self.spec["name"], cu_seqlens, total, q.device, max_seqlen)
         from .op import varlen_attention_op

@@ -109,8 +109,12 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
         if max_seqlen is None:
             raise InputError(f"{spec['name']}: under torch.compile pass max_seqlen= with cu_seqlens "
                              f"(the longest sequence; the offsets are not read on the host)")
-        if spec["ring_size"] > 1 or group is not None:
-            raise InputError(f"{spec['name']}: packed sequences (cu_seqlens) run on one device")
+        if spec["ring_size"] > 1:
+            raise NotImplementedError(
+                f"{spec['name']}: a packed row on a ring (cu_seqlens with ring_size > 1) runs "
+                f"eagerly, not as a torch.ops op: call the kernel outside torch.compile")
+        if group is not None:
+            raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
         out, lse = attention_varlen_fwd(q, k, v, cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1],
                                         int(max_seqlen), True, [], key)
         return (out, lse) if return_lse else out

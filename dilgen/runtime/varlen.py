@@ -169,8 +169,9 @@ def _check_plan(attn) -> None:
     plan = attn.plan
     name = attn.spec["name"]
     if plan["ring"]["ring_size"] > 1:
-        raise _fail(name, f"packed sequences run on one device; this spec has ring_size = "
-                          f"{plan['ring']['ring_size']}: use a ring_size = 1 spec for packed batches")
+        raise _fail(name, f"the single-device packed launches got a spec with ring_size = "
+                          f"{plan['ring']['ring_size']}: on a ring call kernel(q, k, v, "
+                          f"cu_seqlens=cu) on every rank (dilgen.runtime.ring.ring_varlen_attention)")
     if any(t["scope"] == "sequence" for t in plan["tables"]):
         raise _fail(name, "hilbert scope 'sequence' fixes N = rows * cols (one image), so a "
                           "sequence of another length has no curve: pad the images to the grid, "

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 39c8c6794e25fad4
+# template hash: 1b957bfceb9fe6c6
 # plan key:      b6df1222ab957c169bc3c25e44fe8595656111c438a365fc3ea39c32b16ad0ea
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -19,9 +19,18 @@ its epilogue: lse = log(e^lse_a + e^lse_b), out = (e^lse_a out_a + e^lse_b out_b
 partial dK, dV of remote keys go back to their owner along the reversed schedule and are
 added there in fp32. Memory per rank is O(N / P) (plus int32 curve tables of N entries
 for Hilbert-ordered specs).
+
+Packed rows (cu_seqlens over the whole row, ring_varlen_attention): the same contiguous
+chunks, sequences may span rank borders. dilgen.ir.ring_schedule_packed launches a window
+for the sequences that have a segment (restarting at the sequence's first row) meeting both
+its pieces; the kernels run with VARLEN, program b taking one such sequence and the
+windows in positions local to it (templates/common.jinja ring_varlen_window). Keys travel
+uncompacted (a branch's kept rows follow each sequence's start). Eager only: no
+torch.ops op, so no torch.compile graph for packed ring calls yet.
 """
 from .agreement import RingError
-from .executor import RingRun, ring_attention, ring_backward, ring_forward
+from .executor import RingRun, ring_attention, ring_backward, ring_forward, ring_varlen_attention
 from .sharding import shard, unshard
 
-__all__ = ["RingError", "RingRun", "ring_attention", "ring_backward", "ring_forward", "shard", "unshard"]
+__all__ = ["RingError", "RingRun", "ring_attention", "ring_backward", "ring_forward",
+           "ring_varlen_attention", "shard", "unshard"]

@@ -32,34 +32,80 @@ def _group_info(spec: dict, group) -> tuple[int, int, Any]:
     return P, dist.get_rank(group), dist
 
 
-def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device) -> torch.Tensor:
+def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
+                 cu: list[int] | None = None) -> torch.Tensor:
     key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
         (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
     def shape(t, i):
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
     vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            int(error is not None)]
+            _cu_key(cu), int(error is not None)]
     return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
-           "local rows of k", "local rows of v", "dtype", "chunk order", "input error"]
+           "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
+           "input error"]
 
 
-def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist) -> None:
-    """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
-    same error on every rank instead of hanging in a later send."""
+def _cu_key(cu: list[int] | None) -> int:
+    """A packed row's offsets as one int64 (0: not packed)."""
+    if cu is None:
+        return 0
+    return 1 + int.from_bytes(hashlib.sha256(repr(list(cu)).encode()).digest()[:7], "big")
+
+
+def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqlen) -> list[int]:
+    """A packed row on a ring (SPEC §3): q (N/P, H, D), k, v (N/P, H_kv, D) on every rank, and
+    cu_seqlens the offsets over the whole row of N = P x N/P rows. Returns the offsets."""
+    from ..varlen import check_varlen_inputs, packing_from_cu_seqlens
     name = spec["name"]
-    error = None
+    hil = spec.get("hilbert")
+    if hil is not None and hil.get("scope") == "sequence":
+        raise InputError(f"{name}: hilbert scope 'sequence' fixes N = rows * cols (one image), so "
+                         f"a packed sequence of another length has no curve: use scope 'segment'")
+    if order != "contiguous":
+        raise InputError(f"{name}: a packed row (cu_seqlens) on a ring is split in contiguous "
+                         f"chunks: chunk_order must be 'contiguous', got {order!r}")
+    n_loc = check_varlen_inputs(spec, q, k, v)
+    if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32
+            and cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2):
+        total = int(cu_seqlens[-1])
+        if total % P:
+            raise InputError(f"{name}: cu_seqlens[-1] = {total} packed rows is not divisible by "
+                             f"ring_size = {P}: every rank holds N / {P} rows of the row; pad "
+                             f"the packed row to a multiple of {P} rows (e.g. one more sequence)")
+        if total != n_loc * P:
+            raise InputError(f"{name}: cu_seqlens[-1] = {total} but this rank holds {n_loc} rows "
+                             f"({P} x {n_loc} = {n_loc * P} in all): cu_seqlens covers the whole "
+                             f"packed row and every rank passes its {total // P} rows")
+    packing_from_cu_seqlens(name, cu_seqlens, n_loc * P, q.device, max_seqlen)
+    return cu_seqlens.tolist()
+
+
+def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
+           cu_seqlens=None, max_seqlen=None) -> list[int] | None:
+    """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
+    same error on every rank instead of hanging in a later send. With cu_seqlens (a packed
+    row: q, k, v of 3 dims) every rank must pass the same offsets; returns them."""
+    name = spec["name"]
+    error = cu = None
     try:
-        _check_inputs(spec, q, k, v)
         if order not in CHUNK_ORDERS:
             raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
+        if cu_seqlens is None:
+            _check_inputs(spec, q, k, v)
+        else:
+            cu = _check_packed(spec, q, k, v, order, P, cu_seqlens, max_seqlen)
     except InputError as exc:
         error = str(exc)
+    if cu_seqlens is not None:   # the fingerprint reads packed rows as one batch element
+        q, k, v = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+                   for t in (q, k, v))
     device = q.device if isinstance(q, torch.Tensor) and dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device)
+    mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device,
+                        cu if cu_seqlens is not None else None)
     every = [torch.empty_like(mine) for _ in range(P)]
     dist.all_gather(every, mine, group=group)
     rows = [x.tolist() for x in every]
@@ -73,7 +119,12 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist) -> Non
         values = [r[f] for r in rows]
         if len(set(values)) > 1:
             by_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
+            if label == "cu_seqlens":
+                raise RingError(f"{name}: the ranks disagree on cu_seqlens (offsets hash by rank: "
+                                f"{by_rank}); every rank must pass the same cu_seqlens, the "
+                                f"offsets of the sequences over the whole packed row")
             hint = ("every rank must compile the same spec" if f == 0 else
                     "N must be divisible by ring_size, every rank passing N / ring_size rows"
                     if "rows" in label else "every rank must pass tensors of the same shape and dtype")
             raise RingError(f"{name}: the ranks disagree on {label} ({by_rank}); {hint}")
+    return cu

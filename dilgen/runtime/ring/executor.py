@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ...ir import choose_transport, ring_schedule
+from ...ir import choose_transport, ring_schedule, ring_schedule_packed
 from .. import _interpreting
 from ..backward import backward_inputs
 from ..tables import table_tensors
@@ -53,11 +53,18 @@ class _Exchange:
 class RingRun:
     """One ring call's geometry: group, pieces, schedule, kernels and launch helpers."""
 
-    def __init__(self, attn, q, k, v, group, order: str):
+    def __init__(self, attn, q, k, v, group, order: str, cu_seqlens=None, max_seqlen=None):
+        """cu_seqlens: a packed row: q (N/P, H, D), k, v (N/P, H_kv, D) hold the rank's rows
+        and cu_seqlens the offsets of the sequences over the whole row, the same on every
+        rank; ring_forward / ring_backward then take (1, N/P, heads, D) views of them."""
         spec = attn.spec
         self.attn, self.group, self.order = attn, group, order
         self.P, self.me, self.dist = _group_info(spec, group)
-        _agree(spec, q, k, v, order, group, self.P, self.me, self.dist)
+        self.packed = cu_seqlens is not None
+        cu = _agree(spec, q, k, v, order, group, self.P, self.me, self.dist,
+                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if self.packed:         # (N/P, heads, D) rows: one batch element of the kernels' views
+            q, k, v = (t.unsqueeze(0) for t in (q, k, v))
         B, n_loc = q.shape[0], q.shape[1]
         self.B, self.n_loc, self.N = B, n_loc, n_loc * self.P
         parts = 2 * self.P if order == "zigzag" else self.P
@@ -76,10 +83,14 @@ class RingRun:
                             f"chunk_order must be 'contiguous', got {order!r}")
         self.H, self.Hkv, self.D = q.shape[2], k.shape[2], q.shape[3]
         cache = attn.__dict__.setdefault("_ring_schedules", {})
-        key = (self.N, order)
+        key = (self.N, order) if cu is None else (self.N, order, tuple(cu))
         if key not in cache:
-            cache[key] = ring_schedule(attn.plan["ring"], self.N, order)
+            if len(cache) > 32:
+                cache.clear()
+            cache[key] = (ring_schedule(attn.plan["ring"], self.N, order) if cu is None
+                          else ring_schedule_packed(attn.plan["ring"], cu, order))
         self.sched = cache[key]
+        self.cu = cu
         self.pieces = self.sched["pieces"]
         self.rows0 = []                      # local row of each of my pieces
         row = 0
@@ -91,8 +102,20 @@ class RingRun:
         plan = attn.plan
         self.class_order, _ = attn._launch_tensors(n_loc, q.device)
         self.tables = []
-        for t in plan["tables"]:
-            self.tables.extend(table_tensors(t, self.N, q.device))
+        if cu is None:
+            for t in plan["tables"]:
+                self.tables.extend(table_tensors(t, self.N, q.device))
+        elif plan["tables"]:     # every sequence's own tables, at its rows of the packed row
+            from ..varlen import Packing, packed_tables
+            starts = torch.tensor(cu[:-1], dtype=torch.int32)
+            lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], dtype=torch.int32)
+            self.tables = packed_tables(plan, Packing(starts, lens, int(lens.max()), True),
+                                        self.N, q.device)
+        if cu is not None:
+            self.seq_start = torch.tensor(cu[:-1], dtype=torch.int32, device=q.device)
+            self.seq_len = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])],
+                                        dtype=torch.int32, device=q.device)
+            self._windows = {}
         self.lattice = plan["query"]["lattice"]
         self.transport = self._transport(q)
         self.gathered = None
@@ -271,6 +294,56 @@ class RingRun:
         g = step["ranks"][self.me]["stride"][ki]
         return k_off, n_k, g
 
+    def bstride(self, t: torch.Tensor) -> int:
+        """Batch stride the kernels take: 0 for a packed row (program b is sequence b)."""
+        return 0 if self.packed else t.stride(0)
+
+    def window(self, step, li: int) -> dict:
+        """What launch li of a step runs over: (SeqStart, SeqLen) arguments, the number of
+        grid batch rows and the longest query part (grid size); for a packed row also each
+        launched sequence's (start, length, query part, key part), positions local to it."""
+        if not self.packed:
+            qi = self.launches_of(step)[li][0]
+            return {"args": (self.class_order, self.class_order), "count": self.B,
+                    "n_q": self.pieces[self.me][qi][1], "parts": None}
+        key = (step["offset"], li)
+        hit = self._windows.get(key)
+        if hit is None:
+            qi, ki, _ = self.launches_of(step)[li]
+            seqs = step["ranks"][self.me]["seqs"][li]
+            qp = self.pieces[self.me][qi]
+            kp = self.pieces[(self.me - step["offset"]) % self.P][ki]
+            parts = []
+            for i in seqs:
+                s0, n = self.cu[i], self.cu[i + 1] - self.cu[i]
+                qa, qe = max(qp[0], s0) - s0, min(qp[0] + qp[1], s0 + n) - s0
+                ka, ke = max(kp[0], s0) - s0, min(kp[0] + kp[1], s0 + n) - s0
+                parts.append((n, qa, qe, ka, ke))
+            idx = torch.tensor(seqs, dtype=torch.long).to(self.seq_start.device)
+            hit = self._windows[key] = {
+                "args": (self.seq_start[idx].contiguous(), self.seq_len[idx].contiguous()),
+                "count": len(seqs), "n_q": max(qe - qa for _, qa, qe, _, _ in parts),
+                "parts": parts}
+        return hit
+
+    def dkdv_grid(self, win: dict, br: dict, k_off: int, n_k: int) -> tuple[int, int]:
+        """(segments, key lanes) a per-branch dkdv launch covers: the longest over the
+        launched sequences of a packed row."""
+        w, r = br["w"], br["r"]
+        plain = br.get("order") is None and self.attn.plan["query"]["order"] is None
+
+        def one(N, k_off, n_k):
+            n_seg = min((k_off + n_k - 1) // w, (N - 1) // w) - k_off // w + 1
+            lanes = math.ceil(min(w, N) / r)
+            if plain:
+                lanes = min(lanes, math.ceil(n_k / r))
+            return n_seg, lanes
+
+        if win["parts"] is None:
+            return one(self.N, k_off, n_k)
+        grids = [one(N, ka, ke - ka) for N, _, _, ka, ke in win["parts"]]
+        return max(g[0] for g in grids), max(g[1] for g in grids)
+
     def step_keys(self, step):
         """The received key pieces of a remote step (all-gather transport)."""
         return self.gathered[(self.me - step["offset"]) % self.P]
@@ -309,7 +382,7 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     block_m = cfg["block_m"]
 
     def compute(step, keys):
-        for qi, ki, bits in run.launches_of(step):
+        for li, (qi, ki, bits) in enumerate(run.launches_of(step)):
             q_off, n_q = run.pieces[run.me][qi]
             if step["offset"] == 0:
                 kk, vv = run.piece(k, ki), run.piece(v, ki)
@@ -322,18 +395,20 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             dst = run.piece(out if todo[qi] == 0 else acc, qi)
             acc_v, lse_v = run.piece(acc, qi), lse.narrow(2, run.rows0[qi], n_q)
             qv = run.piece(q, qi)
-            num_m_tiles = math.ceil(math.ceil(n_q / run.lattice) / block_m)
+            win = run.window(step, li)
+            num_m_tiles = math.ceil(math.ceil(win["n_q"] / run.lattice) / block_m)
             classes = run.classes(bits, full=step["offset"] == 0)
-            grid = (classes.numel() * num_m_tiles, B * H)
+            grid = (classes.numel() * num_m_tiles, win["count"] * H)
+            aligned = not run.packed and q_off % (run.lattice * block_m) == 0
             kernel[grid](
                 qv, kk, vv, dst, lse_v, classes, *run.tables,
-                run.N, num_m_tiles, q_off, n_q, k_off, n_k, acc_v, lse_v,
-                qv.stride(0), qv.stride(1), qv.stride(2),
-                kk.stride(0), kk.stride(1), kk.stride(2),
-                vv.stride(0), vv.stride(1), vv.stride(2),
-                dst.stride(0), dst.stride(1), dst.stride(2),
-                lse_v.stride(0), lse_v.stride(1),
-                run.interpret, bits, g, merged[qi], q_off % (run.lattice * block_m) == 0, **opts)
+                run.N, num_m_tiles, q_off, n_q, k_off, n_k, acc_v, lse_v, *win["args"],
+                run.bstride(qv), qv.stride(1), qv.stride(2),
+                run.bstride(kk), kk.stride(1), kk.stride(2),
+                run.bstride(vv), vv.stride(1), vv.stride(2),
+                run.bstride(dst), dst.stride(1), dst.stride(2),
+                run.bstride(lse_v), lse_v.stride(1),
+                run.interpret, bits, g, merged[qi], aligned, run.packed, **opts)
 
     if run.transport == "allgather":
         if len(steps) > 1:
@@ -369,7 +444,7 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     pre = attn._kernel(run.interpret, source_fn=kernels["preprocess"])
     dkdv = attn._kernel(run.interpret, source_fn=kernels["dkdv"])
     dqk = attn._kernel(run.interpret, source_fn=kernels["dq"])
-    l_strides = (lse.stride(0), lse.stride(1))
+    l_strides = (run.bstride(lse), lse.stride(1))
     branches = {br["index"]: br for br in plan["branches"]}
     N = run.N
 
@@ -387,8 +462,9 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
         if step["offset"]:
             partials = [[torch.zeros_like(kk, dtype=torch.float32),
                          torch.zeros_like(vv, dtype=torch.float32)] for kk, vv in keys]
-        for qi, ki, bits in run.launches_of(step):
+        for li, (qi, ki, bits) in enumerate(run.launches_of(step)):
             q_off, n_q = run.pieces[run.me][qi]
+            win = run.window(step, li)
             if step["offset"] == 0:
                 kk, vv = run.piece(k, ki), run.piece(v, ki)
                 dkk, dvv = run.piece(dk, ki), run.piece(dv, ki)
@@ -401,34 +477,31 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
             qv, dov, dqv = run.piece(q, qi), run.piece(grad_out, qi), run.piece(dq, qi)
             lse_v = lse.narrow(2, run.rows0[qi], n_q)
             delta_v = delta.narrow(2, run.rows0[qi], n_q)
-            qs = (qv.stride(0), qv.stride(1), qv.stride(2))
-            ks = (kk.stride(0), kk.stride(1), kk.stride(2))
-            vs = (vv.stride(0), vv.stride(1), vv.stride(2))
-            dos = (dov.stride(0), dov.stride(1), dov.stride(2))
+            qs = (run.bstride(qv), qv.stride(1), qv.stride(2))
+            ks = (run.bstride(kk), kk.stride(1), kk.stride(2))
+            vs = (run.bstride(vv), vv.stride(1), vv.stride(2))
+            dos = (run.bstride(dov), dov.stride(1), dov.stride(2))
             for idx in range(len(branches)):
                 if not bits >> idx & 1:
                     continue
                 br = branches[idx]
-                w, r = br["w"], br["r"]
-                n_seg = min((k_off + n_k - 1) // w, (N - 1) // w) - k_off // w + 1
-                n_o = min(group_size, r)
-                lanes = math.ceil(min(w, N) / r)
-                if br.get("order") is None and plan["query"]["order"] is None:
-                    lanes = min(lanes, math.ceil(n_k / r))
+                n_seg, lanes = run.dkdv_grid(win, br, k_off, n_k)
+                n_o = min(group_size, br["r"])
                 n_jt = math.ceil(lanes / conf["kv_block_n"])
-                dkdv[(n_seg * n_o * n_jt, B * Hkv)](
+                dkdv[(n_seg * n_o * n_jt, win["count"] * Hkv)](
                     qv, kk, vv, dov, dkk, dvv, lse_v, delta_v, *run.tables,
-                    N, n_jt, q_off, n_q, k_off, n_k, *qs, *ks, *vs, *dos,
-                    dkk.stride(0), dkk.stride(1), dkk.stride(2), *l_strides,
-                    run.interpret, idx, g, **launch["dkdv"])
+                    N, n_jt, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
+                    run.bstride(dkk), dkk.stride(1), dkk.stride(2), *l_strides,
+                    run.interpret, idx, g, run.packed, **launch["dkdv"])
             bm = conf["dq_block_m"]
-            num_m_tiles = math.ceil(math.ceil(n_q / run.lattice) / bm)
+            num_m_tiles = math.ceil(math.ceil(win["n_q"] / run.lattice) / bm)
             classes = run.classes(bits, full=step["offset"] == 0)
-            dqk[(classes.numel() * num_m_tiles, B * H)](
+            aligned = not run.packed and q_off % (run.lattice * bm) == 0
+            dqk[(classes.numel() * num_m_tiles, win["count"] * H)](
                 qv, kk, vv, dov, dqv, lse_v, delta_v, classes, *run.tables,
-                N, num_m_tiles, q_off, n_q, k_off, n_k, *qs, *ks, *vs, *dos,
-                dqv.stride(0), dqv.stride(1), dqv.stride(2), *l_strides,
-                run.interpret, bits, g, True, q_off % (run.lattice * bm) == 0, **launch["dq"])
+                N, num_m_tiles, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
+                run.bstride(dqv), dqv.stride(1), dqv.stride(2), *l_strides,
+                run.interpret, bits, g, True, aligned, run.packed, **launch["dq"])
         return partials
 
     def settle(exchange):
@@ -498,4 +571,22 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
         out, lse = _RingFunction.apply(q, k, v, run)
     else:
         out, lse = ring_forward(run, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def ring_varlen_attention(attn, q, k, v, cu_seqlens, *, group=None, max_seqlen=None,
+                          return_lse: bool = False, chunk_order: str = "contiguous"):
+    """A packed row on the ring (SPEC §3 "Variable-length batches"): every rank of `group`
+    passes its contiguous N/P rows q (N/P, H, D), k, v (N/P, H_kv, D) and the same
+    cu_seqlens over the whole row of N rows (sequences may span rank borders). Returns its
+    rows of out (and lse (H, N/P)), autograd-aware, equal to the single-device packed call.
+    Runs eagerly (not as a torch.ops op) on `group` or the default group."""
+    run = RingRun(attn, q, k, v, group, chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _RingFunction.apply(q4, k4, v4, run)
+    else:
+        out, lse = ring_forward(run, q4, k4, v4)
+    out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
