@@ -25,8 +25,8 @@ def _target(name: str):
         raise SpecError(str(exc)) from None
 
 
-def plan_summary(plan, seq_len: int | None = None) -> str:
-    """A one-screen summary of a plan, in words."""
+def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) -> str:
+    """A one-screen summary of a plan, in words (cu: a packed row, for the ring schedule)."""
     q, cfg = plan.query, plan.config
     lines = [
         f"spec {plan.spec['name']}  (key {plan.spec_key[:12]})  target {plan.target}",
@@ -54,7 +54,7 @@ def plan_summary(plan, seq_len: int | None = None) -> str:
     lines.append(f"  ring: ring_size {plan.ring.ring_size}"
                  + (" (single device)" if plan.ring.ring_size == 1 else ""))
     if plan.ring.ring_size > 1:
-        lines.extend(ring_summary(plan, seq_len))
+        lines.extend(ring_summary(plan, seq_len, cu))
     return "\n".join(lines)
 
 
@@ -103,16 +103,21 @@ def packed_summary(plan, cu: list[int]) -> list[str]:
     return lines
 
 
-def ring_summary(plan, seq_len: int | None) -> list[str]:
-    """The ring schedule in words, for N = seq_len (default: 64K tokens per rank)."""
-    from .ir import ring_schedule
+def ring_summary(plan, seq_len: int | None, cu: list[int] | None = None) -> list[str]:
+    """The ring schedule in words, for N = seq_len (default: 64K tokens per rank), or for
+    the packed row of offsets cu (kernel(q, k, v, cu_seqlens=cu) on every rank)."""
+    from .ir import ring_schedule, ring_schedule_packed
     P = plan.ring.ring_size
-    n = seq_len or 65536 * P
+    n = cu[-1] if cu is not None else (seq_len or 65536 * P)
     if n % P:
         return [f"    (N = {n} is not divisible by ring_size {P}: no schedule)"]
-    sched = ring_schedule(plan.ring.to_json(), n)
+    if cu is not None:
+        sched = ring_schedule_packed(plan.ring.to_json(), cu)
+    else:
+        sched = ring_schedule(plan.ring.to_json(), n)
     names = {b.index: f"[{b.index}]" for b in plan.branches}
-    lines = [f"    schedule at N = {n}: {n // P} rows per rank (contiguous chunks); "
+    what = f"of the packed row of {n} rows" if cu is not None else f"at N = {n}"
+    lines = [f"    schedule {what}: {n // P} rows per rank (contiguous chunks); "
              f"branches purely local: {' '.join(names[i] for i in sched['local_only']) or 'none'}"]
     for st in sched["steps"]:
         t = st["offset"]
@@ -126,7 +131,11 @@ def ring_summary(plan, seq_len: int | None) -> list[str]:
                 for _, _, b in r["launches"]:
                     bits |= b
                 branch_list = " ".join(names[i] for i in sorted(names) if bits >> i & 1)
-                pairs.append(f"{(j - t) % P}->{j} ({branch_list}; 1/{r['stride'][0]} of rows)")
+                who = ""
+                if cu is not None:
+                    seqs = sorted({i for ss in r["seqs"] for i in ss})
+                    who = f"; sequence(s) {seqs}" if len(seqs) <= 8 else f"; {len(seqs)} sequences"
+                pairs.append(f"{(j - t) % P}->{j} ({branch_list}; 1/{r['stride'][0]} of rows{who})")
         lines.append(f"    step {t}: " + ", ".join(pairs))
     lines.append(f"    bytes sent: {sched['bytes_fraction']:.3f} of the key/value chunks the steps move")
     return lines
@@ -237,7 +246,7 @@ def cmd_explain(args) -> int:
     cu = parse_cu_seqlens(args.cu_seqlens) if args.cu_seqlens else None
     if cu is not None and args.seq_len is not None:
         raise SpecError("--cu-seqlens and --seq-len: give one (a packed batch has cu_seqlens[-1] rows)")
-    print(plan_summary(plan, args.seq_len))
+    print(plan_summary(plan, args.seq_len, cu))
     if cu is not None:
         print("\n".join(packed_summary(plan, cu)))
     if args.png:

@@ -114,6 +114,17 @@ def test_packed_schedule_launches_only_sequences_that_meet():
     assert sched["steps"][0]["ranks"][0]["seqs"] == [[1]] and sched["steps"][0]["ranks"][1]["seqs"] == [[3]]
 
 
+def test_explain_shows_the_packed_ring_schedule(tmp_path, capsys):
+    from dilgen.cli import main
+    path = tmp_path / "rs.json"
+    path.write_text(json.dumps({"name": "rs", "num_heads": 4, "head_dim": 16, "ring_size": 2,
+                                "segment_lengths": [8, 32], "dilation_rates": [1, 2]}))
+    assert main(["explain", str(path), "--cu-seqlens", "0,10,30,32"]) == 0
+    text = capsys.readouterr().out
+    assert "schedule of the packed row of 32 rows: 16 rows per rank" in text
+    assert "0->1 ([0] [1]; 1/1 of rows; sequence(s) [1])" in text
+
+
 def test_shard_unshard_roundtrip():
     x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
     for order in ("contiguous", "zigzag"):
