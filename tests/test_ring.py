@@ -270,6 +270,8 @@ PACKED_P2 = [
     {"name": "pk_mqa_allgather", "spec": {"segment_lengths": [8, 16], "dilation_rates": [2, 4],
                                           "num_heads": 4, "num_kv_heads": 1},
      "lengths": [12, 30, 6], "transport": "allgather"},
+    {"name": "pk_bf16_causal", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 2],
+                                        "dtype": "bfloat16", "causal": True}, "lengths": [9, 33, 6]},
 ]
 PACKED_P3 = [
     {"name": "p3_long_causal", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 2],
