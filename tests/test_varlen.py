@@ -246,3 +246,17 @@ def test_bucket_order_groups_similar_lengths_longest_first():
     order, buckets = bucket_order([2 ** i for i in range(12)])
     assert len(buckets) == MAX_BUCKETS and buckets[-1][1] == 12
     assert bucket_order([0, 0]) == ([], ())
+
+
+def test_groups_split_to_stay_within_the_grid_limit(monkeypatch):
+    from dilgen.runtime import varlen
+    spec = CASES[1][1]
+    lengths = [1, 2, 3, 1, 5, 2]
+    q, k, v = _inputs(spec, sum(lengths), 12)
+    kernel = dilgen.compile(spec)
+    whole = kernel(q, k, v, cu_seqlens=_cu(lengths))
+    monkeypatch.setattr(varlen, "MAX_GRID_Y", 2 * spec.num_heads)   # two sequences per launch
+    packing = varlen.packing_from_cu_seqlens("t", _cu(lengths), sum(lengths), q.device)
+    assert all(st.numel() <= 2 for st, _, _ in packing.groups(spec.num_heads))
+    assert sum(st.numel() for st, _, _ in packing.groups(spec.num_heads)) == len(lengths)
+    assert torch.equal(kernel(q, k, v, cu_seqlens=_cu(lengths)), whole)

@@ -255,7 +255,7 @@ class GeneratedAttention:
             tables = packed_tables(plan, packing, q.shape[0], q.device)
             strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
                        0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
-            groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups()]
+            groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups(H)]
             varlen, covers_all = True, packing.covers_all
         _check_zero_pad(self.spec, N)
         if _POISON:

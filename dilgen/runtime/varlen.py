@@ -36,15 +36,20 @@ class Packing:
     def num_seqs(self) -> int:
         return int(self.starts.numel())
 
-    def groups(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """(starts, lengths, longest) of each launch group."""
-        if not self.buckets:
-            return [(self.starts, self.lengths, self.max_len)]
-        return [(self.starts[a:b], self.lengths[a:b], n) for a, b, n in self.buckets]
+    def groups(self, heads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(starts, lengths, longest) of each launch group, split so that a grid dimension of
+        sequences x `heads` programs stays within CUDA's 65535."""
+        spans = self.buckets or ((0, self.num_seqs, self.max_len),)
+        most = max(1, MAX_GRID_Y // max(1, heads))
+        return [(self.starts[i:min(i + most, b)], self.lengths[i:min(i + most, b)], n)
+                for a, b, n in spans for i in range(a, max(b, a + 1), most)]
 
 
 #: At most this many launch groups (so launches stay independent of the sequence count).
 MAX_BUCKETS = 4
+#: CUDA's limit on a grid's second and third dimensions (the fused kernels put sequences x
+#: heads there).
+MAX_GRID_Y = 65535
 
 
 def bucket_order(lengths: list[int]) -> tuple[list[int], tuple]:
