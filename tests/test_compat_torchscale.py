@@ -7,9 +7,8 @@
 - dilgen.compat.torchscale: torchscale's signatures and parameter names, state_dict round
   trips, patch() on a 2-layer encoder built the torchscale way, the unsupported features'
   errors, and the whole patched encoder against the torchscale one (attention swapped for
-  the float64 reference while the kernels refuse these specs);
-- the same through dilgen's kernels: skipped until the kernels take torchscale's layout
-  (dilgen.spec.unsupported_by_kernels), then on automatically.
+  the float64 reference);
+- the same through dilgen's kernels (head_dim 48, block offsets, zero padding).
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import torchscale_model as tm  # noqa: E402
 from dilgen import Spec  # noqa: E402
 from dilgen.compat import torchscale as compat  # noqa: E402
 from dilgen.reference import differentiable_reference, reference_attention  # noqa: E402
-from dilgen.spec import unsupported_by_kernels, zero_pad_layout_slip  # noqa: E402
+from dilgen.spec import zero_pad_layout_slip  # noqa: E402
 
 
 def _spec(H, D, ws, rs, causal=False, **kw):
@@ -370,24 +369,7 @@ def test_key_padding_mask_goes_through_varlen(monkeypatch):
 
 
 KERNEL_SPEC = _spec(4, 48, [8, 16, 64], [1, 2, 4])
-KERNELS_PENDING = unsupported_by_kernels(KERNEL_SPEC)
-needs_kernels = pytest.mark.skipif(KERNELS_PENDING is not None,
-                                   reason=f"kernels pending: {KERNELS_PENDING}")
-
-
-@pytest.mark.skipif(KERNELS_PENDING is None, reason="the kernels take torchscale's layout")
-def test_kernels_refuse_torchscale_layout_in_one_line():
-    layer = compat.DilatedAttention(tm.make_args([8, 16], [1, 2], embed_dim=96, heads=2), 96, 2,
-                                    self_attention=True)
-    x = torch.randn(1, 20, 96)
-    with pytest.raises(NotImplementedError) as exc:
-        layer(x, x, x)
-    msg = _one_line(exc)
-    assert "head_dim = 48" in msg and "head_offsets" in msg and "pending" in msg
-
-
 # --------------------------------------------------------------------------- through the kernels
-# Off until the kernels take head_offsets "block", short_segments "zero_pad" and head_dim 48.
 
 TOL_FP32 = 1e-4          # SPEC §2.4, float32 (gradients: twice)
 
@@ -396,7 +378,6 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@needs_kernels
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("case", ["h5_not_multiple_of_r", "h3_below_r8", "gigapath_like_d48"])
 def test_kernel_equals_reexpression(case, causal):
@@ -414,7 +395,6 @@ def test_kernel_equals_reexpression(case, causal):
         assert _rel(got, want) < 2 * TOL_FP32
 
 
-@needs_kernels
 def test_patched_encoder_through_kernels():
     model, _ = _encoder()
     x = torch.randn(1, 45, ARGS["embed_dim"], dtype=torch.float64)
@@ -424,7 +404,6 @@ def test_patched_encoder_through_kernels():
     assert _rel(got, expected) < 10 * TOL_FP32     # two layers of fp32 around the kernels
 
 
-@needs_kernels
 @pytest.mark.skipif(not compat.varlen_supported(), reason="dilgen has no variable-length kernels yet")
 def test_key_padding_mask_computes_each_sequence_alone():
     model, _ = _encoder()
