@@ -368,7 +368,6 @@ def test_key_padding_mask_goes_through_varlen(monkeypatch):
         assert (batch[i, :n] - alone[i]).abs().max().item() < 1e-10
 
 
-KERNEL_SPEC = _spec(4, 48, [8, 16, 64], [1, 2, 4])
 # --------------------------------------------------------------------------- through the kernels
 
 TOL_FP32 = 1e-4          # SPEC §2.4, float32 (gradients: twice)
