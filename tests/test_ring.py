@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import warnings
 
 import pytest
 import torch
@@ -183,17 +184,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float) -> list[dict]:
+def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float, attempts: int = 2) -> list[dict]:
+    """Run the cases on P spawned ranks and return each rank's report. A rank killed by a
+    signal (seen once in CI: gloo's "terminate called without an active exception" at
+    exit, not reproduced in 20 reruns) gets one more try on a fresh port; wrong results,
+    exceptions inside a rank and hangs fail at once."""
     import torch.multiprocessing as mp
-    ctx = mp.start_processes(ring_worker.worker, args=(P, _free_port(), cases, str(tmp_path)),
-                             nprocs=P, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ring P={P} did not finish in {timeout_s:.0f} s (a hang?)")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(P)]
+    from torch.multiprocessing import ProcessExitedException
+    for attempt in range(attempts):
+        ctx = mp.start_processes(ring_worker.worker, args=(P, _free_port(), cases, str(tmp_path)),
+                                 nprocs=P, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    pytest.fail(f"ring P={P} did not finish in {timeout_s:.0f} s (a hang?)")
+        except ProcessExitedException as exc:
+            if exc.signal_name is None or attempt + 1 == attempts:
+                raise
+            warnings.warn(f"ring P={P}: a rank died by {exc.signal_name}; running the cases again")
+            continue
+        return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(P)]
+    raise AssertionError("unreachable")
 
 
 # Segments smaller than, equal to and larger than N/P; causal and not; GQA; Hilbert
