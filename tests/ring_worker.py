@@ -196,6 +196,10 @@ def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backen
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
+        try:    # every rank done before any tears its sockets down (gloo aborts on a
+            dist.barrier()    # peer that vanishes mid-teardown)
+        except Exception:  # noqa: BLE001 - a rank that crashed already failed its report
+            pass
         dist.destroy_process_group()
 
 
