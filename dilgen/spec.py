@@ -412,9 +412,14 @@ def zero_pad_layout_slip(spec: Spec, seq_len: int) -> str | None:
     segments (N > w), its branch outputs land on shifted rows; that is not reproduced."""
     if spec.short_segments != "zero_pad":
         return None
-    for i, (w, r) in enumerate(spec.branches()):
+    return layout_slip_message(spec.source, spec.segment_lengths, spec.dilation_rates, seq_len)
+
+
+def layout_slip_message(where: str, segment_lengths, dilation_rates, seq_len: int) -> str | None:
+    """The rule of zero_pad_layout_slip on plain values (the runtime holds specs as dicts)."""
+    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         if seq_len > w and w % r:
-            return (f"{spec.source}: N = {seq_len} with segment_lengths[{i}] = {w}, "
+            return (f"{where}: N = {seq_len} with segment_lengths[{i}] = {w}, "
                     f"dilation_rates[{i}] = {r}: short_segments \"zero_pad\" needs w to be a "
                     f"multiple of r once N > w (torchscale's layout slip: its outputs of this "
                     f"branch land on shifted rows; dilgen does not reproduce it)")

@@ -126,16 +126,14 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
 
 
 def _check_zero_pad(spec: dict, n: int) -> None:
-    """short_segments "zero_pad" (torchscale's padding): refuse its layout slip, as
-    dilgen.spec.zero_pad_layout_slip does, for a sequence of n rows (the longest of a batch)."""
+    """short_segments "zero_pad" (torchscale's padding): refuse its layout slip
+    (dilgen.spec.zero_pad_layout_slip) for a sequence of n rows (the longest of a batch)."""
     if spec.get("short_segments") != "zero_pad":
         return
-    for i, (w, r) in enumerate(zip(spec["segment_lengths"], spec["dilation_rates"])):
-        if n > w and w % r:
-            raise InputError(f"{spec['name']}: N = {n} with segment_lengths[{i}] = {w}, "
-                             f"dilation_rates[{i}] = {r}: short_segments \"zero_pad\" needs w to be "
-                             f"a multiple of r once N > w (torchscale's layout slip: its outputs of "
-                             f"this branch land on shifted rows; dilgen does not reproduce it)")
+    from ..spec import layout_slip_message
+    msg = layout_slip_message(spec["name"], spec["segment_lengths"], spec["dilation_rates"], n)
+    if msg:
+        raise InputError(msg)
 
 
 def decode_unsupported(plan: dict) -> str | None:
@@ -304,15 +302,8 @@ class GeneratedAttention:
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
         if cu_seqlens is not None:
-            if self.plan["ring"]["ring_size"] > 1:   # a packed row split over the ring's ranks
-                from .ring import ring_varlen_attention
-                return ring_varlen_attention(self, q, k, v, cu_seqlens, group=group,
-                                             max_seqlen=max_seqlen, return_lse=return_lse,
-                                             chunk_order=chunk_order)
-            if group is not None or chunk_order != "contiguous":
-                raise InputError(f"{self.spec['name']}: cu_seqlens does not combine with group= or "
-                                 f"chunk_order= on a ring_size = 1 spec (one device)")
-            return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
+            return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse,
+                               group=group, chunk_order=chunk_order)
         if max_seqlen is not None:
             raise InputError(f"{self.spec['name']}: max_seqlen goes with cu_seqlens (packed batches)")
         ring = self.plan["ring"]["ring_size"]
@@ -337,7 +328,8 @@ class GeneratedAttention:
                              f"on a ring pack the items and call kernel(q, k, v, cu_seqlens=cu) on "
                              f"every rank, or use a ring_size = 1 spec")
 
-    def varlen(self, q, k, v, cu_seqlens, *, max_seqlen: int | None = None, return_lse: bool = False):
+    def varlen(self, q, k, v, cu_seqlens, *, max_seqlen: int | None = None, return_lse: bool = False,
+               group=None, chunk_order: str = "contiguous"):
         """Packed sequences: q (total, H, D), k and v (total, H_kv, D), cu_seqlens int32 (B + 1)
         offsets (cu[0] = 0, non-decreasing, cu[-1] = total; empty sequences allowed). Sequence b
         is rows cu[b]:cu[b+1] and gets exactly its output alone. Returns out (total, H, D) and,
@@ -345,10 +337,13 @@ class GeneratedAttention:
         P > 1) every rank passes its N/P contiguous rows and the same cu_seqlens over the whole
         row of N rows, and gets back its rows (lse (H, N/P)): see ring.ring_varlen_attention."""
         from .varlen import check_varlen_inputs, packing_from_cu_seqlens
-        if self.plan["ring"]["ring_size"] > 1:   # this rank's rows of a packed row (default group)
+        if self.plan["ring"]["ring_size"] > 1:   # this rank's rows of a packed row
             from .ring import ring_varlen_attention
-            return ring_varlen_attention(self, q, k, v, cu_seqlens, max_seqlen=max_seqlen,
-                                         return_lse=return_lse)
+            return ring_varlen_attention(self, q, k, v, cu_seqlens, group=group, max_seqlen=max_seqlen,
+                                         return_lse=return_lse, chunk_order=chunk_order)
+        if group is not None or chunk_order != "contiguous":
+            raise InputError(f"{self.spec['name']}: cu_seqlens does not combine with group= or "
+                             f"chunk_order= on a ring_size = 1 spec (one device)")
         total = check_varlen_inputs(self.spec, q, k, v)
         packing = packing_from_cu_seqlens(self.spec["name"], cu_seqlens, total, q.device, max_seqlen)
         from .op import varlen_attention_op
