@@ -330,32 +330,41 @@ def test_dropout_while_training_and_bad_masks():
         layer(x, x, x)
     assert "dropout" in _one_line(exc)
     layer.eval()
-    not_right = torch.zeros(2, 12, dtype=torch.bool)
-    not_right[0, 3] = True
-    with pytest.raises(ValueError) as exc:
-        layer(x, x, x, key_padding_mask=not_right)
-    assert "right padding" in _one_line(exc)
+    hole = torch.zeros(2, 12, dtype=torch.bool)
+    hole[0, 3] = True
+    left = torch.zeros(2, 12, dtype=torch.bool)
+    left[1, :4] = True
+    for mask, row in ((hole, 0), (left, 1)):     # checked by the kernel's padded call
+        with pytest.raises(ValueError) as exc:
+            layer(x, x, x, key_padding_mask=mask)
+        msg = _one_line(exc)
+        assert "right padding" in msg and f"row {row}" in msg, msg
     with pytest.raises(ValueError) as exc:
         layer(x, x, x, key_padding_mask=torch.zeros(2, 11, dtype=torch.bool))
     assert "key_padding_mask" in _one_line(exc)
 
 
-def _reference_varlen(q, k, v, cu, spec):
-    """Packed rows -> each sequence alone through the float64 reference."""
-    outs = [reference_attention(q[None, a:b], k[None, a:b], v[None, a:b], spec)[0]
-            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    return torch.cat(outs)
+def _reference_padded(q, k, v, mask, spec):
+    """A right-padded batch -> each item alone at its own length through the float64
+    reference, padded rows 0 (what Kernel.padded computes)."""
+    out = torch.zeros_like(q)
+    for i, n in enumerate((~mask).sum(1).tolist()):
+        out[i, :n] = reference_attention(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], spec)[0]
+    return out
 
 
-def test_key_padding_mask_goes_through_varlen(monkeypatch):
-    """A right-padded batch: packed rows and cu_seqlens to dilgen's variable-length call
-    (here the float64 reference per sequence); each sequence's rows equal the torchscale
-    encoder on that sequence alone (torchscale itself ignores the mask)."""
-    assert compat.varlen_supported()
+def test_key_padding_mask_goes_to_the_padded_call(monkeypatch):
+    """A right-padded batch goes, unpacked, to the padded call (here the float64 reference
+    per item): the whole (B, N, H, D) projections, read in place, and the mask as given;
+    each item's rows equal the torchscale encoder on that item alone (torchscale itself
+    ignores the mask)."""
     _with_reference(monkeypatch)
-    seen = []
-    monkeypatch.setattr(compat, "_attend_varlen",
-                        lambda q, k, v, cu, spec: seen.append(cu.tolist()) or _reference_varlen(q, k, v, cu, spec))
+    calls = []
+
+    def padded(q, k, v, mask, spec):
+        calls.append((tuple(q.shape), q.is_contiguous(), mask.clone()))
+        return _reference_padded(q, k, v, mask, spec)
+    monkeypatch.setattr(compat, "_attend_padded", padded)
     model, _ = _encoder()
     lengths = [45, 30, 9]
     x = torch.randn(3, 45, ARGS["embed_dim"], dtype=torch.float64)
@@ -363,7 +372,11 @@ def test_key_padding_mask_goes_through_varlen(monkeypatch):
     alone = [model(token_embeddings=x[i:i + 1, :n])["encoder_out"][0] for i, n in enumerate(lengths)]
     compat.patch(model, verbose=False)
     batch = model(token_embeddings=x, encoder_padding_mask=mask)["encoder_out"]
-    assert seen == [[0, 45, 75, 84]] * 2                  # one packed call per layer
+    H = ARGS["heads"]
+    assert len(calls) == 2                                # one padded call per layer
+    for shape, contiguous, seen in calls:
+        assert shape == (3, 45, H, ARGS["embed_dim"] // H) and contiguous
+        assert torch.equal(seen, mask)
     for i, n in enumerate(lengths):
         assert (batch[i, :n] - alone[i]).abs().max().item() < 1e-10
 
@@ -403,8 +416,12 @@ def test_patched_encoder_through_kernels():
     assert _rel(got, expected) < 10 * TOL_FP32     # two layers of fp32 around the kernels
 
 
-@pytest.mark.skipif(not compat.varlen_supported(), reason="dilgen has no variable-length kernels yet")
-def test_key_padding_mask_computes_each_sequence_alone():
+def test_key_padding_mask_computes_each_sequence_alone(monkeypatch):
+    """Through the kernels: every layer calls Kernel.padded on its q, k, v projections in
+    place (no packed copy), each item's outputs and input gradients equal the patched
+    model's on that item alone, and the attention output of padded rows is 0 (a layer
+    without sub-LN gives out_proj's bias there)."""
+    from dilgen import compiler
     model, _ = _encoder()
     model = model.float()
     lengths = [45, 30]
@@ -412,12 +429,45 @@ def test_key_padding_mask_computes_each_sequence_alone():
     mask = torch.arange(45)[None, :] >= torch.tensor(lengths)[:, None]
     alone = [model(token_embeddings=x[i:i + 1, :n])["encoder_out"] for i, n in enumerate(lengths)]
     compat.patch(model, verbose=False)
-    alone_dilgen = [model(token_embeddings=x[i:i + 1, :n])["encoder_out"] for i, n in enumerate(lengths)]
-    batch = model(token_embeddings=x, encoder_padding_mask=mask)["encoder_out"]
+    xs = [x[i:i + 1, :n].clone().requires_grad_() for i, n in enumerate(lengths)]
+    alone_dilgen = [model(token_embeddings=xi)["encoder_out"] for xi in xs]
+    g = torch.randn(2, 45, ARGS["embed_dim"])
+    for i, n in enumerate(lengths):
+        (alone_dilgen[i][0] * g[i, :n]).sum().backward()
+
+    projected, calls = {}, []
+    for j, layer in enumerate(model.layers):
+        layer.self_attn.q_proj.register_forward_hook(
+            lambda mod, inp, out, j=j: projected.__setitem__(j, out.data_ptr()))
+    real = compiler.Kernel.padded
+
+    def spy(self, q, k, v, key_padding_mask, **kw):
+        calls.append((tuple(q.shape), q.data_ptr(), key_padding_mask.clone()))
+        return real(self, q, k, v, key_padding_mask, **kw)
+    monkeypatch.setattr(compiler.Kernel, "padded", spy)
+    xb = x.clone().requires_grad_()
+    batch = model(token_embeddings=xb, encoder_padding_mask=mask)["encoder_out"]
+    assert len(calls) == len(model.layers)
+    for j, (shape, ptr, seen) in enumerate(calls):
+        assert shape == (2, 45, ARGS["heads"], ARGS["embed_dim"] // ARGS["heads"])
+        assert ptr == projected[j]                      # q_proj's output itself: no copy
+        assert torch.equal(seen, mask)
     for i, n in enumerate(lengths):
         assert _rel(batch[i, :n], alone_dilgen[i][0]) < TOL_FP32
         assert _rel(batch[i, :n], alone[i][0].double()) < 10 * TOL_FP32
     assert math.isfinite(batch.sum().item())
+    # gradients go through the padded call: item i's rows get its alone gradients
+    sum((batch[i, :n] * g[i, :n]).sum() for i, n in enumerate(lengths)).backward()
+    for i, n in enumerate(lengths):
+        assert _rel(xb.grad[i, :n], xs[i].grad[0]) < 2 * TOL_FP32
+    # padded rows: attention output 0 before out_proj
+    layer = compat.DilatedAttention(tm.make_args([8, 16], [1, 2], embed_dim=96, heads=2), 96, 2,
+                                    self_attention=True)
+    y = torch.randn(2, 20, 96)
+    short = torch.arange(20)[None, :] >= torch.tensor([20, 11])[:, None]
+    out, _ = layer(y, y, y, key_padding_mask=short)
+    assert torch.equal(out[1, 11:], layer.out_proj.bias.detach().expand(9, 96))
+    assert _rel(out[1, :11], layer(y[1:, :11], y[1:, :11], y[1:, :11])[0][0]) < TOL_FP32
 
 
 # --------------------------------------------------------------------------- the bench, smoke

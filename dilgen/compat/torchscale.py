@@ -23,8 +23,11 @@ training, and torchscale's layout slip (min(w, N) not a multiple of r with two o
 segments, where torchscale's outputs land on shifted rows).
 
 `key_padding_mask` (B, N) bool, True = padding (right-padded batches): torchscale ignores
-it; here it goes through dilgen's variable-length kernels (each sequence computed alone)
-when this dilgen has them, and is refused otherwise. An all-False mask is the same as none.
+it; here the batch goes to the kernel's right-padded call (`Kernel.padded`, autograd-aware),
+which reads the rows in place and computes each item alone at its own length; the attention
+output of padded rows is 0 before `inner_attn_ln` and `out_proj`. A mask of the wrong shape,
+or one that is not right padding (left padding, holes), is refused with one line. An
+all-False mask is the same as none.
 
 dilgen never imports torchscale: `patch` recognises torchscale's modules by class name
 (`DilatedAttention`) and attributes (`args.segment_length`, `args.dilated_ratio`,
@@ -33,7 +36,6 @@ dilgen never imports torchscale: `patch` recognises torchscale's modules by clas
 from __future__ import annotations
 
 import ast
-import inspect
 
 import torch
 from torch import nn
@@ -86,25 +88,25 @@ def _attend(q, k, v, spec: Spec):
     return compiler.dilated_attention(q, k, v, spec)
 
 
-_KERNELS: dict = {}
-
-
-def varlen_supported() -> bool:
-    """Whether this dilgen's kernels take packed variable-length batches (cu_seqlens=)."""
-    from ..compiler import Kernel
-    return "cu_seqlens" in inspect.signature(Kernel.__call__).parameters
-
-
-def _attend_varlen(q, k, v, cu_seqlens, spec: Spec):
-    """Packed rows (total, H, D), cu_seqlens int32 (B + 1,): each sequence alone."""
+def _attend_padded(q, k, v, key_padding_mask, spec: Spec):
+    """A right-padded batch (B, N, H, D), key_padding_mask (B, N) bool with True = padding:
+    each item at its own length, padded rows 0, through the kernel's padded call (rows read
+    in place, autograd-aware)."""
     msg = unsupported_by_kernels(spec)
     if msg:
         raise NotImplementedError(f"{PREFIX}: {msg}; torchscale's layout in the kernels is pending")
     from .. import compiler
-    kernel = _KERNELS.get(spec.key())
-    if kernel is None:
-        kernel = _KERNELS[spec.key()] = compiler.compile(spec)
-    return kernel(q, k, v, cu_seqlens=cu_seqlens)
+    from ..runtime import InputError
+    try:
+        return compiler._kernel_for(spec).padded(q, k, v, key_padding_mask)
+    except InputError as exc:
+        text = str(exc)
+        if "key_padding_mask" not in text:      # q, k, v errors read as on the unpadded path
+            raise
+        # the kernel's one line on the mask (not right padding: left padding, holes), in
+        # this module's voice
+        text = text.removeprefix(f"{spec.name}: ")
+        raise ValueError(f"{PREFIX}: {text}") from None
 
 
 # --------------------------------------------------------------------------- the module
@@ -204,7 +206,7 @@ class DilatedAttention(nn.Module):
         if E != self.embed_dim:
             raise ValueError(f"{PREFIX}: query has {E} features but embed_dim = {self.embed_dim}")
         H, D = self.num_heads, self.head_dim
-        mask = _padding_mask(key_padding_mask, B, N)
+        mask = _key_padding(key_padding_mask, B, N)
         longest = N if mask is None else int((~mask).sum(1).max())
         slip = zero_pad_layout_slip(self.spec, longest)
         if slip:
@@ -216,7 +218,7 @@ class DilatedAttention(nn.Module):
         if mask is None:
             out = _attend(q, k, v, spec)
         else:
-            out = _varlen(q, k, v, mask, spec)
+            out = _attend_padded(q, k, v, mask, spec)
         attn = out.reshape(B, N, E)
         if self.inner_attn_ln is not None:
             attn = self.inner_attn_ln(attn)
@@ -228,41 +230,15 @@ class DilatedAttention(nn.Module):
                 f"dilated_ratio={list(self.spec.dilation_rates)} (dilgen)")
 
 
-def _padding_mask(mask, B: int, N: int):
-    """key_padding_mask as a (B, N) bool tensor with some padding, or None for none."""
+def _key_padding(mask, B: int, N: int):
+    """key_padding_mask as a (B, N) bool tensor with some padding, or None for none (whether
+    it is right padding, the kernel's padded call checks)."""
     if mask is None:
         return None
     if tuple(mask.shape) != (B, N):
         raise ValueError(f"{PREFIX}: key_padding_mask has shape {tuple(mask.shape)}, expected ({B}, {N})")
     mask = mask.to(torch.bool)
-    if not bool(mask.any()):
-        return None
-    lengths = (~mask).sum(1)
-    right = torch.arange(N, device=mask.device)[None, :] >= lengths[:, None]
-    if not torch.equal(mask, right):
-        raise ValueError(f"{PREFIX}: key_padding_mask must mark right padding (True after the "
-                         f"last real token of each row)")
-    return mask
-
-
-def _varlen(q, k, v, mask, spec: Spec):
-    """Right-padded batch -> packed rows -> dilgen's variable-length kernel -> batch (pad rows 0)."""
-    if not varlen_supported():
-        # TODO(issue 16): dilgen's variable-length kernels (kernel(q, k, v, cu_seqlens=cu),
-        # and key_padding_mask in dilgen.nn) are being added; this path turns on with them.
-        raise _unsupported("key_padding_mask with padding",
-                           "this dilgen has no variable-length kernels yet (kernel(q, k, v, "
-                           "cu_seqlens=...)); torchscale itself ignores the mask: pass "
-                           "key_padding_mask=None to get its outputs, or one sequence per call")
-    B, N, H, D = q.shape
-    keep = ~mask
-    lengths = keep.sum(1)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
-    packed = _attend_varlen(q[keep], k[keep], v[keep], cu, spec)
-    out = q.new_zeros(B, N, H, D)
-    out[keep] = packed.to(out.dtype)
-    return out
+    return mask if bool(mask.any()) else None
 
 
 # --------------------------------------------------------------------------- patch
