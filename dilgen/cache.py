@@ -117,7 +117,7 @@ def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = Fals
         if final.is_dir() and not final.is_symlink():
             _repair(final, blobs)
         elif os.path.lexists(final):
-            _remove(final)               # a file or a link where the folder should be
+            _remove(final, keep_folder=True)   # a file or a link where the folder should be
         else:
             _publish(final, blobs)
         rewrite = False
@@ -182,16 +182,22 @@ def _sweep(folder: Path) -> None:
             pass
 
 
-def _remove(folder: Path) -> None:
+def _remove(folder: Path, keep_folder: bool = False) -> None:
     """Move a bad entry (or a file in its place) aside under a unique name, then delete it
-    (never leaves a half-deleted entry in place)."""
-    if not os.path.lexists(folder):
+    (never leaves a half-deleted entry in place). keep_folder: the caller found a file or a
+    link there; if a concurrent writer has meanwhile published a real folder, leave it (and
+    put it back if it was moved aside in that instant), since readers may hold its path."""
+    if not os.path.lexists(folder) or keep_folder and folder.is_dir() and not folder.is_symlink():
         return
     trash = folder.with_name(f".trash-{folder.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         os.replace(folder, trash)
     except OSError:
         return
+    if keep_folder and trash.is_dir() and not trash.is_symlink():
+        with contextlib.suppress(OSError):
+            os.rename(trash, folder)     # fails only if yet another writer published one
+            return
     if trash.is_dir() and not trash.is_symlink():
         shutil.rmtree(trash, ignore_errors=True)
     else:

@@ -118,6 +118,10 @@ class BranchIR:
                  printed into the lane and per-branch dkdv kernels), or None for o = h mod r
     zero_pad:    short_segments "zero_pad" (non-causal): the kernels that finish a query's
                  softmax for this branch add its segment's zero keys (score 0, value 0)
+    curve_rows:  a lane branch with a curve table whose inner loops read compact copies of
+                 the rows it keeps, in curve order (<name>_curve_rows makes them once per
+                 call): kept lane j of segment s is row s*LW + j, LW = ceil(min(w, N) / r),
+                 so the loops walk contiguous tiles and touch the table only for causal masks
     """
     index: int
     segment_length: int
@@ -130,6 +134,7 @@ class BranchIR:
     lanes: bool = False
     head_offset: AffineMap | None = None
     zero_pad: bool = False
+    curve_rows: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -144,6 +149,7 @@ class BranchIR:
             # only when set: plans of SPEC's default layout are unchanged
             **({} if self.head_offset is None else {"head_offset": self.head_offset.to_json()}),
             **({"zero_pad": True} if self.zero_pad else {}),
+            **({"curve_rows": True} if self.curve_rows else {}),
         }
 
 

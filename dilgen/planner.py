@@ -73,7 +73,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
-           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "decode")
+           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "decode", "curve_rows")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -153,6 +153,11 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     if gcd_w % (lattice * bm) == 0:
         block_m = bm
 
+    # Lane branches that read through a curve table copy the rows they keep into compact
+    # curve-ordered buffers once per call and walk those (BranchIR.curve_rows): a gather of
+    # whole rows costs far less than table loads inside every key loop (issue 12)
+    curve_rows_on = bool((tuning or {}).get("curve_rows", True))
+
     branches = []
     for i, (w, r) in enumerate(spec.branches()):
         order = orders[i]
@@ -172,7 +177,9 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
             # tile boundary (the runtime passes ALIGNED), else its tiles loop over segments
             order=order, single_segment=lane[i] or w % (lattice * block_m) == 0,
             keys_per_query=-(-w // r), lanes=lane[i], head_offset=head_offset,
-            zero_pad=zero_pad))
+            zero_pad=zero_pad,
+            curve_rows=(curve_rows_on and lane[i] and (order or query_order) is not None
+                        and head_offset is None)))
 
     # Query classes of the fused kernel, longest work first: class d is kept by its
     # branches with r | d.

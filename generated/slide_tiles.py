@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 1b957bfceb9fe6c6
-# plan key:      55591ab0a1e5411c55d2a3b9414f6a1973f159bbee680d823accf73e3627a7b1
+# template hash: 62a40380bd25b694
+# plan key:      3cbd8f1a064d9db95f593a7f16fca1f3358ad1b9f75da7f7df040d1018e160cb
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -49,6 +49,7 @@ PLAN = {
             "w": 1024
         },
         {
+            "curve_rows": True,
             "index": 1,
             "keep_map": {
                 "expr": "((u) % 4)",
@@ -137,6 +138,25 @@ PLAN = {
     "target": "sm90"
 }
 
+@triton.jit
+def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr):
+    """One block of keys: scores qk (exp2 domain) and values v update the running max m_i,
+    the softmax denominator l_i and the unnormalised output acc; returns them.
+    GUARD: rows whose running max is still -inf (nothing kept yet) subtract 0, so that exp2
+    gives 0, not NaN; off when every score of the block is finite. A key kept by two
+    branches comes through this twice and so counts twice (SPEC §2)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # Tile shape chosen by the planner for sm90.
 BLOCK_M = tl.constexpr(128)
 BLOCK_N = tl.constexpr(64)
@@ -224,13 +244,7 @@ def slide_tiles_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new  # every score of this block is finite
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
     for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
@@ -245,13 +259,7 @@ def slide_tiles_fwd_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
         qk = tl.where(k_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
 
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -268,7 +276,7 @@ LANE_BLOCK_N = tl.constexpr(64)
 
 
 def slide_tiles_fwd_lanes(
-    Q, K, V, Out, Lse,
+    Q, K, V, KC, VC, Out, Lse,
     Fwd0, Inv0,
     N, num_lane_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
@@ -280,6 +288,7 @@ def slide_tiles_fwd_lanes(
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     VARLEN: tl.constexpr,
+    CURVE_ROWS: tl.constexpr,
 ):
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
@@ -291,6 +300,8 @@ def slide_tiles_fwd_lanes(
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
     ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    CURVE_ROWS keys from KC, VC: the branch's kept rows in curve order, compact
+               (slide_tiles_curve_rows), not through the table (packed batches keep the table)
     VARLEN     b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])
     Lane branches:
       1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
@@ -335,46 +346,66 @@ def slide_tiles_fwd_lanes(
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
         n_free = n_keys
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
+        if CURVE_ROWS:  # keys from the compact curve-ordered copies: contiguous tiles, no table
+            lw = (tl.minimum(N, 4096) + 3) // 4  # lanes per segment in the compact copies
+            n_rows_c = ((N + 4095) // 4096) * lw
+            slot = h % 4  # the copy of this head's offset
+            c_row0 = ((b * 2 + kvh) * 4 + slot) * n_rows_c + s * lw  # compact row of lane 0 of segment s
+            kc_base = KC + c_row0 * HEAD_DIM
+            vc_base = VC + c_row0 * HEAD_DIM
 
-        for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, LANE_BLOCK_N)
-            u_k = 4*j + o + 4096*s
-            p_k = tl.load(Fwd0 + u_k)
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
-            if UPCAST:
-                k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-            if UPCAST:
-                v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = m_new  # every score of this block is finite
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+                j = j0 + tl.arange(0, LANE_BLOCK_N)
+                k = tl.load(kc_base + j.to(tl.int64)[None, :] * HEAD_DIM + offs_d[:, None])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                v = tl.load(vc_base + j.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
+                if UPCAST:
+                    v = v.to(tl.float32)
+                qk = tl.dot(q, k) * qk_scale
+                m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
-        for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-            j = j0 + tl.arange(0, LANE_BLOCK_N)
-            k_valid = j < n_keys
-            u_k = 4*j + o + 4096*s
-            p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
-            qk = tl.where(k_valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+                j = j0 + tl.arange(0, LANE_BLOCK_N)
+                k_valid = j < n_keys
+                k = tl.load(kc_base + j.to(tl.int64)[None, :] * HEAD_DIM + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                v = tl.load(vc_base + j.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
+                qk = tl.dot(q, k) * qk_scale
+                qk = tl.where(k_valid[None, :], qk, float("-inf"))
+                m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+        else:  # packed batches: keys through the table
+
+            for j0 in range(0, n_free, LANE_BLOCK_N):  # full blocks: no lane or causal mask
+                j = j0 + tl.arange(0, LANE_BLOCK_N)
+                u_k = 4*j + o + 4096*s
+                p_k = tl.load(Fwd0 + u_k)
+                k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
+                if UPCAST:
+                    v = v.to(tl.float32)
+                qk = tl.dot(q, k) * qk_scale
+                m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+
+            for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+                j = j0 + tl.arange(0, LANE_BLOCK_N)
+                k_valid = j < n_keys
+                u_k = 4*j + o + 4096*s
+                p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+                k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
+                qk = tl.dot(q, k) * qk_scale
+                qk = tl.where(k_valid[None, :], qk, float("-inf"))
+                m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -394,6 +425,69 @@ def slide_tiles_fwd_lanes(
             lse = tl.where(total == 0.0, float("-inf"), top + tl.log(total_safe))
         tl.store(o_rows, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
         tl.store(l_rows, lse, mask=q_valid)
+
+
+CURVE_BLOCK = tl.constexpr(64)  # compact rows per program of slide_tiles_curve_rows
+
+
+def slide_tiles_curve_rows(
+    X, Y, XC, YC,
+    Fwd0, Inv0,
+    N,
+    stride_xb, stride_xn, stride_xh,
+    stride_yb, stride_yn, stride_yh,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    NSLOT: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    BRANCH: tl.constexpr,
+):
+    """Copy the rows that lane branch BRANCH keeps, in its curve order, into compact buffers
+    (BranchIR.curve_rows): one pass over X and Y instead of table loads in every key loop.
+
+    Notation (as in slide_tiles_fwd_lanes, plus):
+    X, Y       two sources of the same layout: rows p of head hx at X + b*stride_xb +
+               p*stride_xn + hx*stride_xh, ROW elements each (k and v: head_dim; lse and
+               Delta: 1), HEADS heads; ROW_PAD = ROW rounded up to a power of two
+    GROUP      query heads per source head (k, v: the GQA group; q-like tensors: 1)
+    slot       NSLOT = min(GROUP, r) copies per source head, one per offset o its query heads
+               use: o = slot when GROUP >= r, else o = (hx*GROUP + slot) mod r
+    XC, YC     (B, HEADS, NSLOT, n_rows_c, ROW) contiguous: row s*LW + j holds lane j of
+               segment s, u = s*w + o + r*j, raster p = Fwd[u]; rows past a short
+               segment's lanes hold zeros
+    grid       (B*HEADS*NSLOT, ceil(n_rows_c / CURVE_BLOCK))
+    Branches:
+      1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
+    """
+    pid = tl.program_id(0)
+    t = tl.program_id(1) * CURVE_BLOCK + tl.arange(0, CURVE_BLOCK)
+    cols = tl.arange(0, ROW_PAD)
+    if BRANCH == 1:
+        # ---- branch 1: w = 4096, r = 4 ----
+        slot = pid % NSLOT
+        hx = (pid // NSLOT) % HEADS
+        b = (pid // (NSLOT * HEADS)).to(tl.int64)
+        if GROUP >= 4:
+            o = slot
+        else:
+            o = (hx * GROUP + slot) % 4
+        lw = (tl.minimum(N, 4096) + 3) // 4  # lanes per segment in the compact copies
+        n_rows_c = ((N + 4095) // 4096) * lw
+        s = t // lw
+        j = t - s * lw
+        seg_start = s * 4096
+        n_lanes = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 3, 0) // 4
+        in_copy = t < n_rows_c
+        kept = in_copy & (j < n_lanes)
+        p = tl.load(Fwd0 + 4*j + o + 4096*s, mask=kept, other=0).to(tl.int64)
+        src_mask = kept[:, None] & (cols[None, :] < ROW)
+        dst_mask = in_copy[:, None] & (cols[None, :] < ROW)
+        dst = pid.to(tl.int64) * n_rows_c * ROW + t.to(tl.int64)[:, None] * ROW + cols[None, :]
+        x = tl.load(X + b * stride_xb + hx * stride_xh + p[:, None] * stride_xn + cols[None, :], mask=src_mask, other=0.0)
+        tl.store(XC + dst, x, mask=dst_mask)
+        y = tl.load(Y + b * stride_yb + hx * stride_yh + p[:, None] * stride_yn + cols[None, :], mask=src_mask, other=0.0)
+        tl.store(YC + dst, y, mask=dst_mask)
 
 
 
@@ -439,7 +533,7 @@ def slide_tiles_bwd_preprocess(
 
 
 def slide_tiles_bwd_dkdv(
-    Q, K, V, DO, DK, DV, Lse, Delta,
+    Q, K, V, DO, DK, DV, Lse, Delta, QC, DOC, LC, DC,
     Fwd0, Inv0,
     N, num_j_tiles,
     SeqStart, SeqLen,
@@ -452,6 +546,7 @@ def slide_tiles_bwd_dkdv(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     VARLEN: tl.constexpr,
+    CURVE_ROWS: tl.constexpr,
 ):
     """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
 
@@ -465,6 +560,8 @@ def slide_tiles_bwd_dkdv(
     the other.
     VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
     [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
+    CURVE_ROWS: the queries of a curve_rows branch come from QC, DOC, LC, DC, the compact
+    curve-ordered copies of q, dO, lse and Delta (slide_tiles_curve_rows), not through the table.
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -586,6 +683,8 @@ def slide_tiles_bwd_dkdv(
             v = v.to(tl.float32)
         dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        lw = (tl.minimum(N, 4096) + 3) // 4  # lanes per segment in the compact copies
+        n_rows_c = ((N + 4095) // 4096) * lw
         # query lanes [q_start, q_end) of the segment, in up to three loops: blocks on the
         # causal diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
         j0 = jt * BWD_KV_BLOCK_N
@@ -595,49 +694,92 @@ def slide_tiles_bwd_dkdv(
         q_full = q_mid + tl.where(j0 + BWD_KV_BLOCK_N <= n_lanes, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
         for g in range(g0, 4, 4):
             h = kvh * 4 + g
-            q_base = Q + b * stride_qb + h * stride_qh
-            do_base = DO + b * stride_dob + h * stride_doh
-            l_off = b * stride_lb + h * stride_lh
-            for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
-                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                u_q = 4*jq + o + 4096*s
-                p_q = tl.load(Fwd0 + u_q)
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
-                if UPCAST:
-                    q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
-                    dout = dout.to(tl.float32)
-                lse = tl.load(Lse + l_off + p_q)
-                delta = tl.load(Delta + l_off + p_q)
-                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
-                pt = tl.math.exp2(qkt)
-                dv += tl.dot(pt.to(dout.dtype), dout)
-                dpt = tl.dot(v, tl.trans(dout))
-                dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(q.dtype), q)
-            for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
-                jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
-                u_q = 4*jq + o + 4096*s
-                p_q = tl.load(Fwd0 + u_q, mask=q_valid, other=0)
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
-                    dout = dout.to(tl.float32)
-                lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
-                delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
-                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-                qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
-                mask = k_valid[:, None] & q_valid[None, :]
-                pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
-                dv += tl.dot(pt.to(dout.dtype), dout)
-                dpt = tl.dot(v, tl.trans(dout))
-                dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(q.dtype), q)
+            if CURVE_ROWS:  # queries from the compact curve-ordered copies: contiguous tiles, no table
+                c_row0 = (b * 8 + h) * n_rows_c + s * lw  # compact row of lane 0 of segment s
+                qc_base = QC + c_row0 * HEAD_DIM
+                doc_base = DOC + c_row0 * HEAD_DIM
+                lc_base = LC + c_row0
+                dc_base = DC + c_row0
+                for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                    jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                    q = tl.load(qc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                    dout = tl.load(doc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
+                    if UPCAST:
+                        dout = dout.to(tl.float32)
+                    lse = tl.load(lc_base + jq)
+                    delta = tl.load(dc_base + jq)
+                    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                    qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                    pt = tl.math.exp2(qkt)
+                    dv += tl.dot(pt.to(dout.dtype), dout)
+                    dpt = tl.dot(v, tl.trans(dout))
+                    dst = pt * (dpt - delta[None, :])
+                    dk += tl.dot(dst.to(q.dtype), q)
+                for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                    jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                    q_valid = jq < n_lanes
+                    q = tl.load(qc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                    dout = tl.load(doc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                    if UPCAST:
+                        dout = dout.to(tl.float32)
+                    lse = tl.load(lc_base + jq, mask=q_valid, other=0.0)
+                    delta = tl.load(dc_base + jq, mask=q_valid, other=0.0)
+                    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                    qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                    mask = k_valid[:, None] & q_valid[None, :]
+                    pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                    dv += tl.dot(pt.to(dout.dtype), dout)
+                    dpt = tl.dot(v, tl.trans(dout))
+                    dst = pt * (dpt - delta[None, :])
+                    dk += tl.dot(dst.to(q.dtype), q)
+            else:  # packed batches: queries through the table
+                q_base = Q + b * stride_qb + h * stride_qh
+                do_base = DO + b * stride_dob + h * stride_doh
+                l_off = b * stride_lb + h * stride_lh
+                for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
+                    jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                    u_q = 4*jq + o + 4096*s
+                    p_q = tl.load(Fwd0 + u_q)
+                    q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                    dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
+                    if UPCAST:
+                        dout = dout.to(tl.float32)
+                    lse = tl.load(Lse + l_off + p_q)
+                    delta = tl.load(Delta + l_off + p_q)
+                    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                    qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                    pt = tl.math.exp2(qkt)
+                    dv += tl.dot(pt.to(dout.dtype), dout)
+                    dpt = tl.dot(v, tl.trans(dout))
+                    dst = pt * (dpt - delta[None, :])
+                    dk += tl.dot(dst.to(q.dtype), q)
+                for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
+                    jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
+                    q_valid = jq < n_lanes
+                    u_q = 4*jq + o + 4096*s
+                    p_q = tl.load(Fwd0 + u_q, mask=q_valid, other=0)
+                    q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                    dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                    if UPCAST:
+                        dout = dout.to(tl.float32)
+                    lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
+                    delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
+                    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                    qkt = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+                    mask = k_valid[:, None] & q_valid[None, :]
+                    pt = tl.where(mask, tl.math.exp2(qkt), 0.0)
+                    dv += tl.dot(pt.to(dout.dtype), dout)
+                    dpt = tl.dot(v, tl.trans(dout))
+                    dst = pt * (dpt - delta[None, :])
+                    dk += tl.dot(dst.to(q.dtype), q)
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
@@ -880,7 +1022,7 @@ LANE_DQ_BLOCK_N = tl.constexpr(64)
 
 
 def slide_tiles_bwd_dq_lanes(
-    Q, K, V, DO, DQ, Lse, Delta,
+    Q, K, V, KC, VC, DO, DQ, Lse, Delta,
     Fwd0, Inv0,
     N, num_lane_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
@@ -893,10 +1035,11 @@ def slide_tiles_bwd_dq_lanes(
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     VARLEN: tl.constexpr,
+    CURVE_ROWS: tl.constexpr,
 ):
     """dQ of one lane branch (BRANCH), with the tiling of slide_tiles_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
-    VARLEN as in slide_tiles_fwd_lanes."""
+    VARLEN and CURVE_ROWS (keys from KC, VC) as in slide_tiles_fwd_lanes."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
@@ -945,37 +1088,72 @@ def slide_tiles_bwd_dq_lanes(
         n_keys = tl.where(m0 < n_lanes, n_lanes, 0)
         n_free = n_keys
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
-        for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
-            u_k = 4*j + o + 4096*s
-            p_k = tl.load(Fwd0 + u_k)
-            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
-            if UPCAST:
-                k = k.to(tl.float32)
-            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-            if UPCAST:
-                vt = vt.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-            p = tl.math.exp2(qk)
-            dp = tl.dot(dout, vt)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
-            j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
-            k_valid = j < n_keys
-            u_k = 4*j + o + 4096*s
-            p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
-            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-            if UPCAST:
-                vt = vt.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-            p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
-            dp = tl.dot(dout, vt)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+        if CURVE_ROWS:  # keys from the compact curve-ordered copies: contiguous tiles, no table
+            lw = (tl.minimum(N, 4096) + 3) // 4  # lanes per segment in the compact copies
+            n_rows_c = ((N + 4095) // 4096) * lw
+            slot = h % 4  # the copy of this head's offset
+            c_row0 = ((b * 2 + kvh) * 4 + slot) * n_rows_c + s * lw  # compact row of lane 0 of segment s
+            kc_base = KC + c_row0 * HEAD_DIM
+            vc_base = VC + c_row0 * HEAD_DIM
+            for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
+                j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+                k = tl.load(kc_base + j.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                vt = tl.load(vc_base + j.to(tl.int64)[None, :] * HEAD_DIM + offs_d[:, None])
+                if UPCAST:
+                    vt = vt.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+                p = tl.math.exp2(qk)
+                dp = tl.dot(dout, vt)
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k)
+            for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+                j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+                k_valid = j < n_keys
+                k = tl.load(kc_base + j.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                vt = tl.load(vc_base + j.to(tl.int64)[None, :] * HEAD_DIM + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+                if UPCAST:
+                    vt = vt.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+                p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
+                dp = tl.dot(dout, vt)
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k)
+        else:  # packed batches: keys through the table
+            for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
+                j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+                u_k = 4*j + o + 4096*s
+                p_k = tl.load(Fwd0 + u_k)
+                k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
+                if UPCAST:
+                    vt = vt.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+                p = tl.math.exp2(qk)
+                dp = tl.dot(dout, vt)
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k)
+            for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+                j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
+                k_valid = j < n_keys
+                u_k = 4*j + o + 4096*s
+                p_k = tl.load(Fwd0 + u_k, mask=k_valid, other=0)
+                k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+                if UPCAST:
+                    vt = vt.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+                p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
+                dp = tl.dot(dout, vt)
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k)
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + p_q.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :]
         dq = dq * 0.125
         if ACCUMULATE:
@@ -1013,4 +1191,5 @@ DECODE_KERNELS = None
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
-                               lane_kernel=slide_tiles_fwd_lanes)
+                               lane_kernel=slide_tiles_fwd_lanes,
+                               curve_kernel=slide_tiles_curve_rows)

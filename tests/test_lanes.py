@@ -55,6 +55,15 @@ CASES = [
      {"lane_tma": True}),
     ("fp16_all", dict(segment_lengths=[32, 64], dilation_rates=[1, 4], dtype="float16", causal=True),
      (1, 100), {"lanes": "all"}),
+    # curve_rows: Hilbert lane branches read compact curve-ordered copies; the table path
+    # stays for packed batches and is checked here with the copies turned off
+    ("hilbert_table_path", dict(segment_lengths=[16, 64], dilation_rates=[2, 4], num_heads=8, num_kv_heads=4,
+                                causal=True, hilbert={"scope": "segment"}), (2, 90), {"curve_rows": False}),
+    ("hilbert_curve_tma_ws_causal_gqa", dict(segment_lengths=[16, 64], dilation_rates=[2, 4], num_heads=8,
+                                             num_kv_heads=4, causal=True, hilbert={"scope": "segment"}),
+     (1, 100), {"lanes": "all", "lane_tma": True, "lane_ws": True}),
+    ("hilbert_curve_padded_head_dim", dict(segment_lengths=[16, 64], dilation_rates=[3, 4], head_dim=24,
+                                           num_heads=6, num_kv_heads=2, hilbert={"scope": "segment"}), (1, 77), None),
 ]
 
 
@@ -112,3 +121,69 @@ def test_lane_launches_are_one_per_branch():
     finally:
         del attn._kernel
     assert calls == ["l_launches_fwd_kernel", "l_launches_fwd_lanes"]
+
+
+def test_curve_rows_copies_are_the_kept_rows_in_curve_order():
+    """<name>_curve_rows: compact row s*LW + j of (head, slot) is the raster row Fwd[s*w + o + r*j]
+    of that head (o from the slot), zeros past a short segment's lanes; for k/v with GQA
+    (group < r and group >= r), q-like rows (one slot per head) and lse-like values."""
+    from dilgen.runtime.curve_rows import compact_rows, copy_rows
+    from dilgen.runtime.tables import table_tensors
+    for heads, kv_heads, (w, r), n in ((8, 4, (64, 4), 150), (8, 2, (64, 3), 130), (6, 6, (16, 2), 40)):
+        spec = dilgen.Spec(name=f"l_curve_rows_{heads}_{kv_heads}_{r}", num_heads=heads, num_kv_heads=kv_heads,
+                           head_dim=24, dtype="float32", segment_lengths=[16, w], dilation_rates=[2, r],
+                           hilbert={"scope": "segment"})
+        attn = Kernel(spec).compiled_for(torch.device("cpu")).attention
+        br = attn.plan["branches"][1]
+        assert br["curve_rows"] and attn.curve_kernel is not None
+        tables = []
+        for t in attn.plan["tables"]:
+            tables.extend(table_tensors(t, n, torch.device("cpu")))
+        fwd = table_tensors(br["order"], n, torch.device("cpu"))[0].long()
+        lw = -(-min(w, n) // r)
+        assert compact_rows(br, n) == -(-n // w) * lw
+        group = heads // kv_heads
+        x, y = torch.randn(2, n, kv_heads, 24), torch.randn(2, n, kv_heads, 24)
+        xc, yc = copy_rows(attn, True, br, tables, x, y, heads=kv_heads, group=group)
+        lse = torch.randn(2, heads, n)
+        lc, _ = copy_rows(attn, True, br, tables, lse, lse, heads=heads, group=1, positions_last=True)
+        for h in range(heads):
+            kvh = h // group
+            o = h % r
+            slot = o if group >= r else h - kvh * group
+            for s in range(-(-n // w)):
+                n_lanes = max(min(n - s * w, w) - o + r - 1, 0) // r
+                rows = fwd[s * w + o + r * torch.arange(n_lanes)]
+                got = xc[:, kvh, slot, s * lw: s * lw + n_lanes]
+                assert torch.equal(got, x[:, rows, kvh]), (h, s)
+                assert torch.equal(yc[:, kvh, slot, s * lw: s * lw + n_lanes], y[:, rows, kvh])
+                assert torch.equal(xc[:, kvh, slot, s * lw + n_lanes: (s + 1) * lw],
+                                   torch.zeros_like(xc[:, kvh, slot, s * lw + n_lanes: (s + 1) * lw]))
+                assert torch.equal(lc[:, h, 0, s * lw: s * lw + n_lanes], lse[:, h, rows])
+
+
+def test_hilbert_lanes_copy_rows_once_per_branch():
+    """A Hilbert lane branch copies its rows once (k, v) and walks the copies; packed batches
+    keep the table (no copy)."""
+    spec = dilgen.Spec(name="l_curve_launches", num_heads=4, head_dim=16, dtype="float32",
+                       segment_lengths=[16, 64], dilation_rates=[1, 4], hilbert={"scope": "segment"})
+    attn = Kernel(spec).compiled_for(torch.device("cpu")).attention
+    calls = []
+    real = attn._kernel
+
+    def spy(interpret, source_fn=None):
+        calls.append((source_fn or attn._source_fn).__name__)
+        return real(interpret, source_fn)
+
+    attn._kernel = spy
+    try:
+        attn.forward_raw(*(torch.randn(1, 100, 4, 16) for _ in range(3)))
+        assert calls == ["l_curve_launches_fwd_kernel", "l_curve_launches_curve_rows", "l_curve_launches_fwd_lanes"]
+        calls.clear()
+        from dilgen.runtime.varlen import packing_from_cu_seqlens
+        packing = packing_from_cu_seqlens(spec.name, torch.tensor([0, 37, 100], dtype=torch.int32), 100,
+                                          torch.device("cpu"))
+        attn.forward_raw(*(torch.randn(100, 4, 16) for _ in range(3)), packing=packing)
+        assert "l_curve_launches_curve_rows" not in calls and "l_curve_launches_fwd_lanes" in calls
+    finally:
+        del attn._kernel

@@ -38,9 +38,9 @@ def _param_value(name: str, ctx: dict):
     import torch
     if name in ctx:                 # launch-specific values first (e.g. DK in k's dtype)
         return ctx[name]
-    if name in ("Q", "K", "V", "Out", "DO", "DQ"):
+    if name in ("Q", "K", "V", "Out", "DO", "DQ", "KC", "VC", "QC", "DOC"):
         return _mock(ctx["dtype"])
-    if name in ("Lse", "Delta", "DLse", "DK", "DV"):
+    if name in ("Lse", "Delta", "DLse", "DK", "DV", "LC", "DC"):
         return _mock(torch.float32)
     if name in ("ClassOrder", "SeqStart", "SeqLen") or re.fullmatch(r"(Fwd|Inv)\d+", name):
         return _mock(torch.int32)
@@ -80,6 +80,8 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if getattr(attention, "lane_kernel", None) is not None:
         roles.insert(1, ("forward_lanes", attention.lane_kernel,
                          {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
+    if getattr(attention, "curve_kernel", None) is not None:
+        roles.insert(1, ("curve_rows", attention.curve_kernel, {"num_warps": 4, "num_stages": 1}))
     return roles
 
 
@@ -103,7 +105,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],
             "dtype": {"float16": torch.float16, "bfloat16": torch.bfloat16,
                       "float32": torch.float32}[plan["dtype"]],
-            "UPCAST": False, "VARLEN": False}
+            "UPCAST": False, "VARLEN": False, "CURVE_ROWS": False}
     lattice = plan["query"]["lattice"]
     out = []
 
@@ -120,6 +122,24 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)
+        elif role == "curve_rows":
+            # per curve_rows branch: k and v (kv heads), q and dO, lse and Delta (query heads)
+            H, Hkv, D = base["H"], base["Hkv"], base["D"]
+            row_pad = max(16, 1 << (D - 1).bit_length())
+            rows = (N * Hkv * D, Hkv * D, D) * 2
+            qrows = (N * H * D, H * D, D) * 2
+            values = (H * N, 1, N) * 2
+            for br in plan["branches"]:
+                if not br.get("curve_rows"):
+                    continue
+                for heads, group, strides, row, pad, dtype in (
+                        (Hkv, H // Hkv, rows, D, row_pad, base["dtype"]),
+                        (H, 1, qrows, D, row_pad, base["dtype"]),
+                        (H, 1, values, 1, 1, torch.float32)):
+                    names = ("stride_xb", "stride_xn", "stride_xh", "stride_yb", "stride_yn", "stride_yh")
+                    add(role, fn, opts, X=_mock(dtype), Y=_mock(dtype), XC=_mock(dtype), YC=_mock(dtype),
+                        HEADS=heads, GROUP=group, NSLOT=min(group, br["r"]), ROW=row, ROW_PAD=pad,
+                        BRANCH=br["index"], **dict(zip(names, strides)))
         elif role in ("forward_lanes", "dq_lanes"):
             # one launch per lane branch; ACCUMULATE is False only for a first r = 1 branch
             lanes = lane_order(plan)
@@ -130,7 +150,8 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 first_writes = n == 0 and not fused_q and br["r"] == 1
                 extra = {"DQ": _mock(torch.float32)} if role == "dq_lanes" else {}
                 add(role, fn, opts, BRANCH=i, ACCUMULATE=not first_writes,
-                    num_lane_tiles=lane_grid(br, N, block)[1], **extra)
+                    num_lane_tiles=lane_grid(br, N, block)[1],
+                    CURVE_ROWS=bool(br.get("curve_rows")), **extra)
         elif role == "dkdv":
             conf = attention.backward_kernels["config"]
             fused = conf.get("fused_dkdv", False)
@@ -138,7 +159,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 if fused and br["membership"] != "row":
                     continue
                 lanes = math.ceil(min(br["w"], N) / br["r"])
-                add(role, fn, opts, BRANCH=br["index"],
+                add(role, fn, opts, BRANCH=br["index"], CURVE_ROWS=bool(br.get("curve_rows")),
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
         elif role == "dkdv_fused":
             conf = attention.backward_kernels["config"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .curve_rows import copy_rows, uses_curve_rows
 from .tables import table_tensors
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -156,11 +157,12 @@ class GeneratedAttention:
     """
 
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
-                 lane_kernel=None, decode_kernels=None) -> None:
+                 lane_kernel=None, decode_kernels=None, curve_kernel=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
         self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
+        self.curve_kernel = curve_kernel           # compact curve-ordered rows (runtime.curve_rows)
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self.decode_kernels = decode_kernels       # incremental decoding (runtime.decode) or None
         self._jitted: dict[Any, Any] = {}
@@ -282,10 +284,16 @@ class GeneratedAttention:
             for i in lanes:
                 br = plan["branches"][i]
                 n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
+                kv, flag = (), ()
+                if self.curve_kernel is not None:   # the plan has curve_rows branches
+                    curve = uses_curve_rows(plan, i, packing)
+                    kv = (copy_rows(self, interpret, br, tables, k, v, heads=plan["num_kv_heads"],
+                                    group=H // plan["num_kv_heads"]) if curve else (k, v))
+                    flag = (curve,)
                 launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
                                  (B * H, n_tiles, n_seg),
-                                 (q, k, v, out, lse, *tables, N, n_tiles, *seqs,
-                                  *strides, interpret, i, accumulate, varlen),
+                                 (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,
+                                  *strides, interpret, i, accumulate, varlen, *flag),
                                  {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
                 accumulate = True
         if cfg.get("lane_tma") and lanes and not interpret:

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .curve_rows import copy_rows, uses_curve_rows
 from .tables import table_tensors
 
 
@@ -116,6 +117,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     lattice = plan["query"]["lattice"]
 
+    curve_kernel = attn.curve_kernel is not None
     launch = {name: ({} if interpret else dict(opts)) for name, opts in conf["launch"].items()}
     pre = attn._kernel(interpret, source_fn=kernels["preprocess"])
     dkdv = attn._kernel(interpret, source_fn=kernels["dkdv"])
@@ -142,11 +144,19 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                 n_seg = math.ceil(N / w)
                 n_o = min(group, r)
                 n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
+                copies, flag = (), ()
+                if curve_kernel:    # the plan has curve_rows branches
+                    curve = uses_curve_rows(plan, br["index"], packing)
+                    copies = ((*copy_rows(attn, interpret, br, tables, q, grad_out, heads=H, group=1),
+                               *copy_rows(attn, interpret, br, tables, lse, delta, heads=H, group=1,
+                                          positions_last=True))
+                              if curve else (q, grad_out, lse, delta))
+                    flag = (curve,)
                 dkdv[(n_seg * n_o * n_jt, B * Hkv)](
-                    q, k, v, grad_out, dk, dv, lse, delta, *tables,
+                    q, k, v, grad_out, dk, dv, lse, delta, *copies, *tables,
                     N, n_jt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dk_strides, *l_strides,
-                    interpret, br["index"], varlen, **launch["dkdv"])
+                    interpret, br["index"], varlen, *flag, **launch["dkdv"])
             if has_fused_q:
                 bm = conf["dq_block_m"]
                 num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
@@ -157,13 +167,20 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                     interpret, varlen, **launch["dq"])
             accumulate = has_fused_q or not dq_writes_all
             for i in lanes:
-                n_seg, n_tiles = _rt.lane_grid(plan["branches"][i], N, conf["lane_dq_block_m"])
+                br = plan["branches"][i]
+                n_seg, n_tiles = _rt.lane_grid(br, N, conf["lane_dq_block_m"])
                 dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
+                kv, flag = (), ()
+                if curve_kernel:    # the plan has curve_rows branches
+                    curve = uses_curve_rows(plan, i, packing)
+                    kv = (copy_rows(attn, interpret, br, tables, k, v, heads=Hkv, group=group)
+                          if curve else (k, v))
+                    flag = (curve,)
                 dq_lanes[(B * H, n_tiles, n_seg)](
-                    q, k, v, grad_out, dq, lse, delta, *tables,
+                    q, k, v, *kv, grad_out, dq, lse, delta, *tables,
                     N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dq_strides, *l_strides,
-                    interpret, i, accumulate, varlen, **launch["dq_lanes"])
+                    interpret, i, accumulate, varlen, *flag, **launch["dq_lanes"])
                 accumulate = True
 
     if interpret:

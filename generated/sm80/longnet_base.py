@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: 1b957bfceb9fe6c6
+# template hash: 62a40380bd25b694
 # plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -131,6 +131,25 @@ PLAN = {
     "target": "sm80"
 }
 
+@triton.jit
+def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr):
+    """One block of keys: scores qk (exp2 domain) and values v update the running max m_i,
+    the softmax denominator l_i and the unnormalised output acc; returns them.
+    GUARD: rows whose running max is still -inf (nothing kept yet) subtract 0, so that exp2
+    gives 0, not NaN; off when every score of the block is finite. A key kept by two
+    branches comes through this twice and so counts twice (SPEC §2)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # Tile shape chosen by the planner for sm80.
 BLOCK_M = tl.constexpr(128)
 BLOCK_N = tl.constexpr(32)
@@ -217,13 +236,7 @@ def longnet_base_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new  # every score of this block is finite
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
     for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
@@ -238,13 +251,7 @@ def longnet_base_fwd_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
         qk = tl.where(k_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
 
     # ---- branch 1: w = 4096, r = 2 ----
     o = h % 2
@@ -266,13 +273,7 @@ def longnet_base_fwd_kernel(
             if UPCAST:
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = m_new  # every score of this block is finite
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
         for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
@@ -287,13 +288,7 @@ def longnet_base_fwd_kernel(
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
             qk = tl.where(k_valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
 
     # ---- branch 2: w = 8192, r = 4 ----
     o = h % 4
@@ -315,13 +310,7 @@ def longnet_base_fwd_kernel(
             if UPCAST:
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = m_new  # every score of this block is finite
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
         for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
@@ -336,13 +325,7 @@ def longnet_base_fwd_kernel(
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
             qk = tl.where(k_valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
 
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1117,4 +1100,5 @@ DECODE_KERNELS = None
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_base_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
-                               lane_kernel=None)
+                               lane_kernel=None,
+                               curve_kernel=None)

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 1b957bfceb9fe6c6
+# template hash: 62a40380bd25b694
 # plan key:      9f859ea227e49da246ddff6edd08698babce203b04370fdfd05a7066c0d957e8
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -137,6 +137,25 @@ PLAN = {
     "target": "sm80"
 }
 
+@triton.jit
+def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr):
+    """One block of keys: scores qk (exp2 domain) and values v update the running max m_i,
+    the softmax denominator l_i and the unnormalised output acc; returns them.
+    GUARD: rows whose running max is still -inf (nothing kept yet) subtract 0, so that exp2
+    gives 0, not NaN; off when every score of the block is finite. A key kept by two
+    branches comes through this twice and so counts twice (SPEC §2)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # Tile shape chosen by the planner for sm80.
 BLOCK_M = tl.constexpr(64)
 BLOCK_N = tl.constexpr(64)
@@ -225,13 +244,7 @@ def longnet_causal_gqa_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new  # every score of this block is finite
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
     for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
@@ -246,13 +259,7 @@ def longnet_causal_gqa_fwd_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, k) * qk_scale
         qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
 
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -347,13 +354,7 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = m_new  # every score of this block is finite
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
         for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -368,13 +369,7 @@ def longnet_causal_gqa_fwd_lanes(
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -424,13 +419,7 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = m_new  # every score of this block is finite
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
 
         for j0 in range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -445,13 +434,7 @@ def longnet_causal_gqa_fwd_lanes(
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -1393,13 +1376,7 @@ def longnet_causal_gqa_decode_split(
                 v = v.to(tl.float32)
             qk = tl.dot(q, k) * qk_scale
             qk = tl.where(keep[:, None] & k_valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
     # partial of this chunk: out = acc / l, lse (log2 domain); rows with no key: 0, -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -1476,4 +1453,5 @@ DECODE_KERNELS = {
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_causal_gqa_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
-                               lane_kernel=longnet_causal_gqa_fwd_lanes)
+                               lane_kernel=longnet_causal_gqa_fwd_lanes,
+                               curve_kernel=None)

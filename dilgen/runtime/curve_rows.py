@@ -1,0 +1,65 @@
+"""Compact curve-ordered copies of the rows a Hilbert lane branch keeps (BranchIR.curve_rows).
+
+A lane branch with a curve table reads, in every key loop, rows whose raster positions come
+from the table: a dependent load per key and a gather per tile. Instead the runtime copies
+the rows the branch keeps, once per call and in curve order, into contiguous buffers
+(`<name>_curve_rows`, one pass over the source), and the lane kernels walk those: kept lane
+j of segment s of a head's offset is row s*LW + j, LW = ceil(min(w, N) / r). Outputs and
+gradients of k, v still go to raster rows through the table, once per tile.
+
+Layout (B, heads, slots, n_rows, row): k and v keep min(group, r) slots per kv head (one per
+offset its query heads use), q, dO, lse and Delta one per query head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+CURVE_BLOCK = 64      # compact rows per program (templates: CURVE_BLOCK)
+
+
+def compact_rows(branch: dict, n: int) -> int:
+    """Rows per (head, slot) of a branch's compact copies at sequence length n."""
+    w, r = branch["w"], branch["r"]
+    return math.ceil(n / w) * math.ceil(min(w, n) / r)
+
+
+def uses_curve_rows(plan: dict, branch_index: int, packing) -> bool:
+    """Whether a launch of this branch reads compact copies (packed batches keep the table)."""
+    return packing is None and bool(plan["branches"][branch_index].get("curve_rows"))
+
+
+def copy_rows(attn, interpret: bool, branch: dict, tables: list, x: torch.Tensor,
+              y: torch.Tensor, *, heads: int, group: int, positions_last: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xc, yc): the branch's kept rows of x and y in curve order, compact.
+
+    x, y: (B, N, heads, D) rows (k and v, or q and dO), or with positions_last (B, heads, N)
+    float32 values per position (lse and Delta)."""
+    if positions_last:
+        B, _, N = x.shape
+        row = row_pad = 1
+        strides = (x.stride(0), x.stride(2), x.stride(1), y.stride(0), y.stride(2), y.stride(1))
+    else:
+        B, N = x.shape[0], x.shape[1]
+        row = x.shape[3]
+        row_pad = max(16, 1 << (row - 1).bit_length())
+        strides = (x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2))
+    slots = min(group, branch["r"])
+    n_rows = compact_rows(branch, N)
+    shape = (B, heads, slots, n_rows) + (() if positions_last else (row,))
+    xc = torch.empty(shape, dtype=x.dtype, device=x.device)
+    yc = torch.empty(shape, dtype=y.dtype, device=y.device)
+    if B == 0 or n_rows == 0:
+        return xc, yc
+    kernel = attn._kernel(interpret, source_fn=attn.curve_kernel)
+    grid = (B * heads * slots, math.ceil(n_rows / CURVE_BLOCK))
+    args = (x, y, xc, yc, *tables, N, *strides, heads, group, slots, row, row_pad, branch["index"])
+    if interpret:
+        from . import _interpreting
+        with _interpreting():
+            kernel[grid](*args)
+    else:
+        kernel[grid](*args, num_warps=4, num_stages=1)
+    return xc, yc
