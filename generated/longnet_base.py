@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 62a40380bd25b694
+# template hash: 2b9349a7b8d4c671
 # plan key:      c7a27a6ccadabaecff3ab9baf2bb4b1e78f36a3fcf8e21e0e5052d0f277f31d4
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -457,6 +457,7 @@ def longnet_base_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
@@ -476,6 +477,7 @@ def longnet_base_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -535,6 +537,7 @@ def longnet_base_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 2*jq + o + 4096*s
@@ -554,6 +557,7 @@ def longnet_base_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -613,6 +617,7 @@ def longnet_base_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 4*jq + o + 8192*s
@@ -632,6 +637,7 @@ def longnet_base_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -740,6 +746,7 @@ def longnet_base_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
@@ -759,6 +766,7 @@ def longnet_base_bwd_dkdv_fused(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -792,6 +800,7 @@ def longnet_base_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 2*jq + o + 4096*s
@@ -811,6 +820,7 @@ def longnet_base_bwd_dkdv_fused(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -844,6 +854,7 @@ def longnet_base_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 4*jq + o + 8192*s
@@ -863,6 +874,7 @@ def longnet_base_bwd_dkdv_fused(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -956,6 +968,7 @@ def longnet_base_bwd_dq(
     n_keys = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
     n_free = n_keys
     n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
+
     for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         u_k = j + o + 2048*s
@@ -971,6 +984,7 @@ def longnet_base_bwd_dq(
         dp = tl.dot(dout, vt)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
+
     for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         k_valid = j < n_keys
@@ -996,6 +1010,7 @@ def longnet_base_bwd_dq(
         n_keys = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 1, 0) // 2
         n_free = n_keys
         n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
+
         for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             u_k = 2*j + o + 4096*s
@@ -1011,6 +1026,7 @@ def longnet_base_bwd_dq(
             dp = tl.dot(dout, vt)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
+
         for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             k_valid = j < n_keys
@@ -1036,6 +1052,7 @@ def longnet_base_bwd_dq(
         n_keys = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 3, 0) // 4
         n_free = n_keys
         n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
+
         for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             u_k = 4*j + o + 8192*s
@@ -1051,6 +1068,7 @@ def longnet_base_bwd_dq(
             dp = tl.dot(dout, vt)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
+
         for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             k_valid = j < n_keys
@@ -1079,7 +1097,7 @@ BACKWARD_KERNELS = {
     "dkdv_fused": longnet_base_bwd_dkdv_fused,  # replaces the per-branch dkdv launches of the fused kernel's branches
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128,
+        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 64,
         "lane_dq_block_m": 128,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 62a40380bd25b694
+# template hash: 2b9349a7b8d4c671
 # plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -607,6 +607,7 @@ def longnet_causal_gqa_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -629,6 +630,7 @@ def longnet_causal_gqa_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
@@ -648,6 +650,7 @@ def longnet_causal_gqa_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -708,6 +711,7 @@ def longnet_causal_gqa_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -730,6 +734,7 @@ def longnet_causal_gqa_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 6*jq + o + 8192*s
@@ -749,6 +754,7 @@ def longnet_causal_gqa_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -809,6 +815,7 @@ def longnet_causal_gqa_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -831,6 +838,7 @@ def longnet_causal_gqa_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 12*jq + o + 32768*s
@@ -850,6 +858,7 @@ def longnet_causal_gqa_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -960,6 +969,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
             q_mid = tl.maximum((tl.maximum(u_last - seg_start - o, 0) + 0) // 1, q_start)  # from here: at or past every key
             q_mid = tl.minimum(q_start + (q_mid - q_start + BWD_KV_BLOCK_M - 1) // BWD_KV_BLOCK_M * BWD_KV_BLOCK_M, q_end)  # whole diagonal blocks
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -982,6 +992,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
@@ -1001,6 +1012,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -1159,6 +1171,7 @@ def longnet_causal_gqa_bwd_dq_lanes(
         n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
         n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+
         for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
             u_k = j + o + 2048*s
@@ -1174,6 +1187,7 @@ def longnet_causal_gqa_bwd_dq_lanes(
             dp = tl.dot(dout, vt)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
+
         for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
             k_valid = j < n_keys
@@ -1217,6 +1231,7 @@ def longnet_causal_gqa_bwd_dq_lanes(
         n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
         n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+
         for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
             u_k = 6*j + o + 8192*s
@@ -1232,6 +1247,7 @@ def longnet_causal_gqa_bwd_dq_lanes(
             dp = tl.dot(dout, vt)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
+
         for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
             k_valid = j < n_keys
@@ -1275,6 +1291,7 @@ def longnet_causal_gqa_bwd_dq_lanes(
         n_free = tl.minimum(m0, n_keys)  # causal: key lanes up to the first query lane need no mask
         n_keys = tl.minimum(n_keys, m0 + LANE_DQ_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_DQ_BLOCK_N) * LANE_DQ_BLOCK_N
+
         for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
             u_k = 12*j + o + 32768*s
@@ -1290,6 +1307,7 @@ def longnet_causal_gqa_bwd_dq_lanes(
             dp = tl.dot(dout, vt)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
+
         for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
             k_valid = j < n_keys
@@ -1321,7 +1339,7 @@ BACKWARD_KERNELS = {
     "dq_lanes": longnet_causal_gqa_bwd_dq_lanes,  # dQ of the lane branches, after "dq"
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64,
+        "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 64,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},

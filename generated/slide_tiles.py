@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 62a40380bd25b694
+# template hash: 2b9349a7b8d4c671
 # plan key:      3cbd8f1a064d9db95f593a7f16fca1f3358ad1b9f75da7f7df040d1018e160cb
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -617,6 +617,7 @@ def slide_tiles_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 1024*s
@@ -636,6 +637,7 @@ def slide_tiles_bwd_dkdv(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -683,8 +685,9 @@ def slide_tiles_bwd_dkdv(
             v = v.to(tl.float32)
         dk = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BWD_KV_BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        lw = (tl.minimum(N, 4096) + 3) // 4  # lanes per segment in the compact copies
-        n_rows_c = ((N + 4095) // 4096) * lw
+        if CURVE_ROWS:
+            lw = (tl.minimum(N, 4096) + 3) // 4  # lanes per segment in the compact copies
+            n_rows_c = ((N + 4095) // 4096) * lw
         # query lanes [q_start, q_end) of the segment, in up to three loops: blocks on the
         # causal diagonal [q_start, q_mid), full blocks [q_mid, q_full), the tail [q_full, q_end)
         j0 = jt * BWD_KV_BLOCK_N
@@ -700,6 +703,7 @@ def slide_tiles_bwd_dkdv(
                 doc_base = DOC + c_row0 * HEAD_DIM
                 lc_base = LC + c_row0
                 dc_base = DC + c_row0
+
                 for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                     jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                     q = tl.load(qc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
@@ -717,6 +721,7 @@ def slide_tiles_bwd_dkdv(
                     dpt = tl.dot(v, tl.trans(dout))
                     dst = pt * (dpt - delta[None, :])
                     dk += tl.dot(dst.to(q.dtype), q)
+
                 for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                     jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                     q_valid = jq < n_lanes
@@ -740,6 +745,7 @@ def slide_tiles_bwd_dkdv(
                 q_base = Q + b * stride_qb + h * stride_qh
                 do_base = DO + b * stride_dob + h * stride_doh
                 l_off = b * stride_lb + h * stride_lh
+
                 for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                     jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                     u_q = 4*jq + o + 4096*s
@@ -759,6 +765,7 @@ def slide_tiles_bwd_dkdv(
                     dpt = tl.dot(v, tl.trans(dout))
                     dst = pt * (dpt - delta[None, :])
                     dk += tl.dot(dst.to(q.dtype), q)
+
                 for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                     jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                     q_valid = jq < n_lanes
@@ -867,6 +874,7 @@ def slide_tiles_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 1024*s
@@ -886,6 +894,7 @@ def slide_tiles_bwd_dkdv_fused(
                 dpt = tl.dot(v, tl.trans(dout))
                 dst = pt * (dpt - delta[None, :])
                 dk += tl.dot(dst.to(q.dtype), q)
+
             for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
@@ -981,6 +990,7 @@ def slide_tiles_bwd_dq(
     n_keys = tl.maximum(tl.minimum(N - seg_start, 1024) - o + 0, 0) // 1
     n_free = n_keys
     n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
+
     for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         u_k = j + o + 1024*s
@@ -996,6 +1006,7 @@ def slide_tiles_bwd_dq(
         dp = tl.dot(dout, vt)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
+
     for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         k_valid = j < n_keys
@@ -1095,6 +1106,7 @@ def slide_tiles_bwd_dq_lanes(
             c_row0 = ((b * 2 + kvh) * 4 + slot) * n_rows_c + s * lw  # compact row of lane 0 of segment s
             kc_base = KC + c_row0 * HEAD_DIM
             vc_base = VC + c_row0 * HEAD_DIM
+
             for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
                 j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
                 k = tl.load(kc_base + j.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
@@ -1108,6 +1120,7 @@ def slide_tiles_bwd_dq_lanes(
                 dp = tl.dot(dout, vt)
                 ds = p * (dp - delta[:, None])
                 dq += tl.dot(ds.to(k.dtype), k)
+
             for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
                 j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
                 k_valid = j < n_keys
@@ -1123,6 +1136,7 @@ def slide_tiles_bwd_dq_lanes(
                 ds = p * (dp - delta[:, None])
                 dq += tl.dot(ds.to(k.dtype), k)
         else:  # packed batches: keys through the table
+
             for j0 in range(0, n_free, LANE_DQ_BLOCK_N):  # full blocks: no lane or causal mask
                 j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
                 u_k = 4*j + o + 4096*s
@@ -1138,6 +1152,7 @@ def slide_tiles_bwd_dq_lanes(
                 dp = tl.dot(dout, vt)
                 ds = p * (dp - delta[:, None])
                 dq += tl.dot(ds.to(k.dtype), k)
+
             for j0 in range(n_free, n_keys, LANE_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
                 j = j0 + tl.arange(0, LANE_DQ_BLOCK_N)
                 k_valid = j < n_keys
@@ -1169,7 +1184,7 @@ BACKWARD_KERNELS = {
     "dq_lanes": slide_tiles_bwd_dq_lanes,  # dQ of the lane branches, after "dq"
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128,
+        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 32,
         "lane_dq_block_m": 128,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},

@@ -193,13 +193,16 @@ def test_second_build_does_nothing_and_a_changed_spec_rebuilds_only_itself(built
 def test_launch_model_matches_the_runtime(monkeypatch):
     """The build's model of the launch arguments gives exactly the specializations of the
     runtime's real arguments: one-token, short, odd and longer N, GQA + causal, Hilbert
-    tables (segment and sequence scope), with and without an lse gradient."""
+    tables (segment and sequence scope; causal curve copies with block lists), with and
+    without an lse gradient."""
     import triton
     from triton.compiler import make_backend
     backend = make_backend(aot.gpu_target(SM90))
     specs = [TINY, OTHER,
              dict(TINY, name="aot_hilbert", segment_lengths=[16, 64], dilation_rates=[1, 4],
                   hilbert={"scope": "segment"}),
+             dict(TINY, name="aot_hilbert_causal", segment_lengths=[16, 64], dilation_rates=[2, 4],
+                  causal=True, hilbert={"scope": "segment"}),
              dict(TINY, name="aot_seq", hilbert={"scope": "sequence", "grid": [8, 12]})]
     jitted = {}
 

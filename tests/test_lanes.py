@@ -187,3 +187,42 @@ def test_hilbert_lanes_copy_rows_once_per_branch():
         assert "l_curve_launches_curve_rows" not in calls and "l_curve_launches_fwd_lanes" in calls
     finally:
         del attn._kernel
+
+
+@pytest.mark.parametrize("w, r, n, bm, bn", [(64, 4, 150, 4, 8), (40, 3, 97, 8, 4), (64, 2, 64, 16, 16)])
+def test_causal_curve_block_lists_cover_exactly_the_visible_pairs(w, r, n, bm, bn):
+    """runtime.curve_rows.block_lists: a "full" block has every key at or before every query of
+    the tile (no mask needed), a skipped block has no key at or before any query, and the full
+    and partial lists together hold every block with a visible pair, each once."""
+    from dilgen.runtime.curve_rows import block_lists
+    from dilgen.runtime.tables import table_tensors
+    side = {64: (8, 8), 40: (5, 8)}[w]
+    table = {"scope": "segment", "grid": list(side), "name": "t", "curve": "gilbert2d"}
+    fwd = table_tensors(table, n, torch.device("cpu"))[0].long()
+    _check_block_lists(block_lists({"w": w, "r": r}, fwd, n, bm, bn), fwd, w, r, n, bm, bn, True)
+    # the key-major form (dkdv): tiles of bm keys, listed blocks of bn queries
+    _check_block_lists(block_lists({"w": w, "r": r}, fwd, n, bm, bn, keys_listed=False), fwd, w, r, n, bm, bn, False)
+
+
+def _check_block_lists(lists, fwd, w, r, n, bm, bn, keys_listed):
+    counts, blocks = lists
+    for s in range(-(-n // w)):
+        for o in range(r):
+            n_lanes = max(min(n - s * w, w) - o + r - 1, 0) // r
+            pos = fwd[s * w + o + r * torch.arange(n_lanes)]
+            for mt in range(counts.shape[2]):
+                qs = pos[mt * bm: (mt + 1) * bm]
+                n_full, n_part = counts[s, o, mt].tolist()
+                full = blocks[s, o, mt, 0, :n_full].tolist()
+                part = blocks[s, o, mt, 1, :n_part].tolist()
+                assert len(set(full + part)) == n_full + n_part
+                for jb in range(blocks.shape[-1]):
+                    ks = pos[jb * bn: (jb + 1) * bn]
+                    if not keys_listed:     # the tile holds keys, the listed block queries
+                        qs, ks = ks, qs
+                    visible = bool(len(qs) and len(ks) and (ks[:, None] <= qs[None, :]).any())
+                    assert visible == (jb in full or jb in part), (s, o, mt, jb)
+                    if jb in full:
+                        assert len(ks if keys_listed else qs) == bn and bool((ks.max() <= qs.min()))
+                    if not keys_listed:
+                        qs, ks = ks, qs

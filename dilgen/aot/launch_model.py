@@ -42,7 +42,7 @@ def _param_value(name: str, ctx: dict):
         return _mock(ctx["dtype"])
     if name in ("Lse", "Delta", "DLse", "DK", "DV", "LC", "DC"):
         return _mock(torch.float32)
-    if name in ("ClassOrder", "SeqStart", "SeqLen") or re.fullmatch(r"(Fwd|Inv)\d+", name):
+    if name in ("ClassOrder", "SeqStart", "SeqLen", "CurveBlockCount", "CurveBlocks") or re.fullmatch(r"(Fwd|Inv)\d+", name):
         return _mock(torch.int32)
     m = _STRIDE.match(name)
     if m:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .curve_rows import copy_rows, uses_curve_rows
+from .curve_rows import block_lists, copy_rows, uses_curve_rows
 from .tables import table_tensors
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -227,6 +227,16 @@ class GeneratedAttention:
             hit = self._device_tensors[key] = (class_order, tables)
         return hit
 
+    def _block_lists(self, branch: dict, n: int, tile, device: torch.device, keys_listed: bool = True):
+        """runtime.curve_rows.block_lists for a lane tile (rows, keys, ...), built once."""
+        key = ("lists", branch["index"], n, tile[0], tile[1], keys_listed, str(device))
+        hit = self._device_tensors.get(key)
+        if hit is None:
+            order = branch["order"] or self.plan["query"]["order"]
+            fwd = table_tensors(order, n, device)[0]
+            hit = self._device_tensors[key] = block_lists(branch, fwd, n, tile[0], tile[1], keys_listed)
+        return hit
+
     def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     packing=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward launch without autograd: (out, lse). With a `packing`
@@ -289,6 +299,9 @@ class GeneratedAttention:
                     curve = uses_curve_rows(plan, i, packing)
                     kv = (copy_rows(self, interpret, br, tables, k, v, heads=plan["num_kv_heads"],
                                     group=H // plan["num_kv_heads"]) if curve else (k, v))
+                    if plan["causal"]:              # key block lists of a curve's causal mask
+                        kv += (self._block_lists(br, N, cfg["lane_fwd"], q.device) if curve
+                               else (class_order, class_order))
                     flag = (curve,)
                 launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
                                  (B * H, n_tiles, n_seg),

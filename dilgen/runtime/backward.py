@@ -151,6 +151,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                                *copy_rows(attn, interpret, br, tables, lse, delta, heads=H, group=1,
                                           positions_last=True))
                               if curve else (q, grad_out, lse, delta))
+                    if plan["causal"]:      # query block lists of a curve's causal mask, per key tile
+                        copies += (attn._block_lists(br, N, (kv_bn, conf["kv_block_m"]), dev, keys_listed=False)
+                                   if curve else (class_order, class_order))
                     flag = (curve,)
                 dkdv[(n_seg * n_o * n_jt, B * Hkv)](
                     q, k, v, grad_out, dk, dv, lse, delta, *copies, *tables,
@@ -175,6 +178,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                     curve = uses_curve_rows(plan, i, packing)
                     kv = (copy_rows(attn, interpret, br, tables, k, v, heads=Hkv, group=group)
                           if curve else (k, v))
+                    if plan["causal"]:      # key block lists of a curve's causal mask
+                        kv += (attn._block_lists(br, N, plan["config"]["lane_dq"], dev) if curve
+                               else (class_order, class_order))
                     flag = (curve,)
                 dq_lanes[(B * H, n_tiles, n_seg)](
                     q, k, v, *kv, grad_out, dq, lse, delta, *tables,

@@ -63,3 +63,49 @@ def copy_rows(attn, interpret: bool, branch: dict, tables: list, x: torch.Tensor
     else:
         kernel[grid](*args, num_warps=4, num_stages=1)
     return xc, yc
+
+
+def block_lists(branch: dict, fwd: torch.Tensor, n: int, block_m: int, block_n: int,
+                keys_listed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal masks along a curve, as lists of key blocks per query tile of a lane kernel.
+
+    For segment s, offset o and query tile mt (lanes mt*block_m + [0, block_m)), the key
+    blocks jb (lanes jb*block_n + [0, block_n)) split by the raster positions p = fwd[u]:
+    "full" when every key lies at or before every query (no mask), skipped when every key
+    lies after every query, "partial" otherwise. Returns counts (n_seg, r, n_qt, 2) int32
+    (full, partial) and blocks (n_seg, r, n_qt, 2, n_kb) int32, each list ascending.
+    keys_listed=False: the key-major form (the dkdv kernel): tiles of block_m keys, listed
+    blocks of block_n queries."""
+    w, r = branch["w"], branch["r"]
+    n_seg, lw = math.ceil(n / w), math.ceil(min(w, n) / r)
+    n_qt, n_kb = math.ceil(lw / block_m), math.ceil(lw / block_n)
+    dev = fwd.device
+    s = torch.arange(n_seg, device=dev).view(-1, 1, 1)
+    o = torch.arange(r, device=dev).view(1, -1, 1)
+    j = torch.arange(lw, device=dev).view(1, 1, -1)
+    n_lanes = ((torch.clamp(n - s * w, max=w) - o + r - 1).clamp(min=0)) // r
+    valid = j < n_lanes
+    pos = fwd.long()[torch.where(valid, s * w + o + r * j, 0)]
+
+    def tiles(size, count):
+        pad = count * size - lw
+        p = torch.nn.functional.pad(pos, (0, pad)).view(n_seg, r, count, size)
+        ok = torch.nn.functional.pad(valid, (0, pad)).view(n_seg, r, count, size)
+        lo = torch.where(ok, p, n).amin(-1)
+        hi = torch.where(ok, p, -1).amax(-1)
+        return lo, hi, ok.any(-1), ok.all(-1)
+
+    q_lo, q_hi, q_any, _ = tiles(block_m, n_qt)
+    k_lo, k_hi, k_any, k_all = tiles(block_n, n_kb)
+    if keys_listed:
+        full = q_any[..., :, None] & k_all[..., None, :] & (k_hi[..., None, :] <= q_lo[..., :, None])
+        skip = ~q_any[..., :, None] | ~k_any[..., None, :] | (k_lo[..., None, :] > q_hi[..., :, None])
+    else:   # tiles (block_m) are keys, listed blocks (block_n) are queries
+        t_lo, t_hi, t_any, b_lo, b_hi, b_any, b_all = q_lo, q_hi, q_any, k_lo, k_hi, k_any, k_all
+        full = t_any[..., :, None] & b_all[..., None, :] & (b_lo[..., None, :] >= t_hi[..., :, None])
+        skip = ~t_any[..., :, None] | ~b_any[..., None, :] | (b_hi[..., None, :] < t_lo[..., :, None])
+    part = ~full & ~skip
+    counts = torch.stack([full.sum(-1), part.sum(-1)], -1).to(torch.int32).contiguous()
+    first = [torch.argsort((~m).to(torch.int8), dim=-1, stable=True) for m in (full, part)]
+    blocks = torch.stack(first, -2).to(torch.int32).contiguous()
+    return counts, blocks
