@@ -194,6 +194,9 @@ class KernelConfig:
     # loop warp-specialized (producer / consumer warps) when lane_ws is set
     lane_tma: bool = False
     lane_ws: bool = False
+    # the dq lane kernel reads k, v through tensor descriptors too (warp-specialized with
+    # lane_ws)
+    lane_dq_tma: bool = False
     # incremental decoding (templates/decode.py.jinja): keys per step of the split kernel,
     # the largest split (kept keys per program; the runtime may halve it down to the block
     # to fill the GPU at small batch), warps, stages
@@ -217,7 +220,9 @@ class KernelConfig:
                 "num_stages": self.num_stages, "dot_precision": self.dot_precision,
                 "bwd_kv": list(self.bwd_kv), "bwd_dq": list(self.bwd_dq),
                 "lane_fwd": list(self.lane_fwd), "lane_dq": list(self.lane_dq),
-                "lane_tma": self.lane_tma, "lane_ws": self.lane_ws, "decode": list(self.decode)}
+                "lane_tma": self.lane_tma, "lane_ws": self.lane_ws,
+                **({"lane_dq_tma": True} if self.lane_dq_tma else {}),
+                "decode": list(self.decode)}
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,10 @@ class Target:
     causal_max_lattice: int = 4
     lane_tma: bool = False    # tensor-descriptor loads in causal lane kernels (KernelConfig)
     lane_ws: bool = False
+    # the same descriptors in the dq lane kernel (tuning key lane_dq_tma): A causal fwd+bwd
+    # 6.66 against 6.55 ms with pointer loads (H200, Triton 3.6); warp-specializing that loop
+    # fails to compile there ("PassManager::run failed"), so it is off
+    lane_dq_tma: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128) -> str:

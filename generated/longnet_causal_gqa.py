@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 2b9349a7b8d4c671
+# template hash: 6d7ea46aeceef040
 # plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

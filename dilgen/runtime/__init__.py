@@ -100,17 +100,17 @@ class _interpreting:
         return False
 
 
-_TMA_ALLOCATOR = False
+_TMA_ALLOCATOR = threading.local()
 
 
 def _ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors (the lane kernels' TMA loads) need a scratch
-    allocator, set once per process."""
-    global _TMA_ALLOCATOR
-    if not _TMA_ALLOCATOR:
+    allocator. Triton keeps it per thread (a context variable), and autograd runs the
+    backward on its own thread, so it is set once per thread."""
+    if not getattr(_TMA_ALLOCATOR, "set", False):
         import triton
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _TMA_ALLOCATOR = True
+        _TMA_ALLOCATOR.set = True
 
 
 def lane_order(plan: dict) -> list[int]:

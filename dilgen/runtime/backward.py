@@ -193,6 +193,8 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
         with _interpreting():
             launches()
     else:
+        if plan["config"].get("lane_dq_tma") and lanes:
+            _rt._ensure_descriptor_allocator()
         launches()
     attn.launches += 1
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
