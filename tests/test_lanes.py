@@ -232,3 +232,21 @@ def _check_block_lists(lists, fwd, w, r, n, bm, bn, keys_listed):
                         assert len(ks if keys_listed else qs) == bn and bool((ks.max() <= qs.min()))
                     if not keys_listed:
                         qs, ks = ks, qs
+
+
+def test_descriptor_allocator_is_set_in_every_thread(monkeypatch):
+    """Triton keeps the TMA scratch allocator per thread (a context variable) and autograd runs
+    the backward (and checkpoint recomputations) on its own thread: the runtime sets it once
+    per thread, not once per process."""
+    import threading
+    import triton
+    from dilgen import runtime
+    seen = []
+    monkeypatch.setattr(triton, "set_allocator", lambda fn: seen.append(threading.get_ident()))
+    monkeypatch.setattr(runtime, "_TMA_ALLOCATOR", threading.local())
+    runtime._ensure_descriptor_allocator()
+    runtime._ensure_descriptor_allocator()
+    worker = threading.Thread(target=runtime._ensure_descriptor_allocator)
+    worker.start()
+    worker.join()
+    assert len(seen) == 2 and seen[0] != seen[1]
