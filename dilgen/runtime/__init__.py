@@ -212,19 +212,27 @@ class GeneratedAttention:
                     self._jitted[key] = fn
         return fn
 
+    def _class_order(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's query classes, longest work first, on `device` (built once)."""
+        key = ("class_order", str(device))
+        hit = self._device_tensors.get(key)
+        if hit is None:
+            hit = self._device_tensors[key] = torch.tensor(
+                self.plan["query"]["class_order"], dtype=torch.int32, device=device)
+        return hit
+
     def _launch_tensors(self, n: int, device: torch.device) -> tuple[torch.Tensor, list]:
-        """The class order and the Hilbert tables on `device`, built once (a host-to-device
-        copy per call would stall the launch queue)."""
+        """The class order and the Hilbert tables for length n on `device`, built once (a
+        host-to-device copy per call would stall the launch queue)."""
         key = (n, str(device))
         hit = self._device_tensors.get(key)
         if hit is None:
-            class_order = torch.tensor(self.plan["query"]["class_order"], dtype=torch.int32, device=device)
             tables = []
-            for t in self.plan["tables"] if n >= 0 else ():    # n = -1: the class order only
+            for t in self.plan["tables"]:
                 tables.extend(table_tensors(t, n, device))
             if len(self._device_tensors) > 16:
                 self._device_tensors.clear()
-            hit = self._device_tensors[key] = (class_order, tables)
+            hit = self._device_tensors[key] = (self._class_order(device), tables)
         return hit
 
     def _block_lists(self, branch: dict, n: int, tile, device: torch.device, keys_listed: bool = True):
@@ -259,7 +267,7 @@ class GeneratedAttention:
         else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
             from .varlen import packed_tables
             B, N = packing.num_seqs, packing.max_len
-            class_order = self._launch_tensors(-1, q.device)[0]
+            class_order = self._class_order(q.device)
             out = torch.empty((q.shape[0], H, q.shape[2]), dtype=q.dtype, device=q.device)
             lse = torch.empty((H, q.shape[0]), dtype=torch.float32, device=q.device)
             tables = packed_tables(plan, packing, q.shape[0], q.device)
