@@ -3,12 +3,14 @@
 Every rank builds the same full random inputs (same seed), takes its rows, runs the
 ring forward and backward, and asserts its rows of out, lse and of the q, k, v gradients
 against the float64 single-device reference. Failures are written to a per-rank JSON
-file (the parent asserts on them); a rank never prints instead of asserting.
+file (the parent asserts on them); a rank never prints instead of asserting. A rank ends
+by os._exit after a final barrier, never by the interpreter's teardown (see _leave).
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 from datetime import timedelta
 
@@ -169,38 +171,78 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
     return fails
 
 
-def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo") -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    import torch.distributed as dist
-    from dilgen.runtime import set_poison
-    set_poison(True)
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=P, timeout=timedelta(seconds=60))
-    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(dev)
-    report = {"rank": rank, "fails": [], "passed": []}
-    try:
-        for case in cases:
-            if case.get("expect_error"):
-                report["fails"].extend(check_error(case, rank, P, dev))
-                continue
-            check = check_packed_case if case.get("lengths") else check_case
-            fails = check(case, rank, P, dev)
-            report["fails"].extend(fails)
-            if not fails:
-                report["passed"].append(case["name"])
-    except Exception:  # noqa: BLE001 - the parent asserts on the report
-        report["fails"].append(f"rank {rank} crashed:\n{traceback.format_exc()}")
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        try:    # every rank done before any tears its sockets down (gloo aborts on a
-            dist.barrier()    # peer that vanishes mid-teardown)
-        except Exception:  # noqa: BLE001 - a rank that crashed already failed its report
+def write_json(out_dir: str, name: str, obj: dict) -> None:
+    """Write atomically (a temp file, then os.replace): the parent sees all of it or none."""
+    path = os.path.join(out_dir, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def _leave(code: int) -> None:
+    """End the rank now: flush, then os._exit; the interpreter's teardown never runs. Why:
+    just after barrier() returns, a gloo worker thread drops the finished barrier Work, and
+    with it the earlier Works it waited on, whose tensors belong to Python: the thread takes
+    the GIL to release them. If the main thread is already finalizing the interpreter,
+    Python ends that thread with pthread_exit, whose unwind through a noexcept destructor
+    calls std::terminate ("terminate called without an active exception", SIGABRT, seen in
+    CI rehearsals, reproduced in reruns; the core shows ~AsyncBarrierWork ->
+    ~AsyncAllgatherWork -> take_gil -> pthread_exit). destroy_process_group does not stop
+    those threads here: after the ring calls, references to the group outlive it, so the
+    group is not freed (its destructor would join them)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not change the exit code
             pass
-        dist.destroy_process_group()
+    os._exit(code)
+
+
+def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo") -> None:
+    """One rank: run the cases, write rank{rank}.json, meet every rank at a barrier, exit 0
+    by os._exit. Wrong results and exceptions inside a case go to the report (the parent
+    asserts on it); an exception anywhere else (start-up, the report, the final barrier)
+    goes to rank{rank}.error.json with its phase and traceback, and to stderr, and the rank
+    exits 1. No path runs the interpreter's teardown (see _leave)."""
+    phase = "init_process_group"
+    try:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        import torch.distributed as dist
+        from dilgen.runtime import set_poison
+        set_poison(True)
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, rank=rank, world_size=P, timeout=timedelta(seconds=60))
+        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(dev)
+        phase = "cases"
+        report = {"rank": rank, "fails": [], "passed": []}
+        try:
+            for case in cases:
+                if case.get("expect_error"):
+                    report["fails"].extend(check_error(case, rank, P, dev))
+                    continue
+                check = check_packed_case if case.get("lengths") else check_case
+                fails = check(case, rank, P, dev)
+                report["fails"].extend(fails)
+                if not fails:
+                    report["passed"].append(case["name"])
+        except Exception:  # noqa: BLE001 - the parent asserts on the report
+            report["fails"].append(f"rank {rank} crashed:\n{traceback.format_exc()}")
+        phase = "report"
+        write_json(out_dir, f"rank{rank}.json", report)
+        phase = "final barrier"
+        dist.barrier()        # every rank has its report written and its transfers done
+    except BaseException:  # noqa: BLE001 - reported to the parent, then a nonzero exit
+        tb = traceback.format_exc()
+        print(f"ring rank {rank} failed in {phase}:\n{tb}", file=sys.stderr)
+        try:
+            write_json(out_dir, f"rank{rank}.error.json", {"rank": rank, "phase": phase, "traceback": tb})
+        finally:
+            _leave(1)
+    _leave(0)
 
 
 def check_error(case: dict, rank: int, P: int, dev) -> list[str]:

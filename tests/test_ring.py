@@ -184,17 +184,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float, attempts: int = 2) -> list[dict]:
-    """Run the cases on P spawned ranks and return each rank's report. A rank killed by a
-    signal after every rank wrote its report died in teardown (gloo's "terminate called
-    without an active exception", seen in CI rehearsals, not reproduced in 20 reruns
-    alone): the reports stand. A rank killed before its report gets one more try on a
-    fresh port. Wrong results, exceptions inside a rank and hangs fail at once."""
+def _rank_errors(P: int, tmp_path) -> list[dict]:
+    files = [tmp_path / f"rank{r}.error.json" for r in range(P)]
+    return [json.loads(f.read_text()) for f in files if f.exists()]
+
+
+def _port_taken(errors: list[dict]) -> bool:
+    """Rank 0 could not listen on the port (_free_port gave it up before rank 0 took it)."""
+    return any(e["phase"] == "init_process_group" and "EADDRINUSE" in e["traceback"] for e in errors)
+
+
+def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float) -> list[dict]:
+    """Run the cases on P spawned ranks and return each rank's report. Every rank leaves
+    by os._exit after a final barrier (ring_worker._leave): exit 0 with its report written,
+    or exit 1 with rank{r}.error.json (phase, traceback). Any other end fails the test: a
+    nonzero exit, a rank killed by a signal, a hang. One exception: the port taken before
+    rank 0 could listen on it (EADDRINUSE while starting) runs once more on a fresh port."""
     import torch.multiprocessing as mp
-    from torch.multiprocessing import ProcessExitedException
-    for attempt in range(attempts):
-        for r in range(P):                    # no report of an earlier attempt may stand
-            (tmp_path / f"rank{r}.json").unlink(missing_ok=True)
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+    for attempt in (1, 2):
+        for f in list(tmp_path.glob("rank*.json")):     # no file of an earlier attempt may stand
+            f.unlink()
         ctx = mp.start_processes(ring_worker.worker, args=(P, _free_port(), cases, str(tmp_path)),
                                  nprocs=P, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
@@ -204,22 +214,23 @@ def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float, attempts: i
                     for p in ctx.processes:
                         p.kill()
                     pytest.fail(f"ring P={P} did not finish in {timeout_s:.0f} s (a hang?)")
-        except ProcessExitedException as exc:
-            if exc.signal_name is None:
-                raise
-            for p in ctx.processes:      # the others: let them finish, then stop them
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-            files = [tmp_path / f"rank{r}.json" for r in range(P)]
-            if all(f.exists() for f in files):
-                warnings.warn(f"ring P={P}: a rank died by {exc.signal_name} in teardown, "
-                              f"after writing its report")
-                return [json.loads(f.read_text()) for f in files]
-            if attempt + 1 == attempts:
-                raise
-            warnings.warn(f"ring P={P}: a rank died by {exc.signal_name}; running the cases again")
-            continue
+        except (ProcessExitedException, ProcessRaisedException) as exc:
+            # join stopped the other ranks; a rank that failed on its own left its traceback
+            errors = _rank_errors(P, tmp_path)
+            if attempt == 1 and _port_taken(errors):
+                warnings.warn(f"ring P={P}: the port was taken before rank 0 listened on it; "
+                              f"running again on a fresh port")
+                continue
+            details = "".join(f"\n-- rank {e['rank']} failed in {e['phase']}:\n{e['traceback']}"
+                              for e in errors)
+            reports = [tmp_path / f"rank{r}.json" for r in range(P)]
+            fails = "".join(f"\n{f}" for p in reports if p.exists()
+                            for f in json.loads(p.read_text())["fails"])
+            if fails:
+                details += f"\n-- failures in the reports:{fails}"
+            pytest.fail(f"ring P={P}: {exc}{details}")
+        missing = [r for r in range(P) if not (tmp_path / f"rank{r}.json").exists()]
+        assert not missing, f"ring P={P}: ranks {missing} exited 0 without a report"
         return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(P)]
     raise AssertionError("unreachable")
 
