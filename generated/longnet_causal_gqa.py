@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 6d7ea46aeceef040
+# template hash: e00887aa6ed2d191
 # plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -305,10 +305,10 @@ def longnet_causal_gqa_fwd_lanes(
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
-        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
-                                           strides=[1 * stride_kn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM],
-                                           strides=[1 * stride_vn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_kn, 1],
+                                           block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_vn, 1],
+                                           block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -371,10 +371,10 @@ def longnet_causal_gqa_fwd_lanes(
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
-        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
-                                           strides=[6 * stride_kn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM],
-                                           strides=[6 * stride_vn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_kn, 1],
+                                           block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_vn, 1],
+                                           block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -437,10 +437,10 @@ def longnet_causal_gqa_fwd_lanes(
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
-        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM],
-                                           strides=[12 * stride_kn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM],
-                                           strides=[12 * stride_vn, 1], block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_kn, 1],
+                                           block_shape=[LANE_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_vn, 1],
+                                           block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, LANE_BLOCK_N)

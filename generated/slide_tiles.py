@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 6d7ea46aeceef040
+# template hash: e00887aa6ed2d191
 # plan key:      3cbd8f1a064d9db95f593a7f16fca1f3358ad1b9f75da7f7df040d1018e160cb
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

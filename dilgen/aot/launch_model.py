@@ -125,7 +125,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         elif role == "curve_rows":
             # per curve_rows branch: k and v (kv heads), q and dO, lse and Delta (query heads)
             H, Hkv, D = base["H"], base["Hkv"], base["D"]
-            row_pad = max(16, 1 << (D - 1).bit_length())
+            row_pad = plan.get("head_dim_pad") or D     # the kernels' tile width
             rows = (N * Hkv * D, Hkv * D, D) * 2
             qrows = (N * H * D, H * D, D) * 2
             values = (H * N, 1, N) * 2

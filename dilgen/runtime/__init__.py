@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .curve_rows import block_lists, copy_rows, uses_curve_rows
+from .curve_rows import block_lists, lane_key_args
 from .tables import table_tensors
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -304,13 +304,8 @@ class GeneratedAttention:
                 n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
                 kv, flag = (), ()
                 if self.curve_kernel is not None:   # the plan has curve_rows branches
-                    curve = uses_curve_rows(plan, i, packing)
-                    kv = (copy_rows(self, interpret, br, tables, k, v, heads=plan["num_kv_heads"],
-                                    group=H // plan["num_kv_heads"]) if curve else (k, v))
-                    if plan["causal"]:              # key block lists of a curve's causal mask
-                        kv += (self._block_lists(br, N, cfg["lane_fwd"], q.device) if curve
-                               else (class_order, class_order))
-                    flag = (curve,)
+                    kv, flag = lane_key_args(self, interpret, br, tables, k, v, packing,
+                                             cfg["lane_fwd"], class_order)
                 launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
                                  (B * H, n_tiles, n_seg),
                                  (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .curve_rows import copy_rows, uses_curve_rows
+from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .tables import table_tensors
 
 
@@ -175,13 +175,8 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                 dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
                 kv, flag = (), ()
                 if curve_kernel:    # the plan has curve_rows branches
-                    curve = uses_curve_rows(plan, i, packing)
-                    kv = (copy_rows(attn, interpret, br, tables, k, v, heads=Hkv, group=group)
-                          if curve else (k, v))
-                    if plan["causal"]:      # key block lists of a curve's causal mask
-                        kv += (attn._block_lists(br, N, plan["config"]["lane_dq"], dev) if curve
-                               else (class_order, class_order))
-                    flag = (curve,)
+                    kv, flag = lane_key_args(attn, interpret, br, tables, k, v, packing,
+                                             plan["config"]["lane_dq"], class_order)
                 dq_lanes[(B * H, n_tiles, n_seg)](
                     q, k, v, *kv, grad_out, dq, lse, delta, *tables,
                     N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,

@@ -30,6 +30,20 @@ def uses_curve_rows(plan: dict, branch_index: int, packing) -> bool:
     return packing is None and bool(plan["branches"][branch_index].get("curve_rows"))
 
 
+def lane_key_args(attn, interpret: bool, branch: dict, tables: list, k: torch.Tensor,
+                  v: torch.Tensor, packing, tile, dummy: torch.Tensor) -> tuple[tuple, tuple]:
+    """The extra arguments of a forward or dq lane launch in a plan with curve_rows branches:
+    (KC, VC[, CurveBlockCount, CurveBlocks]) and (CURVE_ROWS,). Launches that do not read
+    copies (other branches, packed batches) get k, v and `dummy` in their place."""
+    plan = attn.plan
+    curve = uses_curve_rows(plan, branch["index"], packing)
+    H, Hkv = plan["num_heads"], plan["num_kv_heads"]
+    args = copy_rows(attn, interpret, branch, tables, k, v, heads=Hkv, group=H // Hkv) if curve else (k, v)
+    if plan["causal"]:      # key block lists of a curve's causal mask
+        args += attn._block_lists(branch, k.shape[1], tile, k.device) if curve else (dummy, dummy)
+    return args, (curve,)
+
+
 def copy_rows(attn, interpret: bool, branch: dict, tables: list, x: torch.Tensor,
               y: torch.Tensor, *, heads: int, group: int, positions_last: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +58,7 @@ def copy_rows(attn, interpret: bool, branch: dict, tables: list, x: torch.Tensor
     else:
         B, N = x.shape[0], x.shape[1]
         row = x.shape[3]
-        row_pad = max(16, 1 << (row - 1).bit_length())
+        row_pad = attn.plan.get("head_dim_pad") or row     # the kernels' tile width
         strides = (x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2))
     slots = min(group, branch["r"])
     n_rows = compact_rows(branch, N)

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 6d7ea46aeceef040
+# template hash: e00887aa6ed2d191
 # plan key:      9f859ea227e49da246ddff6edd08698babce203b04370fdfd05a7066c0d957e8
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

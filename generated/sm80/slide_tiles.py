@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 6d7ea46aeceef040
+# template hash: e00887aa6ed2d191
 # plan key:      0bca4c2e3459d7f1b23c2c99cb02d75729bb3f68020a3a590efda5160210e702
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
