@@ -14,7 +14,11 @@ Methods:
               not on the device) and the LSE mix with weights under no_grad
               (the float64 re-expression of tests/test_compat_torchscale.py, in bf16);
   dilgen      a deep copy of the same model after dilgen.compat.torchscale.patch(model):
-              head_offsets "block", short_segments "zero_pad" kernels.
+              head_offsets "block", short_segments "zero_pad" kernels;
+  no_attention the patched model with its attention core replaced by the identity on v
+              (projections, sub-LN, FFN, norms unchanged): the time both models share,
+              so torchscale_ms / no_attention_ms bounds any attention's whole-model speed-up,
+              and (method - no_attention) is each method's attention time (Amdahl).
 Passes: "fwd" (inference: torch.no_grad, eval mode) and "fwd+bwd" (fine-tuning: forward,
 then backward of a fixed random cotangent into the weights and the input).
 
@@ -47,7 +51,7 @@ from toolkit import log  # noqa: E402
 tk.setup_paths()
 
 PASSES = ("fwd", "fwd+bwd")
-METHODS = ("torchscale", "dilgen")
+METHODS = ("torchscale", "dilgen", "no_attention")
 SMOKE = dict(tiles=[100, 300], layers=2, embed=64, heads=4, segments=[16, 32, 64], ratios=[1, 2, 4])
 
 
@@ -117,7 +121,11 @@ def main(argv=None) -> int:
     ts_model = tm.make_encoder(args, seed=a.seed, dtype=dtype).to(device)
     dg_model = copy.deepcopy(ts_model)
     replaced = patch(dg_model, verbose=False)
-    models = {"torchscale": ts_model, "dilgen": dg_model}
+    models = {"torchscale": ts_model, "dilgen": dg_model, "no_attention": dg_model}
+    from dilgen.compat import torchscale as compat
+
+    def identity_attend(q, k, v, spec):
+        return v            # no attention core: what remains is the time both models share
     refusal = unsupported_by_kernels(spec_for(args, a.heads, a.embed // a.heads))
     dilgen_attention = "dilgen kernels"
     if refusal and a.smoke:
@@ -142,6 +150,7 @@ def main(argv=None) -> int:
     log(f"{head.get('device')}: {len(replaced)} DilatedAttention modules patched; "
         f"w {a.seg_list} r {a.ratio_list}; dilgen: {'pending: ' + refusal if refusal else dilgen_attention}")
 
+    real_attend = compat._attend     # after the smoke run's possible stand-in
     gen = torch.Generator(device="cpu").manual_seed(a.seed)
     progress = tk.Progress(len(a.tiles_list) * len(a.passes) * len(a.methods), "torchscale")
     for n in a.tiles_list:
@@ -152,6 +161,7 @@ def main(argv=None) -> int:
             for method in a.methods:
                 model = models[method]
                 row = {"tiles": n, "pass": pas, "method": method, "ms": None, "peak_GiB": None}
+                compat._attend = identity_attend if method == "no_attention" else real_attend
                 if method == "dilgen" and refusal:
                     row["skipped"] = refusal
                     res.add(row)
@@ -193,11 +203,12 @@ def main(argv=None) -> int:
                         row["extra_GiB"] = round((peak - base) / 2**30, 3)
                 except Exception as e:  # noqa: BLE001 - OOM and friends: the row says so
                     row["error"] = tk.short_err(e)
+                compat._attend = real_attend
                 res.add(row)
                 progress.step(f"{n} {pas} {method}: {tk.fmt(row['ms'])} ms, "
                               f"peak {tk.fmt(row['peak_GiB'])} GiB{' ' + row['error'] if 'error' in row else ''}")
                 tk.cleanup(device)
-        if len(outs) == 2:
+        if "torchscale" in outs and "dilgen" in outs:
             err = tk.rel_err(outs["dilgen"], outs["torchscale"])
             res.data.setdefault("check", []).append({"tiles": n, "rel_err_dilgen_vs_torchscale": err})
             res.save()
@@ -211,11 +222,18 @@ def main(argv=None) -> int:
     for n in a.tiles_list:
         for pas in a.passes:
             ts, dg = get.get((n, pas, "torchscale"), {}), get.get((n, pas, "dilgen"), {})
+            floor = get.get((n, pas, "no_attention"), {}).get("ms")
             speed = ts["ms"] / dg["ms"] if ts.get("ms") and dg.get("ms") else None
+            bound = ts["ms"] / floor if ts.get("ms") and floor else None
+            attn = ((ts["ms"] - floor) / (dg["ms"] - floor)
+                    if ts.get("ms") and dg.get("ms") and floor and dg["ms"] > floor else None)
             table.append([n, pas, tk.fmt(ts.get("ms")), tk.fmt(dg.get("ms")),
-                          tk.fmt(speed, ".2f") + ("x" if speed else ""),
+                          tk.fmt(speed, ".2f") + ("x" if speed else ""), tk.fmt(floor),
+                          tk.fmt(attn, ".2f") + ("x" if attn else ""),
+                          tk.fmt(bound, ".2f") + ("x" if bound else ""),
                           tk.fmt(ts.get("peak_GiB")), tk.fmt(dg.get("peak_GiB"))])
     text = tk.markdown_table(["tiles", "pass", "torchscale ms", "dilgen ms", "speed-up",
+                              "no-attention ms", "attention-only speed-up", "bound (torchscale / no-attention)",
                               "torchscale peak GiB", "dilgen peak GiB"], table)
     res.data["table_md"] = text
     path = res.save()

@@ -209,7 +209,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     # per-branch kernel).
     # dK, dV do not depend on the forward's query tiling, so the fused dkdv takes every
     # lattice branch, lane branch or not; the row-membership branches take the per-branch
-    # dkdv after it (adding into float32 buffers).
+    # dkdv after it (adding into its dK, dV).
     fused_set = [b for b in branches if b.keep_map is None]
     def fusable(kv_tile) -> bool:
         return (spec.ring_size == 1 and bool(fused_set) and not block

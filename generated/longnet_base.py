@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: e00887aa6ed2d191
+# template hash: 71c36ec509c57e9e
 # plan key:      c7a27a6ccadabaecff3ab9baf2bb4b1e78f36a3fcf8e21e0e5052d0f277f31d4
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -502,10 +502,11 @@ def longnet_base_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 1:
         # ---- branch 1: w = 4096, r = 2, key u = 2*j + o + 4096*s ----
         g0 = rest % 1
@@ -582,10 +583,11 @@ def longnet_base_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 2:
         # ---- branch 2: w = 8192, r = 4, key u = 4*j + o + 8192*s ----
         g0 = rest % 1
@@ -662,10 +664,11 @@ def longnet_base_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
 
 
 def longnet_base_bwd_dkdv_fused(

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: e00887aa6ed2d191
+# template hash: 71c36ec509c57e9e
 # plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -676,10 +676,11 @@ def longnet_causal_gqa_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 1:
         # ---- branch 1: w = 8192, r = 6, key u = 6*j + o + 8192*s ----
         g0 = rest % 4
@@ -780,10 +781,11 @@ def longnet_causal_gqa_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 2:
         # ---- branch 2: w = 32768, r = 12, key u = 12*j + o + 32768*s ----
         g0 = rest % 4
@@ -884,10 +886,11 @@ def longnet_causal_gqa_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
 
 
 def longnet_causal_gqa_bwd_dkdv_fused(

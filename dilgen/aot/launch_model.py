@@ -38,9 +38,9 @@ def _param_value(name: str, ctx: dict):
     import torch
     if name in ctx:                 # launch-specific values first (e.g. DK in k's dtype)
         return ctx[name]
-    if name in ("Q", "K", "V", "Out", "DO", "DQ", "KC", "VC", "QC", "DOC"):
-        return _mock(ctx["dtype"])
-    if name in ("Lse", "Delta", "DLse", "DK", "DV", "LC", "DC"):
+    if name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "KC", "VC", "QC", "DOC"):
+        return _mock(ctx["dtype"])      # gradients in the inputs' dtype (runtime.backward)
+    if name in ("Lse", "Delta", "DLse", "LC", "DC"):
         return _mock(torch.float32)
     if name in ("ClassOrder", "SeqStart", "SeqLen", "CurveBlockCount", "CurveBlocks") or re.fullmatch(r"(Fwd|Inv)\d+", name):
         return _mock(torch.int32)
@@ -148,10 +148,9 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             for n, i in enumerate(lanes):
                 br = plan["branches"][i]
                 first_writes = n == 0 and not fused_q and br["r"] == 1
-                extra = {"DQ": _mock(torch.float32)} if role == "dq_lanes" else {}
                 add(role, fn, opts, BRANCH=i, ACCUMULATE=not first_writes,
                     num_lane_tiles=lane_grid(br, N, block)[1],
-                    CURVE_ROWS=bool(br.get("curve_rows")), **extra)
+                    CURVE_ROWS=bool(br.get("curve_rows")))
         elif role == "dkdv":
             conf = attention.backward_kernels["config"]
             fused = conf.get("fused_dkdv", False)
@@ -163,15 +162,10 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
         elif role == "dkdv_fused":
             conf = attention.backward_kernels["config"]
-            # the fused kernel writes dK, dV in k's dtype, or float32 when per-branch
-            # launches add after it
-            dk_dtype = torch.float32 if any(br["membership"] == "row" for br in plan["branches"]) else base["dtype"]
-            add(role, fn, opts, DK=_mock(dk_dtype), DV=_mock(dk_dtype),
-                num_k_tiles=math.ceil(math.ceil(N / lattice) / conf["kv_block_n"]))
+            add(role, fn, opts, num_k_tiles=math.ceil(math.ceil(N / lattice) / conf["kv_block_n"]))
         elif role == "dq":
             conf = attention.backward_kernels["config"]
             if not any(not br["lanes"] for br in plan["branches"]):
                 continue
-            extra = {"DQ": _mock(torch.float32)} if lane_order(plan) else {}
-            add(role, fn, opts, **extra, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))
+            add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))
     return out

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: e00887aa6ed2d191
+# template hash: 71c36ec509c57e9e
 # plan key:      0bca4c2e3459d7f1b23c2c99cb02d75729bb3f68020a3a590efda5160210e702
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -662,10 +662,11 @@ def slide_tiles_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.125 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.125 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 1:
         # ---- branch 1: w = 4096, r = 4, key u = 4*j + o + 4096*s, table segment_64x64 ----
         g0 = rest % 4
@@ -790,10 +791,11 @@ def slide_tiles_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        dk = dk * 0.125 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0)
-        tl.store(dk_ptrs, dk, mask=k_valid[:, None])
-        tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+        dk = dk * 0.125 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
 
 
 def slide_tiles_bwd_dkdv_fused(
