@@ -489,7 +489,12 @@ def test_bench_torchscale_smoke(tmp_path, monkeypatch, capsys):
     data = json.loads(result.read_text())
     rows = {(r["tiles"], r["pass"], r["method"]): r for r in data["rows"]}
     assert set(rows) == {(n, p, m) for n in (100, 300) for p in ("fwd", "fwd+bwd")
-                         for m in ("torchscale", "dilgen")}
+                         for m in ("torchscale", "dilgen", "no_attention")}
     assert all(r["ms"] is not None and "error" not in r for r in rows.values()), data["rows"]
     assert all(c["rel_err_dilgen_vs_torchscale"] < 3e-2 for c in data["check"])   # bf16 both
-    assert "| tiles | pass |" in capsys.readouterr().out
+    # the floor (identity attention) costs less than either model, and the table bounds by it
+    assert all(rows[(n, p, "no_attention")]["ms"] < min(rows[(n, p, m)]["ms"] for m in ("torchscale", "dilgen"))
+               for n in (100, 300) for p in ("fwd", "fwd+bwd"))
+    out = capsys.readouterr().out
+    assert "| tiles | pass |" in out and "bound (torchscale / no-attention)" in out
+    assert compat._attend is not None and compat._attend.__name__ != "identity_attend"   # restored

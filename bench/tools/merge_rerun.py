@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import toolkit as tk  # noqa: E402
 
 
 def _key(row: dict) -> tuple:
@@ -76,10 +77,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     old, new = json.loads(a.committed.read_text()), json.loads(a.rerun.read_text())
     merged = merge(old, new, [m for m in a.methods.split(",") if m])
-    fd, tmp = tempfile.mkstemp(dir=a.committed.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(old, f, indent=1)
-    os.replace(tmp, a.committed)
+    tk.write_json_atomic(a.committed, old)
     print(f"merged {len(merged)} row(s) into {a.committed}: {merged}")
     return 0
 
