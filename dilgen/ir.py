@@ -197,6 +197,11 @@ class KernelConfig:
     # the dq lane kernel reads k, v through tensor descriptors too (warp-specialized with
     # lane_ws)
     lane_dq_tma: bool = False
+    # the forward lane grid is (B*H * lane tiles, segments), tiles fastest, instead of
+    # (B*H, lane tiles, segments): the programs in flight then share one segment's keys in L2
+    # whatever B*H is (templates/common.jinja lane_program). Off until verified: see
+    # targets.Target.lane_tiles_fastest
+    lane_tiles_fastest: bool = False
     # incremental decoding (templates/decode.py.jinja): keys per step of the split kernel,
     # the largest split (kept keys per program; the runtime may halve it down to the block
     # to fill the GPU at small batch), warps, stages
@@ -222,6 +227,7 @@ class KernelConfig:
                 "lane_fwd": list(self.lane_fwd), "lane_dq": list(self.lane_dq),
                 "lane_tma": self.lane_tma, "lane_ws": self.lane_ws,
                 **({"lane_dq_tma": True} if self.lane_dq_tma else {}),
+                **({"lane_tiles_fastest": True} if self.lane_tiles_fastest else {}),
                 "decode": list(self.decode)}
 
 

@@ -73,7 +73,8 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
-           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "decode", "curve_rows")
+           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "decode",
+           "curve_rows")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -231,6 +232,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              lane_tma=head_dim_pad is None and bool((tuning or {}).get("lane_tma", target.lane_tma and spec.causal and spec.dtype != "float32")),
                              lane_ws=head_dim_pad is None and bool((tuning or {}).get("lane_ws", target.lane_ws and spec.causal and spec.dtype != "float32")),
                              lane_dq_tma=head_dim_pad is None and bool((tuning or {}).get("lane_dq_tma", target.lane_dq_tma and spec.causal and spec.dtype != "float32")),
+                             lane_tiles_fastest=bool((tuning or {}).get("lane_tiles_fastest", target.lane_tiles_fastest)),
                              decode=tuple((tuning or {}).get("decode", target.decode_table(tile_d, itemsize))),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(

@@ -107,6 +107,13 @@ class Target:
     # 6.66 against 6.55 ms with pointer loads (H200, Triton 3.6); warp-specializing that loop
     # fails to compile there ("PassManager::run failed"), so it is off
     lane_dq_tma: bool = False
+    # the forward lane grid with tiles fastest (KernelConfig.lane_tiles_fastest): on an H200 the
+    # packed causal docs64 forward (64 sequences, 1.3M rows, A's branches) ran 53.2 ms of lane
+    # kernels against 60.8 (one sequence of the same length: 50.1), fixed-length rows within
+    # 3%; but the fwd+bwd run of that session, with the dq lanes on the same grid too, hit an
+    # illegal memory access at 1.3M rows that was not localized before the device time ran
+    # out, so it stays off until a run shows fwd+bwd clean with the forward alone on it
+    lane_tiles_fastest: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128) -> str:

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 71c36ec509c57e9e
+# template hash: e83864aa545aad1f
 # plan key:      c7a27a6ccadabaecff3ab9baf2bb4b1e78f36a3fcf8e21e0e5052d0f277f31d4
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

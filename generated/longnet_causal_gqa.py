@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 71c36ec509c57e9e
+# template hash: e83864aa545aad1f
 # plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -253,7 +253,7 @@ def longnet_causal_gqa_fwd_lanes(
 
     Notation (as in longnet_causal_gqa_fwd_kernel, plus):
     grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
-               one segment's keys (L2), mt = num_lane_tiles - 1 - t (longest causal tiles first)
+               one segment's keys (L2) when B*H is small, mt = num_lane_tiles - 1 - t (longest causal tiles first)
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
@@ -266,11 +266,12 @@ def longnet_causal_gqa_fwd_lanes(
       2: w = 32768, r = 12, key u = 12*j + o + 32768*s
     """
     pid_bh = tl.program_id(0)
+    t = tl.program_id(1)
+    s = tl.program_id(2)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    s = tl.program_id(2)
-    mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
+    mt = num_lane_tiles - 1 - t  # longest tiles of the segment first
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
@@ -1128,11 +1129,12 @@ def longnet_causal_gqa_bwd_dq_lanes(
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
     VARLEN as in longnet_causal_gqa_fwd_lanes."""
     pid_bh = tl.program_id(0)
+    t = tl.program_id(1)
+    s = tl.program_id(2)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
-    s = tl.program_id(2)
-    mt = num_lane_tiles - 1 - tl.program_id(1)  # longest tiles of the segment first
+    mt = num_lane_tiles - 1 - t  # longest tiles of the segment first
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 71c36ec509c57e9e
+# template hash: e83864aa545aad1f
 # plan key:      0bca4c2e3459d7f1b23c2c99cb02d75729bb3f68020a3a590efda5160210e702
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -294,7 +294,7 @@ def slide_tiles_fwd_lanes(
 
     Notation (as in slide_tiles_fwd_kernel, plus):
     grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
-               one segment's keys (L2), mt = t
+               one segment's keys (L2) when B*H is small, mt = t
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
@@ -307,11 +307,12 @@ def slide_tiles_fwd_lanes(
       1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
     """
     pid_bh = tl.program_id(0)
+    t = tl.program_id(1)
+    s = tl.program_id(2)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
-    s = tl.program_id(2)
-    mt = tl.program_id(1)
+    mt = t
     m0 = mt * LANE_BLOCK_M
     m = m0 + tl.arange(0, LANE_BLOCK_M)
     if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
@@ -1054,11 +1055,12 @@ def slide_tiles_bwd_dq_lanes(
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
     VARLEN and CURVE_ROWS (keys from KC, VC) as in slide_tiles_fwd_lanes."""
     pid_bh = tl.program_id(0)
+    t = tl.program_id(1)
+    s = tl.program_id(2)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
-    s = tl.program_id(2)
-    mt = tl.program_id(1)
+    mt = t
     m0 = mt * LANE_DQ_BLOCK_M
     m = m0 + tl.arange(0, LANE_DQ_BLOCK_M)
     if VARLEN:  # sequence b of a packed batch: rows SeqStart[b] + [0, SeqLen[b])
