@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: e83864aa545aad1f
+# template hash: 35a0d963336c06f7
 # plan key:      c7a27a6ccadabaecff3ab9baf2bb4b1e78f36a3fcf8e21e0e5052d0f277f31d4
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -392,7 +392,7 @@ def longnet_base_bwd_dkdv(
     BRANCH: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
+    """dK, dV of one branch, added into DK, DV (B, N, H_kv, D; the inputs' dtype, or float32 on a ring).
 
     Program (t, b*H_kv + kvh), t = (s * NO + g0) * num_j_tiles + jt, NO = min(1, r):
     segment s of the branch, key lanes j = jt*BWD_KV_BLOCK_N + [0, BWD_KV_BLOCK_N) with

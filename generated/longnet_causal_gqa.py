@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: e83864aa545aad1f
+# template hash: 35a0d963336c06f7
 # plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -543,7 +543,7 @@ def longnet_causal_gqa_bwd_dkdv(
     BRANCH: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
+    """dK, dV of one branch, added into DK, DV (B, N, H_kv, D; the inputs' dtype, or float32 on a ring).
 
     Program (t, b*H_kv + kvh), t = (s * NO + g0) * num_j_tiles + jt, NO = min(4, r):
     segment s of the branch, key lanes j = jt*BWD_KV_BLOCK_N + [0, BWD_KV_BLOCK_N) with

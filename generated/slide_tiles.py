@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: e83864aa545aad1f
+# template hash: 35a0d963336c06f7
 # plan key:      3cbd8f1a064d9db95f593a7f16fca1f3358ad1b9f75da7f7df040d1018e160cb
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -549,7 +549,7 @@ def slide_tiles_bwd_dkdv(
     VARLEN: tl.constexpr,
     CURVE_ROWS: tl.constexpr,
 ):
-    """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
+    """dK, dV of one branch, added into DK, DV (B, N, H_kv, D; the inputs' dtype, or float32 on a ring).
 
     Program (t, b*H_kv + kvh), t = (s * NO + g0) * num_j_tiles + jt, NO = min(4, r):
     segment s of the branch, key lanes j = jt*BWD_KV_BLOCK_N + [0, BWD_KV_BLOCK_N) with

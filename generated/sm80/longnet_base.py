@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: e83864aa545aad1f
+# template hash: 35a0d963336c06f7
 # plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -392,7 +392,7 @@ def longnet_base_bwd_dkdv(
     BRANCH: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """dK, dV of one branch, added into float32 DK, DV (B, N, H_kv, D).
+    """dK, dV of one branch, added into DK, DV (B, N, H_kv, D; the inputs' dtype, or float32 on a ring).
 
     Program (t, b*H_kv + kvh), t = (s * NO + g0) * num_j_tiles + jt, NO = min(1, r):
     segment s of the branch, key lanes j = jt*BWD_KV_BLOCK_N + [0, BWD_KV_BLOCK_N) with
