@@ -189,6 +189,28 @@ def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda") -> dict:
             "times": [round(t, 4) for t in times]}
 
 
+def kernel_times(fn, warmup: int = 3, reps: int = 5, device="cuda", top: int = 14) -> dict:
+    """Where the time of `fn` goes (torch.profiler): {kernel name: [ms per call, launches per
+    call]} over `reps` calls after `warmup`, longest first (CPU time per op off the GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        _sync(device)
+    rows = {}
+    for e in prof.key_averages():
+        t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+            else e.cpu_time_total
+        if t > 0 and e.count > 0:
+            rows[e.key[:80]] = [round(t / reps / 1000.0, 4), e.count // reps]
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:top])
+
+
 def first_call_s(fn, device="cuda"):
     """(seconds of one call, synchronised; its result): the compile time on a first call."""
     t = time.perf_counter()

@@ -12,6 +12,8 @@ kernels the tests cover); PROFILE=D,C adds each row's CUDA time per kernel (fwd+
 2026-11-23 session: bench/results/lanes_probe-2026-11-23-h200.json."""
 import os, sys, json, math, time, torch, triton
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+import toolkit as tk  # noqa: E402
 import dilgen
 from dilgen.compiler import Kernel
 from dilgen.reference import reference_attention
@@ -47,20 +49,6 @@ def check(kern, c, spec, Nc=4096):
     (ro * go.cpu().double()).sum().backward()
     return dict(out=rel(o.detach().cpu(), ro.detach()), dq=rel(q.grad.cpu(), qd.grad),
                 dk=rel(k.grad.cpu(), kd.grad), dv=rel(v.grad.cpu(), vd.grad))
-def kernel_profile(fn, calls=3):
-    """CUDA time per kernel name (ms per call) over `calls` calls of fn."""
-    from torch.profiler import profile, ProfilerActivity
-    fn(); torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t:
-            out[e.key[:80]] = round(t / 1e3 / calls, 4)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
 rows = []
 variants = os.environ.get("VARIANTS", "auto,all").split(",")
 configs = os.environ.get("CONFIGS", "A,E,F,B").split(",")
@@ -92,7 +80,7 @@ for cname in configs:
                 row = dict(config=cname, causal=causal, variant=var, fwd_ms=t_f, fwdbwd_ms=t_fb,
                            fwd_tflops=fl/t_f/1e9, fb_tflops=3.5*fl/t_fb/1e9, err=err, tuning=tuning)
                 if cname in os.environ.get("PROFILE", "").split(","):
-                    row["kernels_fwd_bwd_ms"] = kernel_profile(fb)
+                    row["kernels_fwd_bwd_ms"] = tk.kernel_times(fb, warmup=1, reps=3, top=12)  # [ms, launches]
             except Exception as e:
                 import traceback; traceback.print_exc()
                 row = dict(config=cname, causal=causal, variant=var, error=repr(e)[:300])

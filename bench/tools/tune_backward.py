@@ -73,25 +73,9 @@ def rel(a, b):
 
 
 def profile(kernel, q, k, v, g):
-    from torch.profiler import ProfilerActivity, profile as prof
     cuda = DEV.type == "cuda"
-    reps = 5 if cuda else 1
-    for _ in range(3 if cuda else 0):
-        run_case(kernel, q, k, v, g)
-    if cuda:
-        torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
-        for _ in range(reps):
-            run_case(kernel, q, k, v, g)
-        if cuda:
-            torch.cuda.synchronize()
-    rows = {}
-    for e in p.key_averages():
-        t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
-            else e.cpu_time_total
-        if t > 0 and e.count > 0:
-            rows[e.key[:70]] = (t / reps / 1000.0, e.count // reps)
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:14])
+    return toolkit.kernel_times(lambda: run_case(kernel, q, k, v, g), warmup=3 if cuda else 0,
+                                reps=5 if cuda else 1, device=DEV)
 
 
 def main() -> int:
