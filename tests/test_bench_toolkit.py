@@ -152,11 +152,13 @@ def test_merge_rerun_replaces_only_the_rerun_methods(tmp_path):
                                          {"config": "B", "causal": False, "passed": True}],
            "rows": [{"config": "A", "causal": False, "dilgen_ms": 2.0, "peer_ms": 4.0, "useful_tflops": 100.0,
                      "speedup_vs_peer": 2.0, "timing_ms": {"dilgen": {"median": 2.0}, "peer": {"median": 4.0}},
+                     "errors": {"dense": "skipped: too long", "dilgen": "old failure"},
                      "useful_tflops_by_method": {"dilgen": 100.0, "peer": 50.0}},
                     {"config": "B", "causal": False, "dilgen_ms": 3.0, "peer_ms": 3.0, "speedup_vs_peer": 1.0}]}
     new = {"device": "GPU X", "time": "t1", "check_passed": True,
            "check": [{"config": "A", "causal": False, "passed": True, "new": 1}],
            "rows": [{"config": "A", "causal": False, "dilgen_ms": 1.0, "useful_tflops": 200.0,
+                     "errors": {"peer": "not selected (--methods)"},
                      "timing_ms": {"dilgen": {"median": 1.0}}, "useful_tflops_by_method": {"dilgen": 200.0}}]}
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(new))
@@ -166,6 +168,7 @@ def test_merge_rerun_replaces_only_the_rerun_methods(tmp_path):
     assert (a["dilgen_ms"], a["peer_ms"], a["speedup_vs_peer"], a["useful_tflops"]) == (1.0, 4.0, 4.0, 200.0)
     assert a["timing_ms"] == {"dilgen": {"median": 1.0}, "peer": {"median": 4.0}}
     assert a["useful_tflops_by_method"] == {"dilgen": 200.0, "peer": 50.0}
+    assert a["errors"] == {"dense": "skipped: too long"}     # the peers' reasons stay, dilgen's go
     assert a["merged_from"]["time"] == "t1" and b == old["rows"][1]
     assert sorted(c["config"] for c in got["check"]) == ["A", "B"] and any(c.get("new") for c in got["check"])
     assert got["earlier_runs"][-1]["merged_rows"] == [["A", False]]

@@ -56,8 +56,9 @@ def merge(old: dict, new: dict, methods: list[str]) -> list[tuple]:
             if k.startswith("speedup_vs_"):
                 peer = target.get(k[len("speedup_vs_"):] + "_ms")
                 target[k] = peer / dg if peer and dg else None
-        target["errors"] = [e for e in target.get("errors", []) if not any(m in str(e) for m in methods)] + [
-            e for e in row.get("errors", []) if any(m in str(e) for m in methods)]
+        # errors are {method: reason}: the re-run methods' entries come from the new run
+        errors = {m: e for m, e in (target.get("errors") or {}).items() if m not in methods}
+        target["errors"] = errors | {m: e for m, e in (row.get("errors") or {}).items() if m in methods}
         target["merged_from"] = stamp
         merged.append(_key(row))
     keys = set(merged)
