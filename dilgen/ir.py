@@ -197,10 +197,10 @@ class KernelConfig:
     # the dq lane kernel reads k, v through tensor descriptors too (warp-specialized with
     # lane_ws)
     lane_dq_tma: bool = False
-    # the forward lane grid is (B*H * lane tiles, segments), tiles fastest, instead of
-    # (B*H, lane tiles, segments): the programs in flight then share one segment's keys in L2
-    # whatever B*H is (templates/common.jinja lane_program). Off until verified: see
-    # targets.Target.lane_tiles_fastest
+    # packed batches (VARLEN) launch the lane kernels, forward and dq, on (B*H * lane tiles,
+    # segments), tiles fastest, instead of (B*H, lane tiles, segments): the programs in flight
+    # then share one segment's keys in L2 however many sequences there are
+    # (templates/common.jinja lane_program); targets.Target.lane_tiles_fastest
     lane_tiles_fastest: bool = False
     # incremental decoding (templates/decode.py.jinja): keys per step of the split kernel,
     # the largest split (kept keys per program; the runtime may halve it down to the block

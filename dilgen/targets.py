@@ -107,12 +107,13 @@ class Target:
     # 6.66 against 6.55 ms with pointer loads (H200, Triton 3.6); warp-specializing that loop
     # fails to compile there ("PassManager::run failed"), so it is off
     lane_dq_tma: bool = False
-    # the forward lane grid with tiles fastest (KernelConfig.lane_tiles_fastest): on an H200 the
-    # packed causal docs64 forward (64 sequences, 1.3M rows, A's branches) ran 53.2 ms of lane
-    # kernels against 60.8 (one sequence of the same length: 50.1), fixed-length rows within
-    # 3%; but the fwd+bwd run of that session, with the dq lanes on the same grid too, hit an
-    # illegal memory access at 1.3M rows that was not localized before the device time ran
-    # out, so it stays off until a run shows fwd+bwd clean with the forward alone on it
+    # packed batches launch the lane kernels (forward and dq) on a grid with tiles fastest
+    # (KernelConfig.lane_tiles_fastest, common.lane_program): on an H200 the packed causal
+    # docs64 fwd+bwd (64 sequences, 1.3M rows, A's branches) ran 234.0 ms against 269.1 (one
+    # sequence of the same length: 232.6). One sequence keeps (B*H, tiles, segments): A causal
+    # forward 1.26 against 1.30 ms, D causal fwd+bwd 1.99 against 2.29 on tiles fastest. (The
+    # illegal memory access first blamed on this grid was a 32-bit row offset in the lane
+    # descriptors, past 2^31 elements; see tests/test_row_offsets.py.) On for sm90 (measured)
     lane_tiles_fastest: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
 
@@ -139,7 +140,8 @@ class Target:
         return {64: (128, 32, 4, 3), 128: (128, 64, 8, 3)}.get(head_dim)
 
 
-SM90 = Target("sm90", 90, 227 * 1024, 128, True, lane_tma=True, lane_ws=True, causal_lanes=True)
+SM90 = Target("sm90", 90, 227 * 1024, 128, True, lane_tma=True, lane_ws=True, causal_lanes=True,
+              lane_tiles_fastest=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

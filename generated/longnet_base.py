@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 35a0d963336c06f7
-# plan key:      c7a27a6ccadabaecff3ab9baf2bb4b1e78f36a3fcf8e21e0e5052d0f277f31d4
+# template hash: 125c6ccd5d883753
+# plan key:      21a7afeeeb459e3df5c1daae409cdb65d0360d58f100fdb79eee55c67564d695
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -87,6 +87,7 @@ PLAN = {
         "dot_precision": None,
         "lane_dq": [128, 64, 8, 3],
         "lane_fwd": [128, 64, 8, 3],
+        "lane_tiles_fastest": True,
         "lane_tma": False,
         "lane_ws": False,
         "num_stages": 3,
@@ -1102,6 +1103,7 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 64,
         "lane_dq_block_m": 128,
+        "lane_dq_tiles_fastest_varlen": True,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 8, "num_stages": 3},

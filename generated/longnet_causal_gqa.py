@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 35a0d963336c06f7
-# plan key:      6d79300c67e9422db025669222c36b470d89505570a65873ca6ac00d6a425743
+# template hash: 125c6ccd5d883753
+# plan key:      956433d12ebc76df1c9fda6d59588eb299967c89dfca4252837b644af9f644a6
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -93,6 +93,7 @@ PLAN = {
         "dot_precision": None,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 128, 8, 3],
+        "lane_tiles_fastest": True,
         "lane_tma": True,
         "lane_ws": True,
         "num_stages": 3,
@@ -252,8 +253,9 @@ def longnet_causal_gqa_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in longnet_causal_gqa_fwd_kernel, plus):
-    grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
-               one segment's keys (L2) when B*H is small, mt = num_lane_tiles - 1 - t (longest causal tiles first)
+    grid       packed batches (VARLEN): (B*H * lane tiles, segments), program ((b*H + h) * num_lane_tiles + t, s);
+               one sequence: (B*H, lane tiles, segments), program (b*H + h, t, s); either way the programs
+               in flight share one segment's keys (L2), mt = num_lane_tiles - 1 - t (longest causal tiles first)
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
@@ -265,9 +267,14 @@ def longnet_causal_gqa_fwd_lanes(
       1: w = 8192, r = 6, key u = 6*j + o + 8192*s
       2: w = 32768, r = 12, key u = 12*j + o + 32768*s
     """
-    pid_bh = tl.program_id(0)
-    t = tl.program_id(1)
-    s = tl.program_id(2)
+    if VARLEN:  # grid (B*H * lane tiles, segments)
+        pid_bh = tl.program_id(0) // num_lane_tiles
+        t = tl.program_id(0) % num_lane_tiles
+        s = tl.program_id(1)
+    else:  # grid (B*H, lane tiles, segments)
+        pid_bh = tl.program_id(0)
+        t = tl.program_id(1)
+        s = tl.program_id(2)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
@@ -306,9 +313,9 @@ def longnet_causal_gqa_fwd_lanes(
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
-        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_kn, 1],
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_kn, 1],
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_vn, 1],
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_vn, 1],
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
@@ -372,9 +379,9 @@ def longnet_causal_gqa_fwd_lanes(
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
-        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_kn, 1],
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_kn, 1],
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_vn, 1],
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_vn, 1],
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
@@ -438,9 +445,9 @@ def longnet_causal_gqa_fwd_lanes(
         n_keys = tl.minimum(n_keys, m0 + LANE_BLOCK_M)  # lanes past the tile's last query are never needed
         n_free = (n_free // LANE_BLOCK_N) * LANE_BLOCK_N
         # the segment's kept lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
-        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_kn, 1],
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_kn, 1],
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_vn, 1],
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_vn, 1],
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
@@ -1127,10 +1134,16 @@ def longnet_causal_gqa_bwd_dq_lanes(
 ):
     """dQ of one lane branch (BRANCH), with the tiling of longnet_causal_gqa_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
-    VARLEN as in longnet_causal_gqa_fwd_lanes."""
-    pid_bh = tl.program_id(0)
-    t = tl.program_id(1)
-    s = tl.program_id(2)
+    VARLEN as in longnet_causal_gqa_fwd_lanes; packed batches (VARLEN) on
+    the grid (B*H * lane tiles, segments), one sequence on (B*H, lane tiles, segments)."""
+    if VARLEN:  # grid (B*H * lane tiles, segments)
+        pid_bh = tl.program_id(0) // num_lane_tiles
+        t = tl.program_id(0) % num_lane_tiles
+        s = tl.program_id(1)
+    else:  # grid (B*H, lane tiles, segments)
+        pid_bh = tl.program_id(0)
+        t = tl.program_id(1)
+        s = tl.program_id(2)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     kvh = h // 4
@@ -1346,6 +1359,7 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 64,
+        "lane_dq_tiles_fastest_varlen": True,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},

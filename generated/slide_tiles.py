@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 35a0d963336c06f7
-# plan key:      3cbd8f1a064d9db95f593a7f16fca1f3358ad1b9f75da7f7df040d1018e160cb
+# template hash: 125c6ccd5d883753
+# plan key:      fd908ac70b6c6c7974596364e091292d38a0a24c78688d66adba3796c013fbd6
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -84,6 +84,7 @@ PLAN = {
         "dot_precision": None,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],
+        "lane_tiles_fastest": True,
         "lane_tma": False,
         "lane_ws": False,
         "num_stages": 3,
@@ -293,8 +294,9 @@ def slide_tiles_fwd_lanes(
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
 
     Notation (as in slide_tiles_fwd_kernel, plus):
-    grid       (B*H, lane tiles, segments): program (b*H + h, t, s); the programs in flight share
-               one segment's keys (L2) when B*H is small, mt = t
+    grid       packed batches (VARLEN): (B*H * lane tiles, segments), program ((b*H + h) * num_lane_tiles + t, s);
+               one sequence: (B*H, lane tiles, segments), program (b*H + h, t, s); either way the programs
+               in flight share one segment's keys (L2), mt = t
     s, mt      segment of the branch and lane tile
     m          query lanes mt*LANE_BLOCK_M + [0, LANE_BLOCK_M): the kept queries u = s*w + o + r*m
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
@@ -306,9 +308,14 @@ def slide_tiles_fwd_lanes(
     Lane branches:
       1: w = 4096, r = 4, key u = 4*j + o + 4096*s, curve table segment_64x64
     """
-    pid_bh = tl.program_id(0)
-    t = tl.program_id(1)
-    s = tl.program_id(2)
+    if VARLEN:  # grid (B*H * lane tiles, segments)
+        pid_bh = tl.program_id(0) // num_lane_tiles
+        t = tl.program_id(0) % num_lane_tiles
+        s = tl.program_id(1)
+    else:  # grid (B*H, lane tiles, segments)
+        pid_bh = tl.program_id(0)
+        t = tl.program_id(1)
+        s = tl.program_id(2)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
@@ -1053,10 +1060,16 @@ def slide_tiles_bwd_dq_lanes(
 ):
     """dQ of one lane branch (BRANCH), with the tiling of slide_tiles_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
-    VARLEN and CURVE_ROWS (keys from KC, VC) as in slide_tiles_fwd_lanes."""
-    pid_bh = tl.program_id(0)
-    t = tl.program_id(1)
-    s = tl.program_id(2)
+    VARLEN and CURVE_ROWS (keys from KC, VC) as in slide_tiles_fwd_lanes; packed batches (VARLEN) on
+    the grid (B*H * lane tiles, segments), one sequence on (B*H, lane tiles, segments)."""
+    if VARLEN:  # grid (B*H * lane tiles, segments)
+        pid_bh = tl.program_id(0) // num_lane_tiles
+        t = tl.program_id(0) % num_lane_tiles
+        s = tl.program_id(1)
+    else:  # grid (B*H, lane tiles, segments)
+        pid_bh = tl.program_id(0)
+        t = tl.program_id(1)
+        s = tl.program_id(2)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     kvh = h // 4
@@ -1190,6 +1203,7 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 32,
         "lane_dq_block_m": 128,
+        "lane_dq_tiles_fastest_varlen": True,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},

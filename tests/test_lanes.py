@@ -68,7 +68,7 @@ CASES = [
     ("hilbert_curve_dq_tma_causal", dict(segment_lengths=[16, 64], dilation_rates=[2, 4], num_heads=8,
                                          num_kv_heads=4, causal=True, hilbert={"scope": "segment"}),
      (1, 100), {"lanes": "all", "lane_tma": True, "lane_ws": True, "lane_dq_tma": True}),
-    # the forward lane grid with tiles fastest (tuning lane_tiles_fastest, off by default)
+    # sm90's lane flags (lane_tiles_fastest changes the grid of packed batches only: test_varlen)
     ("tiles_fastest_causal_gqa_batch", dict(segment_lengths=[32, 64, 100], dilation_rates=[1, 2, 6],
                                             causal=True, num_heads=6, num_kv_heads=3), (2, 150),
      {"lanes": "all", "lane_tma": True, "lane_ws": True, "lane_tiles_fastest": True}),

@@ -264,14 +264,21 @@ def test_groups_split_to_stay_within_the_grid_limit(monkeypatch):
 
 def test_lane_grid_with_tiles_fastest_computes_the_same_bits():
     """Tuning lane_tiles_fastest reorders the forward lane programs (grid (B*H * tiles,
-    segments)); each tile's arithmetic is unchanged, so a packed causal batch gets the same
-    out and lse bit for bit, every sequence's rows written (poisoned buffers otherwise show)."""
+    segments)) and, for packed batches, the dq lane programs; each tile's arithmetic is
+    unchanged, so a packed causal batch gets the same out, lse and gradients bit for bit,
+    every sequence's rows written (poisoned buffers otherwise show)."""
     from dilgen.compiler import Kernel
     spec = _spec("vl_tf", [8, 16, 24], [1, 2, 3], H=4, Hkv=2, causal=True)
     lengths = [29, 3, 17, 40]
     cu = _cu(lengths)
     q, k, v = _inputs(spec, int(cu[-1]), seed=3)
-    tuning = {"lanes": "all"}
-    base = Kernel(spec, None, tuning)(q, k, v, cu_seqlens=cu, return_lse=True)
-    fast = Kernel(spec, None, {**tuning, "lane_tiles_fastest": True})(q, k, v, cu_seqlens=cu, return_lse=True)
-    assert torch.isfinite(base[0]).all() and torch.equal(base[0], fast[0]) and torch.equal(base[1], fast[1])
+    do = torch.randn_like(q)
+    got = []
+    for fastest in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        kernel = Kernel(spec, None, {"lanes": "all", "lane_tiles_fastest": fastest})
+        out, lse = kernel(*leaves, cu_seqlens=cu, return_lse=True)
+        got.append([out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, do)])
+    assert all(torch.isfinite(t).all() for t in got[0])
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *got):
+        assert torch.equal(a, b), name

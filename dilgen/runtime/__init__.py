@@ -307,7 +307,7 @@ class GeneratedAttention:
                     kv, flag = lane_key_args(self, interpret, br, tables, k, v, packing,
                                              cfg["lane_fwd"], class_order)
                 launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
-                                 ((B * H * n_tiles, n_seg) if cfg.get("lane_tiles_fastest")
+                                 ((B * H * n_tiles, n_seg) if varlen and cfg.get("lane_tiles_fastest")
                                   else (B * H, n_tiles, n_seg)),   # common.lane_program
                                  (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,
                                   *strides, interpret, i, accumulate, varlen, *flag),
