@@ -109,8 +109,8 @@ class Target:
     lane_dq_tma: bool = False
     # packed batches launch the lane kernels (forward and dq) on a grid with tiles fastest
     # (KernelConfig.lane_tiles_fastest, common.lane_program): on an H200 the packed causal
-    # docs64 fwd+bwd (64 sequences, 1.3M rows, A's branches) ran 234.0 ms against 269.1 (one
-    # sequence of the same length: 232.6). One sequence keeps (B*H, tiles, segments): A causal
+    # docs64 fwd+bwd (64 sequences, 1.3M rows, A's branches) ran 238.0 ms against 269.1 (one
+    # sequence of the same length: 236.9). One sequence keeps (B*H, tiles, segments): A causal
     # forward 1.26 against 1.30 ms, D causal fwd+bwd 1.99 against 2.29 on tiles fastest. (The
     # illegal memory access first blamed on this grid was a 32-bit row offset in the lane
     # descriptors, past 2^31 elements; see tests/test_row_offsets.py.) On for sm90 (measured)

@@ -176,3 +176,22 @@ def test_merge_rerun_replaces_only_the_rerun_methods(tmp_path):
     (tmp_path / "new.json").write_text(json.dumps(new))
     with pytest.raises(SystemExit):
         merge_rerun.main([str(tmp_path / "old.json"), str(tmp_path / "new.json")])
+
+
+def test_merge_rerun_redraws_the_plots_beside_a_bench_file(tmp_path):
+    """After a merge the forward file's bar and roofline plots are redrawn from its rows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "tools"))
+    import merge_rerun
+    head = {"device": "GPU X", "torch": "t", "triton": "3.6", "date": "2000-01-01",
+            "matmul_ceiling": {"tflops": 700.0}}
+    row = {"config": "A", "causal": False, "dilgen_ms": 2.0, "gather_cudnn_ms": 3.0, "useful_tflops": 400.0,
+           "useful_gflop": 800.0}
+    old = dict(head, rows=[row])
+    new = dict(head, time="t1", rows=[dict(row, dilgen_ms=1.5, useful_tflops=533.0)])
+    committed = tmp_path / "forward-2000-01-01.json"
+    committed.write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert merge_rerun.main([str(committed), str(tmp_path / "new.json")]) == 0
+    for name in ("forward-2000-01-01.png", "roofline-2000-01-01.png"):
+        png = tmp_path / name
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG", name

@@ -12,7 +12,9 @@ timing_ms[m], useful_tflops_by_method[m]; dilgen's useful_tflops) and recomputes
 speed-ups (peer ms / dilgen ms); the peers' fields stay as measured. The row gets
 `merged_from` (the new run's time, device, versions, methods), the new run's check records
 replace the old ones for those rows, and the header's `earlier_runs` lists the merge. Rows
-whose device differs are refused (numbers from different GPUs are not comparable).
+whose device differs are refused (numbers from different GPUs are not comparable). The
+plots beside the file (forward / roofline or backward .png) are redrawn from the merged rows
+(--no-plot leaves them).
 """
 from __future__ import annotations
 
@@ -75,12 +77,37 @@ def main(argv=None) -> int:
     ap.add_argument("committed", type=Path)
     ap.add_argument("rerun", type=Path)
     ap.add_argument("--methods", default="dilgen", help="the re-run methods (default dilgen)")
+    ap.add_argument("--no-plot", action="store_true", help="leave the .png files beside it alone")
     a = ap.parse_args(argv)
     old, new = json.loads(a.committed.read_text()), json.loads(a.rerun.read_text())
     merged = merge(old, new, [m for m in a.methods.split(",") if m])
     tk.write_json_atomic(a.committed, old)
     print(f"merged {len(merged)} row(s) into {a.committed}: {merged}")
+    if not a.no_plot:
+        replot(a.committed, old)
     return 0
+
+
+def replot(path: Path, data: dict) -> None:
+    """Redraw the plots beside a bench_forward / bench_backward JSON from its (merged) rows,
+    as those scripts draw them, so the committed pictures follow the committed numbers."""
+    kind = path.name.split("-")[0]
+    if kind not in ("forward", "backward"):
+        return
+    rows = data["rows"]
+    methods = ("dilgen", "gather_cudnn", "gather_flash", "flex", "dense")
+    title = f"{data['device']}, torch {data['torch']}, triton {data.get('triton')}, {data['date']}"
+    png = path.with_suffix(".png")
+    if kind == "forward":
+        tk.plot_bars(rows, methods, png, "forward time, ms (log scale; lower is better)",
+                     f"dilated attention forward, bf16 — {title}")
+        tk.plot_roofline(rows, methods[:4], (data.get("matmul_ceiling") or {}).get("tflops"),
+                         path.with_name(path.name.replace("forward", "roofline", 1)).with_suffix(".png"),
+                         f"useful TFLOP/s of the exact methods, bf16 forward — {title}")
+    else:
+        tk.plot_bars(rows, methods, png, "forward+backward ms (log scale; lower is better)",
+                     f"dilated attention fwd+bwd, bf16 — {data['device']}, torch {data['torch']}, {data['date']}")
+    print(f"plots redrawn beside {path}")
 
 
 if __name__ == "__main__":
