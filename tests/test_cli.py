@@ -132,11 +132,10 @@ def test_compile_sm80_differs_from_sm90_only_in_target_and_tiles(compiled):
     (r90, p90), (r80, p80) = runs["a"], runs["c"]
     assert r90.returncode == 0 and r80.returncode == 0, r80.stderr
     s90, s80 = p90.read_text().splitlines(), p80.read_text().splitlines()
-    assert len(s90) == len(s80)
     changed = [line for line in difflib.unified_diff(s90, s80, lineterm="", n=0)
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     assert changed, "sm80 and sm90 modules must differ (at least the target)"
-    allowed = re.compile(r"sm80|sm90|plan key|block|BLOCK|warps|WARPS|stages|STAGES|bwd_kv|bwd_dq|fused_dkdv|lane_fwd|lane_dq")
+    allowed = re.compile(r"sm80|sm90|plan key|block|BLOCK|warps|WARPS|stages|STAGES|bwd_kv|bwd_dq|fused_dkdv|lane_fwd|lane_dq|lane_tiles_fastest")
     unexpected = [line for line in changed if not allowed.search(line)]
     assert not unexpected, "unexpected sm80/sm90 differences:\n" + "\n".join(unexpected)
     t90 = [l for l in header_of("\n".join(s90)) if re.search(r"(?i)target", l)]
