@@ -198,3 +198,16 @@ def test_lse_is_natural_log_of_denominator():
     scores = torch.einsum("qd,kd->qk", q[0, :, 0].double().cpu(), k[0, :, 0].double().cpu())
     expect = torch.logsumexp(scores / math.sqrt(16), dim=-1)
     assert torch.allclose(lse[0, 0].double().cpu(), expect, atol=1e-4)
+
+
+def test_interpreter_scalars_index_with_numpy_2_4():
+    """dilgen.runtime._scalar_index (the interpreter's tensor __index__ during a launch):
+    a one-element array of any rank is an int (NumPy >= 2.4 refuses int() of rank 1, which
+    Triton 3.6's interpreter used); a block is refused."""
+    import numpy as np
+    from types import SimpleNamespace
+    from dilgen.runtime import _scalar_index
+    for data in (np.array(7), np.array([7]), np.array([[7]], dtype=np.int32)):
+        assert _scalar_index(SimpleNamespace(handle=SimpleNamespace(data=data))) == 7
+    with pytest.raises(TypeError, match="scalar"):
+        _scalar_index(SimpleNamespace(handle=SimpleNamespace(data=np.arange(3))))

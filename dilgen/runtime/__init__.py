@@ -71,18 +71,43 @@ def _check_inputs(spec: dict, q: Any, k: Any, v: Any) -> tuple[int, int]:
 _INTERPRET_LOCK = threading.RLock()
 
 
+def _scalar_index(self):
+    """A scalar of the interpreter as a Python int (range bounds, indices): its data is an
+    array of one element, whatever its rank."""
+    data = self.handle.data
+    if getattr(data, "size", 1) != 1:
+        raise TypeError(f"only a scalar can be an index, got a block of shape {data.shape}")
+    return int(data.reshape(-1)[0]) if hasattr(data, "reshape") else int(data)
+
+
 class _interpreting:
     """Run Triton's interpreter in a process where triton was imported without
     TRITON_INTERPRET=1: triton.language's own @jit helpers (tl.max, tl.sum, tl.zeros, ...)
     are then JITFunctions, which the interpreter cannot call; route them through
-    InterpretedFunction for the duration of one launch."""
+    InterpretedFunction for the duration of one launch.
+
+    Also: Triton 3.6's interpreter turns a scalar into an index with int() of its
+    one-element array, which NumPy 2.4 and later refuse for arrays of rank 1 ("only
+    0-dimensional arrays can be converted to Python scalars"); its tensor patch gets an
+    __index__ that takes the one element, for the duration of the launch."""
 
     def __enter__(self):
+        from triton.runtime import interpreter
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
         _INTERPRET_LOCK.acquire()
         self._cls = JITFunction
         self._saved = JITFunction.__call__
+        self._interp = interpreter
+        self._saved_patch = getattr(interpreter, "_patch_lang_tensor", None)
+        if self._saved_patch is not None:
+            original = self._saved_patch
+
+            def patch_lang_tensor(tensor, scope):
+                original(tensor, scope)
+                scope.set_attr(tensor, "__index__", _scalar_index)
+
+            interpreter._patch_lang_tensor = patch_lang_tensor
         cache: dict[int, Any] = {}
 
         def call(fn_self, *args, **kwargs):
@@ -96,6 +121,8 @@ class _interpreting:
 
     def __exit__(self, *exc):
         self._cls.__call__ = self._saved
+        if self._saved_patch is not None:
+            self._interp._patch_lang_tensor = self._saved_patch
         _INTERPRET_LOCK.release()
         return False
 
