@@ -516,7 +516,8 @@ def plot_roofline(rows, methods, ceiling_tflops, path, title: str):
         ax.set_xticklabels([row_label(r) for r in rows], fontsize=8)
         ax.set_ylabel("useful TFLOP/s (same work figure for every method)")
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8, loc="upper left")
+        if ax.get_legend_handles_labels()[0]:     # no method had a value: no legend
+            ax.legend(fontsize=8, loc="upper left")
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         fig.savefig(path, dpi=120)

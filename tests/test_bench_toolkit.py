@@ -185,7 +185,7 @@ def test_merge_rerun_redraws_the_plots_beside_a_bench_file(tmp_path):
     head = {"device": "GPU X", "torch": "t", "triton": "3.6", "date": "2000-01-01",
             "matmul_ceiling": {"tflops": 700.0}}
     row = {"config": "A", "causal": False, "dilgen_ms": 2.0, "gather_cudnn_ms": 3.0, "useful_tflops": 400.0,
-           "useful_gflop": 800.0}
+           "useful_gflop": 800.0, "useful_tflops_by_method": {"dilgen": 400.0, "gather_cudnn": 266.7}}
     old = dict(head, rows=[row])
     new = dict(head, time="t1", rows=[dict(row, dilgen_ms=1.5, useful_tflops=533.0)])
     committed = tmp_path / "forward-2000-01-01.json"
