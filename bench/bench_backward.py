@@ -270,10 +270,13 @@ class Bench:
                 if not e.startswith("not selected"):
                     log(f"  {r['config']} causal={r['causal']} {m}: {e}")
         if not self.args.no_plot:
-            d = self.res.data
-            tk.plot_bars(rows, METHODS, tk.result_path(self.args.out, "backward", self.dry, ext="png"),
-                         "forward+backward ms (log scale; lower is better)",
-                         f"dilated attention fwd+bwd, bf16 — {d['device']}, torch {d['torch']}, {d['date']}")
+            draw_plots(self.res.data, rows, tk.result_path(self.args.out, "backward", self.dry))
+
+
+def draw_plots(data: dict, rows: list, json_path: Path) -> None:
+    """backward-<date>.png (fwd+bwd ms per method) beside the result file json_path."""
+    tk.plot_bars(rows, METHODS, json_path.with_suffix(".png"), "forward+backward ms (log scale; lower is better)",
+                 f"dilated attention fwd+bwd, bf16 — {data['device']}, torch {data['torch']}, {data['date']}")
 
 
 def main(argv=None):

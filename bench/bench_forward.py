@@ -366,15 +366,19 @@ class Bench:
                 if not e.startswith("not selected"):
                     log(f"  {r['config']} causal={r['causal']} {m}: {e}")
         log("dense = plain dense SDPA over the whole sequence: a reference point, NOT the same math.")
-        if self.args.no_plot:
-            return
-        d = self.res.data
-        title = f"{d['device']}, torch {d['torch']}, triton {d['triton']}, {d['date']}"
-        tk.plot_bars(rows, METHODS, tk.result_path(self.args.out, "forward", self.dry, ext="png"),
-                     "forward time, ms (log scale; lower is better)", f"dilated attention forward, bf16 — {title}")
-        tk.plot_roofline(rows, EXACT, (mm or {}).get("tflops"),
-                         tk.result_path(self.args.out, "roofline", self.dry, ext="png"),
-                         f"useful TFLOP/s of the exact methods, bf16 forward — {title}")
+        if not self.args.no_plot:
+            draw_plots(self.res.data, rows, tk.result_path(self.args.out, "forward", self.dry))
+
+
+def draw_plots(data: dict, rows: list, json_path: Path) -> None:
+    """forward-<date>.png (ms per method) and roofline-<date>.png (useful TFLOP/s against
+    the matmul ceiling) beside the result file json_path."""
+    title = f"{data['device']}, torch {data['torch']}, triton {data.get('triton')}, {data['date']}"
+    tk.plot_bars(rows, METHODS, json_path.with_suffix(".png"),
+                 "forward time, ms (log scale; lower is better)", f"dilated attention forward, bf16 — {title}")
+    tk.plot_roofline(rows, EXACT, (data.get("matmul_ceiling") or {}).get("tflops"),
+                     json_path.with_name(json_path.name.replace("forward", "roofline", 1)).with_suffix(".png"),
+                     f"useful TFLOP/s of the exact methods, bf16 forward — {title}")
 
 
 def main(argv=None):

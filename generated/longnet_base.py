@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 125c6ccd5d883753
+# template hash: 83424d37c8a795d6
 # plan key:      21a7afeeeb459e3df5c1daae409cdb65d0360d58f100fdb79eee55c67564d695
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1103,7 +1103,6 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 64,
         "lane_dq_block_m": 128,
-        "lane_dq_tiles_fastest_varlen": True,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 8, "num_stages": 3},

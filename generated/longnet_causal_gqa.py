@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 125c6ccd5d883753
+# template hash: 83424d37c8a795d6
 # plan key:      956433d12ebc76df1c9fda6d59588eb299967c89dfca4252837b644af9f644a6
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1359,7 +1359,6 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 64,
-        "lane_dq_tiles_fastest_varlen": True,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 125c6ccd5d883753
+# template hash: 83424d37c8a795d6
 # plan key:      fd908ac70b6c6c7974596364e091292d38a0a24c78688d66adba3796c013fbd6
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1203,7 +1203,6 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 32,
         "lane_dq_block_m": 128,
-        "lane_dq_tiles_fastest_varlen": True,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},

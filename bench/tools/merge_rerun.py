@@ -94,19 +94,9 @@ def replot(path: Path, data: dict) -> None:
     kind = path.name.split("-")[0]
     if kind not in ("forward", "backward"):
         return
-    rows = data["rows"]
-    methods = ("dilgen", "gather_cudnn", "gather_flash", "flex", "dense")
-    title = f"{data['device']}, torch {data['torch']}, triton {data.get('triton')}, {data['date']}"
-    png = path.with_suffix(".png")
-    if kind == "forward":
-        tk.plot_bars(rows, methods, png, "forward time, ms (log scale; lower is better)",
-                     f"dilated attention forward, bf16 — {title}")
-        tk.plot_roofline(rows, methods[:4], (data.get("matmul_ceiling") or {}).get("tflops"),
-                         path.with_name(path.name.replace("forward", "roofline", 1)).with_suffix(".png"),
-                         f"useful TFLOP/s of the exact methods, bf16 forward — {title}")
-    else:
-        tk.plot_bars(rows, methods, png, "forward+backward ms (log scale; lower is better)",
-                     f"dilated attention fwd+bwd, bf16 — {data['device']}, torch {data['torch']}, {data['date']}")
+    import bench_backward
+    import bench_forward
+    {"forward": bench_forward, "backward": bench_backward}[kind].draw_plots(data, data["rows"], path)
     print(f"plots redrawn beside {path}")
 
 

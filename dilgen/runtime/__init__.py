@@ -75,9 +75,9 @@ def _scalar_index(self):
     """A scalar of the interpreter as a Python int (range bounds, indices): its data is an
     array of one element, whatever its rank."""
     data = self.handle.data
-    if getattr(data, "size", 1) != 1:
+    if data.size != 1:
         raise TypeError(f"only a scalar can be an index, got a block of shape {data.shape}")
-    return int(data.reshape(-1)[0]) if hasattr(data, "reshape") else int(data)
+    return int(data.reshape(-1)[0])
 
 
 class _interpreting:
@@ -151,6 +151,15 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
     """(segments, lane tiles per segment) of a lane kernel launch for one branch."""
     w, r = branch["w"], branch["r"]
     return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
+
+
+def lane_launch_grid(plan: dict, batch_heads: int, n_seg: int, n_tiles: int, varlen: bool) -> tuple:
+    """The launch grid of a lane kernel (forward or dq), as common.lane_program reads it:
+    packed batches with KernelConfig.lane_tiles_fastest on (B*H * tiles, segments), else
+    (B*H, tiles, segments)."""
+    if varlen and plan["config"].get("lane_tiles_fastest"):
+        return batch_heads * n_tiles, n_seg
+    return batch_heads, n_tiles, n_seg
 
 
 def _check_zero_pad(spec: dict, n: int) -> None:
@@ -334,8 +343,7 @@ class GeneratedAttention:
                     kv, flag = lane_key_args(self, interpret, br, tables, k, v, packing,
                                              cfg["lane_fwd"], class_order)
                 launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
-                                 ((B * H * n_tiles, n_seg) if varlen and cfg.get("lane_tiles_fastest")
-                                  else (B * H, n_tiles, n_seg)),   # common.lane_program
+                                 lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen),
                                  (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,
                                   *strides, interpret, i, accumulate, varlen, *flag),
                                  {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))

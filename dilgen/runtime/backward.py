@@ -179,9 +179,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                 if curve_kernel:    # the plan has curve_rows branches
                     kv, flag = lane_key_args(attn, interpret, br, tables, k, v, packing,
                                              plan["config"]["lane_dq"], class_order)
-                grid = ((B * H * n_tiles, n_seg) if varlen and conf.get("lane_dq_tiles_fastest_varlen")
-                        else (B * H, n_tiles, n_seg))      # common.lane_program
-                dq_lanes[grid](
+                dq_lanes[_rt.lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen)](
                     q, k, v, *kv, grad_out, dq, lse, delta, *tables,
                     N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dq_strides, *l_strides,

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: 125c6ccd5d883753
+# template hash: 83424d37c8a795d6
 # plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1102,7 +1102,6 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 128,
-        "lane_dq_tiles_fastest_varlen": False,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 125c6ccd5d883753
+# template hash: 83424d37c8a795d6
 # plan key:      0bca4c2e3459d7f1b23c2c99cb02d75729bb3f68020a3a590efda5160210e702
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1190,7 +1190,6 @@ BACKWARD_KERNELS = {
     "config": {
         "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 128,
-        "lane_dq_tiles_fastest_varlen": False,  # packed batches: dq lane grid (B*H * tiles, segments)
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},
                    "dkdv": {"num_warps": 4, "num_stages": 3},
