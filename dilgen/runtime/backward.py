@@ -18,7 +18,6 @@ import math
 import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
-from .tables import table_tensors
 
 
 def backward_inputs(out, lse, grad_out, grad_lse):
@@ -54,7 +53,10 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     plan = attn.plan
     dev = q.device
     interpret = dev.type == "cpu"
-    class_order = torch.tensor(plan["query"]["class_order"], dtype=torch.int32, device=dev)
+    # kept on the device by the module: a tensor made from a host list here would be a
+    # blocking copy, which waits for the forward and leaves the GPU idle while the
+    # backward's launches are queued
+    class_order = attn._class_order(dev)
     H = plan["num_heads"]
     Hkv = plan["num_kv_heads"]
     group = H // Hkv
@@ -62,9 +64,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     if packing is None:
         B, N = q.shape[0], q.shape[1]
         rows = N       # positions per batch element for the preprocess
-        tables = []
-        for t in plan["tables"]:
-            tables.extend(table_tensors(t, N, dev))
+        _, tables = attn._launch_tensors(N, dev)
         groups, varlen, covers_all = [((class_order, class_order), B, N)], False, True
         q_strides = (q.stride(0), q.stride(1), q.stride(2))
         k_strides = (k.stride(0), k.stride(1), k.stride(2))

@@ -177,6 +177,9 @@ def _attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key):
 
 
 def _setup_context(ctx, inputs, output) -> None:
+    # an output the caller did not use (lse, mostly) gets a None gradient, not a zero
+    # tensor: the backward then skips the dlse pass instead of reading zeros
+    ctx.set_materialize_grads(False)
     q, k, v, key = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
@@ -231,6 +234,7 @@ def _ring_attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key, chunk_o
 
 
 def _ring_setup_context(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
     q, k, v, key, chunk_order = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
@@ -298,6 +302,7 @@ def _attention_varlen_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, seq_starts
 
 
 def _varlen_setup_context(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
     q, k, v, seq_starts, seq_lens, max_seqlen, covers_all, buckets, key = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seq_starts, seq_lens)
