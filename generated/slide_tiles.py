@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 83424d37c8a795d6
+# template hash: 9a6ee945af7e689e
 # plan key:      fd908ac70b6c6c7974596364e091292d38a0a24c78688d66adba3796c013fbd6
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -288,6 +288,7 @@ def slide_tiles_fwd_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
     CURVE_ROWS: tl.constexpr,
 ):
@@ -302,6 +303,8 @@ def slide_tiles_fwd_lanes(
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
     ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    CLEAR_GAPS the first launch of a call in which no branch keeps every row: also write 0 and
+               -inf into the rows of the tile's span that other offsets than o keep (common.gap_rows)
     CURVE_ROWS keys from KC, VC: the branch's kept rows in curve order, compact
                (slide_tiles_curve_rows), not through the table (packed batches keep the table)
     VARLEN     b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])
@@ -553,6 +556,8 @@ def slide_tiles_bwd_dkdv(
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
     CURVE_ROWS: tl.constexpr,
 ):
@@ -566,6 +571,10 @@ def slide_tiles_bwd_dkdv(
     same table). Every key lane of the branch belongs to one program, so the
     read-add-write of DK, DV is race free; launches of different branches run one after
     the other.
+    ACCUMULATE: add into DK, DV (launches after the first, or after the fused dK/dV launch),
+    else write them; CLEAR_GAPS (the first launch when no branch keeps every row): programs
+    g0 = 0 also write 0 into the rows of their span whose offset no query head of the group
+    keeps (common.gap_rows), so DK, DV need no zero fill.
     VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
     [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
     CURVE_ROWS: the queries of a curve_rows branch come from QC, DOC, LC, DC, the compact
@@ -670,9 +679,10 @@ def slide_tiles_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.125 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.125
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 1:
@@ -799,9 +809,10 @@ def slide_tiles_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.125 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.125
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
 
@@ -1055,11 +1066,13 @@ def slide_tiles_bwd_dq_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
     CURVE_ROWS: tl.constexpr,
 ):
     """dQ of one lane branch (BRANCH), with the tiling of slide_tiles_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
+    CLEAR_GAPS (first launch, no branch keeps every row) writes 0 into the span's other rows;
     VARLEN and CURVE_ROWS (keys from KC, VC) as in slide_tiles_fwd_lanes; packed batches (VARLEN) on
     the grid (B*H * lane tiles, segments), one sequence on (B*H, lane tiles, segments)."""
     if VARLEN:  # grid (B*H * lane tiles, segments)

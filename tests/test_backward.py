@@ -60,6 +60,13 @@ CASES = [
      (1, 90), False),
     ("causal_gqa_fused_dkdv", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], num_heads=4,
                                    num_kv_heads=2, causal=True), (1, 96), True),
+    # no r = 1 branch: the first launches write the rows their branch does not keep (CLEAR_GAPS);
+    # GQA with group 2 < r: the keys of offsets no head of the group keeps
+    ("causal_gqa_gap_offsets", dict(segment_lengths=[32, 64], dilation_rates=[4, 8], num_heads=4,
+                                    num_kv_heads=2, causal=True), (1, 100), False),
+    # head_offsets "block" with no r = 1 branch: dK, dV fall back to zero-filled buffers
+    ("causal_block_offsets_gaps", dict(segment_lengths=[24, 48], dilation_rates=[2, 4], num_heads=4,
+                                       head_offsets="block", causal=True), (1, 90), True),
     ("mqa_causal", dict(segment_lengths=[32, 64], dilation_rates=[2, 4], num_heads=4, num_kv_heads=1,
                         causal=True), (1, 96), False),
     ("head_dim_64", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], head_dim=64), (1, 64), False),

@@ -141,24 +141,29 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                         HEADS=heads, GROUP=group, NSLOT=min(group, br["r"]), ROW=row, ROW_PAD=pad,
                         BRANCH=br["index"], **dict(zip(names, strides)))
         elif role in ("forward_lanes", "dq_lanes"):
-            # one launch per lane branch; ACCUMULATE is False only for a first r = 1 branch
+            # one launch per lane branch; with no fused kernel the first one writes (ACCUMULATE
+            # False), and unless its r is 1 also clears the rows it does not keep (CLEAR_GAPS)
             lanes = lane_order(plan)
             fused_q = any(not br["lanes"] for br in plan["branches"])
             block = plan["config"]["lane_fwd" if role == "forward_lanes" else "lane_dq"][0]
             for n, i in enumerate(lanes):
                 br = plan["branches"][i]
-                first_writes = n == 0 and not fused_q and br["r"] == 1
-                add(role, fn, opts, BRANCH=i, ACCUMULATE=not first_writes,
+                first = n == 0 and not fused_q
+                add(role, fn, opts, BRANCH=i, ACCUMULATE=not first, CLEAR_GAPS=first and br["r"] != 1,
                     num_lane_tiles=lane_grid(br, N, block)[1],
                     CURVE_ROWS=bool(br.get("curve_rows")))
         elif role == "dkdv":
             conf = attention.backward_kernels["config"]
             fused = conf.get("fused_dkdv", False)
-            for br in plan["branches"]:
-                if fused and br["membership"] != "row":
-                    continue
+            per_branch = [br for br in plan["branches"] if not fused or br["membership"] == "row"]
+            # the first launch writes and clears (runtime.backward: dkdv_clears) unless the
+            # fused launch wrote first or its branch has head_offsets "block"
+            first_clears = not fused and bool(per_branch) and per_branch[0].get("head_offset") is None
+            for n, br in enumerate(per_branch):
                 lanes = math.ceil(min(br["w"], N) / br["r"])
+                clears = n == 0 and first_clears
                 add(role, fn, opts, BRANCH=br["index"], CURVE_ROWS=bool(br.get("curve_rows")),
+                    ACCUMULATE=not clears, CLEAR_GAPS=clears,
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
         elif role == "dkdv_fused":
             conf = attention.backward_kernels["config"]

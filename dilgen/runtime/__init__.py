@@ -319,9 +319,11 @@ class GeneratedAttention:
         lanes = lane_order(plan)
         fused = any(not br["lanes"] for br in plan["branches"])
         # the fused kernel, or a first r = 1 lane branch, writes every row of every sequence;
-        # otherwise (or with padding rows between sequences) start from "no branch": 0, -inf
+        # otherwise the first lane launch also writes "no branch" (0, -inf) into the rows its
+        # branch does not keep (CLEAR_GAPS); with padding rows between sequences, fill first
         writes_all = covers_all and (fused or (lanes and plan["branches"][lanes[0]]["r"] == 1))
-        if not writes_all:
+        clears = covers_all and not writes_all and bool(lanes)
+        if not (writes_all or clears):
             out.zero_()
             lse.fill_(float("-inf"))
         if B == 0 or N == 0:
@@ -334,7 +336,7 @@ class GeneratedAttention:
                                  (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, *seqs,
                                   *strides, interpret, varlen),
                                  {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
-            accumulate = fused or not writes_all
+            accumulate, clear = fused or not (writes_all or clears), clears
             for i in lanes:
                 br = plan["branches"][i]
                 n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
@@ -345,9 +347,9 @@ class GeneratedAttention:
                 launches.append((self._kernel(interpret, source_fn=self.lane_kernel),
                                  lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen),
                                  (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,
-                                  *strides, interpret, i, accumulate, varlen, *flag),
+                                  *strides, interpret, i, accumulate, clear, varlen, *flag),
                                  {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
-                accumulate = True
+                accumulate, clear = True, False
         if cfg.get("lane_tma") and lanes and not interpret:
             _ensure_descriptor_allocator()
         for kernel, grid, args, opts in launches:

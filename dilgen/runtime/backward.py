@@ -95,6 +95,12 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
                   else plan["branches"])
     dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
+    # otherwise the first dq lane launch writes 0 into the rows its branch does not keep, and
+    # the first per-branch dK, dV launch the keys no head of a group keeps (CLEAR_GAPS): no
+    # zero fills (with padding rows between sequences, or head_offsets "block" in dK, dV, fill)
+    dq_clears = covers_all and not dq_writes_all and bool(lanes)
+    dkdv_clears = (covers_all and not fused and bool(per_branch)
+                   and per_branch[0].get("head_offset") is None)
     # Launches that add into a gradient (lane dq after the fused dq or another lane branch,
     # per-branch dK, dV) read-add-write it in the inputs' dtype: each adds a float32 partial
     # sum rounded once, and the <= 5 roundings of a row stay far inside SPEC's gradient bounds
@@ -104,15 +110,17 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     if _rt._POISON:
         dq.fill_(float("nan"))
         delta.fill_(float("nan"))
-    if not dq_writes_all:
+    if not (dq_writes_all or dq_clears):
         dq.zero_()              # no launch writes every row of dq
-    if fused and covers_all:    # the fused launch writes every row (lane branches add to it)
+    # the fused launch writes every row (lane branches add to it), or the first per-branch launch does
+    dkdv_writes_all = (fused and covers_all) or dkdv_clears
+    if dkdv_writes_all:
         dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
         dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
     else:       # per-branch launches add into zeroed buffers (and padding rows stay 0)
         dk = torch.zeros(k.shape, dtype=k.dtype, device=dev)
         dv = torch.zeros(v.shape, dtype=v.dtype, device=dev)
-    if _rt._POISON and fused and covers_all:
+    if _rt._POISON and dkdv_writes_all:
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
     if B == 0 or N == 0:
@@ -141,6 +149,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                     N, n_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dk_strides, *l_strides,
                     interpret, varlen, **launch["dkdv_fused"])
+            accumulate, clear = not dkdv_clears, dkdv_clears
             for br in per_branch:
                 w, r = br["w"], br["r"]
                 n_seg = math.ceil(N / w)
@@ -161,7 +170,8 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                     q, k, v, grad_out, dk, dv, lse, delta, *copies, *tables,
                     N, n_jt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dk_strides, *l_strides,
-                    interpret, br["index"], varlen, *flag, **launch["dkdv"])
+                    interpret, br["index"], accumulate, clear, varlen, *flag, **launch["dkdv"])
+                accumulate, clear = True, False
             if has_fused_q:
                 bm = conf["dq_block_m"]
                 num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
@@ -170,7 +180,7 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                     N, num_m_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dq_strides, *l_strides,
                     interpret, varlen, **launch["dq"])
-            accumulate = has_fused_q or not dq_writes_all
+            accumulate, clear = has_fused_q or not (dq_writes_all or dq_clears), dq_clears
             for i in lanes:
                 br = plan["branches"][i]
                 n_seg, n_tiles = _rt.lane_grid(br, N, conf["lane_dq_block_m"])
@@ -183,8 +193,8 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
                     q, k, v, *kv, grad_out, dq, lse, delta, *tables,
                     N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dq_strides, *l_strides,
-                    interpret, i, accumulate, varlen, *flag, **launch["dq_lanes"])
-                accumulate = True
+                    interpret, i, accumulate, clear, varlen, *flag, **launch["dq_lanes"])
+                accumulate, clear = True, False
 
     if interpret:
         with _interpreting():

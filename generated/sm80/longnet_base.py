@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: 83424d37c8a795d6
+# template hash: 9a6ee945af7e689e
 # plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -390,6 +390,8 @@ def longnet_base_bwd_dkdv(
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """dK, dV of one branch, added into DK, DV (B, N, H_kv, D; the inputs' dtype, or float32 on a ring).
@@ -402,6 +404,10 @@ def longnet_base_bwd_dkdv(
     same table). Every key lane of the branch belongs to one program, so the
     read-add-write of DK, DV is race free; launches of different branches run one after
     the other.
+    ACCUMULATE: add into DK, DV (launches after the first, or after the fused dK/dV launch),
+    else write them; CLEAR_GAPS (the first launch when no branch keeps every row): programs
+    g0 = 0 also write 0 into the rows of their span whose offset no query head of the group
+    keeps (common.gap_rows), so DK, DV need no zero fill.
     VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
     [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
     """
@@ -502,9 +508,10 @@ def longnet_base_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.08838834764831843
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 1:
@@ -583,9 +590,10 @@ def longnet_base_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.08838834764831843
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 2:
@@ -664,9 +672,10 @@ def longnet_base_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.08838834764831843
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
 

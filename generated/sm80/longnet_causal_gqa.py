@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 83424d37c8a795d6
+# template hash: 9a6ee945af7e689e
 # plan key:      9f859ea227e49da246ddff6edd08698babce203b04370fdfd05a7066c0d957e8
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -286,6 +286,7 @@ def longnet_causal_gqa_fwd_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """One lane branch (BRANCH) of LongNet Eq. 10, merged into the running (Out, Lse).
@@ -298,6 +299,8 @@ def longnet_causal_gqa_fwd_lanes(
                (o = h mod r), the same lanes as the keys, so a tile attends to the kept keys
                of its segment with no row membership and a square causal diagonal
     ACCUMULATE merge with the (Out, Lse) of earlier launches, else write them
+    CLEAR_GAPS the first launch of a call in which no branch keeps every row: also write 0 and
+               -inf into the rows of the tile's span that other offsets than o keep (common.gap_rows)
     VARLEN     b is sequence b of a packed batch (rows SeqStart[b] + [0, SeqLen[b]), N = SeqLen[b])
     Lane branches:
       1: w = 8192, r = 6, key u = 6*j + o + 8192*s
@@ -511,6 +514,8 @@ def longnet_causal_gqa_bwd_dkdv(
     stride_lb, stride_lh,
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """dK, dV of one branch, added into DK, DV (B, N, H_kv, D; the inputs' dtype, or float32 on a ring).
@@ -523,6 +528,10 @@ def longnet_causal_gqa_bwd_dkdv(
     same table). Every key lane of the branch belongs to one program, so the
     read-add-write of DK, DV is race free; launches of different branches run one after
     the other.
+    ACCUMULATE: add into DK, DV (launches after the first, or after the fused dK/dV launch),
+    else write them; CLEAR_GAPS (the first launch when no branch keeps every row): programs
+    g0 = 0 also write 0 into the rows of their span whose offset no query head of the group
+    keeps (common.gap_rows), so DK, DV need no zero fill.
     VARLEN: program b*H_kv + kvh takes sequence b of a packed batch (rows SeqStart[b] +
     [0, SeqLen[b]), N = SeqLen[b]), as in the lane kernels.
     """
@@ -647,9 +656,10 @@ def longnet_causal_gqa_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.08838834764831843
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 1:
@@ -752,9 +762,10 @@ def longnet_causal_gqa_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.08838834764831843
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
     if BRANCH == 2:
@@ -857,9 +868,10 @@ def longnet_causal_gqa_bwd_dkdv(
         rows = p_k.to(tl.int64)[:, None]
         dk_ptrs = DK + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
         dv_ptrs = DV + b * stride_dkb + kvh * stride_dkh + rows * stride_dkn + offs_d[None, :]
-        # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
-        dk = dk * 0.08838834764831843 + tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        dv = dv + tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        dk = dk * 0.08838834764831843
+        if ACCUMULATE:  # read-add-write in DK's dtype: the branch's float32 sum is rounded once per launch
+            dk += tl.load(dk_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
+            dv += tl.load(dv_ptrs, mask=k_valid[:, None], other=0.0).to(tl.float32)
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=k_valid[:, None])
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=k_valid[:, None])
 
@@ -1137,10 +1149,12 @@ def longnet_causal_gqa_bwd_dq_lanes(
     UPCAST: tl.constexpr,
     BRANCH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    CLEAR_GAPS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """dQ of one lane branch (BRANCH), with the tiling of longnet_causal_gqa_fwd_lanes (query lanes
     u = s*w + o + r*m of one segment); P from the final lse. ACCUMULATE adds into DQ;
+    CLEAR_GAPS (first launch, no branch keeps every row) writes 0 into the span's other rows;
     VARLEN as in longnet_causal_gqa_fwd_lanes."""
     pid_bh = tl.program_id(0)
     t = tl.program_id(1)
