@@ -506,6 +506,10 @@ class Plan:
     # tile width when head_dim is not a power of two >= 16 (the next one; the kernels mask
     # the columns past head_dim on every load and store), else None
     head_dim_pad: int | None = None
+    # Hilbert scope "sequence", non-causal, one device: the runtime permutes q, k, v into
+    # curve order once per call (and out, lse, the gradients back), and the kernels run on
+    # the permuted rows as in raster order, with no table (virtual positions are the rows)
+    row_order: TableMap | None = None
 
     def to_json(self) -> dict:
         return {
@@ -519,6 +523,7 @@ class Plan:
             "tables": [t.to_json() for t in self.tables],
             # only when set: plans (and their keys) of power-of-two head dims are unchanged
             **({} if self.head_dim_pad is None else {"head_dim_pad": self.head_dim_pad}),
+            **({} if self.row_order is None else {"row_order": self.row_order.to_json()}),
         }
 
     def key(self) -> str:

@@ -36,14 +36,28 @@ def _is_identity(rows: int, cols: int) -> bool:
     return rows == 1 or cols == 1
 
 
+def _row_order(spec: Spec) -> ir.TableMap | None:
+    """The permutation the runtime applies to whole rows around the kernels (Plan.row_order):
+    Hilbert scope "sequence", non-causal, on one device. Dilated attention in curve order is
+    the raster kernel on curve-ordered rows, so one gather of q, k, v (and a scatter of out)
+    replaces a table load in every tile (issue 12: one permutation, not a slower kernel).
+    Causal keeps the table: its mask compares raster positions."""
+    hil = spec.hilbert
+    if hil is None or hil.scope != "sequence" or spec.ring_size > 1 or spec.causal:
+        return None
+    rows, cols = hil.grid
+    return None if _is_identity(rows, cols) else ir.TableMap(f"curve_{rows}x{cols}", "sequence", rows, cols)
+
+
 def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
     """The query order and each branch's order (None = raster, read without a table)."""
     hil = spec.hilbert
     if hil is None:
         return None, [None] * spec.num_branches
-    if hil.scope == "sequence" and spec.ring_size > 1:
-        # the ring runs on curve-ordered rows (shard gives each rank a run of the curve):
-        # virtual positions are the rows themselves, read with no table (non-causal only)
+    if hil.scope == "sequence" and (spec.ring_size > 1 or not spec.causal):
+        # the ring runs on curve-ordered rows (shard gives each rank a run of the curve), and
+        # so does one device, non-causal (the runtime permutes the rows: _row_order):
+        # virtual positions are the rows themselves, read with no table
         return None, [None] * spec.num_branches
     if hil.scope == "sequence":
         rows, cols = hil.grid
@@ -241,4 +255,4 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
         branches=tuple(branches), config=config, ring=_ring(spec, branches),
-        tables=tuple(tables))
+        tables=tuple(tables), row_order=_row_order(spec))

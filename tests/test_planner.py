@@ -61,8 +61,15 @@ def test_hilbert_tables_in_ir():
     p = plan(_spec(segment_lengths=[16, 64], dilation_rates=[1, 2], hilbert={"scope": "segment"}), SM90)
     assert [t.name for t in p.tables] == ["segment_8x8"]
     assert p.branches[0].order is None and not p.branches[0].lanes and p.branches[1].lanes
+    # scope "sequence", non-causal: the runtime permutes whole rows (row_order), the kernels
+    # read no table; causal keeps the query-order table (its mask compares raster positions)
     p = plan(_spec(segment_lengths=[16], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [8, 8]}), SM90)
-    assert p.query.order is not None and p.query.order.name == "curve_8x8"
+    assert p.query.order is None and not p.tables and p.row_order.name == "curve_8x8"
+    assert p.to_json()["row_order"]["scope"] == "sequence"
+    p = plan(_spec(segment_lengths=[16], dilation_rates=[1], causal=True,
+                   hilbert={"scope": "sequence", "grid": [8, 8]}), SM90)
+    assert p.query.order is not None and p.query.order.name == "curve_8x8" and p.row_order is None
+    assert "row_order" not in p.to_json()
 
 
 def test_plan_key_is_stable_and_target_dependent():
@@ -110,7 +117,11 @@ def test_fused_dkdv_only_for_raster_lattice_branches():
     assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 3])
     assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], hilbert={"scope": "segment"})
     assert not fused(segment_lengths=[2048, 4096], dilation_rates=[3, 6])    # every branch a row-membership one
-    assert not fused(segment_lengths=[2048], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [32, 64]})
+    # scope "sequence": non-causal runs on permuted rows (row_order), so fused like raster;
+    # causal reads the query-order table, so per branch
+    assert fused(segment_lengths=[2048], dilation_rates=[1], hilbert={"scope": "sequence", "grid": [32, 64]})
+    assert not fused(segment_lengths=[2048], dilation_rates=[1], causal=True,
+                     hilbert={"scope": "sequence", "grid": [32, 64]})
     assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], ring_size=2)
     assert not fused(segment_lengths=[64, 128], dilation_rates=[1, 2])         # L*64 does not divide 64
 

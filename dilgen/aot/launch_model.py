@@ -87,7 +87,7 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
 
 def seq_lens_for(plan: dict, seq_lens: Iterable[int]) -> list[int]:
     """The lengths a plan can run: Hilbert scope 'sequence' takes exactly rows*cols."""
-    for t in plan.get("tables", []):
+    for t in [*plan.get("tables", []), *([plan["row_order"]] if plan.get("row_order") else [])]:
         if t.get("scope") == "sequence":
             rows, cols = t["grid"]
             return [rows * cols]

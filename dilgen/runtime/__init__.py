@@ -173,6 +173,14 @@ def _check_zero_pad(spec: dict, n: int) -> None:
         raise InputError(msg)
 
 
+def row_order_tensors(row_order: dict, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fwd, inv) of a plan's row_order (Hilbert scope "sequence", non-causal, one device):
+    curve row u is raster row fwd[u], raster row p is curve row inv[p]. The runtime gathers
+    q, k, v (and in the backward out, dO, lse) with fwd, runs the kernels on the curve-
+    ordered rows, and gathers out, lse (dq, dk, dv) back with inv; built once per length."""
+    return table_tensors(row_order, n, device)
+
+
 def decode_unsupported(plan: dict) -> str | None:
     """What of a plan the decode kernel (templates/decode.py.jinja) cannot run, or None:
     it tiles head_dim exactly and reads offsets h mod r."""
@@ -286,6 +294,15 @@ class GeneratedAttention:
         """Forward launch without autograd: (out, lse). With a `packing`
         (dilgen.runtime.varlen.Packing), q, k, v are rows (total, heads, D) holding several
         sequences, out is (total, H, D) and lse (H, total); every kernel runs with VARLEN."""
+        row_order = self.plan.get("row_order")
+        if row_order is not None and packing is None:   # see row_order_tensors
+            _check_inputs(self.spec, q, k, v)
+            fwd, inv = row_order_tensors(row_order, q.shape[1], q.device)
+            out, lse = self._forward(*(x.index_select(1, fwd) for x in (q, k, v)), None)
+            return out.index_select(1, inv), lse.index_select(2, inv)
+        return self._forward(q, k, v, packing)
+
+    def _forward(self, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         plan, cfg = self.plan, self.plan["config"]
         H = plan["num_heads"]
         interpret = q.device.type == "cpu"

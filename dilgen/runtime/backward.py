@@ -45,6 +45,19 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     """Return (dq, dk, dv) for one forward call; grad_lse may be None. With a `packing`
     (dilgen.runtime.varlen.Packing) q, k, v are rows (total, heads, D) of several sequences,
     lse is (H, total), and every kernel runs with VARLEN."""
+    from .. import runtime as _rt
+    row_order = attn.plan.get("row_order")
+    if row_order is not None and packing is None:   # curve-ordered rows (runtime.row_order_tensors)
+        fwd, inv = _rt.row_order_tensors(row_order, q.shape[1], q.device)
+        rows = lambda x: None if x is None else x.index_select(1, fwd)
+        values = lambda x: None if x is None else x.index_select(2, fwd)
+        grads = _backward(attn, rows(q), rows(k), rows(v), rows(out), values(lse), rows(grad_out),
+                          values(grad_lse), None)
+        return tuple(g.index_select(1, inv) for g in grads)
+    return _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing)
+
+
+def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     from . import _interpreting
     from .. import runtime as _rt
 

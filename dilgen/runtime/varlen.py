@@ -177,7 +177,7 @@ def _check_plan(attn) -> None:
         raise _fail(name, f"the single-device packed launches got a spec with ring_size = "
                           f"{plan['ring']['ring_size']}: on a ring call kernel(q, k, v, "
                           f"cu_seqlens=cu) on every rank (dilgen.runtime.ring.ring_varlen_attention)")
-    if any(t["scope"] == "sequence" for t in plan["tables"]):
+    if plan.get("row_order") or any(t["scope"] == "sequence" for t in plan["tables"]):
         raise _fail(name, "hilbert scope 'sequence' fixes N = rows * cols (one image), so a "
                           "sequence of another length has no curve: pad the images to the grid, "
                           "or use scope 'segment'")
