@@ -117,12 +117,19 @@ class Target:
     lane_tiles_fastest: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
 
-    def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128) -> str:
+    def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
+                   every_row_kept: bool = True) -> str:
         """Which branches run as lane kernels by default: "auto" (those whose membership
-        is per row: r does not divide w, or a curve table) or "all". Measured for head_dim
-        128 only: C (head_dim 64) causal ran 1.40 ms with every branch a lane branch
-        against 1.41 fused, so other head dims keep the fused kernel."""
-        if causal and self.causal_lanes and head_dim == 128:
+        is per row: r does not divide w, or a curve table) or "all". Causal: square
+        diagonals. Non-causal with no r = 1 branch (every_row_kept False): the fused
+        kernel still tiles the lattice classes that no branch keeps, while the lane
+        kernels walk kept lanes only (the first launch clears the other rows): D
+        forward 0.645 -> 0.502 ms on an H200, with descriptor loads and warp
+        specialization (the planner's lane_tma / lane_ws); B, A (an r = 1 branch) ran
+        slower as lanes (10.59 against 10.17 ms). Measured for head_dim 128 only: C
+        (head_dim 64) causal ran 1.40 ms with every branch a lane branch against 1.41
+        fused, so other head dims keep the fused kernel."""
+        if self.causal_lanes and head_dim == 128 and (causal or not every_row_kept):
             return "all"
         return "auto"
 

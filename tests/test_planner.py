@@ -154,3 +154,19 @@ def test_lanes_all_tuning():
     assert all(b.lanes for b in p.branches) and p.query.lattice == 2 and p.fused_dkdv
     with pytest.raises(ValueError, match="lanes"):
         plan(spec, SM90, {"lanes": "some"})
+
+
+def test_no_branch_keeping_every_row_runs_lanes_on_sm90():
+    """Non-causal with no r = 1 branch: every branch a lane branch with descriptor loads on
+    sm90 (the fused kernel would tile lattice classes that no branch keeps); an r = 1 branch
+    keeps the fused kernel; sm80 keeps it either way; torchscale's block offsets keep the
+    lanes' pointer loads."""
+    d = dict(segment_lengths=[4096, 16384], dilation_rates=[4, 16], num_heads=16, head_dim=128)
+    p = plan(_spec(**d), SM90)
+    assert all(b.lanes for b in p.branches) and p.config.lane_tma and p.config.lane_ws
+    p = plan(_spec(**dict(d, dilation_rates=[1, 16])), SM90)
+    assert not any(b.lanes for b in p.branches) and not p.config.lane_tma
+    p = plan(_spec(**d), SM80)
+    assert not any(b.lanes for b in p.branches) and not p.config.lane_tma
+    p = plan(_spec(**dict(d, head_offsets="block")), SM90)
+    assert all(b.lanes for b in p.branches) and not p.config.lane_tma
