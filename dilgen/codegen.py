@@ -85,18 +85,6 @@ def emit(plan: Plan) -> str:
     template = _environment().get_template(FORWARD_TEMPLATE)
     plan_json = plan.to_json()
     dot_kwargs = f', input_precision="{plan.config.dot_precision}"' if plan.config.dot_precision else ""
-    group = plan.num_heads // plan.num_kv_heads
-    lane_branches = [b for b in plan.branches if b.lanes]
-    # The launches that write the rows no branch before them kept (runtime: CLEAR_GAPS): the
-    # first lane launch (runtime.lane_order: an r = 1 branch, else the first listed) when no
-    # fused kernel writes first and its r is not 1; the first per-branch dK, dV launch when
-    # no fused one writes first, its offsets are h mod r and the group keeps fewer than r
-    first_lane = min(lane_branches, key=lambda b: (b.dilation != 1, b.index), default=None)
-    gap_lane = (first_lane.index if first_lane is not None and first_lane.dilation > 1
-                and all(b.lanes for b in plan.branches) else None)
-    first = plan.branches[0]
-    gap_dkdv = (first.index if not plan.fused_dkdv and first.head_offset is None
-                and min(group, first.dilation) < first.dilation else None)
     source = template.render(
         plan=plan,
         q=plan.query,
@@ -107,10 +95,8 @@ def emit(plan: Plan) -> str:
         spec_json=_py_literal(plan.spec),
         plan_json=_py_literal(plan_json),
         kernel_name=kernel_name(plan),
-        group=group,
-        lane_branches=lane_branches,
-        gap_lane=gap_lane,
-        gap_dkdv=gap_dkdv,
+        group=plan.num_heads // plan.num_kv_heads,
+        lane_branches=[b for b in plan.branches if b.lanes],
         table_index={t.name: i for i, t in enumerate(plan.tables)},
         qk_scale=repr(plan.scale * LOG2E),
         ln2=repr(LN2),

@@ -510,6 +510,13 @@ class Plan:
     # curve order once per call (and out, lse, the gradients back), and the kernels run on
     # the permuted rows as in raster order, with no table (virtual positions are the rows)
     row_order: TableMap | None = None
+    # Launch schedule (runtime, AOT launch model and templates read it, the planner decides):
+    # the lane branches in launch order; the lane branch whose first launch also writes "no
+    # branch" into the rows it does not keep (CLEAR_GAPS), when no fused kernel writes first
+    # and it is not r = 1; whether the first per-branch dK, dV launch writes (not adds)
+    lane_order: tuple[int, ...] = ()
+    gap_lane: int | None = None
+    dkdv_first_writes: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -524,6 +531,9 @@ class Plan:
             # only when set: plans (and their keys) of power-of-two head dims are unchanged
             **({} if self.head_dim_pad is None else {"head_dim_pad": self.head_dim_pad}),
             **({} if self.row_order is None else {"row_order": self.row_order.to_json()}),
+            **({"lane_order": list(self.lane_order)} if self.lane_order else {}),
+            **({} if self.gap_lane is None else {"gap_lane": self.gap_lane}),
+            **({"dkdv_first_writes": True} if self.dkdv_first_writes else {}),
         }
 
     def key(self) -> str:

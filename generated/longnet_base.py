@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 9a6ee945af7e689e
+# template hash: e08ca34f5b6aced7
 # plan key:      21a7afeeeb459e3df5c1daae409cdb65d0360d58f100fdb79eee55c67564d695
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

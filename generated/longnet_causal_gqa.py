@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 9a6ee945af7e689e
-# plan key:      956433d12ebc76df1c9fda6d59588eb299967c89dfca4252837b644af9f644a6
+# template hash: e08ca34f5b6aced7
+# plan key:      1e9e89056b174d92a0019db383780ca6b89f97675a122df7318ccabb6ddb293b
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -102,6 +102,7 @@ PLAN = {
     "dtype": "bfloat16",
     "fused_dkdv": True,
     "head_dim": 128,
+    "lane_order": [0, 1, 2],
     "num_heads": 16,
     "num_kv_heads": 4,
     "query": {

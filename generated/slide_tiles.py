@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 9a6ee945af7e689e
-# plan key:      fd908ac70b6c6c7974596364e091292d38a0a24c78688d66adba3796c013fbd6
+# template hash: e08ca34f5b6aced7
+# plan key:      dc4e1d7711500bfcca01bf949820213b92e155eeb690f8440f554e693dae5898
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -93,6 +93,7 @@ PLAN = {
     "dtype": "bfloat16",
     "fused_dkdv": True,
     "head_dim": 64,
+    "lane_order": [1],
     "num_heads": 8,
     "num_kv_heads": 2,
     "query": {

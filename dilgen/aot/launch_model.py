@@ -149,19 +149,16 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             for n, i in enumerate(lanes):
                 br = plan["branches"][i]
                 first = n == 0 and not fused_q
-                add(role, fn, opts, BRANCH=i, ACCUMULATE=not first, CLEAR_GAPS=first and br["r"] != 1,
+                add(role, fn, opts, BRANCH=i, ACCUMULATE=not first, CLEAR_GAPS=i == plan.get("gap_lane"),
                     num_lane_tiles=lane_grid(br, N, block)[1],
                     CURVE_ROWS=bool(br.get("curve_rows")))
         elif role == "dkdv":
             conf = attention.backward_kernels["config"]
             fused = conf.get("fused_dkdv", False)
             per_branch = [br for br in plan["branches"] if not fused or br["membership"] == "row"]
-            # the first launch writes and clears (runtime.backward: dkdv_clears) unless the
-            # fused launch wrote first or its branch has head_offsets "block"
-            first_clears = not fused and bool(per_branch) and per_branch[0].get("head_offset") is None
             for n, br in enumerate(per_branch):
                 lanes = math.ceil(min(br["w"], N) / br["r"])
-                clears = n == 0 and first_clears
+                clears = n == 0 and plan.get("dkdv_first_writes", False)   # Plan.dkdv_first_writes
                 add(role, fn, opts, BRANCH=br["index"], CURVE_ROWS=bool(br.get("curve_rows")),
                     ACCUMULATE=not clears, CLEAR_GAPS=clears,
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))

@@ -141,10 +141,9 @@ def _ensure_descriptor_allocator() -> None:
 
 
 def lane_order(plan: dict) -> list[int]:
-    """The lane branches in launch order: an r = 1 branch first (it keeps every row, so
-    it can write (out, lse) without a merge), then the others as the spec lists them."""
-    lanes = [br["index"] for br in plan["branches"] if br.get("lanes")]
-    return sorted(lanes, key=lambda i: (plan["branches"][i]["r"] != 1, i))
+    """The lane branches in launch order, as the planner scheduled them (Plan.lane_order:
+    an r = 1 branch first, then the others as the spec lists them)."""
+    return list(plan.get("lane_order", ()))
 
 
 def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
@@ -337,9 +336,9 @@ class GeneratedAttention:
         fused = any(not br["lanes"] for br in plan["branches"])
         # the fused kernel, or a first r = 1 lane branch, writes every row of every sequence;
         # otherwise the first lane launch also writes "no branch" (0, -inf) into the rows its
-        # branch does not keep (CLEAR_GAPS); with padding rows between sequences, fill first
+        # branch does not keep (Plan.gap_lane); with padding rows between sequences, fill first
         writes_all = covers_all and (fused or (lanes and plan["branches"][lanes[0]]["r"] == 1))
-        clears = covers_all and not writes_all and bool(lanes)
+        clears = covers_all and plan.get("gap_lane") is not None
         if not (writes_all or clears):
             out.zero_()
             lse.fill_(float("-inf"))

@@ -108,12 +108,11 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
                   else plan["branches"])
     dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
-    # otherwise the first dq lane launch writes 0 into the rows its branch does not keep, and
-    # the first per-branch dK, dV launch the keys no head of a group keeps (CLEAR_GAPS): no
-    # zero fills (with padding rows between sequences, or head_offsets "block" in dK, dV, fill)
-    dq_clears = covers_all and not dq_writes_all and bool(lanes)
-    dkdv_clears = (covers_all and not fused and bool(per_branch)
-                   and per_branch[0].get("head_offset") is None)
+    # otherwise the first dq lane launch writes 0 into the rows its branch does not keep
+    # (Plan.gap_lane), and the first per-branch dK, dV launch writes (Plan.dkdv_first_writes):
+    # no zero fills, except with padding rows between sequences
+    dq_clears = covers_all and plan.get("gap_lane") is not None
+    dkdv_clears = covers_all and plan.get("dkdv_first_writes", False)
     # Launches that add into a gradient (lane dq after the fused dq or another lane branch,
     # per-branch dK, dV) read-add-write it in the inputs' dtype: each adds a float32 partial
     # sum rounded once, and the <= 5 roundings of a row stay far inside SPEC's gradient bounds

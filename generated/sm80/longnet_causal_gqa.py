@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 9a6ee945af7e689e
-# plan key:      9f859ea227e49da246ddff6edd08698babce203b04370fdfd05a7066c0d957e8
+# template hash: e08ca34f5b6aced7
+# plan key:      d6b2e2fb6a142446cb84ae09019565e84e061cc26b23b0516b35a7cc253dc296
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -101,6 +101,7 @@ PLAN = {
     "dtype": "bfloat16",
     "fused_dkdv": True,
     "head_dim": 128,
+    "lane_order": [1, 2],
     "num_heads": 16,
     "num_kv_heads": 4,
     "query": {

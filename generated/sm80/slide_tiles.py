@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 9a6ee945af7e689e
-# plan key:      0bca4c2e3459d7f1b23c2c99cb02d75729bb3f68020a3a590efda5160210e702
+# template hash: e08ca34f5b6aced7
+# plan key:      9080681859ec0eabb49e64c5a00fd2a0caba40fb6408e5d74660a671281fbb57
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -92,6 +92,7 @@ PLAN = {
     "dtype": "bfloat16",
     "fused_dkdv": True,
     "head_dim": 64,
+    "lane_order": [1],
     "num_heads": 8,
     "num_kv_heads": 2,
     "query": {
