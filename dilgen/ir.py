@@ -202,6 +202,16 @@ class KernelConfig:
     # then share one segment's keys in L2 however many sequences there are
     # (templates/common.jinja lane_program); targets.Target.lane_tiles_fastest
     lane_tiles_fastest: bool = False
+    # the fused forward kernel reads each raster branch's kept key lanes of a segment
+    # through tensor descriptors (the same 2-D box as the lane kernels), its full-block key
+    # loops warp-specialized when fused_ws is set; fold_scale: scores stay unscaled and
+    # the softmax scale enters the exp2 argument as one fused multiply-add
+    fused_tma: bool = False
+    fused_ws: bool = False
+    fold_scale: bool = False
+    # the backward's raster branches read through tensor descriptors too: the dq kernel its
+    # key lanes, the dK/dV kernels (fused and per branch) their query and dO lanes
+    bwd_tma: bool = False
     # incremental decoding (templates/decode.py.jinja): keys per step of the split kernel,
     # the largest split (kept keys per program; the runtime may halve it down to the block
     # to fill the GPU at small batch), warps, stages
@@ -228,6 +238,10 @@ class KernelConfig:
                 "lane_tma": self.lane_tma, "lane_ws": self.lane_ws,
                 **({"lane_dq_tma": True} if self.lane_dq_tma else {}),
                 **({"lane_tiles_fastest": True} if self.lane_tiles_fastest else {}),
+                **({"fused_tma": True} if self.fused_tma else {}),
+                **({"fused_ws": True} if self.fused_ws else {}),
+                **({"fold_scale": True} if self.fold_scale else {}),
+                **({"bwd_tma": True} if self.bwd_tma else {}),
                 "decode": list(self.decode)}
 
 

@@ -88,7 +88,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "decode",
-           "curve_rows")
+           "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -105,7 +105,17 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     tile_d = max(16, 1 << (spec.head_dim - 1).bit_length())
     head_dim_pad = None if tile_d == spec.head_dim else tile_d
     itemsize = 4 if spec.dtype == "float32" else 2
-    block_m, block_n, warps, stages = target.block_table(tile_d, itemsize, spec.causal)
+    # the fused forward's key loads through tensor descriptors (Target.fused_tma): one
+    # device, non-causal (measured), 16-bit, unpadded head_dim (padded columns need masks)
+    fused_tma = bool((tuning or {}).get(
+        "fused_tma", target.fused_tma and spec.ring_size == 1 and not spec.causal
+        and itemsize == 2 and head_dim_pad is None
+        and query_order is None and all(o is None for o in orders)))
+    # the backward's raster loads through descriptors too (Target.bwd_tma), causal or not
+    bwd_tma = bool((tuning or {}).get(
+        "bwd_tma", target.bwd_tma and spec.ring_size == 1 and itemsize == 2 and head_dim_pad is None))
+    block_m, block_n, warps, stages = target.block_table(tile_d, itemsize, spec.causal,
+                                                         descriptors=fused_tma)
     if tuning:
         unknown = set(tuning) - set(TUNABLE)
         if unknown:
@@ -265,6 +275,10 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              lane_ws=head_dim_pad is None and bool((tuning or {}).get("lane_ws", target.lane_ws and (spec.causal or sparse_lanes) and spec.dtype != "float32")),
                              lane_dq_tma=head_dim_pad is None and bool((tuning or {}).get("lane_dq_tma", target.lane_dq_tma and spec.causal and spec.dtype != "float32")),
                              lane_tiles_fastest=bool((tuning or {}).get("lane_tiles_fastest", target.lane_tiles_fastest)),
+                             fused_tma=head_dim_pad is None and fused_tma,
+                             fused_ws=head_dim_pad is None and fused_tma and bool((tuning or {}).get("fused_ws", False)),
+                             fold_scale=bool((tuning or {}).get("fold_scale", target.fold_scale)),
+                             bwd_tma=head_dim_pad is None and bwd_tma,
                              decode=tuple((tuning or {}).get("decode", target.decode_table(tile_d, itemsize))),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(

@@ -16,17 +16,24 @@ class Target:
     capability: int | None    # CUDA compute capability as 90, 80; None for the interpreter
     smem_bytes: int           # shared memory per block the tiles may use
     max_block_m: int
-    tensor_descriptors: bool  # TMA (sm90): not used by the forward template yet
+    tensor_descriptors: bool  # TMA (sm90): descriptor loads in the forward and lane kernels
 
     def key(self) -> str:
         blob = json.dumps(self.__dict__, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def block_table(self, head_dim: int, itemsize: int, causal: bool = False) -> tuple[int, int, int, int]:
+    def block_table(self, head_dim: int, itemsize: int, causal: bool = False,
+                    descriptors: bool = False) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) before lattice constraints. The sm90
         rows are the autotune winners on an H200 (bench/tools/tune_forward.py, 2026-11-21):
         causal prefers 64-row tiles, whose lattice span is shorter, so fewer keys past
-        the diagonal are visited."""
+        the diagonal are visited. descriptors: the fused kernel reads keys through tensor
+        descriptors (fused_tma), which take 128 keys per step at head_dim 128 (H200, bf16,
+        forward: A 2.06 -> 1.86 ms, B 9.75 -> 8.98; head_dim 64 (C) keeps 64: 1.26 against
+        1.62 ms; 128 x 128 with 2 stages: A 2.17 ms; 4 stages exceed shared memory)."""
+        if descriptors and self.capability is not None and self.capability >= 90 \
+                and head_dim == 128 and itemsize == 2 and not causal:
+            return (128, 128, 8, 3)
         if self.name == "interpreter":
             # The interpreter runs each tile op in numpy: fewer, larger tiles run faster,
             # but tests use short sequences, so keep tiles small enough to cover them.
@@ -116,6 +123,23 @@ class Target:
     # descriptors, past 2^31 elements; see tests/test_row_offsets.py.) On for sm90 (measured)
     lane_tiles_fastest: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
+    # The fused forward kernel reads each raster branch's key lanes of a segment through
+    # tensor descriptors (the lane kernels' 2-D box, row stride r*H_kv*D), non-causal, one
+    # device (KernelConfig.fused_tma). H200, bf16, forward with 128 keys per step: A 2.16 ->
+    # 1.86 ms, B 10.17 -> 8.98, E 10.75 -> 9.34, C (64 keys) 1.30 -> 1.26; warp-specializing
+    # the key loops changed nothing measurable (A 1.84, B 9.02), so it is off
+    # (bench/results/lanes_probe-2026-11-23-h200.json, s10_fused_tma).
+    fused_tma: bool = False
+    # Scores leave the dot unscaled and softmax_scale*log2(e) enters exp2's argument as one
+    # fused multiply-add (KernelConfig.fold_scale), as in FlashAttention: forward, H200, bf16,
+    # fused kernel A/B/E 1-2% faster, causal lanes B 5.66 -> 5.59 ms, E 6.07 -> 5.99
+    fold_scale: bool = False
+    # The backward's raster branches read through the same descriptors (KernelConfig.bwd_tma):
+    # the dq kernel its key lanes, the dK/dV kernels their query and dO lanes. H200, bf16,
+    # fwd+bwd: A 8.72 -> 8.53 ms, C 5.43 -> 5.39, A causal 6.07 -> 5.93, B causal 25.76 ->
+    # 25.57, D causal 2.07 -> 2.05; B non-causal unchanged (40.9); 128 keys per dq step
+    # slower (A 8.75, C 5.88)
+    bwd_tma: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -148,7 +172,7 @@ class Target:
 
 
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, lane_tma=True, lane_ws=True, causal_lanes=True,
-              lane_tiles_fastest=True)
+              lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

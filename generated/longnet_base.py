@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: e08ca34f5b6aced7
-# plan key:      21a7afeeeb459e3df5c1daae409cdb65d0360d58f100fdb79eee55c67564d695
+# template hash: 4ca9640d1e4acc0d
+# plan key:      8ca965731e09e381bad8f482f3e3380ac8b269f597b33b6b89ef245167b0e101
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -80,11 +80,14 @@ PLAN = {
     "causal": False,
     "config": {
         "block_m": 128,
-        "block_n": 64,
+        "block_n": 128,
         "bwd_dq": [128, 64, 8, 3],
         "bwd_kv": [128, 64, 8, 3],
+        "bwd_tma": True,
         "decode": [64, 2048, 4, 3],
         "dot_precision": None,
+        "fold_scale": True,
+        "fused_tma": True,
         "lane_dq": [128, 64, 8, 3],
         "lane_fwd": [128, 64, 8, 3],
         "lane_tiles_fastest": True,
@@ -133,19 +136,20 @@ PLAN = {
 }
 
 @triton.jit
-def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr):
-    """One block of keys: scores qk (exp2 domain) and values v update the running max m_i,
-    the softmax denominator l_i and the unnormalised output acc; returns them.
+def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr, qk_scale):
+    """One block of keys: raw scores qk = q.k and values v update the running max m_i (exp2
+    domain: scores times qk_scale), the softmax denominator l_i and the unnormalised output
+    acc; returns them. The scale enters exp2's argument as one multiply-add per score.
     GUARD: rows whose running max is still -inf (nothing kept yet) subtract 0, so that exp2
     gives 0, not NaN; off when every score of the block is finite. A key kept by two
     branches comes through this twice and so counts twice (SPEC §2)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk - m_use[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -153,7 +157,7 @@ def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr):
 
 # Tile shape chosen by the planner for sm90.
 BLOCK_M = tl.constexpr(128)
-BLOCK_N = tl.constexpr(64)
+BLOCK_N = tl.constexpr(128)
 HEAD_DIM = tl.constexpr(128)
 
 
@@ -223,36 +227,38 @@ def longnet_base_fwd_kernel(
     s = u_first // 2048
     seg_start = s * 2048
     n_keys = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
+    n_lanes = n_keys
+    # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+    k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_kn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_vn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
     n_free = n_keys
     n_free = (n_free // BLOCK_N) * BLOCK_N
 
-    for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
+    for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BLOCK_N)
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+        p_k = j + o + 2048*s
+        k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+        v = v_desc.load([j0, 0])
         if UPCAST:
             k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
             v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
-        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+        qk = tl.dot(q, tl.trans(k))
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
-    for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+    for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+        p_k = j + o + 2048*s
+        k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+        v = v_desc.load([j0, 0])
         if UPCAST:
             k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
             v = v.to(tl.float32)
-        qk = tl.dot(q, k) * qk_scale
+        qk = tl.dot(q, tl.trans(k))
         qk = tl.where(k_valid[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
 
     # ---- branch 1: w = 4096, r = 2 ----
     o = h % 2
@@ -260,36 +266,38 @@ def longnet_base_fwd_kernel(
         s = u_first // 4096
         seg_start = s * 4096
         n_keys = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 1, 0) // 2
+        n_lanes = n_keys
+        # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
         n_free = n_keys
         n_free = (n_free // BLOCK_N) * BLOCK_N
 
-        for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
+        for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BLOCK_N)
-            u_k = 2*j + o + 4096*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            p_k = 2*j + o + 4096*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+            qk = tl.dot(q, tl.trans(k))
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
-        for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+        for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
             k_valid = j < n_keys
-            u_k = 2*j + o + 4096*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            p_k = 2*j + o + 4096*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
             qk = tl.where(k_valid[None, :], qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
 
     # ---- branch 2: w = 8192, r = 4 ----
     o = h % 4
@@ -297,36 +305,38 @@ def longnet_base_fwd_kernel(
         s = u_first // 8192
         seg_start = s * 8192
         n_keys = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 3, 0) // 4
+        n_lanes = n_keys
+        # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
         n_free = n_keys
         n_free = (n_free // BLOCK_N) * BLOCK_N
 
-        for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
+        for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BLOCK_N)
-            u_k = 4*j + o + 8192*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+            p_k = 4*j + o + 8192*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+            qk = tl.dot(q, tl.trans(k))
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
-        for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+        for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
             k_valid = j < n_keys
-            u_k = 4*j + o + 8192*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+            p_k = 4*j + o + 8192*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            v = v_desc.load([j0, 0])
             if UPCAST:
                 k = k.to(tl.float32)
-            v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-            if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
             qk = tl.where(k_valid[None, :], qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
 
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -464,16 +474,20 @@ def longnet_base_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -490,11 +504,10 @@ def longnet_base_bwd_dkdv(
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -546,16 +559,20 @@ def longnet_base_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 2*jq + o + 4096*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -572,11 +589,10 @@ def longnet_base_bwd_dkdv(
                 q_valid = jq < n_lanes
                 u_q = 2*jq + o + 4096*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -628,16 +644,20 @@ def longnet_base_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 4*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -654,11 +674,10 @@ def longnet_base_bwd_dkdv(
                 q_valid = jq < n_lanes
                 u_q = 4*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -759,16 +778,20 @@ def longnet_base_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -785,11 +808,10 @@ def longnet_base_bwd_dkdv_fused(
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -813,16 +835,20 @@ def longnet_base_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 2*jq + o + 4096*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -839,11 +865,10 @@ def longnet_base_bwd_dkdv_fused(
                 q_valid = jq < n_lanes
                 u_q = 2*jq + o + 4096*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -867,16 +892,20 @@ def longnet_base_bwd_dkdv_fused(
             q_start = 0
             q_mid = 0
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 4*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -893,11 +922,10 @@ def longnet_base_bwd_dkdv_fused(
                 q_valid = jq < n_lanes
                 u_q = 4*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -979,18 +1007,22 @@ def longnet_base_bwd_dq(
     s = u_first // 2048
     seg_start = s * 2048
     n_keys = tl.maximum(tl.minimum(N - seg_start, 2048) - o + 0, 0) // 1
+    n_lanes = n_keys
+    # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+    k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_kn, 1],
+                                       block_shape=[BWD_DQ_BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_vn, 1],
+                                       block_shape=[BWD_DQ_BLOCK_N, HEAD_DIM])
     n_free = n_keys
     n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
     for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+        p_k = j + o + 2048*s
+        k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+        vt = tl.trans(v_desc.load([j0, 0]))
         if UPCAST:
             k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-        if UPCAST:
             vt = vt.to(tl.float32)
         qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
         p = tl.math.exp2(qk)
@@ -1001,13 +1033,11 @@ def longnet_base_bwd_dq(
     for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         k_valid = j < n_keys
-        u_k = j + o + 2048*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+        p_k = j + o + 2048*s
+        k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+        vt = tl.trans(v_desc.load([j0, 0]))
         if UPCAST:
             k = k.to(tl.float32)
-        vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        if UPCAST:
             vt = vt.to(tl.float32)
         qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
         p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
@@ -1021,18 +1051,22 @@ def longnet_base_bwd_dq(
         s = u_first // 4096
         seg_start = s * 4096
         n_keys = tl.maximum(tl.minimum(N - seg_start, 4096) - o + 1, 0) // 2
+        n_lanes = n_keys
+        # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_kn, 1],
+                                           block_shape=[BWD_DQ_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_vn, 1],
+                                           block_shape=[BWD_DQ_BLOCK_N, HEAD_DIM])
         n_free = n_keys
         n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
         for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-            u_k = 2*j + o + 4096*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+            p_k = 2*j + o + 4096*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
                 k = k.to(tl.float32)
-            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-            if UPCAST:
                 vt = vt.to(tl.float32)
             qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
             p = tl.math.exp2(qk)
@@ -1043,13 +1077,11 @@ def longnet_base_bwd_dq(
         for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             k_valid = j < n_keys
-            u_k = 2*j + o + 4096*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            p_k = 2*j + o + 4096*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
                 k = k.to(tl.float32)
-            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-            if UPCAST:
                 vt = vt.to(tl.float32)
             qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
             p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)
@@ -1063,18 +1095,22 @@ def longnet_base_bwd_dq(
         s = u_first // 8192
         seg_start = s * 8192
         n_keys = tl.maximum(tl.minimum(N - seg_start, 8192) - o + 3, 0) // 4
+        n_lanes = n_keys
+        # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+        k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_kn, 1],
+                                           block_shape=[BWD_DQ_BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_vn, 1],
+                                           block_shape=[BWD_DQ_BLOCK_N, HEAD_DIM])
         n_free = n_keys
         n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
         for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-            u_k = 4*j + o + 8192*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :])
+            p_k = 4*j + o + 8192*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
                 k = k.to(tl.float32)
-            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None])
-            if UPCAST:
                 vt = vt.to(tl.float32)
             qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
             p = tl.math.exp2(qk)
@@ -1085,13 +1121,11 @@ def longnet_base_bwd_dq(
         for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             k_valid = j < n_keys
-            u_k = 4*j + o + 8192*s
-            p_k = u_k
-            k = tl.load(k_base + p_k.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+            p_k = 4*j + o + 8192*s
+            k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+            vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
                 k = k.to(tl.float32)
-            vt = tl.load(v_base + p_k.to(tl.int64)[None, :] * stride_vn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-            if UPCAST:
                 vt = vt.to(tl.float32)
             qk = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
             p = tl.where(k_valid[None, :], tl.math.exp2(qk), 0.0)

@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: e08ca34f5b6aced7
-# plan key:      1e9e89056b174d92a0019db383780ca6b89f97675a122df7318ccabb6ddb293b
+# template hash: 4ca9640d1e4acc0d
+# plan key:      db7bef702b0bde971e8ed73ebc3670e8d1f851fa0132b91bb46f09b6fa8fae42
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -89,8 +89,10 @@ PLAN = {
         "block_n": 64,
         "bwd_dq": [64, 32, 4, 3],
         "bwd_kv": [64, 32, 4, 3],
+        "bwd_tma": True,
         "decode": [64, 2048, 4, 3],
         "dot_precision": None,
+        "fold_scale": True,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 128, 8, 3],
         "lane_tiles_fastest": True,
@@ -140,19 +142,20 @@ PLAN = {
 }
 
 @triton.jit
-def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr):
-    """One block of keys: scores qk (exp2 domain) and values v update the running max m_i,
-    the softmax denominator l_i and the unnormalised output acc; returns them.
+def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr, qk_scale):
+    """One block of keys: raw scores qk = q.k and values v update the running max m_i (exp2
+    domain: scores times qk_scale), the softmax denominator l_i and the unnormalised output
+    acc; returns them. The scale enters exp2's argument as one multiply-add per score.
     GUARD: rows whose running max is still -inf (nothing kept yet) subtract 0, so that exp2
     gives 0, not NaN; off when every score of the block is finite. A key kept by two
     branches comes through this twice and so counts twice (SPEC §2)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk - m_use[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -330,8 +333,8 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+            qk = tl.dot(q, tl.trans(k))
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
         for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -342,9 +345,9 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -396,8 +399,8 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+            qk = tl.dot(q, tl.trans(k))
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
         for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -408,9 +411,9 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -462,8 +465,8 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False)  # every score of this block is finite
+            qk = tl.dot(q, tl.trans(k))
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
         for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
@@ -474,9 +477,9 @@ def longnet_causal_gqa_fwd_lanes(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
             qk = tl.where(k_valid[None, :] & (p_k[None, :] <= p_q[:, None]), qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -625,17 +628,21 @@ def longnet_causal_gqa_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -653,11 +660,10 @@ def longnet_causal_gqa_bwd_dkdv(
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -674,11 +680,10 @@ def longnet_causal_gqa_bwd_dkdv(
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -731,17 +736,21 @@ def longnet_causal_gqa_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = 6*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -759,11 +768,10 @@ def longnet_causal_gqa_bwd_dkdv(
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 6*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -780,11 +788,10 @@ def longnet_causal_gqa_bwd_dkdv(
                 q_valid = jq < n_lanes
                 u_q = 6*jq + o + 8192*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -837,17 +844,21 @@ def longnet_causal_gqa_bwd_dkdv(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             l_off = b * stride_lb + h * stride_lh
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = 12*jq + o + 32768*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -865,11 +876,10 @@ def longnet_causal_gqa_bwd_dkdv(
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = 12*jq + o + 32768*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -886,11 +896,10 @@ def longnet_causal_gqa_bwd_dkdv(
                 q_valid = jq < n_lanes
                 u_q = 12*jq + o + 32768*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -993,17 +1002,21 @@ def longnet_causal_gqa_bwd_dkdv_fused(
             q_mid = tl.maximum((tl.maximum(u_last - seg_start - o, 0) + 0) // 1, q_start)  # from here: at or past every key
             q_mid = tl.minimum(q_start + (q_mid - q_start + BWD_KV_BLOCK_M - 1) // BWD_KV_BLOCK_M * BWD_KV_BLOCK_M, q_end)  # whole diagonal blocks
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
+            # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
+            q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -1021,11 +1034,10 @@ def longnet_causal_gqa_bwd_dkdv_fused(
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :])
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q)
                 delta = tl.load(Delta + l_off + p_q)
@@ -1042,11 +1054,10 @@ def longnet_causal_gqa_bwd_dkdv_fused(
                 q_valid = jq < n_lanes
                 u_q = jq + o + 2048*s
                 p_q = u_q
-                q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                dout = do_desc.load([i0, 0])
                 if UPCAST:
                     q = q.to(tl.float32)
-                dout = tl.load(do_base + p_q.to(tl.int64)[:, None] * stride_don + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                if UPCAST:
                     dout = dout.to(tl.float32)
                 lse = tl.load(Lse + l_off + p_q, mask=q_valid, other=0.0)
                 delta = tl.load(Delta + l_off + p_q, mask=q_valid, other=0.0)
@@ -1471,9 +1482,9 @@ def longnet_causal_gqa_decode_split(
             v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, k)
             qk = tl.where(keep[:, None] & k_valid[None, :], qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
     # partial of this chunk: out = acc / l, lse (log2 domain); rows with no key: 0, -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]

@@ -8,7 +8,7 @@ median ms of forward and forward+backward (triton.testing.do_bench; grads accumu
 
 Tuning names starting with c_ run only causal, nc_ only non-causal. CAUSAL=1 (or 0) runs
 only causal (non-causal) rows; SKIP_CHECK=1 skips the float64 check (tile-only sweeps of
-kernels the tests cover); PROFILE=D,C adds each row's CUDA time per kernel (fwd+bwd). Results of the
+kernels the tests cover); FWD_ONLY=1 checks and times the forward only; PROFILE=D,C adds each row's CUDA time per kernel (fwd+bwd). Results of the
 2026-11-23 session: bench/results/lanes_probe-2026-11-23-h200.json."""
 import os, sys, json, math, time, torch, triton
 sys.path.insert(0, os.getcwd())
@@ -43,12 +43,18 @@ def check(kern, c, spec, Nc=4096):
     from dilgen.reference import differentiable_reference
     q = torch.randn(1, Nc, c["H"], c["D"], device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn_like(q, requires_grad=True); v = torch.randn_like(q, requires_grad=True)
+    if FWD_ONLY:
+        with torch.no_grad():
+            o = kern(q, k, v)
+        ro, _ = differentiable_reference(*[t.detach().cpu().double() for t in (q, k, v)], spec)
+        return dict(out=rel(o.cpu(), ro))
     o = kern(q, k, v); go = torch.randn_like(o); o.backward(go)
     qd, kd, vd = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     ro, _ = differentiable_reference(qd, kd, vd, spec)
     (ro * go.cpu().double()).sum().backward()
     return dict(out=rel(o.detach().cpu(), ro.detach()), dq=rel(q.grad.cpu(), qd.grad),
                 dk=rel(k.grad.cpu(), kd.grad), dv=rel(v.grad.cpu(), vd.grad))
+FWD_ONLY = os.environ.get("FWD_ONLY") == "1"
 rows = []
 variants = os.environ.get("VARIANTS", "auto,all").split(",")
 configs = os.environ.get("CONFIGS", "A,E,F,B").split(",")
@@ -56,7 +62,7 @@ tunings = json.loads(os.environ.get("TUNINGS", "{}"))   # extra named tunings
 for cname in configs:
     c = CFG[cname]
     for causal in {"1": (True,), "0": (False,)}.get(os.environ.get("CAUSAL", ""), (False, True)):
-        for var in variants + list(tunings):
+        for var in dict.fromkeys(variants + list(tunings)):
             if var == "all" and not causal and cname not in os.environ.get("ALL_NONCAUSAL", ""): continue
             if var in tunings and cname not in os.environ.get("TUNE_CONFIGS", "A"): continue
             if var in tunings and causal and var.startswith("nc_"): continue
@@ -75,7 +81,7 @@ for cname in configs:
                     t_f = bench(lambda: kern(q, k, v))
                 def fb():
                     o = kern(q, k, v); o.backward(g)
-                t_fb = bench(fb, 400)
+                t_fb = float("nan") if FWD_ONLY else bench(fb, 400)
                 fl = flops(c, causal)
                 row = dict(config=cname, causal=causal, variant=var, fwd_ms=t_f, fwdbwd_ms=t_fb,
                            fwd_tflops=fl/t_f/1e9, fb_tflops=3.5*fl/t_fb/1e9, err=err, tuning=tuning)

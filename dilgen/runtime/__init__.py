@@ -366,7 +366,7 @@ class GeneratedAttention:
                                   *strides, interpret, i, accumulate, clear, varlen, *flag),
                                  {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
                 accumulate, clear = True, False
-        if cfg.get("lane_tma") and lanes and not interpret:
+        if ((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret:
             _ensure_descriptor_allocator()
         for kernel, grid, args, opts in launches:
             if interpret:

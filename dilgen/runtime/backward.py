@@ -212,7 +212,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
         with _interpreting():
             launches()
     else:
-        if plan["config"].get("lane_dq_tma") and lanes:
+        if (plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma"):
             _rt._ensure_descriptor_allocator()
         launches()
     attn.launches += 1

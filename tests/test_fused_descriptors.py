@@ -1,0 +1,153 @@
+"""The sm90 flags of the raster kernels (issue 13): the fused forward's key lanes through
+tensor descriptors (fused_tma, warp-specialized loops with fused_ws), the backward's (dq: key
+lanes, dK/dV fused and per branch: query and dO lanes; bwd_tma) and the softmax scale folded
+into exp2's argument (fold_scale). On the CPU the interpreter runs the same emitted source; out and lse
+against the float64 reference, outputs poisoned (conftest), gradients too. The planner
+turns the flags on for sm90 where they were measured, and nowhere else."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import dilgen
+from dilgen import codegen, planner
+from dilgen.compiler import Kernel
+from dilgen.reference import differentiable_reference, reference_attention
+from dilgen.targets import INTERPRETER, SM80, SM90
+
+from conftest import device
+
+TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+TMA = {"fused_tma": True, "fold_scale": True, "bwd_tma": True}
+TMA_WS = {"fused_tma": True, "fused_ws": True, "fold_scale": True, "bwd_tma": True}
+
+# (id, spec fields, (B, N), tuning)
+CASES = [
+    ("a_like_short_last", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4]), (1, 150), TMA),
+    ("a_like_ws_bf16", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], dtype="bfloat16"),
+     (2, 128), TMA_WS),
+    ("fused_dkdv_gqa_short_last", dict(segment_lengths=[64, 128, 256], dilation_rates=[1, 2, 4], num_heads=4,
+                                       num_kv_heads=2), (1, 300), TMA),
+    ("tiles_span_segments_gqa", dict(segment_lengths=[16, 64], dilation_rates=[1, 4], num_heads=8,
+                                     num_kv_heads=2), (1, 100), TMA),
+    ("longnet_rates_with_lanes", dict(segment_lengths=[32, 64, 96], dilation_rates=[1, 2, 6], num_heads=6,
+                                      num_kv_heads=3), (1, 200), TMA),
+    ("no_r1_w_gt_n", dict(segment_lengths=[64, 512], dilation_rates=[2, 4]), (1, 90), TMA),
+    ("fold_only_causal_mqa", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], num_kv_heads=1,
+                                  causal=True), (1, 100), {"fold_scale": True}),
+    ("fold_only_causal_lanes", dict(segment_lengths=[32, 64], dilation_rates=[2, 4], causal=True),
+     (1, 110), {"fold_scale": True, "lanes": "all", "lane_tma": True}),
+    # segments the dK/dV key tile does not nest in: the per-branch dK/dV kernel, causal
+    ("per_branch_dkdv_causal_gqa", dict(segment_lengths=[24, 48], dilation_rates=[1, 2], causal=True,
+                                        num_kv_heads=2), (1, 100), {"bwd_tma": True, "fold_scale": True}),
+    ("per_branch_dkdv_no_r1", dict(segment_lengths=[24, 40], dilation_rates=[2, 4]), (2, 90), TMA),
+    ("fold_softmax_scale_fp16", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], dtype="float16",
+                                     softmax_scale=0.3), (1, 96), TMA),
+]
+
+
+def _rel(a, b) -> float:
+    b = b.detach().double().cpu()
+    return ((a.detach().double().cpu() - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fused_flags_forward_and_gradients(case):
+    name, fields, (batch, n), tuning = case
+    fields = {"num_heads": 4, "head_dim": 16, "dtype": "float32", **fields}
+    spec = dilgen.Spec(name="fd_" + name, **fields)
+    cfg = planner.plan(spec, INTERPRETER, tuning).config
+    if name.startswith("fused_dkdv"):
+        assert planner.plan(spec, INTERPRETER, tuning).fused_dkdv
+    assert cfg.fold_scale and cfg.fused_tma == bool(tuning.get("fused_tma"))
+    source = codegen.emit(planner.plan(spec, INTERPRETER, tuning))
+    assert ("k_desc = tl.make_tensor_descriptor" in source) == bool(cfg.fused_tma or cfg.bwd_tma
+                                                                   or tuning.get("lane_tma"))
+    assert ("q_desc = tl.make_tensor_descriptor" in source) == cfg.bwd_tma
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    dt = getattr(torch, spec.dtype)
+    shapes = [(batch, n, spec.num_heads, spec.head_dim)] + 2 * [(batch, n, spec.num_kv_heads, spec.head_dim)]
+    q, k, v = (torch.randn(s, generator=gen).to(dt).to(device()).requires_grad_() for s in shapes)
+    out, lse = Kernel(spec, None, tuning)(q, k, v, return_lse=True)
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = differentiable_reference(*ref_in, spec)
+    tol = TOL[spec.dtype]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten rows"
+    assert _rel(out, ref_out) < tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), ~finite), "rows no branch keeps: lse = -inf"
+    if finite.any():
+        assert (lse.cpu().double()[finite] - ref_lse.detach()[finite]).abs().max() < 20 * tol
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (ref_out * grad).sum().backward()
+    (out * grad.to(dt).to(out.device)).sum().backward()
+    for mine, ref in zip((q, k, v), ref_in):
+        assert _rel(mine.grad, ref.grad) < 2 * tol
+
+
+def test_fused_descriptors_packed_batch():
+    """Packed sequences (cu_seqlens): the descriptors start at each sequence's rows."""
+    spec = dilgen.Spec(name="fd_packed", num_heads=4, head_dim=16, dtype="float32",
+                       segment_lengths=[16, 32, 64], dilation_rates=[1, 2, 4])
+    lengths = [50, 0, 77, 16]
+    cu = torch.tensor([0, 50, 50, 127, 143], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(143, 4, 16, generator=gen) for _ in range(3))
+    out, lse = Kernel(spec, None, TMA)(q.to(device()), k.to(device()), v.to(device()),
+                                         cu_seqlens=cu.to(device()), return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        a = int(cu[b])
+        ref, ref_lse = reference_attention(q[None, a:a + n].double(), k[None, a:a + n].double(),
+                                           v[None, a:a + n].double(), spec, return_lse=True)
+        assert _rel(out[a:a + n], ref[0]) < TOL["float32"], f"sequence {b}"
+        assert (lse[:, a:a + n].double() - ref_lse[0]).abs().max() < 20 * TOL["float32"]
+
+
+def test_decode_with_folded_scale():
+    """The decode kernels share the online softmax helper: fold_scale there too."""
+    spec = dilgen.Spec(name="fd_decode", num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
+                       segment_lengths=[8, 32], dilation_rates=[1, 2], causal=True)
+    gen = torch.Generator().manual_seed(5)
+    lens, T, n_max = [37, 20], 2, 40
+    full_q = torch.randn(2, n_max, 4, 16, generator=gen)
+    k, v = (torch.randn(2, n_max, 2, 16, generator=gen) for _ in range(2))
+    q = torch.stack([full_q[b, n - T:n] for b, n in enumerate(lens)])
+    with torch.no_grad():
+        out = Kernel(spec, None, {"fold_scale": True}).decode(
+            q.to(device()), k.to(device()), v.to(device()),
+            torch.tensor(lens, dtype=torch.int32).to(device())).cpu()
+    for b, n in enumerate(lens):
+        ref = reference_attention(full_q[b:b + 1, :n].double(), k[b:b + 1, :n].double(),
+                                  v[b:b + 1, :n].double(), spec)[0, n - T:]
+        assert _rel(out[b], ref) < TOL["float32"], f"item {b}"
+
+
+def _spec(**kw):
+    base = dict(name="fd_plan", num_heads=16, head_dim=128, dtype="bfloat16",
+                segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
+    base.update(kw)
+    return dilgen.Spec(**base)
+
+
+def test_planner_turns_fused_descriptors_on_where_measured():
+    cfg = planner.plan(_spec(), SM90).config
+    assert cfg.fused_tma and cfg.fold_scale and cfg.bwd_tma and not cfg.fused_ws
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 3)
+    c64 = planner.plan(_spec(head_dim=64, num_heads=32), SM90).config
+    assert c64.fused_tma and c64.block_n == 64           # head_dim 64 keeps 64 keys per step
+    for spec in (_spec(causal=True), _spec(ring_size=2), _spec(dtype="float32"),
+                 _spec(hilbert={"scope": "segment"}), _spec(head_dim=96)):
+        cfg = planner.plan(spec, SM90).config
+        assert not cfg.fused_tma, spec
+    causal = planner.plan(_spec(causal=True), SM90).config
+    assert causal.fold_scale and causal.bwd_tma
+    for spec in (_spec(ring_size=2), _spec(dtype="float32"), _spec(head_dim=96)):
+        assert not planner.plan(spec, SM90).config.bwd_tma, spec
+    for target in (SM80, INTERPRETER):
+        cfg = planner.plan(_spec(), target).config
+        assert not (cfg.fused_tma or cfg.fold_scale or cfg.fused_ws or cfg.bwd_tma)
