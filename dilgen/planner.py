@@ -106,14 +106,14 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     head_dim_pad = None if tile_d == spec.head_dim else tile_d
     itemsize = 4 if spec.dtype == "float32" else 2
     # the fused forward's key loads through tensor descriptors (Target.fused_tma): one
-    # device, non-causal (measured), 16-bit, unpadded head_dim (padded columns need masks)
-    fused_tma = bool((tuning or {}).get(
+    # device, non-causal (measured), 16-bit, no curve table; never with a padded head_dim
+    # (its masked columns are pointer loads' job), tuned or not
+    fused_tma = head_dim_pad is None and bool((tuning or {}).get(
         "fused_tma", target.fused_tma and spec.ring_size == 1 and not spec.causal
-        and itemsize == 2 and head_dim_pad is None
-        and query_order is None and all(o is None for o in orders)))
+        and itemsize == 2 and query_order is None and all(o is None for o in orders)))
     # the backward's raster loads through descriptors too (Target.bwd_tma), causal or not
-    bwd_tma = bool((tuning or {}).get(
-        "bwd_tma", target.bwd_tma and spec.ring_size == 1 and itemsize == 2 and head_dim_pad is None))
+    bwd_tma = head_dim_pad is None and bool((tuning or {}).get(
+        "bwd_tma", target.bwd_tma and spec.ring_size == 1 and itemsize == 2))
     block_m, block_n, warps, stages = target.block_table(tile_d, itemsize, spec.causal,
                                                          descriptors=fused_tma)
     if tuning:
@@ -275,10 +275,10 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              lane_ws=head_dim_pad is None and bool((tuning or {}).get("lane_ws", target.lane_ws and (spec.causal or sparse_lanes) and spec.dtype != "float32")),
                              lane_dq_tma=head_dim_pad is None and bool((tuning or {}).get("lane_dq_tma", target.lane_dq_tma and spec.causal and spec.dtype != "float32")),
                              lane_tiles_fastest=bool((tuning or {}).get("lane_tiles_fastest", target.lane_tiles_fastest)),
-                             fused_tma=head_dim_pad is None and fused_tma,
-                             fused_ws=head_dim_pad is None and fused_tma and bool((tuning or {}).get("fused_ws", False)),
+                             fused_tma=fused_tma,
+                             fused_ws=fused_tma and bool((tuning or {}).get("fused_ws", False)),
                              fold_scale=bool((tuning or {}).get("fold_scale", target.fold_scale)),
-                             bwd_tma=head_dim_pad is None and bwd_tma,
+                             bwd_tma=bwd_tma,
                              decode=tuple((tuning or {}).get("decode", target.decode_table(tile_d, itemsize))),
                              dot_precision="ieee" if spec.dtype == "float32" else None)
     return ir.Plan(

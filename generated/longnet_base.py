@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 4ca9640d1e4acc0d
+# template hash: 9e8b1ec4527eac61
 # plan key:      8ca965731e09e381bad8f482f3e3380ac8b269f597b33b6b89ef245167b0e101
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -237,8 +237,6 @@ def longnet_base_fwd_kernel(
     n_free = (n_free // BLOCK_N) * BLOCK_N
 
     for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BLOCK_N)
-        p_k = j + o + 2048*s
         k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
         v = v_desc.load([j0, 0])
         if UPCAST:
@@ -250,7 +248,6 @@ def longnet_base_fwd_kernel(
     for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
-        p_k = j + o + 2048*s
         k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
         v = v_desc.load([j0, 0])
         if UPCAST:
@@ -276,8 +273,6 @@ def longnet_base_fwd_kernel(
         n_free = (n_free // BLOCK_N) * BLOCK_N
 
         for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, BLOCK_N)
-            p_k = 2*j + o + 4096*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -289,7 +284,6 @@ def longnet_base_fwd_kernel(
         for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
             k_valid = j < n_keys
-            p_k = 2*j + o + 4096*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -315,8 +309,6 @@ def longnet_base_fwd_kernel(
         n_free = (n_free // BLOCK_N) * BLOCK_N
 
         for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, BLOCK_N)
-            p_k = 4*j + o + 8192*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -328,7 +320,6 @@ def longnet_base_fwd_kernel(
         for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BLOCK_N)
             k_valid = j < n_keys
-            p_k = 4*j + o + 8192*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -476,9 +467,9 @@ def longnet_base_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -561,9 +552,9 @@ def longnet_base_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -646,9 +637,9 @@ def longnet_base_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -780,9 +771,9 @@ def longnet_base_bwd_dkdv_fused(
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -837,9 +828,9 @@ def longnet_base_bwd_dkdv_fused(
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[2 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -894,9 +885,9 @@ def longnet_base_bwd_dkdv_fused(
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[4 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -1017,8 +1008,6 @@ def longnet_base_bwd_dq(
     n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
     for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        p_k = j + o + 2048*s
         k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
         vt = tl.trans(v_desc.load([j0, 0]))
         if UPCAST:
@@ -1033,7 +1022,6 @@ def longnet_base_bwd_dq(
     for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         k_valid = j < n_keys
-        p_k = j + o + 2048*s
         k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
         vt = tl.trans(v_desc.load([j0, 0]))
         if UPCAST:
@@ -1061,8 +1049,6 @@ def longnet_base_bwd_dq(
         n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
         for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-            p_k = 2*j + o + 4096*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
@@ -1077,7 +1063,6 @@ def longnet_base_bwd_dq(
         for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             k_valid = j < n_keys
-            p_k = 2*j + o + 4096*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
@@ -1105,8 +1090,6 @@ def longnet_base_bwd_dq(
         n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
         for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-            p_k = 4*j + o + 8192*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:
@@ -1121,7 +1104,6 @@ def longnet_base_bwd_dq(
         for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
             k_valid = j < n_keys
-            p_k = 4*j + o + 8192*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             vt = tl.trans(v_desc.load([j0, 0]))
             if UPCAST:

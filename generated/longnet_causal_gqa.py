@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 4ca9640d1e4acc0d
+# template hash: 9e8b1ec4527eac61
 # plan key:      db7bef702b0bde971e8ed73ebc3670e8d1f851fa0132b91bb46f09b6fa8fae42
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -326,8 +326,6 @@ def longnet_causal_gqa_fwd_lanes(
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, LANE_BLOCK_N)
-            p_k = j + o + 2048*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -339,7 +337,7 @@ def longnet_causal_gqa_fwd_lanes(
         for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
-            p_k = j + o + 2048*s
+            p_k = j + o + 2048*s  # raster position: the causal mask
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -392,8 +390,6 @@ def longnet_causal_gqa_fwd_lanes(
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, LANE_BLOCK_N)
-            p_k = 6*j + o + 8192*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -405,7 +401,7 @@ def longnet_causal_gqa_fwd_lanes(
         for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
-            p_k = 6*j + o + 8192*s
+            p_k = 6*j + o + 8192*s  # raster position: the causal mask
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -458,8 +454,6 @@ def longnet_causal_gqa_fwd_lanes(
                                            block_shape=[LANE_BLOCK_N, HEAD_DIM])
 
         for j0 in tl.range(0, n_free, LANE_BLOCK_N, warp_specialize=True):  # full blocks: no lane or causal mask
-            j = j0 + tl.arange(0, LANE_BLOCK_N)
-            p_k = 12*j + o + 32768*s
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -471,7 +465,7 @@ def longnet_causal_gqa_fwd_lanes(
         for j0 in tl.range(n_free, n_keys, LANE_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
             j = j0 + tl.arange(0, LANE_BLOCK_N)
             k_valid = j < n_keys
-            p_k = 12*j + o + 32768*s
+            p_k = 12*j + o + 32768*s  # raster position: the causal mask
             k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
             v = v_desc.load([j0, 0])
             if UPCAST:
@@ -630,9 +624,9 @@ def longnet_causal_gqa_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -738,9 +732,9 @@ def longnet_causal_gqa_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[6 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -846,9 +840,9 @@ def longnet_causal_gqa_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[12 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -1004,9 +998,9 @@ def longnet_causal_gqa_bwd_dkdv_fused(
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 4ca9640d1e4acc0d
+# template hash: 9e8b1ec4527eac61
 # plan key:      2ad2c083b9451be08ee3a54f5571ed7477741ac008c0cbf044b698c34b7d5076
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -640,9 +640,9 @@ def slide_tiles_bwd_dkdv(
             l_off = b * stride_lb + h * stride_lh
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -904,9 +904,9 @@ def slide_tiles_bwd_dkdv_fused(
             q_full = q_mid + tl.where(tile_full, (q_end - q_mid) // BWD_KV_BLOCK_M, 0) * BWD_KV_BLOCK_M
             # the segment's query lanes of head h: a 2-D box of n_lanes rows, row stride r*H*D
             q_desc = tl.make_tensor_descriptor(q_base + (seg_start + o).to(tl.int64) * stride_qn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_qn, 1],
-                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                               block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
             do_desc = tl.make_tensor_descriptor(do_base + (seg_start + o).to(tl.int64) * stride_don, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_don, 1],
-                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                                                block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
             for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
@@ -1029,8 +1029,6 @@ def slide_tiles_bwd_dq(
     n_free = (n_free // BWD_DQ_BLOCK_N) * BWD_DQ_BLOCK_N
 
     for j0 in range(0, n_free, BWD_DQ_BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
-        p_k = j + o + 1024*s
         k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
         vt = tl.trans(v_desc.load([j0, 0]))
         if UPCAST:
@@ -1045,7 +1043,6 @@ def slide_tiles_bwd_dq(
     for j0 in range(n_free, n_keys, BWD_DQ_BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BWD_DQ_BLOCK_N)
         k_valid = j < n_keys
-        p_k = j + o + 1024*s
         k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
         vt = tl.trans(v_desc.load([j0, 0]))
         if UPCAST:

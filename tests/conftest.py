@@ -40,6 +40,46 @@ def device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+
+
+def rel_error(a, b) -> float:
+    """||a - b|| / ||b|| in float64 on the CPU."""
+    b = b.detach().double().cpu()
+    return ((a.detach().double().cpu() - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def check_against_reference(spec, batch: int, n: int, tuning, seed_name: str) -> None:
+    """Kernel(spec, tuning) on fresh random (batch, n) inputs against the float64 reference
+    (outputs poisoned by the session fixture): out and lse (-inf exactly where no branch keeps
+    a row), then dq, dk, dv of a random output gradient."""
+    import zlib
+    import torch
+    from dilgen.compiler import Kernel
+    from dilgen.reference import differentiable_reference
+    gen = torch.Generator().manual_seed(zlib.crc32(seed_name.encode()))
+    dt = getattr(torch, spec.dtype)
+    shapes = [(batch, n, spec.num_heads, spec.head_dim)] + 2 * [(batch, n, spec.num_kv_heads, spec.head_dim)]
+    q, k, v = (torch.randn(s, generator=gen).to(dt).to(device()).requires_grad_() for s in shapes)
+    out, lse = Kernel(spec, None, tuning)(q, k, v, return_lse=True)
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = differentiable_reference(*ref_in, spec)
+    tol = TOL[spec.dtype]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten rows"
+    assert rel_error(out, ref_out) < tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), ~finite), "rows no branch keeps: lse = -inf"
+    if finite.any():
+        assert (lse.cpu().double()[finite] - ref_lse.detach()[finite]).abs().max() < 20 * tol
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (ref_out * grad).sum().backward()
+    (out * grad.to(dt).to(out.device)).sum().backward()
+    for mine, ref in zip((q, k, v), ref_in):
+        assert not torch.isnan(mine.grad).any()
+        if ref.grad.norm() > 0:
+            assert rel_error(mine.grad, ref.grad) < 2 * tol
+
+
 def run_cli(argv) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of dilgen.cli.main(argv) run in this process, as the
     console script runs it: an escaping exception is printed as the interpreter would

@@ -5,20 +5,15 @@ with a wide lattice), run in their own launch over their kept lanes and merge in
 outputs poisoned (conftest), on the CPU (interpreter) or the GPU."""
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 import dilgen
 from dilgen.compiler import Kernel
 from dilgen.planner import plan
-from dilgen.reference import differentiable_reference
 from dilgen.targets import INTERPRETER
 
-from conftest import device
-
-TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+from conftest import check_against_reference
 
 # (id, spec fields, (B, N), tuning)
 CASES = [
@@ -77,11 +72,6 @@ CASES = [
 ]
 
 
-def _rel(a, b) -> float:
-    b = b.detach().double().cpu()
-    return ((a.detach().double().cpu() - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_lane_branches_forward_and_gradients(case):
     name, fields, (batch, n), tuning = case
@@ -89,27 +79,7 @@ def test_lane_branches_forward_and_gradients(case):
     spec = dilgen.Spec(name="l_" + name, **fields)
     lanes = [b.lanes for b in plan(spec, INTERPRETER, tuning).branches]
     assert any(lanes), "the case must exercise a lane kernel"
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    dt = getattr(torch, spec.dtype)
-    shapes = [(batch, n, spec.num_heads, spec.head_dim)] + 2 * [(batch, n, spec.num_kv_heads, spec.head_dim)]
-    q, k, v = (torch.randn(s, generator=gen).to(dt).to(device()).requires_grad_() for s in shapes)
-    out, lse = Kernel(spec, None, tuning)(q, k, v, return_lse=True)
-    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = differentiable_reference(*ref_in, spec)
-    tol = TOL[spec.dtype]
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten rows"
-    assert _rel(out, ref_out) < tol
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isneginf(lse.cpu()), ~finite), "rows no branch keeps: lse = -inf"
-    if finite.any():
-        assert (lse.cpu().double()[finite] - ref_lse.detach()[finite]).abs().max() < 20 * tol
-    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    (ref_out * grad).sum().backward()
-    (out * grad.to(dt).to(out.device)).sum().backward()
-    for mine, ref in zip((q, k, v), ref_in):
-        assert not torch.isnan(mine.grad).any()
-        if ref.grad.norm() > 0:
-            assert _rel(mine.grad, ref.grad) < 2 * tol
+    check_against_reference(spec, batch, n, tuning, name)
 
 
 def test_lane_launches_are_one_per_branch():
