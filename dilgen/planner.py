@@ -105,15 +105,17 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     tile_d = max(16, 1 << (spec.head_dim - 1).bit_length())
     head_dim_pad = None if tile_d == spec.head_dim else tile_d
     itemsize = 4 if spec.dtype == "float32" else 2
-    # the fused forward's key loads through tensor descriptors (Target.fused_tma): one
-    # device, non-causal (measured), 16-bit, no curve table; never with a padded head_dim
-    # (its masked columns are pointer loads' job), tuned or not
+    # the fused forward's key loads through tensor descriptors (Target.fused_tma): non-causal
+    # (measured), 16-bit, no curve table, on one device or in a ring's windows (whose keys
+    # compacted with stride g | r are still a box); never with a padded head_dim (its
+    # masked columns are pointer loads' job), tuned or not
     fused_tma = head_dim_pad is None and bool((tuning or {}).get(
-        "fused_tma", target.fused_tma and spec.ring_size == 1 and not spec.causal
+        "fused_tma", target.fused_tma and not spec.causal
         and itemsize == 2 and query_order is None and all(o is None for o in orders)))
-    # the backward's raster loads through descriptors too (Target.bwd_tma), causal or not
+    # the backward's raster loads through descriptors too (Target.bwd_tma), causal or not,
+    # on one device or in a ring's windows
     bwd_tma = head_dim_pad is None and bool((tuning or {}).get(
-        "bwd_tma", target.bwd_tma and spec.ring_size == 1 and itemsize == 2))
+        "bwd_tma", target.bwd_tma and itemsize == 2))
     block_m, block_n, warps, stages = target.block_table(tile_d, itemsize, spec.causal,
                                                          descriptors=fused_tma)
     if tuning:

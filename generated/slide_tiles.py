@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 9e8b1ec4527eac61
+# template hash: fd318fce94f1eb3c
 # plan key:      2ad2c083b9451be08ee3a54f5571ed7477741ac008c0cbf044b698c34b7d5076
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

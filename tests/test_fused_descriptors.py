@@ -115,13 +115,18 @@ def test_planner_turns_fused_descriptors_on_where_measured():
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 3)
     c64 = planner.plan(_spec(head_dim=64, num_heads=32), SM90).config
     assert c64.fused_tma and c64.block_n == 64           # head_dim 64 keeps 64 keys per step
-    for spec in (_spec(causal=True), _spec(ring_size=2), _spec(dtype="float32"),
+    for spec in (_spec(causal=True), _spec(causal=True, ring_size=2), _spec(dtype="float32"),
                  _spec(hilbert={"scope": "segment"}), _spec(head_dim=96)):
         cfg = planner.plan(spec, SM90).config
         assert not cfg.fused_tma, spec
     causal = planner.plan(_spec(causal=True), SM90).config
     assert causal.fold_scale and causal.bwd_tma
-    for spec in (_spec(ring_size=2), _spec(dtype="float32"), _spec(head_dim=96)):
+    # a ring's windows read through the same boxes (keys compacted with stride g | r)
+    for spec in (_spec(ring_size=2), _spec(ring_size=4, hilbert={"scope": "sequence", "grid": [256, 512]})):
+        cfg = planner.plan(spec, SM90).config
+        assert cfg.fused_tma and cfg.bwd_tma and cfg.block_n == 128, spec
+    assert planner.plan(_spec(ring_size=2, causal=True), SM90).config.bwd_tma
+    for spec in (_spec(dtype="float32"), _spec(head_dim=96)):
         assert not planner.plan(spec, SM90).config.bwd_tma, spec
     for target in (SM80, INTERPRETER):
         cfg = planner.plan(_spec(), target).config

@@ -261,6 +261,18 @@ CASES_P2 = [
                                           "num_heads": 3,
                                           "hilbert": {"scope": "sequence", "grid": [8, 12]}},
      "shape": [1, 96]},
+    # the sm90 descriptor loads in the windows (fused_tma): local keys, and remote keys
+    # compacted with stride 4 (kv head h keeps rows = h mod 4; w = 128 spans both ranks);
+    # a short last segment; unaligned segments whose tiles loop over segments
+    {"name": "tma_compacted", "spec": {"segment_lengths": [16, 128], "dilation_rates": [1, 4],
+                                       "num_heads": 4, "dtype": "bfloat16"},
+     "shape": [1, 128], "tuning": {"fused_tma": True, "fold_scale": True, "bwd_tma": True}},
+    {"name": "tma_unaligned_short_last", "spec": {"segment_lengths": [24, 40, 96], "dilation_rates": [1, 2, 8],
+                                                  "num_heads": 8},
+     "shape": [2, 112], "tuning": {"fused_tma": True, "bwd_tma": True}},
+    {"name": "tma_bwd_causal_gqa", "spec": {"segment_lengths": [16, 128], "dilation_rates": [1, 2],
+                                            "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "shape": [1, 128], "tuning": {"bwd_tma": True, "fold_scale": True}},
 ]
 CASES_P4 = [
     {"name": "p4_mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
@@ -271,6 +283,9 @@ CASES_P4 = [
                                                  "num_heads": 4, "num_kv_heads": 2,
                                                  "hilbert": {"scope": "sequence", "grid": [8, 16]}},
      "shape": [1, 128]},
+    {"name": "p4_tma_compacted_zigzag", "spec": {"segment_lengths": [16, 64, 256], "dilation_rates": [1, 2, 8],
+                                                 "num_heads": 8}, "shape": [1, 256], "order": "zigzag",
+     "tuning": {"fused_tma": True, "fold_scale": True, "bwd_tma": True}},
     {"name": "p4_zigzag_mqa", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
                                        "num_heads": 4, "num_kv_heads": 1, "causal": True},
      "shape": [1, 128], "order": "zigzag"},
@@ -311,6 +326,8 @@ PACKED_P2 = [
      "lengths": [12, 30, 6], "transport": "allgather"},
     {"name": "pk_bf16_causal", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 2],
                                         "dtype": "bfloat16", "causal": True}, "lengths": [9, 33, 6]},
+    {"name": "pk_tma", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 4], "num_heads": 4},
+     "lengths": [21, 30, 13], "tuning": {"fused_tma": True, "fold_scale": True, "bwd_tma": True}},
 ]
 PACKED_P3 = [
     {"name": "p3_long_causal", "spec": {"segment_lengths": [8, 32], "dilation_rates": [1, 2],

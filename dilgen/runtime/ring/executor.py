@@ -379,6 +379,8 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             lse.narrow(2, run.rows0[qi], run.pieces[run.me][qi][1]).fill_(float("-inf"))
     kernel = attn._kernel(run.interpret)
     opts = {} if run.interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if cfg.get("fused_tma") and not run.interpret:
+        _rt._ensure_descriptor_allocator()
     block_m = cfg["block_m"]
 
     def compute(step, keys):
@@ -446,6 +448,9 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     dqk = attn._kernel(run.interpret, source_fn=kernels["dq"])
     l_strides = (run.bstride(lse), lse.stride(1))
     branches = {br["index"]: br for br in plan["branches"]}
+    if plan["config"].get("bwd_tma") and not run.interpret:
+        from ... import runtime as _rt
+        _rt._ensure_descriptor_allocator()
     N = run.N
 
     def preprocess():
