@@ -106,12 +106,14 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     head_dim_pad = None if tile_d == spec.head_dim else tile_d
     itemsize = 4 if spec.dtype == "float32" else 2
     # the fused forward's key loads through tensor descriptors (Target.fused_tma): non-causal
-    # (measured), 16-bit, no curve table, on one device or in a ring's windows (whose keys
-    # compacted with stride g | r are still a box); never with a padded head_dim (its
-    # masked columns are pointer loads' job), tuned or not
+    # (measured), 16-bit, queries in raster order, on one device or in a ring's windows (whose
+    # keys compacted with stride g | r are still a box); a branch read through a curve table
+    # keeps pointer loads (the template decides per branch; on one device such branches are
+    # lane branches, so F's fused kernel, its r = 1 branch, reads through descriptors: H200,
+    # forward 2.363 -> 2.279 ms); never with a padded head_dim (its masked columns are
+    # pointer loads' job), tuned or not
     fused_tma = head_dim_pad is None and bool((tuning or {}).get(
-        "fused_tma", target.fused_tma and not spec.causal
-        and itemsize == 2 and query_order is None and all(o is None for o in orders)))
+        "fused_tma", target.fused_tma and not spec.causal and itemsize == 2 and query_order is None))
     # the backward's raster loads through descriptors too (Target.bwd_tma), causal or not,
     # on one device or in a ring's windows
     bwd_tma = head_dim_pad is None and bool((tuning or {}).get(
@@ -266,6 +268,15 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     gap_lane = (lane_order[0] if lane_order and all(b.lanes for b in branches)
                 and branches[lane_order[0]].dilation > 1 else None)
     dkdv_first_writes = spec.ring_size == 1 and not fused_dkdv and branches[0].head_offset is None
+    # Non-causal lane branches that all walk compact curve copies (Hilbert segment scope, F)
+    # read them through descriptors with 128 x 128 tiles, as the causal lanes do (H200, F
+    # forward with the fused kernel's descriptors: 2.279 -> 2.182 ms, fwd+bwd 9.630 -> 9.503;
+    # measured at head_dim 128 only)
+    lanes_now = [b for b in branches if b.lanes]
+    curve_lanes = (not spec.causal and bool(lanes_now) and all(b.curve_rows for b in lanes_now)
+                   and target.lane_tma and itemsize == 2 and tile_d == 128)
+    if curve_lanes and not (tuning and "lane_fwd" in tuning):
+        lane_fwd = target.lane_table(tile_d, itemsize, causal=True)[0]
     config = ir.KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps,
                              num_stages=stages, bwd_kv=tuple(bwd_kv),
                              bwd_dq=(dq_m,) + tuple(bwd_dq[1:]),
@@ -273,7 +284,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              # descriptors pay off on square causal diagonals (measured);
                              # non-causal lane branches keep pointer loads, and so do padded
                              # head dims (their masked columns are pointer loads' job)
-                             lane_tma=head_dim_pad is None and bool((tuning or {}).get("lane_tma", target.lane_tma and (spec.causal or sparse_lanes) and spec.dtype != "float32")),
+                             lane_tma=head_dim_pad is None and bool((tuning or {}).get("lane_tma", target.lane_tma and (spec.causal or sparse_lanes or curve_lanes) and spec.dtype != "float32")),
                              lane_ws=head_dim_pad is None and bool((tuning or {}).get("lane_ws", target.lane_ws and (spec.causal or sparse_lanes) and spec.dtype != "float32")),
                              lane_dq_tma=head_dim_pad is None and bool((tuning or {}).get("lane_dq_tma", target.lane_dq_tma and spec.causal and spec.dtype != "float32")),
                              lane_tiles_fastest=bool((tuning or {}).get("lane_tiles_fastest", target.lane_tiles_fastest)),

@@ -3,7 +3,7 @@
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
 # template hash: fd318fce94f1eb3c
-# plan key:      2ad2c083b9451be08ee3a54f5571ed7477741ac008c0cbf044b698c34b7d5076
+# plan key:      3d9ca827babab58680ce73e23e878c19424fc8c67dc6c0d7520ee4d3001615e2
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -84,6 +84,7 @@ PLAN = {
         "decode": [64, 2048, 4, 3],
         "dot_precision": None,
         "fold_scale": True,
+        "fused_tma": True,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],
         "lane_tiles_fastest": True,
@@ -235,34 +236,33 @@ def slide_tiles_fwd_kernel(
     s = u_first // 1024
     seg_start = s * 1024
     n_keys = tl.maximum(tl.minimum(N - seg_start, 1024) - o + 0, 0) // 1
+    n_lanes = n_keys
+    # the segment's key lanes of this kv head: a 2-D box of n_lanes rows, row stride r*H_kv*D
+    k_desc = tl.make_tensor_descriptor(k_base + (seg_start + o).to(tl.int64) * stride_kn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_kn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_base + (seg_start + o).to(tl.int64) * stride_vn, shape=[n_lanes, HEAD_DIM], strides=[1 * stride_vn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
     n_free = n_keys
     n_free = (n_free // BLOCK_N) * BLOCK_N
 
-    for j0 in range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
-        j = j0 + tl.arange(0, BLOCK_N)
-        u_k = j + o + 1024*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None])
+    for j0 in tl.range(0, n_free, BLOCK_N):  # full blocks: no lane or causal mask
+        k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+        v = v_desc.load([j0, 0])
         if UPCAST:
             k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
             v = v.to(tl.float32)
-        qk = tl.dot(q, k)
+        qk = tl.dot(q, tl.trans(k))
         m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
 
-    for j0 in range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
+    for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
         k_valid = j < n_keys
-        u_k = j + o + 1024*s
-        p_k = u_k
-        k = tl.load(k_base + p_k.to(tl.int64)[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+        k = k_desc.load([j0, 0])  # rows past the segment's lanes read as zeros
+        v = v_desc.load([j0, 0])
         if UPCAST:
             k = k.to(tl.float32)
-        v = tl.load(v_base + p_k.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        if UPCAST:
             v = v.to(tl.float32)
-        qk = tl.dot(q, k)
+        qk = tl.dot(q, tl.trans(k))
         qk = tl.where(k_valid[None, :], qk, float("-inf"))
         m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
 

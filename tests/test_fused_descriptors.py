@@ -42,6 +42,11 @@ CASES = [
     ("per_branch_dkdv_no_r1", dict(segment_lengths=[24, 40], dilation_rates=[2, 4]), (2, 90), TMA),
     ("fold_softmax_scale_fp16", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], dtype="float16",
                                      softmax_scale=0.3), (1, 96), TMA),
+    # Hilbert segment scope: the fused kernel's r = 1 branch through descriptors, the curve lane
+    # branches through descriptors over their compact copies; non-square grids, short last segment
+    ("hilbert_segment_curve_lanes", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4],
+                                         hilbert={"scope": "segment", "grids": [[4, 8], [8, 8], [8, 16]]}),
+     (1, 150), {**TMA, "lane_tma": True}),
 ]
 
 
@@ -116,9 +121,17 @@ def test_planner_turns_fused_descriptors_on_where_measured():
     c64 = planner.plan(_spec(head_dim=64, num_heads=32), SM90).config
     assert c64.fused_tma and c64.block_n == 64           # head_dim 64 keeps 64 keys per step
     for spec in (_spec(causal=True), _spec(causal=True, ring_size=2), _spec(dtype="float32"),
-                 _spec(hilbert={"scope": "segment"}), _spec(head_dim=96)):
+                 _spec(hilbert={"scope": "sequence", "grid": [1024, 32]}, causal=True), _spec(head_dim=96)):
         cfg = planner.plan(spec, SM90).config
         assert not cfg.fused_tma, spec
+    # Hilbert segment scope (F): the fused kernel's r = 1 branch reads through descriptors, and
+    # the curve lane branches walk their compact copies through descriptors, 128 x 128 tiles
+    f = planner.plan(_spec(hilbert={"scope": "segment"}), SM90)
+    assert f.config.fused_tma and f.config.lane_tma and f.config.lane_fwd == (128, 128, 8, 3)
+    assert [b.lanes for b in f.branches] == [False, True, True] and all(b.curve_rows for b in f.branches[1:])
+    # non-curve lane branches (r not dividing w) keep pointer loads and their tiles
+    e = planner.plan(_spec(segment_lengths=[2048, 4096, 12288], dilation_rates=[1, 2, 6]), SM90).config
+    assert not e.lane_tma and e.lane_fwd == (128, 64, 8, 3)
     causal = planner.plan(_spec(causal=True), SM90).config
     assert causal.fold_scale and causal.bwd_tma
     # a ring's windows read through the same boxes (keys compacted with stride g | r)
