@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: fd318fce94f1eb3c
+# template hash: 37aa8b8de729d3ec
 # plan key:      3d9ca827babab58680ce73e23e878c19424fc8c67dc6c0d7520ee4d3001615e2
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -729,14 +729,18 @@ def slide_tiles_bwd_dkdv(
                 doc_base = DOC + c_row0 * HEAD_DIM
                 lc_base = LC + c_row0
                 dc_base = DC + c_row0
+                # the segment's lanes in the copies: a 2-D box of n_lanes rows, row stride D
+                q_desc = tl.make_tensor_descriptor(qc_base, shape=[n_lanes, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                   block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
+                do_desc = tl.make_tensor_descriptor(doc_base, shape=[n_lanes, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                    block_shape=[BWD_KV_BLOCK_M, HEAD_DIM])
 
                 for i0 in range(q_mid, q_full, BWD_KV_BLOCK_M):  # full blocks: no lane or causal mask
                     jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                    q = tl.load(qc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
+                    q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                    dout = do_desc.load([i0, 0])
                     if UPCAST:
                         q = q.to(tl.float32)
-                    dout = tl.load(doc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :])
-                    if UPCAST:
                         dout = dout.to(tl.float32)
                     lse = tl.load(lc_base + jq)
                     delta = tl.load(dc_base + jq)
@@ -751,11 +755,10 @@ def slide_tiles_bwd_dkdv(
                 for i0 in range(q_full, q_end, BWD_KV_BLOCK_M):  # blocks with lanes past the end of the segment
                     jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
                     q_valid = jq < n_lanes
-                    q = tl.load(qc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=q_valid[:, None], other=0.0)
+                    q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
+                    dout = do_desc.load([i0, 0])
                     if UPCAST:
                         q = q.to(tl.float32)
-                    dout = tl.load(doc_base + jq.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-                    if UPCAST:
                         dout = dout.to(tl.float32)
                     lse = tl.load(lc_base + jq, mask=q_valid, other=0.0)
                     delta = tl.load(dc_base + jq, mask=q_valid, other=0.0)

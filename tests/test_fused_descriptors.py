@@ -47,6 +47,11 @@ CASES = [
     ("hilbert_segment_curve_lanes", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4],
                                          hilbert={"scope": "segment", "grids": [[4, 8], [8, 8], [8, 16]]}),
      (1, 150), {**TMA, "lane_tma": True}),
+    # causal curves: the dK/dV kernel walks listed query blocks of the compact copies through
+    # descriptors (bwd_tma), the lanes their listed key blocks (lane_tma)
+    ("hilbert_segment_causal_gqa", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], num_kv_heads=2,
+                                        causal=True, hilbert={"scope": "segment", "grids": [[4, 8], [8, 8], [8, 16]]}),
+     (1, 150), {"bwd_tma": True, "lane_tma": True, "fold_scale": True}),
 ]
 
 

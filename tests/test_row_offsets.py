@@ -34,7 +34,7 @@ FAMILIES = {   # name: (spec fields, tuning)
     "lane_dq_tma": (dict(segment_lengths=[64, 128], dilation_rates=[1, 6]), {"lane_dq_tma": True}),
 }
 # names the kernels assign from int64 expressions before multiplying them by a row stride
-INT64_NAMES = ("row0", "rows", "q_shift", "k_shift", "p")
+INT64_NAMES = ("row0", "rows", "q_shift", "k_shift", "p", "k_row_lo", "q_row_lo")
 ROW_STRIDE = re.compile(r"([\w\.\(\)\[\]:, +\-]+?)\s\*\s(stride_\w*n)\b")
 
 
