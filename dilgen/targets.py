@@ -124,8 +124,9 @@ class Target:
     lane_tiles_fastest: bool = False
     causal_lanes: bool = False  # causal specs run every branch as a lane branch
     # The fused forward kernel reads each raster branch's key lanes of a segment through
-    # tensor descriptors (the lane kernels' 2-D box, row stride r*H_kv*D), non-causal, one
-    # device (KernelConfig.fused_tma). H200, bf16, forward with 128 keys per step: A 2.16 ->
+    # tensor descriptors (the lane kernels' 2-D box, row stride r*H_kv*D), non-causal, on one
+    # device or in a ring's windows (KernelConfig.fused_tma; 2 x H200, 512K tokens: ring
+    # fwd+bwd 378.0 -> 336.7 ms, strong scaling 0.85 -> 0.95). H200, bf16, forward with 128 keys per step: A 2.16 ->
     # 1.86 ms, B 10.17 -> 8.98, E 10.75 -> 9.34, C (64 keys) 1.30 -> 1.26; warp-specializing
     # the key loops changed nothing measurable (A 1.84, B 9.02), so it is off
     # (bench/results/lanes_probe-2026-11-23-h200.json, s10_fused_tma).
