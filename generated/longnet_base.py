@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 37aa8b8de729d3ec
+# template hash: c37a77d816449806
 # plan key:      8ca965731e09e381bad8f482f3e3380ac8b269f597b33b6b89ef245167b0e101
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

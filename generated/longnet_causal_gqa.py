@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 37aa8b8de729d3ec
+# template hash: c37a77d816449806
 # plan key:      db7bef702b0bde971e8ed73ebc3670e8d1f851fa0132b91bb46f09b6fa8fae42
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 37aa8b8de729d3ec
+# template hash: c37a77d816449806
 # plan key:      3d9ca827babab58680ce73e23e878c19424fc8c67dc6c0d7520ee4d3001615e2
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
