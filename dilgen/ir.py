@@ -212,6 +212,11 @@ class KernelConfig:
     # the backward's raster branches read through tensor descriptors too: the dq kernel its
     # key lanes, the dK/dV kernels (fused and per branch) their query and dO lanes
     bwd_tma: bool = False
+    # the lattice kernels (fused forward, dq, fused dK/dV) take their tiles in groups, class by
+    # class within a group (common.lattice_program): runtime.lattice_group_tiles sizes a group
+    # to l2_bytes (0: one group, class-major); lattice_group > 0 fixes the tiles per group
+    l2_bytes: int = 0
+    lattice_group: int = 0
     # incremental decoding (templates/decode.py.jinja): keys per step of the split kernel,
     # the largest split (kept keys per program; the runtime may halve it down to the block
     # to fill the GPU at small batch), warps, stages
@@ -242,6 +247,8 @@ class KernelConfig:
                 **({"fused_ws": True} if self.fused_ws else {}),
                 **({"fold_scale": True} if self.fold_scale else {}),
                 **({"bwd_tma": True} if self.bwd_tma else {}),
+                **({"l2_bytes": self.l2_bytes} if self.l2_bytes else {}),
+                **({"lattice_group": self.lattice_group} if self.lattice_group else {}),
                 "decode": list(self.decode)}
 
 

@@ -141,6 +141,9 @@ class Target:
     # 25.57, D causal 2.07 -> 2.05; B non-causal unchanged (40.9); 128 keys per dq step
     # slower (A 8.75, C 5.88)
     bwd_tma: bool = False
+    # L2 bytes the lattice kernels size their groups of tiles to (KernelConfig.l2_bytes,
+    # runtime.lattice_group_tiles); None: one group (class-major)
+    l2_bytes: int | None = None
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -173,7 +176,7 @@ class Target:
 
 
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, lane_tma=True, lane_ws=True, causal_lanes=True,
-              lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True)
+              lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: c37a77d816449806
-# plan key:      db7bef702b0bde971e8ed73ebc3670e8d1f851fa0132b91bb46f09b6fa8fae42
+# template hash: d907d8f054805edb
+# plan key:      0a61a81c5e41984b518ec4f0a016f1480d4e238d23298d8c37fc32f8a55c43bd
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -93,6 +93,7 @@ PLAN = {
         "decode": [64, 2048, 4, 3],
         "dot_precision": None,
         "fold_scale": True,
+        "l2_bytes": 52428800,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 128, 8, 3],
         "lane_tiles_fastest": True,
@@ -169,7 +170,7 @@ HEAD_DIM = tl.constexpr(128)
 
 def longnet_causal_gqa_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
-    N, num_m_tiles,
+    N, num_m_tiles, group_tiles,
     SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -183,6 +184,8 @@ def longnet_causal_gqa_fwd_kernel(
     b, h       batch, query head; kv head = h // 4 (GQA group size 4)
     L = 1      query lattice: class c = (h + d) mod L, rows u = c + m
     d          class delta; branch (w, r) keeps class d iff r divides d (per-head offset o = h mod r)
+    t          program: class slot (d = ClassOrder[slot]) and tile m0, tiles in groups of group_tiles
+               walked class by class (common.lattice_program)
     u          virtual position (raster order)
     p          raster position in q, k, v, out
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
@@ -206,8 +209,9 @@ def longnet_causal_gqa_fwd_kernel(
         V += row0 * stride_vn
         Out += row0 * stride_on
         Lse += row0
+    slot = 0  # one class
+    m0 = pid_t * BLOCK_M
     c = 0
-    m0 = (pid_t % num_m_tiles) * BLOCK_M
     m = m0 + tl.arange(0, BLOCK_M)
     u_q = c + m
     q_valid = u_q < N
@@ -919,7 +923,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
 def longnet_causal_gqa_bwd_dkdv_fused(
     Q, K, V, DO, DK, DV, Lse, Delta,
-    N, num_k_tiles, SeqStart, SeqLen,
+    N, num_k_tiles, group_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -932,8 +936,9 @@ def longnet_causal_gqa_bwd_dkdv_fused(
     """dK, dV of every branch in one program per key tile, written once in K's dtype
     into DK, DV (B, N, H_kv, D), which share their strides.
 
-    Program (t, b*H_kv + kvh): key class c = t // num_k_tiles (0 <= c < L = 1), key rows
-    u = c + 1*m, m = m0 + [0, BWD_KV_BLOCK_N), m0 = (t % num_k_tiles)*BWD_KV_BLOCK_N; the tile lies
+    Program (t, b*H_kv + kvh): key class c (0 <= c < L = 1) and tile m0 of t, in groups of
+    group_tiles tiles class by class (common.lattice_program), key rows
+    u = c + 1*m, m = m0 + [0, BWD_KV_BLOCK_N); the tile lies
     in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
     the kv group (size 4) branch (w, r) keeps these keys iff r divides c - h (r | L,
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
@@ -957,8 +962,8 @@ def longnet_causal_gqa_bwd_dkdv_fused(
         DV += row0 * stride_dkn
         Lse += row0
         Delta += row0
-    c = pid_t // num_k_tiles
-    m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
+    c = 0  # one class
+    m0 = pid_t * BWD_KV_BLOCK_N
     u_k = c + 1 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
     k_valid = u_k < N
     p_k = u_k
@@ -1071,7 +1076,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
 
 def longnet_causal_gqa_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
-    N, num_m_tiles,
+    N, num_m_tiles, group_tiles,
     SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -1101,8 +1106,9 @@ def longnet_causal_gqa_bwd_dq(
         DQ += row0 * stride_dqn
         Lse += row0
         Delta += row0
+    slot = 0  # one class
+    m0 = pid_t * BWD_DQ_BLOCK_M
     c = 0
-    m0 = (pid_t % num_m_tiles) * BWD_DQ_BLOCK_M
     m = m0 + tl.arange(0, BWD_DQ_BLOCK_M)
     u_q = c + m
     q_valid = u_q < N

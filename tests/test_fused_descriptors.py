@@ -49,6 +49,15 @@ CASES = [
      (1, 150), {**TMA, "lane_tma": True}),
     # causal curves: the dK/dV kernel walks listed query blocks of the compact copies through
     # descriptors (bwd_tma), the lanes their listed key blocks (lane_tma)
+    # lattice programs in groups of tiles, class by class within a group (lattice_group; on
+    # sm90 the runtime sizes groups to L2): one tile per group, and groups of 2 and 3 whose
+    # last group is short; the fused forward, dq and fused dK/dV kernels, GQA, causal
+    ("lattice_group1_longnet_rates", dict(segment_lengths=[32, 64, 96], dilation_rates=[1, 2, 6], num_heads=6,
+                                          num_kv_heads=3), (2, 200), {**TMA, "lattice_group": 1}),
+    ("lattice_group2_fused_dkdv_gqa", dict(segment_lengths=[64, 128, 256], dilation_rates=[1, 2, 4], num_heads=4,
+                                           num_kv_heads=2), (1, 300), {**TMA, "lattice_group": 2}),
+    ("lattice_group3_causal", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], causal=True),
+     (1, 100), {"lattice_group": 3, "fold_scale": True}),
     ("hilbert_segment_causal_gqa", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], num_kv_heads=2,
                                         causal=True, hilbert={"scope": "segment", "grids": [[4, 8], [8, 8], [8, 16]]}),
      (1, 150), {"bwd_tma": True, "lane_tma": True, "fold_scale": True}),
@@ -62,7 +71,7 @@ def test_fused_flags_forward_and_gradients(case):
     spec = dilgen.Spec(name="fd_" + name, **fields)
     the_plan = planner.plan(spec, INTERPRETER, tuning)
     cfg = the_plan.config
-    if name.startswith("fused_dkdv"):
+    if name.startswith("fused_dkdv") or "fused_dkdv" in name:
         assert the_plan.fused_dkdv
     assert cfg.fold_scale and cfg.fused_tma == bool(tuning.get("fused_tma"))
     source = codegen.emit(the_plan)
@@ -149,3 +158,24 @@ def test_planner_turns_fused_descriptors_on_where_measured():
     for target in (SM80, INTERPRETER):
         cfg = planner.plan(_spec(), target).config
         assert not (cfg.fused_tma or cfg.fold_scale or cfg.fused_ws or cfg.bwd_tma)
+
+
+def test_lattice_group_tiles_sized_to_l2():
+    """The lattice kernels' groups of tiles (runtime.lattice_group_tiles): a head whose keys and
+    values fit in half of L2 keeps one group (class-major); B's 64 MB per head takes groups of a
+    quarter of L2 (16 classes x 128 rows = 2048 positions x 512 bytes = 1 MiB a tile: 12 tiles);
+    sm80 and the interpreter keep one group; a tuned lattice_group fixes it."""
+    from dilgen.runtime import lattice_group_tiles
+    b_like = _spec(segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 8, 16])
+    plan = planner.plan(b_like, SM90).to_json()
+    assert plan["query"]["lattice"] == 16 and plan["config"]["l2_bytes"] == 50 * 2**20
+    row = 2 * 128 * 2                          # k and v rows of a kv head, bf16
+    assert lattice_group_tiles(plan, 64, 128, row) == 12          # N = 131072
+    assert lattice_group_tiles(plan, 8, 128, row) == 8            # N = 16384: 16 MiB, one group
+    a_like = planner.plan(_spec(), SM90).to_json()
+    assert lattice_group_tiles(a_like, 64, 128, row) == 64        # A: 16 MiB per head
+    assert lattice_group_tiles(a_like, 4096, 128, row) == 50      # 4M rows: 256 KiB a tile
+    for target in (SM80, INTERPRETER):
+        assert lattice_group_tiles(planner.plan(b_like, target).to_json(), 64, 128, row) == 64
+    tuned = planner.plan(b_like, SM90, {"lattice_group": 5}).to_json()
+    assert lattice_group_tiles(tuned, 64, 128, row) == 5 and lattice_group_tiles(tuned, 3, 128, row) == 3

@@ -99,7 +99,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     batch: B is not a kernel argument), as the runtime makes them on a GPU."""
     import inspect
     import torch
-    from ..runtime import lane_grid, lane_order
+    from ..runtime import lane_grid, lane_order, lattice_group_tiles
     plan = attention.plan
     N = int(seq_len)
     base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],
@@ -107,6 +107,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                       "float32": torch.float32}[plan["dtype"]],
             "UPCAST": False, "VARLEN": False, "CURVE_ROWS": False}
     lattice = plan["query"]["lattice"]
+    kv_row_bytes = 2 * base["D"] * base["dtype"].itemsize  # k and v of a kv head, per position
     out = []
 
     def add(role, fn, opts, **extra):
@@ -118,7 +119,9 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         if role == "forward":
             if not any(not br["lanes"] for br in plan["branches"]):
                 continue
-            add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / plan["config"]["block_m"]))
+            n_t = math.ceil(math.ceil(N / lattice) / plan["config"]["block_m"])
+            add(role, fn, opts, num_m_tiles=n_t,
+                group_tiles=lattice_group_tiles(plan, n_t, plan["config"]["block_m"], kv_row_bytes))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)
@@ -164,10 +167,14 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                     num_j_tiles=math.ceil(lanes / conf["kv_block_n"]))
         elif role == "dkdv_fused":
             conf = attention.backward_kernels["config"]
-            add(role, fn, opts, num_k_tiles=math.ceil(math.ceil(N / lattice) / conf["kv_block_n"]))
+            n_kt = math.ceil(math.ceil(N / lattice) / conf["kv_block_n"])
+            add(role, fn, opts, num_k_tiles=n_kt,
+                group_tiles=lattice_group_tiles(plan, n_kt, conf["kv_block_n"], kv_row_bytes * base["H"] // base["Hkv"]))
         elif role == "dq":
             conf = attention.backward_kernels["config"]
             if not any(not br["lanes"] for br in plan["branches"]):
                 continue
-            add(role, fn, opts, num_m_tiles=math.ceil(math.ceil(N / lattice) / conf["dq_block_m"]))
+            n_t = math.ceil(math.ceil(N / lattice) / conf["dq_block_m"])
+            add(role, fn, opts, num_m_tiles=n_t,
+                group_tiles=lattice_group_tiles(plan, n_t, conf["dq_block_m"], kv_row_bytes))
     return out

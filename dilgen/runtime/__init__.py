@@ -152,6 +152,24 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
     return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
 
 
+def lattice_group_tiles(plan: dict, n_tiles: int, block: int, row_bytes: int) -> int:
+    """Tiles per group of a lattice launch (common.lattice_program; grid classes x n_tiles),
+    whose tiles span L*block positions and read row_bytes per position (keys and values of
+    a kv head; queries and dO of a kv group for dK/dV). A head whose rows fit in half of L2
+    (KernelConfig.l2_bytes) keeps one group, class-major (longest class first over the whole
+    sequence); a larger one takes groups of a quarter of L2, so every class of a group finds
+    the group's rows in L2 (H200, bf16, B: 16 classes of 2048 positions a tile, 64 MB of keys
+    and values per head). KernelConfig.lattice_group > 0 fixes it (tuning)."""
+    config = plan["config"]
+    if config.get("lattice_group"):
+        return max(1, min(int(config["lattice_group"]), n_tiles))
+    l2 = config.get("l2_bytes", 0)
+    tile_bytes = plan["query"]["lattice"] * block * row_bytes
+    if not l2 or n_tiles * tile_bytes <= l2 // 2:
+        return n_tiles
+    return max(1, min(n_tiles, (l2 // 4) // tile_bytes))
+
+
 def lane_launch_grid(plan: dict, batch_heads: int, n_seg: int, n_tiles: int, varlen: bool) -> tuple:
     """The launch grid of a lane kernel (forward or dq), as common.lane_program reads it:
     packed batches with KernelConfig.lane_tiles_fastest on (B*H * tiles, segments), else
@@ -348,8 +366,9 @@ class GeneratedAttention:
         for seqs, B, N in groups:   # packed batches: one group per length class of sequences
             if fused:   # every branch that is not a lane branch
                 num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
+                group_tiles = lattice_group_tiles(plan, num_m_tiles, cfg["block_m"], 2 * k.shape[-1] * k.element_size())
                 launches.append((self._kernel(interpret), (lattice * num_m_tiles, B * H),
-                                 (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, *seqs,
+                                 (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, group_tiles, *seqs,
                                   *strides, interpret, varlen),
                                  {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
             accumulate, clear = fused or not (writes_all or clears), clears

@@ -155,10 +155,11 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
         for seqs, B, N in groups:   # packed batches: one group per length class
             if fused:
                 n_kt = math.ceil(math.ceil(N / lattice) / kv_bn)
+                group_kt = _rt.lattice_group_tiles(plan, n_kt, kv_bn, 2 * (H // Hkv) * q.shape[-1] * q.element_size())
                 dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
                 dkdv_fused[(lattice * n_kt, B * Hkv)](
                     q, k, v, grad_out, dk, dv, lse, delta,
-                    N, n_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                    N, n_kt, group_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dk_strides, *l_strides,
                     interpret, varlen, **launch["dkdv_fused"])
             accumulate, clear = not dkdv_clears, dkdv_clears
@@ -187,9 +188,10 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
             if has_fused_q:
                 bm = conf["dq_block_m"]
                 num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
+                group_tiles = _rt.lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())
                 dqk[(lattice * num_m_tiles, B * H)](
                     q, k, v, grad_out, dq, lse, delta, class_order, *tables,
-                    N, num_m_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
+                    N, num_m_tiles, group_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dq_strides, *l_strides,
                     interpret, varlen, **launch["dq"])
             accumulate, clear = has_fused_q or not (dq_writes_all or dq_clears), dq_clears

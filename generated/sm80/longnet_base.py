@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: c37a77d816449806
+# template hash: d907d8f054805edb
 # plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -158,7 +158,7 @@ HEAD_DIM = tl.constexpr(128)
 
 def longnet_base_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
-    N, num_m_tiles,
+    N, num_m_tiles, group_tiles,
     SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -172,6 +172,8 @@ def longnet_base_fwd_kernel(
     b, h       batch, query head; kv head = h // 1 (GQA group size 1)
     L = 4      query lattice: class c = (h + d) mod L, rows u = c + 4*m
     d          class delta; branch (w, r) keeps class d iff r divides d (per-head offset o = h mod r)
+    t          program: class slot (d = ClassOrder[slot]) and tile m0, tiles in groups of group_tiles
+               walked class by class (common.lattice_program)
     u          virtual position (raster order)
     p          raster position in q, k, v, out
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
@@ -195,9 +197,13 @@ def longnet_base_fwd_kernel(
         V += row0 * stride_vn
         Out += row0 * stride_on
         Lse += row0
-    d = tl.load(ClassOrder + pid_t // num_m_tiles)
+    per_group = (tl.num_programs(0) // num_m_tiles) * group_tiles  # classes x tiles of a group
+    g_first = (pid_t // per_group) * group_tiles
+    g_tiles = tl.minimum(group_tiles, num_m_tiles - g_first)  # the last group may be short
+    slot = (pid_t % per_group) // g_tiles
+    m0 = (g_first + pid_t % per_group % g_tiles) * BLOCK_M
+    d = tl.load(ClassOrder + slot)
     c = (h + d) % 4
-    m0 = (pid_t % num_m_tiles) * BLOCK_M
     m = m0 + tl.arange(0, BLOCK_M)
     u_q = c + 4*m
     q_valid = u_q < N
@@ -682,7 +688,7 @@ def longnet_base_bwd_dkdv(
 
 def longnet_base_bwd_dkdv_fused(
     Q, K, V, DO, DK, DV, Lse, Delta,
-    N, num_k_tiles, SeqStart, SeqLen,
+    N, num_k_tiles, group_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -695,8 +701,9 @@ def longnet_base_bwd_dkdv_fused(
     """dK, dV of every branch in one program per key tile, written once in K's dtype
     into DK, DV (B, N, H_kv, D), which share their strides.
 
-    Program (t, b*H_kv + kvh): key class c = t // num_k_tiles (0 <= c < L = 4), key rows
-    u = c + 4*m, m = m0 + [0, BWD_KV_BLOCK_N), m0 = (t % num_k_tiles)*BWD_KV_BLOCK_N; the tile lies
+    Program (t, b*H_kv + kvh): key class c (0 <= c < L = 4) and tile m0 of t, in groups of
+    group_tiles tiles class by class (common.lattice_program), key rows
+    u = c + 4*m, m = m0 + [0, BWD_KV_BLOCK_N); the tile lies
     in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
     the kv group (size 1) branch (w, r) keeps these keys iff r divides c - h (r | L,
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
@@ -720,8 +727,11 @@ def longnet_base_bwd_dkdv_fused(
         DV += row0 * stride_dkn
         Lse += row0
         Delta += row0
-    c = pid_t // num_k_tiles
-    m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
+    per_group = (tl.num_programs(0) // num_k_tiles) * group_tiles  # classes x tiles of a group
+    g_first = (pid_t // per_group) * group_tiles
+    g_tiles = tl.minimum(group_tiles, num_k_tiles - g_first)  # the last group may be short
+    c = (pid_t % per_group) // g_tiles
+    m0 = (g_first + pid_t % per_group % g_tiles) * BWD_KV_BLOCK_N
     u_k = c + 4 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
     k_valid = u_k < N
     p_k = u_k
@@ -915,7 +925,7 @@ def longnet_base_bwd_dkdv_fused(
 
 def longnet_base_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
-    N, num_m_tiles,
+    N, num_m_tiles, group_tiles,
     SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -945,9 +955,13 @@ def longnet_base_bwd_dq(
         DQ += row0 * stride_dqn
         Lse += row0
         Delta += row0
-    d = tl.load(ClassOrder + pid_t // num_m_tiles)
+    per_group = (tl.num_programs(0) // num_m_tiles) * group_tiles  # classes x tiles of a group
+    g_first = (pid_t // per_group) * group_tiles
+    g_tiles = tl.minimum(group_tiles, num_m_tiles - g_first)  # the last group may be short
+    slot = (pid_t % per_group) // g_tiles
+    m0 = (g_first + pid_t % per_group % g_tiles) * BWD_DQ_BLOCK_M
+    d = tl.load(ClassOrder + slot)
     c = (h + d) % 4
-    m0 = (pid_t % num_m_tiles) * BWD_DQ_BLOCK_M
     m = m0 + tl.arange(0, BWD_DQ_BLOCK_M)
     u_q = c + 4*m
     q_valid = u_q < N

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: c37a77d816449806
+# template hash: d907d8f054805edb
 # plan key:      9080681859ec0eabb49e64c5a00fd2a0caba40fb6408e5d74660a671281fbb57
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -167,7 +167,7 @@ HEAD_DIM = tl.constexpr(64)
 def slide_tiles_fwd_kernel(
     Q, K, V, Out, Lse, ClassOrder,
     Fwd0, Inv0,
-    N, num_m_tiles,
+    N, num_m_tiles, group_tiles,
     SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -181,6 +181,8 @@ def slide_tiles_fwd_kernel(
     b, h       batch, query head; kv head = h // 4 (GQA group size 4)
     L = 1      query lattice: class c = (h + d) mod L, rows u = c + m
     d          class delta; branch (w, r) keeps class d iff r divides d (per-head offset o = h mod r)
+    t          program: class slot (d = ClassOrder[slot]) and tile m0, tiles in groups of group_tiles
+               walked class by class (common.lattice_program)
     u          virtual position (raster order)
     p          raster position in q, k, v, out
     s, j       segment of a branch, key lane inside it: key u = s*w + o + r*j
@@ -205,8 +207,9 @@ def slide_tiles_fwd_kernel(
         Lse += row0
         Fwd0 += row0
         Inv0 += row0
+    slot = 0  # one class
+    m0 = pid_t * BLOCK_M
     c = 0
-    m0 = (pid_t % num_m_tiles) * BLOCK_M
     m = m0 + tl.arange(0, BLOCK_M)
     u_q = c + m
     q_valid = u_q < N
@@ -813,7 +816,7 @@ def slide_tiles_bwd_dkdv(
 
 def slide_tiles_bwd_dkdv_fused(
     Q, K, V, DO, DK, DV, Lse, Delta,
-    N, num_k_tiles, SeqStart, SeqLen,
+    N, num_k_tiles, group_tiles, SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -826,8 +829,9 @@ def slide_tiles_bwd_dkdv_fused(
     """dK, dV of every branch in one program per key tile, written once in K's dtype
     into DK, DV (B, N, H_kv, D), which share their strides.
 
-    Program (t, b*H_kv + kvh): key class c = t // num_k_tiles (0 <= c < L = 1), key rows
-    u = c + 1*m, m = m0 + [0, BWD_KV_BLOCK_N), m0 = (t % num_k_tiles)*BWD_KV_BLOCK_N; the tile lies
+    Program (t, b*H_kv + kvh): key class c (0 <= c < L = 1) and tile m0 of t, in groups of
+    group_tiles tiles class by class (common.lattice_program), key rows
+    u = c + 1*m, m = m0 + [0, BWD_KV_BLOCK_N); the tile lies
     in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
     the kv group (size 4) branch (w, r) keeps these keys iff r divides c - h (r | L,
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
@@ -851,8 +855,8 @@ def slide_tiles_bwd_dkdv_fused(
         DV += row0 * stride_dkn
         Lse += row0
         Delta += row0
-    c = pid_t // num_k_tiles
-    m0 = (pid_t % num_k_tiles) * BWD_KV_BLOCK_N
+    c = 0  # one class
+    m0 = pid_t * BWD_KV_BLOCK_N
     u_k = c + 1 * (m0 + tl.arange(0, BWD_KV_BLOCK_N))
     k_valid = u_k < N
     p_k = u_k
@@ -939,7 +943,7 @@ def slide_tiles_bwd_dkdv_fused(
 def slide_tiles_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, ClassOrder,
     Fwd0, Inv0,
-    N, num_m_tiles,
+    N, num_m_tiles, group_tiles,
     SeqStart, SeqLen,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -971,8 +975,9 @@ def slide_tiles_bwd_dq(
         Delta += row0
         Fwd0 += row0
         Inv0 += row0
+    slot = 0  # one class
+    m0 = pid_t * BWD_DQ_BLOCK_M
     c = 0
-    m0 = (pid_t % num_m_tiles) * BWD_DQ_BLOCK_M
     m = m0 + tl.arange(0, BWD_DQ_BLOCK_M)
     u_q = c + m
     q_valid = u_q < N

@@ -399,12 +399,13 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             qv = run.piece(q, qi)
             win = run.window(step, li)
             num_m_tiles = math.ceil(math.ceil(win["n_q"] / run.lattice) / block_m)
+            # one group of tiles (class-major): windows keep the order measured on 2 GPUs
             classes = run.classes(bits, full=step["offset"] == 0)
             grid = (classes.numel() * num_m_tiles, win["count"] * H)
             aligned = not run.packed and q_off % (run.lattice * block_m) == 0
             kernel[grid](
                 qv, kk, vv, dst, lse_v, classes, *run.tables,
-                run.N, num_m_tiles, q_off, n_q, k_off, n_k, acc_v, lse_v, *win["args"],
+                run.N, num_m_tiles, num_m_tiles, q_off, n_q, k_off, n_k, acc_v, lse_v, *win["args"],
                 run.bstride(qv), qv.stride(1), qv.stride(2),
                 run.bstride(kk), kk.stride(1), kk.stride(2),
                 run.bstride(vv), vv.stride(1), vv.stride(2),
@@ -504,7 +505,7 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
             aligned = not run.packed and q_off % (run.lattice * bm) == 0
             dqk[(classes.numel() * num_m_tiles, win["count"] * H)](
                 qv, kk, vv, dov, dqv, lse_v, delta_v, classes, *run.tables,
-                N, num_m_tiles, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
+                N, num_m_tiles, num_m_tiles, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
                 run.bstride(dqv), dqv.stride(1), dqv.stride(2), *l_strides,
                 run.interpret, bits, g, True, aligned, run.packed, **launch["dq"])
         return partials
