@@ -87,7 +87,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
-           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "decode",
+           "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group")
 LANES_CHOICES = ("auto", "all")
 
@@ -248,6 +248,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     def fusable(kv_tile) -> bool:
         return (spec.ring_size == 1 and bool(fused_set) and not block
                 and target.fused_dkdv_ok(spec.causal, dkdv_lattice)
+                and bool((tuning or {}).get("fused_dkdv", True))
                 and not any(b.order is not None for b in fused_set) and query_order is None
                 and all(b.keep_map is None for b in fused_set)
                 and all(b.segment_length % (lattice * kv_tile[0]) == 0 for b in fused_set))

@@ -106,7 +106,11 @@ class Target:
     # causal A 1.60 -> 1.29 ms, B 6.35 -> 5.78, E 7.77 -> 6.20 with every branch a lane
     # branch and TMA + warp-specialized key loops (bench/results/lanes_probe-*.json).
     # The fused dkdv keeps its lattice up to L = 4 (A: 6.49 vs 6.97 ms fwd+bwd); above
-    # it the per-branch dkdv wins (B: 32.5 vs 35.0 ms).
+    # it the per-branch dkdv wins (B: 32.5 vs 35.0 ms). sm90, since the per-branch dkdv
+    # reads its query and dO lanes through descriptors (bwd_tma): the per-branch dkdv wins at
+    # L = 4 too, its diagonal square where the lattice tile's is L times wider (H200, causal
+    # fwd+bwd: C 4.69 -> 4.15 ms, A 5.90 -> 5.76; lanes_probe s13_causal_dkdv), so only an
+    # L = 1 spec (one r = 1 branch, whose key tiles are raster tiles) keeps the fused one.
     causal_max_lattice: int = 4
     lane_tma: bool = False    # tensor-descriptor loads in causal lane kernels (KernelConfig)
     lane_ws: bool = False
@@ -175,7 +179,7 @@ class Target:
         return {64: (128, 32, 4, 3), 128: (128, 64, 8, 3)}.get(head_dim)
 
 
-SM90 = Target("sm90", 90, 227 * 1024, 128, True, lane_tma=True, lane_ws=True, causal_lanes=True,
+SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=True, lane_ws=True, causal_lanes=True,
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)

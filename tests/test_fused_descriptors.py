@@ -39,6 +39,12 @@ CASES = [
     # segments the dK/dV key tile does not nest in: the per-branch dK/dV kernel, causal
     ("per_branch_dkdv_causal_gqa", dict(segment_lengths=[24, 48], dilation_rates=[1, 2], causal=True,
                                         num_kv_heads=2), (1, 100), {"bwd_tma": True, "fold_scale": True}),
+    # sm90's causal plan for A- and C-like specs (Target.causal_max_lattice): every branch a
+    # lane kernel, the per-branch dK/dV with descriptors instead of the fused lattice one;
+    # GQA, a short last segment
+    ("causal_lanes_per_branch_dkdv_gqa", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], num_heads=4,
+                                              num_kv_heads=2, causal=True), (1, 150),
+     {"bwd_tma": True, "fold_scale": True, "lanes": "all", "lane_tma": True, "fused_dkdv": False}),
     ("per_branch_dkdv_no_r1", dict(segment_lengths=[24, 40], dilation_rates=[2, 4]), (2, 90), TMA),
     ("fold_softmax_scale_fp16", dict(segment_lengths=[32, 64], dilation_rates=[1, 2], dtype="float16",
                                      softmax_scale=0.3), (1, 96), TMA),
@@ -73,6 +79,8 @@ def test_fused_flags_forward_and_gradients(case):
     cfg = the_plan.config
     if name.startswith("fused_dkdv") or "fused_dkdv" in name:
         assert the_plan.fused_dkdv
+    if name.endswith("per_branch_dkdv_gqa"):
+        assert not the_plan.fused_dkdv
     assert cfg.fold_scale and cfg.fused_tma == bool(tuning.get("fused_tma"))
     source = codegen.emit(the_plan)
     assert ("k_desc = tl.make_tensor_descriptor" in source) == bool(cfg.fused_tma or cfg.bwd_tma

@@ -111,7 +111,14 @@ def test_fused_dkdv_only_for_raster_lattice_branches():
     def fused(**kw):
         return plan(_spec(**kw), SM90).fused_dkdv
     assert fused(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
-    assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True)
+    # causal on sm90: the per-branch dkdv's square diagonals beat the lattice tile's L times
+    # wider one from L = 2 on (Target.causal_max_lattice); sm80 keeps the fused one up to L = 4
+    assert not fused(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True)
+    assert fused(segment_lengths=[2048], dilation_rates=[1], causal=True)
+    assert plan(_spec(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True), SM80).fused_dkdv
+    # the tuning key fused_dkdv = False takes the per-branch dkdv whatever the target says
+    assert not plan(_spec(segment_lengths=[2048, 4096], dilation_rates=[1, 2]), SM90,
+                    {"fused_dkdv": False}).fused_dkdv
     # a lane branch (3 does not divide w; a curve table) takes the per-branch dkdv after
     # the fused launch of the others
     assert fused(segment_lengths=[2048, 4096], dilation_rates=[1, 3])
@@ -151,7 +158,7 @@ def test_lane_branches_are_the_row_membership_ones():
 def test_lanes_all_tuning():
     spec = _spec(segment_lengths=[2048, 4096], dilation_rates=[1, 2], causal=True)
     p = plan(spec, SM90, {"lanes": "all"})
-    assert all(b.lanes for b in p.branches) and p.query.lattice == 2 and p.fused_dkdv
+    assert all(b.lanes for b in p.branches) and p.query.lattice == 2 and not p.fused_dkdv
     with pytest.raises(ValueError, match="lanes"):
         plan(spec, SM90, {"lanes": "some"})
 
