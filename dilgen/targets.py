@@ -67,6 +67,10 @@ class Target:
             # causal A (bench/tools/tune_backward.py, H200): dq 64 x 32 keys, 4 warps: 5.0 ms
             # backward against 6.5 ms with 64 keys and 8 warps
             dq = (64, 32, 4, 3)
+        if causal and head_dim == 64 and self.capability is not None and self.capability >= 90:
+            # causal C, per-branch dK/dV (H200, fwd+bwd): 128 keys per program 4.01 ms against
+            # 4.15 with 64, 4.24 with 64 x 64 (lanes_probe s13_bwd_ws_causal_tiles)
+            kv = (128, 32, 4, 3)
         if itemsize == 4:             # fp32 tiles are twice as large: no multi-buffering
             kv, dq = kv[:3] + (1,), dq[:3] + (1,)
         return kv, dq
