@@ -3,6 +3,7 @@ CPU, the compiled kernel on a GPU), on fresh random inputs, outputs poisoned (Na
 before every launch so that an unwritten row fails."""
 from __future__ import annotations
 
+import inspect
 import math
 import zlib
 
@@ -211,3 +212,23 @@ def test_interpreter_scalars_index_with_numpy_2_4():
         assert _scalar_index(SimpleNamespace(handle=SimpleNamespace(data=data))) == 7
     with pytest.raises(TypeError, match="scalar"):
         _scalar_index(SimpleNamespace(handle=SimpleNamespace(data=np.arange(3))))
+
+
+def test_interpreter_leaves_triton_language_as_it_found_it():
+    """A call on CPU tensors (Triton's interpreter) must not leave triton.language's builtins
+    patched: on a GPU machine the next compile in the process failed with "'ir.value' object
+    has no attribute 'dtype'" (the interpreter does not undo its patches of
+    triton.language.core made for interpreted helpers such as tl.max)."""
+    import triton.language as tl
+    from dilgen.runtime import _language_namespaces
+    before = [(obj, dict(vars(obj))) for obj in _language_namespaces()]
+    assert any(obj is tl.core for obj, _ in before)
+    spec = _spec(name="k_interp_leak", segment_lengths=[16, 32], dilation_rates=[1, 2], causal=True)
+    q = torch.randn(1, 40, 4, 16)
+    out = dilgen.compile(spec)(q, q, q)
+    assert torch.isfinite(out).all()
+    for obj, saved in before:
+        now = vars(obj)
+        changed = sorted(n for n in set(saved) | set(now) if saved.get(n) is not now.get(n)
+                         and not (n not in saved and inspect.ismodule(now[n])))   # submodules imported meanwhile
+        assert not changed, f"{getattr(obj, '__name__', obj)}: {changed[:8]}"

@@ -5,6 +5,7 @@ A generated module needs only this package (and torch, triton): it never plans o
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -89,7 +90,12 @@ class _interpreting:
     Also: Triton 3.6's interpreter turns a scalar into an index with int() of its
     one-element array, which NumPy 2.4 and later refuse for arrays of rank 1 ("only
     0-dimensional arrays can be converted to Python scalars"); its tensor patch gets an
-    __index__ that takes the one element, for the duration of the launch."""
+    __index__ that takes the one element, for the duration of the launch.
+
+    And: the interpreter patches triton.language's builtins for interpreted helpers (tl.max,
+    tl.sum, ...) and does not undo the patches of triton.language.core, so a GPU compile later
+    in the process failed ("'ir.value' object has no attribute 'dtype'"): the attributes of
+    the language modules and classes are saved here and put back on exit."""
 
     def __enter__(self):
         from triton.runtime import interpreter
@@ -117,14 +123,38 @@ class _interpreting:
             return wrapped(*args, **kwargs)
 
         JITFunction.__call__ = call
+        self._language = [(obj, dict(vars(obj))) for obj in _language_namespaces()]
         return self
 
     def __exit__(self, *exc):
         self._cls.__call__ = self._saved
         if self._saved_patch is not None:
             self._interp._patch_lang_tensor = self._saved_patch
+        for obj, saved in self._language:
+            _restore_namespace(obj, saved)
         _INTERPRET_LOCK.release()
         return False
+
+
+def _language_namespaces() -> list:
+    """The modules and classes of triton.language whose builtins the interpreter patches."""
+    import triton.language as tl
+    found = [tl, tl.core, tl.math, tl.core.tensor]
+    base = getattr(tl.core, "tensor_descriptor_base", None)
+    return found + ([base] if base is not None else [])
+
+
+def _restore_namespace(obj, saved: dict) -> None:
+    """Put the attributes of a module or class back as `saved` (its vars() before)."""
+    now = vars(obj)
+    for name in [n for n in now if n not in saved and not inspect.ismodule(now[n])]:
+        delattr(obj, name)      # (a submodule imported meanwhile stays)
+    for name, value in saved.items():
+        if now.get(name, _MISSING_ATTR) is not value:
+            setattr(obj, name, value)
+
+
+_MISSING_ATTR = object()
 
 
 _TMA_ALLOCATOR = threading.local()
