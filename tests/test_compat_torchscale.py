@@ -492,9 +492,13 @@ def test_bench_torchscale_smoke(tmp_path, monkeypatch, capsys):
                          for m in ("torchscale", "dilgen", "no_attention")}
     assert all(r["ms"] is not None and "error" not in r for r in rows.values()), data["rows"]
     assert all(c["rel_err_dilgen_vs_torchscale"] < 3e-2 for c in data["check"])   # bf16 both
-    # the floor (identity attention) costs less than either model, and the table bounds by it
-    assert all(rows[(n, p, "no_attention")]["ms"] < min(rows[(n, p, m)]["ms"] for m in ("torchscale", "dilgen"))
-               for n in (100, 300) for p in ("fwd", "fwd+bwd"))
+    # every method timed (no wall-clock comparison here: on a shared CPU, as in CI where two
+    # suites run side by side, the smoke sizes' times are noise; speed is the GPU bench's job),
+    # and the table bounds by the no-attention floor: torchscale ms / no-attention ms
+    assert all(r["ms"] > 0 for r in rows.values())
     out = capsys.readouterr().out
     assert "| tiles | pass |" in out and "bound (torchscale / no-attention)" in out
+    for n in (100, 300):
+        bound = rows[(n, "fwd", "torchscale")]["ms"] / rows[(n, "fwd", "no_attention")]["ms"]
+        assert f"| {n} | fwd |" in out and f"{bound:.2f}x" in out
     assert compat._attend is not None and compat._attend.__name__ != "identity_attend"   # restored
