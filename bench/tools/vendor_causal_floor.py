@@ -6,8 +6,8 @@ Each branch (w, r) of a bench config is, per head, N/w independent sequences of 
 rows (the lanes; r = 6, 12: the longest lane count of the branch), so the kernel floor of a
 config is the sum over its branches of one SDPA call on (B * N/w, H, w/r, D). Prints and
 writes (to $OUT or bench/results) the median ms of forward and forward + backward, causal and
-not, and the causal / non-causal ratio of each backend, next to dilgen's own (the committed
-rows of bench/results/{forward,backward}-*.json, read by the caller).
+not, and the causal / non-causal ratio of each backend. dilgen's own ratios are those of the
+committed bench rows (bench/results/{forward,backward}-*.json); README sets the two side by side.
 
     python bench/tools/vendor_causal_floor.py [--configs A,B,C,D,E] [--json FILE]
 """
