@@ -18,7 +18,7 @@ from types import ModuleType
 
 from . import __version__, cache, codegen, planner
 from .ir import Plan
-from .spec import Spec, load_spec
+from .spec import Spec, SpecError, load_spec, spec_from_dict
 from .targets import INTERPRETER, Target, get_target, target_for_capability
 
 STAGES = ("plan", "emit", "cache", "import")
@@ -135,7 +135,7 @@ class Kernel:
         self.fixed_target = target
         self.tuning = tuning
         self._compiled: dict = {}
-        from .runtime.op import register_kernel
+        from .runtime.registry import register_kernel
         self._op_key = register_kernel(self)   # torch.compile: the module resolves when the op runs
 
     def __repr__(self) -> str:
@@ -172,7 +172,7 @@ class Kernel:
         """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length)."""
         import torch
         if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
-            from .runtime.op import kernel_call
+            from .runtime.dispatch import kernel_call
             return kernel_call(self, q, k, v, return_lse=return_lse, group=group,
                                chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
@@ -192,10 +192,23 @@ class Kernel:
 _KERNELS: dict[str, Kernel] = {}
 
 
-def compile(spec: Spec | str | os.PathLike, target: str | Target | None = None) -> Kernel:  # noqa: A001
-    """Plan, emit and cache `spec` (a Spec or a path to its JSON); return the callable."""
-    if not isinstance(spec, Spec):
-        spec = load_spec(spec)
+def as_spec(spec: Spec | dict | str | os.PathLike, what: str = "spec") -> Spec:
+    """A Spec from a Spec, a dict of its JSON fields (spec_from_dict) or a path to a JSON
+    file (load_spec); anything else is one SpecError."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, dict):
+        return spec_from_dict(spec, source=str(spec.get("name", "<spec dict>")))
+    if isinstance(spec, (str, os.PathLike)):
+        return load_spec(spec)
+    raise SpecError(f"{what} must be a dilgen.Spec, a dict of spec fields or a path to a spec "
+                    f"JSON file, got {type(spec).__name__}")
+
+
+def compile(spec: Spec | dict | str | os.PathLike, target: str | Target | None = None) -> Kernel:  # noqa: A001
+    """Plan, emit and cache `spec` (a Spec, a dict of its fields or a path to its JSON);
+    return the callable."""
+    spec = as_spec(spec)
     t = get_target(target) if isinstance(target, str) else target
     if t is not None:
         build(spec, t)  # emit and cache now, so errors surface at compile time
@@ -211,22 +224,25 @@ def _kernel_for(spec: Spec) -> Kernel:
     return kernel
 
 
-def _op_key_for(spec: Spec) -> str:
-    return _kernel_for(spec)._op_key
+def _op_key_for(spec: Spec | dict) -> str:
+    return _kernel_for(as_spec(spec, "dilated_attention's spec"))._op_key
 
 
-def dilated_attention(q, k, v, spec: Spec, *, return_lse: bool = False, group=None,
+def dilated_attention(q, k, v, spec: Spec | dict, *, return_lse: bool = False, group=None,
                       cu_seqlens=None, max_seqlen: int | None = None):
-    """One-call form: `dilgen.compile(spec)(q, k, v)` with the kernel kept per spec. It
-    runs through the custom op dilgen::attention_fwd, so it traces under
+    """One-call form: `dilgen.compile(spec)(q, k, v)` with the kernel kept per spec (a Spec,
+    or a dict of its fields validated as a JSON spec is, on every call: keep a Spec in hot
+    loops). It runs through the custom op dilgen::attention_fwd, so it traces under
     torch.compile(fullgraph=True): the kernel of `spec` is found (or made) once while
-    tracing, outside the graph (runtime.op.constant_key), and a call with another spec
+    tracing, outside the graph (runtime.registry.constant_key), and a call with another spec
     object is traced again."""
     import torch
     if torch.compiler.is_compiling():
-        from .runtime.op import constant_key, kernel_call
+        from .runtime.dispatch import kernel_call
+        from .runtime.registry import constant_key
         return kernel_call(constant_key(_op_key_for, spec), q, k, v, return_lse=return_lse,
                            group=group, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    spec = as_spec(spec, "dilated_attention's spec")
     return _kernel_for(spec)(q, k, v, return_lse=return_lse, group=group, cu_seqlens=cu_seqlens,
                              max_seqlen=max_seqlen)
 

@@ -75,7 +75,7 @@ def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | N
 
 
 def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
-    """Lower ring_size to the ring IR (the per-N schedule is ir.ring_schedule)."""
+    """Lower ring_size to the ring IR (the per-N schedule is schedule.ring_schedule)."""
     if spec.ring_size == 1:
         return ir.RingIR(1)
     return ir.RingIR(

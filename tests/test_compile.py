@@ -1,4 +1,4 @@
-"""The generated callable as torch custom ops (dilgen/runtime/op.py): opcheck on both ops,
+"""The generated callable as torch custom ops (dilgen/runtime/op.py, registry.py): opcheck on both ops,
 and a small model around a kernel under torch.compile(fullgraph=True) (so no graph
 break), checked against eager and against the float64 reference of SPEC §2."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 
 import dilgen
 from dilgen.reference import differentiable_reference
-from dilgen.runtime import op
+from dilgen.runtime import registry
 
 from conftest import device
 
@@ -104,7 +104,7 @@ def test_opcheck_forward_and_backward_ops():
     """Schema, fake (meta) implementations, autograd registration, AOT dispatch."""
     spec = _spec("tc_opcheck")
     attn = _attention(spec)
-    key = op.register(attn)
+    key = registry.register(attn)
     d = _data(spec, 24, seed=1)                     # N = 24: a short last segment
     q, k, v = (d[n].clone().requires_grad_(True) for n in ("x", "k", "v"))
     torch.library.opcheck(torch.ops.dilgen.attention_fwd.default, (q, k, v, key))
@@ -119,11 +119,11 @@ def test_opcheck_forward_and_backward_ops():
 def test_eager_calls_go_through_the_op(monkeypatch):
     spec = _spec("tc_eager")
     attn = _attention(spec)
-    monkeypatch.setattr(op, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_REGISTRY", {})
     d = _data(spec, 16, seed=2)
     with torch.no_grad():
         attn(d["x"], d["k"], d["v"])
-    assert op._REGISTRY == {op.op_key(attn): attn}
+    assert registry._REGISTRY == {registry.op_key(attn): attn}
     out = attn(d["x"].requires_grad_(True), d["k"], d["v"])
     assert "dilgen_attention_fwd" in type(out.grad_fn).__name__
 
@@ -135,7 +135,7 @@ def test_fullgraph_aot_eager_matches_eager_and_reference(monkeypatch, fresh_dyna
     sequence length recompiles once, with a dynamic N (symbolic shapes in the fakes)."""
     spec = _spec("tc_aot")
     attn = _attention(spec)
-    monkeypatch.setattr(op, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_REGISTRY", {})
     model = _model(attn, spec)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)

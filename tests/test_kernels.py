@@ -202,16 +202,16 @@ def test_lse_is_natural_log_of_denominator():
 
 
 def test_interpreter_scalars_index_with_numpy_2_4():
-    """dilgen.runtime._scalar_index (the interpreter's tensor __index__ during a launch):
+    """dilgen.runtime.interpreter.scalar_index (the interpreter's tensor __index__ during a launch):
     a one-element array of any rank is an int (NumPy >= 2.4 refuses int() of rank 1, which
     Triton 3.6's interpreter used); a block is refused."""
     import numpy as np
     from types import SimpleNamespace
-    from dilgen.runtime import _scalar_index
+    from dilgen.runtime.interpreter import scalar_index
     for data in (np.array(7), np.array([7]), np.array([[7]], dtype=np.int32)):
-        assert _scalar_index(SimpleNamespace(handle=SimpleNamespace(data=data))) == 7
+        assert scalar_index(SimpleNamespace(handle=SimpleNamespace(data=data))) == 7
     with pytest.raises(TypeError, match="scalar"):
-        _scalar_index(SimpleNamespace(handle=SimpleNamespace(data=np.arange(3))))
+        scalar_index(SimpleNamespace(handle=SimpleNamespace(data=np.arange(3))))
 
 
 def test_interpreter_leaves_triton_language_as_it_found_it():
@@ -220,8 +220,8 @@ def test_interpreter_leaves_triton_language_as_it_found_it():
     has no attribute 'dtype'" (the interpreter does not undo its patches of
     triton.language.core made for interpreted helpers such as tl.max)."""
     import triton.language as tl
-    from dilgen.runtime import _language_namespaces
-    before = [(obj, dict(vars(obj))) for obj in _language_namespaces()]
+    from dilgen.runtime.interpreter import language_namespaces
+    before = [(obj, dict(vars(obj))) for obj in language_namespaces()]
     assert any(obj is tl.core for obj, _ in before)
     spec = _spec(name="k_interp_leak", segment_lengths=[16, 32], dilation_rates=[1, 2], causal=True)
     q = torch.randn(1, 40, 4, 16)
@@ -232,3 +232,18 @@ def test_interpreter_leaves_triton_language_as_it_found_it():
         changed = sorted(n for n in set(saved) | set(now) if saved.get(n) is not now.get(n)
                          and not (n not in saved and inspect.ismodule(now[n])))   # submodules imported meanwhile
         assert not changed, f"{getattr(obj, '__name__', obj)}: {changed[:8]}"
+
+
+def test_dilated_attention_takes_a_dict_of_spec_fields():
+    """dilgen.dilated_attention(q, k, v, {...}): a dict is validated as a JSON spec is and
+    computes what the Spec computes; a bad dict or another object is one SpecError."""
+    fields = dict(name="k_dict", segment_lengths=[8, 16], dilation_rates=[1, 2], num_heads=2,
+                  head_dim=16, dtype="float32")
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    got = dilgen.dilated_attention(q, k, v, fields)
+    want = dilgen.dilated_attention(q, k, v, dilgen.Spec(**fields))
+    assert torch.equal(got, want)
+    with pytest.raises(dilgen.SpecError, match="foo = 1: unknown field"):
+        dilgen.dilated_attention(q, k, v, {**fields, "foo": 1})
+    with pytest.raises(dilgen.SpecError, match="must be a dilgen.Spec, a dict of spec fields"):
+        dilgen.dilated_attention(q, k, v, 42)

@@ -214,13 +214,13 @@ def test_descriptor_allocator_is_set_in_every_thread(monkeypatch):
     per thread, not once per process."""
     import threading
     import triton
-    from dilgen import runtime
+    from dilgen.runtime import launch
     seen = []
     monkeypatch.setattr(triton, "set_allocator", lambda fn: seen.append(threading.get_ident()))
-    monkeypatch.setattr(runtime, "_TMA_ALLOCATOR", threading.local())
-    runtime._ensure_descriptor_allocator()
-    runtime._ensure_descriptor_allocator()
-    worker = threading.Thread(target=runtime._ensure_descriptor_allocator)
+    monkeypatch.setattr(launch, "_TMA_ALLOCATOR", threading.local())
+    launch.ensure_descriptor_allocator()
+    launch.ensure_descriptor_allocator()
+    worker = threading.Thread(target=launch.ensure_descriptor_allocator)
     worker.start()
     worker.join()
     assert len(seen) == 2 and seen[0] != seen[1]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dilgen
-from dilgen import ir
+from dilgen import schedule
 from dilgen.planner import plan
 from dilgen.runtime.ring import RingError, shard, unshard
 from dilgen.targets import get_target
@@ -29,7 +29,7 @@ def _ring_json(P, w, r, causal=False, heads=(4, 4), hilbert=None):
 
 # -- schedule IR ---------------------------------------------------------------------------
 def test_local_branches_need_no_steps():
-    sched = ir.ring_schedule(_ring_json(4, [16, 64], [1, 2]), 4 * 64)
+    sched = schedule.ring_schedule(_ring_json(4, [16, 64], [1, 2]), 4 * 64)
     assert [s["offset"] for s in sched["steps"]] == [0]
     assert sched["local_only"] == [0, 1]
     assert all(not r["send"] and not r["recv"] for r in sched["steps"][0]["ranks"])
@@ -38,7 +38,7 @@ def test_local_branches_need_no_steps():
 def test_spanning_branch_sends_only_its_rows():
     # w = 256 spans all four chunks of 64; r = 4 with one kv head per query head: kv head h
     # keeps rows = h mod 4, so a sender ships a quarter of its rows
-    sched = ir.ring_schedule(_ring_json(4, [16, 256], [1, 4]), 256)
+    sched = schedule.ring_schedule(_ring_json(4, [16, 256], [1, 4]), 256)
     assert [s["offset"] for s in sched["steps"]] == [0, 1, 2, 3]
     step1 = sched["steps"][1]
     assert step1["ranks"][1]["launches"] == [[0, 0, 0b10]]     # only the w = 256 branch
@@ -48,12 +48,12 @@ def test_spanning_branch_sends_only_its_rows():
 
 
 def test_gqa_sends_every_row():
-    sched = ir.ring_schedule(_ring_json(2, [256], [4], heads=(4, 2)), 256)
+    sched = schedule.ring_schedule(_ring_json(2, [256], [4], heads=(4, 2)), 256)
     assert sched["steps"][1]["ranks"][1]["stride"] == [1]       # a kv head serves 2 offsets
 
 
 def test_causal_skips_later_keys_and_neighbour_only():
-    sched = ir.ring_schedule(_ring_json(4, [128], [2], causal=True), 256)
+    sched = schedule.ring_schedule(_ring_json(4, [128], [2], causal=True), 256)
     # chunks of 64, segments of 128: rank 1 needs rank 0, rank 3 needs rank 2, nothing else
     assert [s["offset"] for s in sched["steps"]] == [0, 1]
     recv = [r["recv"] for r in sched["steps"][1]["ranks"]]
@@ -63,55 +63,55 @@ def test_causal_skips_later_keys_and_neighbour_only():
 
 
 def test_zigzag_pieces_balance_causal_work():
-    pieces = ir.ring_pieces(16, 4, "zigzag")
+    pieces = schedule.ring_pieces(16, 4, "zigzag")
     assert pieces[0] == [(0, 2), (14, 2)] and pieces[3] == [(6, 2), (8, 2)]
-    sched = ir.ring_schedule(_ring_json(4, [16], [1], causal=True), 16, "zigzag")
+    sched = schedule.ring_schedule(_ring_json(4, [16], [1], causal=True), 16, "zigzag")
     # with one segment over everything, each rank meets every other rank's rows
     per_rank = [sum(len(s["ranks"][j]["launches"]) for s in sched["steps"]) for j in range(4)]
     assert len(set(per_rank)) == 1
 
 
 def test_hilbert_segment_scope_is_not_compacted():
-    sched = ir.ring_schedule(_ring_json(2, [64], [4], hilbert={"scope": "segment"}), 64)
+    sched = schedule.ring_schedule(_ring_json(2, [64], [4], hilbert={"scope": "segment"}), 64)
     assert sched["steps"][1]["ranks"][1]["stride"] == [1]
 
 
 def test_transport_cost_model_prefers_overlap_when_compute_dominates():
     ring = _ring_json(4, [256], [4])
-    sched = ir.ring_schedule(ring, 256)
+    sched = schedule.ring_schedule(ring, 256)
     # 32 MB per step under 1 ms of kernels: the ring hides it, an all-gather waits for it
     slow_compute = [1e-3] * len(sched["steps"])
-    assert ir.choose_transport(ring, sched, bytes_per_row=2_000_000, step_compute_s=slow_compute) == "ring"
+    assert schedule.choose_transport(ring, sched, bytes_per_row=2_000_000, step_compute_s=slow_compute) == "ring"
     # tiny messages and no compute to hide them behind: one collective beats 3 latencies
     tiny = [0.0] * len(sched["steps"])
-    assert ir.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny) == "allgather"
+    assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny) == "allgather"
     # not enough memory to hold every rank's rows: ring
-    assert ir.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, free_bytes=10) == "ring"
+    assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, free_bytes=10) == "ring"
 
 
 def test_packed_schedule_launches_only_sequences_that_meet():
     ring = _ring_json(2, [8, 16], [1, 2])
     # no sequence crosses the border at 16: the local step only
-    sched = ir.ring_schedule_packed(ring, [0, 16, 32])
+    sched = schedule.ring_schedule_packed(ring, [0, 16, 32])
     assert [s["offset"] for s in sched["steps"]] == [0]
     assert sched["steps"][0]["ranks"][1]["seqs"] == [[1]]
     assert sched["local_only"] == [0, 1]
     # [10, 30) crosses it: its segments (from row 10) of w = 8 end at 18, of w = 16 at 26
-    sched = ir.ring_schedule_packed(ring, [0, 10, 30, 32])
+    sched = schedule.ring_schedule_packed(ring, [0, 10, 30, 32])
     step1 = sched["steps"][1]
     assert step1["ranks"][1]["launches"] == [[0, 0, 0b11]] and step1["ranks"][1]["seqs"] == [[1]]
     assert step1["ranks"][0]["launches"] == [[0, 0, 0b11]]
     assert step1["ranks"][0]["stride"] == [1]                 # packed rows travel uncompacted
     # causal: rank 0 never needs the later rank's keys
-    sched = ir.ring_schedule_packed(_ring_json(2, [8, 16], [1, 2], causal=True), [0, 10, 30, 32])
+    sched = schedule.ring_schedule_packed(_ring_json(2, [8, 16], [1, 2], causal=True), [0, 10, 30, 32])
     assert sched["steps"][1]["ranks"][0]["launches"] == []
     assert [r["recv"] for r in sched["steps"][1]["ranks"]] == [False, True]
     # a border inside the sequence but not inside any of its segments: w = 8 from row 8
     # ends exactly at 16; only the w = 16 branch ([8, 24)) crosses
-    sched = ir.ring_schedule_packed(ring, [0, 8, 32])
+    sched = schedule.ring_schedule_packed(ring, [0, 8, 32])
     assert sched["steps"][1]["ranks"][1]["launches"] == [[0, 0, 0b10]]
     # zero-length sequences launch nothing
-    sched = ir.ring_schedule_packed(ring, [0, 0, 16, 16, 32, 32])
+    sched = schedule.ring_schedule_packed(ring, [0, 0, 16, 16, 32, 32])
     assert sched["steps"][0]["ranks"][0]["seqs"] == [[1]] and sched["steps"][0]["ranks"][1]["seqs"] == [[3]]
 
 

@@ -1,30 +1,15 @@
-"""Ahead-of-time compilation: the Triton kernels of generated modules compiled for a GPU
-architecture on a machine without one, stored in dilgen's cache, and launched at run time
-without a JIT compile (`dilgen build --arch sm90`; README "Ahead-of-time build").
+"""Ahead-of-time compilation (`dilgen build --arch sm90`, docs/aot.md): kernels compiled
+for a GPU on a machine without one, stored in dilgen's cache, launched without a JIT.
 
-One job per file:
-
-    build.py         `dilgen build`: which kernels and specializations to compile for a
-                     target, compiling them (in worker processes with --jobs), storing them,
-                     repairing entries that are damaged
-    launch_model.py  the arguments dilgen.runtime passes to each kernel for a sequence
-                     length N, modelled without tensors (what the build compiles for)
-    binder.py        Triton's binder: the specialization the JIT derives from a launch
-                     (signature, constexprs, alignment attributes, options) and its
-                     canonical text; build and run time share it, so they agree on keys
-    artifacts.py     the cache entries: key, store, load and check, and a stored binary
-                     turned back into a Triton CompiledKernel
-    run.py           run time: `launcher(jit_fn)`, the AOTKernel that the runtime launches
-                     on CUDA; it looks the specialization up and launches the stored binary,
-                     or falls back to triton.jit
+    build.py         `dilgen build`: which kernels and specializations, compile, store, repair
+    launch_model.py  the launches the runtime makes for a length N, modelled without tensors
+    binder.py        Triton's binder: a launch's specialization and its canonical text
+    artifacts.py     cache entries (key: version, module source hash, kernel, target, triton,
+                     specialization, Triton's environment): store, load, check
+    run.py           `launcher(jit_fn)`: the stored binary of exactly this specialization,
+                     else triton.jit
     counters.py      what happened: STATS, FALLBACKS, count_compiles()
-
-Key = sha256 over: dilgen version, sha256 of the generated module's source (spec, plan,
-templates and tuning are all in it), kernel name, GPU target, triton version, the
-specialization and Triton's cache-invalidating environment. Never a binary of another
-specialization: anything the cache does not hold exactly runs through triton.jit.
 """
-from __future__ import annotations
 
 from .artifacts import (CUBIN, METADATA, SPECJSON, artifact_key, check_metadata,
                         load_compiled, load_entry, module_hash)

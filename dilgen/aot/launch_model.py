@@ -3,7 +3,7 @@ length N without tensors: what `dilgen build` compiles for.
 
 Pointers are Triton MockTensors (data_ptr() == 0: 16-byte aligned, like torch's
 allocations); ints are the real values the runtime passes for contiguous inputs
-(B, N, H, D) (dilgen.runtime forward_raw, runtime.backward.backward_raw). B is not a
+(B, N, H, D) (dilgen.runtime.forward.forward_raw, runtime.backward.backward_raw). B is not a
 kernel argument, so one model covers every batch size. tests/test_aot.py checks that the
 model gives exactly the specializations of the runtime's real launches."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _mock(dtype):
 
 def _param_value(name: str, ctx: dict):
     """The value the runtime passes for parameter `name` for inputs (B, N, H, D),
-    contiguous (dilgen.runtime.forward_raw, runtime.backward.backward_raw)."""
+    contiguous (dilgen.runtime.forward.forward_raw, runtime.backward.backward_raw)."""
     import torch
     if name in ctx:                 # launch-specific values first (e.g. DK in k's dtype)
         return ctx[name]
@@ -99,7 +99,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     batch: B is not a kernel argument), as the runtime makes them on a GPU."""
     import inspect
     import torch
-    from ..runtime import lane_grid, lane_order, lattice_group_tiles
+    from ..runtime.grids import lane_grid, lane_order, lattice_group_tiles
     plan = attention.plan
     N = int(seq_len)
     base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],

@@ -18,6 +18,11 @@ import math
 import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
+from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
+from .interpreter import interpreting
+from .launch import ensure_descriptor_allocator, poison
+from .tables import row_order_tensors
+from .varlen import packed_tables
 
 
 def backward_inputs(out, lse, grad_out, grad_lse):
@@ -45,10 +50,9 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     """Return (dq, dk, dv) for one forward call; grad_lse may be None. With a `packing`
     (dilgen.runtime.varlen.Packing) q, k, v are rows (total, heads, D) of several sequences,
     lse is (H, total), and every kernel runs with VARLEN."""
-    from .. import runtime as _rt
     row_order = attn.plan.get("row_order")
-    if row_order is not None and packing is None:   # curve-ordered rows (runtime.row_order_tensors)
-        fwd, inv = _rt.row_order_tensors(row_order, q.shape[1], q.device)
+    if row_order is not None and packing is None:   # curve-ordered rows (tables.row_order_tensors)
+        fwd, inv = row_order_tensors(row_order, q.shape[1], q.device)
         rows = lambda x: None if x is None else x.index_select(1, fwd)
         values = lambda x: None if x is None else x.index_select(2, fwd)
         grads = _backward(attn, rows(q), rows(k), rows(v), rows(out), values(lse), rows(grad_out),
@@ -58,9 +62,6 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
 
 
 def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
-    from . import _interpreting
-    from .. import runtime as _rt
-
     kernels = attn.backward_kernels
     conf = kernels["config"]
     plan = attn.plan
@@ -87,7 +88,6 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
         o_strides = (out.stride(0), out.stride(1), out.stride(2))
         pre_b = B
     else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
-        from .varlen import packed_tables
         B, N = packing.num_seqs, packing.max_len
         rows = q.shape[0]
         tables = packed_tables(plan, packing, rows, dev)
@@ -101,7 +101,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
         o_strides = (0, out.stride(0), out.stride(1))
         pre_b = 1      # the preprocess sees every row as one batch element: it needs no sequences
 
-    lanes = _rt.lane_order(plan)
+    lanes = lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
     fused = conf.get("fused_dkdv", False)
     # dK, dV: the fused launch covers the fused kernel's branches; per-branch launches the rest
@@ -119,9 +119,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     # (bf16 rel 4e-2), while float32 buffers cost a zero fill of twice the bytes and a
     # conversion pass (D causal, H200: 0.9 of 2.9 ms fwd+bwd).
     dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
-    if _rt._POISON:
-        dq.fill_(float("nan"))
-        delta.fill_(float("nan"))
+    poison(dq, delta)
     if not (dq_writes_all or dq_clears):
         dq.zero_()              # no launch writes every row of dq
     # the fused launch writes every row (lane branches add to it), or the first per-branch launch does
@@ -132,9 +130,8 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     else:       # per-branch launches add into zeroed buffers (and padding rows stay 0)
         dk = torch.zeros(k.shape, dtype=k.dtype, device=dev)
         dv = torch.zeros(v.shape, dtype=v.dtype, device=dev)
-    if _rt._POISON and dkdv_writes_all:
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
+    if dkdv_writes_all:
+        poison(dk, dv)
     if B == 0 or N == 0:
         return dq, dk, dv
     lattice = plan["query"]["lattice"]
@@ -155,7 +152,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
         for seqs, B, N in groups:   # packed batches: one group per length class
             if fused:
                 n_kt = math.ceil(math.ceil(N / lattice) / kv_bn)
-                group_kt = _rt.lattice_group_tiles(plan, n_kt, kv_bn, 2 * (H // Hkv) * q.shape[-1] * q.element_size())
+                group_kt = lattice_group_tiles(plan, n_kt, kv_bn, 2 * (H // Hkv) * q.shape[-1] * q.element_size())
                 dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
                 dkdv_fused[(lattice * n_kt, B * Hkv)](
                     q, k, v, grad_out, dk, dv, lse, delta,
@@ -188,7 +185,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
             if has_fused_q:
                 bm = conf["dq_block_m"]
                 num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
-                group_tiles = _rt.lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())
+                group_tiles = lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())
                 dqk[(lattice * num_m_tiles, B * H)](
                     q, k, v, grad_out, dq, lse, delta, class_order, *tables,
                     N, num_m_tiles, group_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
@@ -197,13 +194,13 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
             accumulate, clear = has_fused_q or not (dq_writes_all or dq_clears), dq_clears
             for i in lanes:
                 br = plan["branches"][i]
-                n_seg, n_tiles = _rt.lane_grid(br, N, conf["lane_dq_block_m"])
+                n_seg, n_tiles = lane_grid(br, N, conf["lane_dq_block_m"])
                 dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
                 kv, flag = (), ()
                 if curve_kernel:    # the plan has curve_rows branches
                     kv, flag = lane_key_args(attn, interpret, br, tables, k, v, packing,
                                              plan["config"]["lane_dq"], class_order)
-                dq_lanes[_rt.lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen)](
+                dq_lanes[lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen)](
                     q, k, v, *kv, grad_out, dq, lse, delta, *tables,
                     N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
                     *dq_strides, *l_strides,
@@ -211,11 +208,11 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
                 accumulate, clear = True, False
 
     if interpret:
-        with _interpreting():
+        with interpreting():
             launches()
     else:
         if (plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma"):
-            _rt._ensure_descriptor_allocator()
+            ensure_descriptor_allocator()
         launches()
     attn.launches += 1
     return dq, dk, dv

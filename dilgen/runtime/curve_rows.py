@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from .interpreter import interpreting
+
 CURVE_BLOCK = 64      # compact rows per program (templates: CURVE_BLOCK)
 
 
@@ -71,8 +73,7 @@ def copy_rows(attn, interpret: bool, branch: dict, tables: list, x: torch.Tensor
     grid = (B * heads * slots, math.ceil(n_rows / CURVE_BLOCK))
     args = (x, y, xc, yc, *tables, N, *strides, heads, group, slots, row, row_pad, branch["index"])
     if interpret:
-        from . import _interpreting
-        with _interpreting():
+        with interpreting():
             kernel[grid](*args)
     else:
         kernel[grid](*args, num_warps=4, num_stages=1)

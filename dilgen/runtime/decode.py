@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from . import InputError, _TORCH_DTYPES, _interpreting
+from .checks import TORCH_DTYPES, InputError
+from .launch import poison, run_launches
 from .tables import table_tensors
 
 #: The runtime halves the planner's split until the split kernel has at least this many
@@ -53,6 +54,16 @@ def why_no_decode(spec: dict) -> str | None:
         return (f"{name}: decode does not support Hilbert scope \"sequence\" (the whole sequence is "
                 f"one image of fixed size, so a growing prefix has no curve order); use scope "
                 f"\"segment\" or no Hilbert order")
+    return None
+
+
+def decode_unsupported(plan: dict) -> str | None:
+    """What of a plan the decode kernel (templates/decode.py.jinja) cannot run, or None:
+    it tiles head_dim exactly and reads offsets h mod r."""
+    if plan.get("head_dim_pad"):
+        return f"head_dim = {plan['head_dim']} (not a power of two >= 16)"
+    if any(br.get("head_offset") for br in plan["branches"]):
+        return 'head_offsets = "block"'
     return None
 
 
@@ -89,7 +100,7 @@ def check_decode_inputs(spec: dict, q: Any, k_cache: Any, v_cache: Any, cache_se
         raise InputError(f"{name}: decode: k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} must have the same shape")
     n_max = k_cache.shape[1]
-    want = _TORCH_DTYPES[spec["dtype"]]
+    want = TORCH_DTYPES[spec["dtype"]]
     for label, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != want:
             raise InputError(f"{name}: decode: {label} has dtype {t.dtype} but the spec says "
@@ -192,8 +203,11 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
     """See the module docstring. `split` (kept keys per program) overrides the runtime's
     choice (tests, benchmarks); validate=False skips the host check of cache_seqlens (no
     device-to-host copy: for loops that track the lengths themselves, like nn.KVCache)."""
-    from . import _POISON
     spec, plan = attention.spec, attention.plan
+    unsupported = decode_unsupported(plan)
+    if unsupported:
+        raise InputError(f"{spec['name']}: decode does not take {unsupported} yet (issue 16): "
+                         f"run the full forward instead")
     why = why_no_decode(spec)
     if why is not None or attention.decode_kernels is None:
         raise InputError(why or f"{spec['name']}: this generated module has no decode kernels; "
@@ -212,9 +226,7 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
     C = ends[-1]
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=device)
-    if _POISON:
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
+    poison(out, lse)
     out_p = torch.empty((B * T * H, C, D), dtype=torch.float32, device=device)
     lse_p = torch.empty((B * T * H, C), dtype=torch.float32, device=device)
     split_args = (q, k_cache, v_cache, cache_seqlens, out_p, lse_p, *_curves(attention, device),
@@ -228,15 +240,10 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
                  cfg["launch"]["split"]),
                 (_kernel(attention, kernels["combine"], interpret), (B * T * H,), combine_args,
                  cfg["launch"]["combine"])]
-    for kernel, grid, args, opts in launches:
-        if interpret:
-            with _interpreting():
-                kernel[grid](*args)
-        else:
-            kernel[grid](*args, **opts)
+    run_launches(launches, interpret)
     attention.launches += 1
     return (out, lse) if return_lse else out
 
 
-__all__ = ["decode", "check_decode_inputs", "why_no_decode", "choose_split", "num_chunks",
+__all__ = ["decode", "check_decode_inputs", "decode_unsupported", "why_no_decode", "choose_split", "num_chunks",
            "PROGRAMS_PER_SM", "MIN_SPLIT_BLOCKS"]

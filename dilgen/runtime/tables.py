@@ -58,3 +58,11 @@ def table_tensors(table: dict, n: int, device: torch.device) -> tuple[torch.Tens
             _DEVICE_CACHE.clear()
         _DEVICE_CACHE[key] = hit
     return hit
+
+
+def row_order_tensors(row_order: dict, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fwd, inv) of a plan's row_order (Hilbert scope "sequence", non-causal, one device):
+    curve row u is raster row fwd[u], raster row p is curve row inv[p]. The runtime gathers
+    q, k, v (and in the backward out, dO, lse) with fwd, runs the kernels on the curve-
+    ordered rows, and gathers out, lse (dq, dk, dv) back with inv; built once per length."""
+    return table_tensors(row_order, n, device)

@@ -1,5 +1,5 @@
 """Variable-length batches: packed sequences (FlashAttention's cu_seqlens) and right-padded
-batches (a key padding mask), forward and backward.
+batches (a key padding mask) as a Packing, and the per-sequence tables the kernels read.
 
 A packing is a list of sequences, sequence b being the rows starts[b] + [0, lengths[b]) of
 q, k, v laid out as (rows, heads, D). The kernels of a plan run as for a batch of
@@ -7,7 +7,7 @@ sequences of the longest length, with VARLEN set (templates/common.jinja `varlen
 program b (the batch index) shifts its row pointers to starts[b] and takes lengths[b] as
 N, so each sequence computes exactly what it computes alone (segments restart at its
 first row, causal is per sequence, curve tables are packed per sequence) in the same
-launches as a fixed-length call (GeneratedAttention.forward_raw, backward.backward_raw),
+launches as a fixed-length call (forward.forward_raw, backward.backward_raw),
 reading q, k, v in place. Rows outside every sequence (padding) get out = 0, lse = -inf
 and zero gradients.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import InputError
 from .tables import _tables_cpu
 
 
@@ -75,7 +76,6 @@ def _bucketed(starts: torch.Tensor, lengths: torch.Tensor, lengths_host: list[in
 
 
 def _fail(name: str, msg: str):
-    from . import InputError
     return InputError(f"{name}: {msg}")
 
 
@@ -170,7 +170,8 @@ def packed_tables(plan: dict, packing: Packing, rows: int, device: torch.device)
     return out
 
 
-def _check_plan(attn) -> None:
+def check_packed_plan(attn) -> None:
+    """Refuse a plan the single-device packed launches cannot run."""
     plan = attn.plan
     name = attn.spec["name"]
     if plan["ring"]["ring_size"] > 1:
@@ -181,33 +182,3 @@ def _check_plan(attn) -> None:
         raise _fail(name, "hilbert scope 'sequence' fixes N = rows * cols (one image), so a "
                           "sequence of another length has no curve: pad the images to the grid, "
                           "or use scope 'segment'")
-
-
-def check_varlen_inputs(spec: dict, q, k, v) -> int:
-    """q (rows, H, D), k and v (rows, H_kv, D) of the spec's dtype on one device: the rows."""
-    from . import InputError, _check_inputs
-    name = spec["name"]
-    for label, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise InputError(f"{name}: with cu_seqlens, {label} must have 3 dims (total, heads, "
-                             f"head_dim), got shape {tuple(t.shape)}")
-    _check_inputs(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
-    return q.shape[0]
-
-
-def forward_varlen_raw(attn, q, k, v, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (rows, H, D), lse (H, rows) float32) of a variable-length call, no autograd."""
-    _check_plan(attn)
-    return attn.forward_raw(q, k, v, packing=packing)
-
-
-def backward_varlen_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing: Packing):
-    """(dq, dk, dv) of a variable-length call; grad_lse (H, rows) may be None."""
-    from .backward import backward_raw
-    _check_plan(attn)
-    if attn.backward_kernels is None:
-        raise NotImplementedError(f"dilgen ({attn.spec['name']}): this generated module has no "
-                                  f"backward kernels")
-    return backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=packing)

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from ...ir import CHUNK_ORDERS
-from .. import InputError, _check_inputs
+from ...schedule import CHUNK_ORDERS
+from ..checks import InputError, check_inputs, check_varlen_inputs
+from ..varlen import packing_from_cu_seqlens
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
@@ -59,7 +60,6 @@ def _cu_key(cu: list[int] | None) -> int:
 def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqlen) -> list[int]:
     """A packed row on a ring (SPEC §3): q (N/P, H, D), k, v (N/P, H_kv, D) on every rank, and
     cu_seqlens the offsets over the whole row of N = P x N/P rows. Returns the offsets."""
-    from ..varlen import check_varlen_inputs, packing_from_cu_seqlens
     name = spec["name"]
     hil = spec.get("hilbert")
     if hil is not None and hil.get("scope") == "sequence":
@@ -95,7 +95,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
         if order not in CHUNK_ORDERS:
             raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
         if cu_seqlens is None:
-            _check_inputs(spec, q, k, v)
+            check_inputs(spec, q, k, v)
         else:
             cu = _check_packed(spec, q, k, v, order, P, cu_seqlens, max_seqlen)
     except InputError as exc:

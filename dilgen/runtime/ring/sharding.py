@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...ir import ring_pieces
-from .. import InputError
+from ...schedule import ring_pieces
+from ..checks import InputError
 from ..tables import table_tensors
 
 

@@ -1,0 +1,182 @@
+"""GeneratedAttention: the `attention` object of a generated module, the one door every
+call goes through. It holds the module's kernel functions, their jitted (or interpreted)
+kernels and the device tables they read, checks a call's inputs and routes it:
+
+    attention(q, k, v)              -> op.attention_op (torch op: autograd, torch.compile)
+    attention(..., cu_seqlens=cu)   -> varlen packing -> op.varlen_attention_op
+    attention.padded(q, k, v, mask) -> varlen packing -> op.varlen_attention_op
+    attention.decode(q, caches, n)  -> decode.decode
+    ring_size > 1                   -> ring.ring_attention / ring.ring_varlen_attention
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from typing import Any
+
+import torch
+
+from .checks import InputError, check_inputs, check_varlen_inputs
+from .curve_rows import block_lists
+from .decode import decode
+from .forward import forward_raw
+from .launch import make_kernel
+from .op import attention_op, varlen_attention_op
+from .registry import made
+from .ring.op import ring_attention, ring_varlen_attention
+from .tables import table_tensors
+from .varlen import packing_from_cu_seqlens, packing_from_padding_mask
+
+
+class GeneratedAttention:
+    """The callable of a generated module: `attention(q, k, v, return_lse=False)`.
+
+    q: (B, N, H, D), k and v: (B, N, H_kv, D) of the spec's dtype on one device. Returns
+    out (B, N, H, D) and, with return_lse=True, lse (B, H, N) float32 (natural log).
+    CUDA tensors run the compiled kernel; CPU tensors run the same source in Triton's
+    interpreter.
+    """
+
+    def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
+                 lane_kernel=None, decode_kernels=None, curve_kernel=None) -> None:
+        self.spec = spec
+        self.plan = plan
+        self._source_fn = forward_kernel
+        self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
+        self.curve_kernel = curve_kernel           # compact curve-ordered rows (curve_rows.py)
+        self.backward_kernels = backward_kernels   # {name: python function} or None
+        self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
+        self._jitted: dict[Any, Any] = {}
+        self._device_tensors: dict[tuple, tuple] = {}
+        self._lock = threading.Lock()
+        self.launches = 0
+        # the op registry key: same spec, target and tiles = the same function and kernels
+        tiles = hashlib.sha256(json.dumps(plan["config"], sort_keys=True).encode()).hexdigest()[:8]
+        self.op_key = f"{spec['name']}@{plan['target']}:{plan['spec_key'][:16]}:{tiles}"
+        made(self)
+
+    def __repr__(self) -> str:
+        return f"<dilgen attention {self.spec['name']} target={self.plan['target']}>"
+
+    def decode(self, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
+               validate: bool = True):
+        """Incremental decoding (causal specs; SPEC §3): q (B, T, H, D) new tokens, caches
+        (B, N_max, H_kv, D) already holding their keys and values, cache_seqlens (B,) int32
+        valid rows per item (new ones included). Returns out (B, T, H, D), the rows
+        cache_seqlens[b] - T .. cache_seqlens[b] - 1 of the causal forward over each item's
+        prefix, and with return_lse=True lse (B, H, T) float32. Not autograd-aware (see
+        dilgen.runtime.decode)."""
+        return decode(self, q, k_cache, v_cache, cache_seqlens, return_lse=return_lse,
+                      validate=validate)
+
+    # -- kernels ------------------------------------------------------------------------
+    def _kernel(self, interpret: bool, source_fn=None):
+        """The Triton kernel for a generated function: jitted, or interpreted on CPU."""
+        source_fn = source_fn or self._source_fn
+        key = (source_fn.__name__, interpret)
+        fn = self._jitted.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._jitted.get(key)
+                if fn is None:
+                    fn = self._jitted[key] = make_kernel(source_fn, interpret)
+        return fn
+
+    def _class_order(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's query classes, longest work first, on `device` (built once)."""
+        key = ("class_order", str(device))
+        hit = self._device_tensors.get(key)
+        if hit is None:
+            hit = self._device_tensors[key] = torch.tensor(
+                self.plan["query"]["class_order"], dtype=torch.int32, device=device)
+        return hit
+
+    def _launch_tensors(self, n: int, device: torch.device) -> tuple[torch.Tensor, list]:
+        """The class order and the Hilbert tables for length n on `device`, built once (a
+        host-to-device copy per call would stall the launch queue)."""
+        key = (n, str(device))
+        hit = self._device_tensors.get(key)
+        if hit is None:
+            tables = []
+            for t in self.plan["tables"]:
+                tables.extend(table_tensors(t, n, device))
+            if len(self._device_tensors) > 16:
+                self._device_tensors.clear()
+            hit = self._device_tensors[key] = (self._class_order(device), tables)
+        return hit
+
+    def _block_lists(self, branch: dict, n: int, tile, device: torch.device, keys_listed: bool = True):
+        """runtime.curve_rows.block_lists for a lane tile (rows, keys, ...), built once."""
+        key = ("lists", branch["index"], n, tile[0], tile[1], keys_listed, str(device))
+        hit = self._device_tensors.get(key)
+        if hit is None:
+            order = branch["order"] or self.plan["query"]["order"]
+            fwd = table_tensors(order, n, device)[0]
+            hit = self._device_tensors[key] = block_lists(branch, fwd, n, tile[0], tile[1], keys_listed)
+        return hit
+
+    def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    packing=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward launches without autograd: (out, lse) (forward.forward_raw)."""
+        return forward_raw(self, q, k, v, packing)
+
+    def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
+                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
+        if cu_seqlens is not None:
+            return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse,
+                               group=group, chunk_order=chunk_order)
+        if max_seqlen is not None:
+            raise InputError(f"{self.spec['name']}: max_seqlen goes with cu_seqlens (packed batches)")
+        ring = self.plan["ring"]["ring_size"]
+        if ring > 1:   # every rank of the group calls with its rows (SPEC §3)
+            return ring_attention(self, q, k, v, group=group, return_lse=return_lse,
+                                  chunk_order=chunk_order)
+        if chunk_order != "contiguous":
+            raise InputError(f"{self.spec['name']}: chunk_order applies only to ring_size > 1 specs")
+        if group is not None:
+            raise InputError(f"{self.spec['name']}: group= applies only to ring_size > 1 specs")
+        check_inputs(self.spec, q, k, v)   # eager InputError, before the op's schema checks
+        out, lse = attention_op(self, q, k, v)   # torch.ops.dilgen.attention_fwd: autograd, torch.compile
+        return (out, lse) if return_lse else out
+
+    # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
+    def _varlen_ready(self) -> None:
+        if self.plan["ring"]["ring_size"] > 1:
+            raise InputError(f"{self.spec['name']}: right-padded batches (key_padding_mask) run on "
+                             f"one device; this spec has ring_size = {self.plan['ring']['ring_size']}: "
+                             f"on a ring pack the items and call kernel(q, k, v, cu_seqlens=cu) on "
+                             f"every rank, or use a ring_size = 1 spec")
+
+    def varlen(self, q, k, v, cu_seqlens, *, max_seqlen: int | None = None, return_lse: bool = False,
+               group=None, chunk_order: str = "contiguous"):
+        """Packed sequences: q (total, H, D), k and v (total, H_kv, D), cu_seqlens int32 (B + 1)
+        offsets (cu[0] = 0, non-decreasing, cu[-1] = total; empty sequences allowed). Sequence b
+        is rows cu[b]:cu[b+1] and gets exactly its output alone. Returns out (total, H, D) and,
+        with return_lse=True, lse (H, total) float32. Autograd-aware. On a ring spec (ring_size
+        P > 1) every rank passes its N/P contiguous rows and the same cu_seqlens over the whole
+        row of N rows, and gets back its rows (lse (H, N/P)): see ring.ring_varlen_attention."""
+        if self.plan["ring"]["ring_size"] > 1:   # this rank's rows of a packed row
+            return ring_varlen_attention(self, q, k, v, cu_seqlens, group=group, max_seqlen=max_seqlen,
+                                         return_lse=return_lse, chunk_order=chunk_order)
+        if group is not None or chunk_order != "contiguous":
+            raise InputError(f"{self.spec['name']}: cu_seqlens does not combine with group= or "
+                             f"chunk_order= on a ring_size = 1 spec (one device)")
+        total = check_varlen_inputs(self.spec, q, k, v)
+        packing = packing_from_cu_seqlens(self.spec["name"], cu_seqlens, total, q.device, max_seqlen)
+        out, lse = varlen_attention_op(self, q, k, v, packing)
+        return (out, lse) if return_lse else out
+
+    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
+        """A right-padded batch: q (B, N, H, D), k and v (B, N, H_kv, D), key_padding_mask (B, N)
+        bool, True = padding. Item b is computed at its own length; padded rows get out = 0,
+        lse = -inf and zero gradients. lse is (B, H, N)."""
+        self._varlen_ready()
+        B, N = check_inputs(self.spec, q, k, v)
+        packing = packing_from_padding_mask(self.spec["name"], key_padding_mask, B, N, q.device)
+        rows = lambda t: t.reshape(B * N, t.shape[2], t.shape[3])   # a view for (B, N, h, D) layouts
+        out, lse = varlen_attention_op(self, rows(q), rows(k), rows(v), packing)
+        out = out.view(B, N, q.shape[2], q.shape[3])
+        if return_lse:
+            return out, lse.view(lse.shape[0], B, N).transpose(0, 1)
+        return out

@@ -1,0 +1,78 @@
+"""Input checks of a call: q, k, v against the spec (SPEC §3), one InputError that says
+what to change. Packed rows (cu_seqlens) and the decode cache have their own checks in
+varlen.py and decode.py; the ring's agreement (ring/agreement.py) runs these on every rank."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..spec import layout_slip_message
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class InputError(ValueError):
+    """q, k, v (or the call) do not fit the spec; the message says what to change."""
+
+
+def check_inputs(spec: dict, q: Any, k: Any, v: Any) -> tuple[int, int]:
+    """(B, N) of q (B, N, H, D), k and v (B, N, H_kv, D) of the spec's dtype on one device."""
+    name = spec["name"]
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name}: {label} must have 4 dims (B, N, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    H, Hkv, D = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    B, N = q.shape[0], q.shape[1]
+    if tuple(q.shape[2:]) != (H, D):
+        raise InputError(f"{name}: q has shape {tuple(q.shape)}; the spec wants (B, N, {H}, {D}) "
+                         f"(num_heads={H}, head_dim={D})")
+    for label, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (B, N, Hkv, D):
+            raise InputError(f"{name}: {label} has shape {tuple(t.shape)}; with q of shape "
+                             f"{tuple(q.shape)} it must be ({B}, {N}, {Hkv}, {D}) "
+                             f"(num_kv_heads={Hkv})")
+    if B < 1 or N < 1:
+        raise InputError(f"{name}: empty input (B = {B}, N = {N}); dilated attention needs "
+                         f"B >= 1 and N >= 1")
+    want = TORCH_DTYPES[spec["dtype"]]
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != want:
+            raise InputError(f"{name}: {label} has dtype {t.dtype} but the spec says "
+                             f"\"{spec['dtype']}\"; pass {label}.to({want}) or change the spec")
+        if t.device != q.device:
+            raise InputError(f"{name}: q is on {q.device} but {label} is on {t.device}; "
+                             f"move all three to one device")
+        if t.stride(-1) != 1:
+            raise InputError(f"{name}: {label} must be contiguous in head_dim (stride(-1) == 1, "
+                             f"got {t.stride(-1)}); pass {label}.contiguous()")
+    if q.device.type not in ("cuda", "cpu"):
+        raise InputError(f"{name}: tensors on {q.device} are not supported; use a CUDA GPU, "
+                         f"or the CPU (Triton's interpreter)")
+    return B, N
+
+
+def check_zero_pad(spec: dict, n: int) -> None:
+    """short_segments "zero_pad" (torchscale's padding): refuse its layout slip
+    (dilgen.spec.zero_pad_layout_slip) for a sequence of n rows (the longest of a batch)."""
+    if spec.get("short_segments") != "zero_pad":
+        return
+    msg = layout_slip_message(spec["name"], spec["segment_lengths"], spec["dilation_rates"], n)
+    if msg:
+        raise InputError(msg)
+
+
+def check_varlen_inputs(spec: dict, q: Any, k: Any, v: Any) -> int:
+    """The rows of packed q (rows, H, D), k and v (rows, H_kv, D) (SPEC §3, cu_seqlens)."""
+    name = spec["name"]
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise InputError(f"{name}: with cu_seqlens, {label} must have 3 dims (total, heads, "
+                             f"head_dim), got shape {tuple(t.shape)}")
+    check_inputs(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    return q.shape[0]

@@ -1,0 +1,47 @@
+"""A dilgen.Kernel's call while torch.compile traces it: by its registry key, without
+building anything (files, hashes) at trace time, through the same torch ops an eager
+call takes (op.py, ring/op.py). Eager calls go through GeneratedAttention (attention.py)."""
+from __future__ import annotations
+
+from .checks import InputError, check_inputs
+from .op import attention_fwd, attention_varlen_fwd
+from .registry import kernel_spec
+from .ring.op import ring_attention_fwd
+
+
+def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
+                chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen=None):
+    """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
+    in `kernel._op_key`; or that key itself), without building anything at trace time:
+    for torch.compile."""
+    key = kernel if isinstance(kernel, str) else kernel._op_key
+    spec = kernel_spec(key)
+    if cu_seqlens is not None:
+        # traced: the offsets are not read on the host (no check of their values), so the
+        # grid needs max_seqlen from the caller, as FlashAttention's varlen functions take it
+        if max_seqlen is None:
+            raise InputError(f"{spec['name']}: under torch.compile pass max_seqlen= with cu_seqlens "
+                             f"(the longest sequence; the offsets are not read on the host)")
+        if spec["ring_size"] > 1:
+            raise NotImplementedError(
+                f"{spec['name']}: a packed row on a ring (cu_seqlens with ring_size > 1) runs "
+                f"eagerly, not as a torch.ops op: call the kernel outside torch.compile")
+        if group is not None:
+            raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
+        out, lse = attention_varlen_fwd(q, k, v, cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1],
+                                        int(max_seqlen), True, [], key)
+        return (out, lse) if return_lse else out
+    if spec["ring_size"] > 1:
+        if group is not None:
+            raise NotImplementedError(
+                f"{spec['name']}: under torch.compile the ring runs over the default process "
+                f"group; call with group=None (or call the kernel outside torch.compile)")
+        out, lse = ring_attention_fwd(q, k, v, key, chunk_order)
+        return (out, lse) if return_lse else out
+    if chunk_order != "contiguous":
+        raise InputError(f"{spec['name']}: chunk_order applies only to ring_size > 1 specs")
+    if group is not None:
+        raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
+    check_inputs(spec, q, k, v)
+    out, lse = attention_fwd(q, k, v, key)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,102 @@
+"""The forward launches of a generated module (SPEC §2): the fused kernel over the
+query lattice (every branch that is not a lane branch, LongNet Eq. 10's merge in one
+online softmax) and one lane-kernel launch per lane branch, merging into (out, lse).
+
+Called with the GeneratedAttention whose kernels and device tables it launches."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checks import check_inputs, check_zero_pad
+from .curve_rows import lane_key_args
+from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
+from .launch import ensure_descriptor_allocator, poison, run_launches
+from .tables import row_order_tensors
+from .varlen import packed_tables
+
+
+def forward_raw(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                packing=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward launch without autograd: (out, lse). With a `packing`
+    (dilgen.runtime.varlen.Packing), q, k, v are rows (total, heads, D) holding several
+    sequences, out is (total, H, D) and lse (H, total); every kernel runs with VARLEN."""
+    row_order = attn.plan.get("row_order")
+    if row_order is not None and packing is None:   # curve-ordered rows (row_order_tensors)
+        check_inputs(attn.spec, q, k, v)
+        fwd, inv = row_order_tensors(row_order, q.shape[1], q.device)
+        out, lse = _forward(attn, *(x.index_select(1, fwd) for x in (q, k, v)), None)
+        return out.index_select(1, inv), lse.index_select(2, inv)
+    return _forward(attn, q, k, v, packing)
+
+
+def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
+    plan, cfg = attn.plan, attn.plan["config"]
+    H = plan["num_heads"]
+    interpret = q.device.type == "cpu"
+    if packing is None:
+        B, N = check_inputs(attn.spec, q, k, v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+        class_order, tables = attn._launch_tensors(N, q.device)
+        strides = (q.stride(0), q.stride(1), q.stride(2),
+                   k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2),
+                   out.stride(0), out.stride(1), out.stride(2),
+                   lse.stride(0), lse.stride(1))
+        groups, varlen, covers_all = [((class_order, class_order), B, N)], False, True
+    else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
+        from .varlen import packed_tables
+        B, N = packing.num_seqs, packing.max_len
+        class_order = attn._class_order(q.device)
+        out = torch.empty((q.shape[0], H, q.shape[2]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((H, q.shape[0]), dtype=torch.float32, device=q.device)
+        tables = packed_tables(plan, packing, q.shape[0], q.device)
+        strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
+                   0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
+        groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups(H)]
+        varlen, covers_all = True, packing.covers_all
+    check_zero_pad(attn.spec, N)
+    poison(out, lse)
+    lattice = plan["query"]["lattice"]
+    lanes = lane_order(plan)
+    fused = any(not br["lanes"] for br in plan["branches"])
+    # the fused kernel, or a first r = 1 lane branch, writes every row of every sequence;
+    # otherwise the first lane launch also writes "no branch" (0, -inf) into the rows its
+    # branch does not keep (Plan.gap_lane); with padding rows between sequences, fill first
+    writes_all = covers_all and (fused or (lanes and plan["branches"][lanes[0]]["r"] == 1))
+    clears = covers_all and plan.get("gap_lane") is not None
+    if not (writes_all or clears):
+        out.zero_()
+        lse.fill_(float("-inf"))
+    if B == 0 or N == 0:
+        return out, lse
+    launches = []
+    for seqs, B, N in groups:   # packed batches: one group per length class of sequences
+        if fused:   # every branch that is not a lane branch
+            num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
+            group_tiles = lattice_group_tiles(plan, num_m_tiles, cfg["block_m"], 2 * k.shape[-1] * k.element_size())
+            launches.append((attn._kernel(interpret), (lattice * num_m_tiles, B * H),
+                             (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, group_tiles, *seqs,
+                              *strides, interpret, varlen),
+                             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
+        accumulate, clear = fused or not (writes_all or clears), clears
+        for i in lanes:
+            br = plan["branches"][i]
+            n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
+            kv, flag = (), ()
+            if attn.curve_kernel is not None:   # the plan has curve_rows branches
+                kv, flag = lane_key_args(attn, interpret, br, tables, k, v, packing,
+                                         cfg["lane_fwd"], class_order)
+            launches.append((attn._kernel(interpret, source_fn=attn.lane_kernel),
+                             lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen),
+                             (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,
+                              *strides, interpret, i, accumulate, clear, varlen, *flag),
+                             {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
+            accumulate, clear = True, False
+    if ((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret:
+        ensure_descriptor_allocator()
+    run_launches(launches, interpret)
+    attn.launches += 1
+    return out, lse

@@ -1,0 +1,124 @@
+"""The ring's doors: `ring_attention` and `ring_varlen_attention`, autograd-aware.
+
+Over the default process group the ring runs as torch ops, so that a ring model traces
+under torch.compile as one graph with the P2P steps inside the opaque op:
+
+    torch.ops.dilgen.ring_attention_fwd(q, k, v, key, chunk_order) -> (out, lse)
+    torch.ops.dilgen.ring_attention_bwd(..., key, chunk_order) -> (dq, dk, dv)
+
+On an explicit group, and for packed rows, an autograd Function runs the same passes
+eagerly."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..op import _attention_bwd_fake, _attention_fwd_fake
+from ..registry import attention_for, op_key, register
+from .executor import ring_backward, ring_forward
+from .run import RingRun
+
+
+def ring_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, chunk_order: str) -> tuple[Tensor, Tensor]:
+    """(out, lse) of my rows through torch.ops.dilgen.ring_attention_fwd (default group)."""
+    key = op_key(attn)
+    if not torch.compiler.is_compiling():
+        register(attn)
+    return ring_attention_fwd(q, k, v, key, chunk_order)
+
+
+@torch.library.custom_op("dilgen::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, key: str, chunk_order: str) -> tuple[Tensor, Tensor]:
+    """My rows of out (B, N/P, H, D) and lse (B, H, N/P): every rank of the default group calls it."""
+    attn = attention_for(key, q.device)
+    return ring_forward(RingRun(attn, q, k, v, None, chunk_order), q, k, v)
+
+
+@ring_attention_fwd.register_fake
+def _ring_attention_fwd_fake(q, k, v, key, chunk_order):
+    return _attention_fwd_fake(q, k, v, key)
+
+
+@torch.library.custom_op("dilgen::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                       grad_lse: Optional[Tensor], key: str, chunk_order: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel to their owners."""
+    attn = attention_for(key, q.device)
+    run = RingRun(attn, q, k, v, None, chunk_order)
+    return ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
+
+
+@ring_attention_bwd.register_fake
+def _ring_attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key, chunk_order):
+    return _attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key)
+
+
+def _ring_setup_context(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    q, k, v, key, chunk_order = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.key, ctx.chunk_order = key, chunk_order
+
+
+def _ring_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_bwd(q, k, v, out, lse, grad_out, grad_lse, ctx.key, ctx.chunk_order)
+    return dq, dk, dv, None, None
+
+
+ring_attention_fwd.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, run):
+        out, lse = ring_forward(run, q, k, v)
+        ctx.set_materialize_grads(False)   # an unused lse gets None (see runtime/op.py)
+        ctx.run = run
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.run, q, k, v, out, lse, grad_out, grad_lse)
+        return dq, dk, dv, None
+
+
+def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
+                   chunk_order: str = "contiguous"):
+    """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
+    rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring")."""
+    if group is None:
+        # the default group: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so that a
+        # ring model also traces under torch.compile as one graph
+        out, lse = ring_attention_op(attn, q, k, v, chunk_order)
+        return (out, lse) if return_lse else out
+    run = RingRun(attn, q, k, v, group, chunk_order)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _RingFunction.apply(q, k, v, run)
+    else:
+        out, lse = ring_forward(run, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def ring_varlen_attention(attn, q, k, v, cu_seqlens, *, group=None, max_seqlen=None,
+                          return_lse: bool = False, chunk_order: str = "contiguous"):
+    """A packed row on the ring (SPEC §3 "Variable-length batches"): every rank of `group`
+    passes its contiguous N/P rows q (N/P, H, D), k, v (N/P, H_kv, D) and the same
+    cu_seqlens over the whole row of N rows (sequences may span rank borders). Returns its
+    rows of out (and lse (H, N/P)), autograd-aware, equal to the single-device packed call.
+    Runs eagerly (not as a torch.ops op) on `group` or the default group."""
+    run = RingRun(attn, q, k, v, group, chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _RingFunction.apply(q4, k4, v4, run)
+    else:
+        out, lse = ring_forward(run, q4, k4, v4)
+    out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out

@@ -1,0 +1,215 @@
+"""The ring's schedule (SPEC §2 "Ring"), as pure functions of the ring IR (ir.RingIR's
+JSON) and a sequence length: which rows each rank holds (`ring_pieces`), which windows
+(query piece, key piece, branch mask) each rank computes at each offset
+(`ring_schedule`, `ring_schedule_packed` for packed rows), and the transport cost model
+(`choose_transport`). Every rank computes the same value; the runtime's ring executes it.
+"""
+from __future__ import annotations
+
+import math
+
+CHUNK_ORDERS = ("contiguous", "zigzag")
+
+
+def ring_pieces(n: int, ring_size: int, order: str = "contiguous") -> list[list[tuple[int, int]]]:
+    """Rows of each rank as (start, length) pieces of the sequence, in local order.
+
+    contiguous (SPEC): rank j holds [j*N/P, (j+1)*N/P). zigzag (causal balance): the
+    sequence is cut into 2P chunks and rank j holds chunks j and 2P-1-j, so that every
+    rank has as many early as late queries."""
+    if order not in CHUNK_ORDERS:
+        raise ValueError(f"chunk order {order!r}: must be one of {CHUNK_ORDERS}")
+    if order == "contiguous":
+        c = n // ring_size
+        return [[(j * c, c)] for j in range(ring_size)]
+    c = n // (2 * ring_size)
+    return [[(j * c, c), ((2 * ring_size - 1 - j) * c, c)] for j in range(ring_size)]
+
+
+def _meets(w: int, a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Does one segment [s*w, (s+1)*w) touch both intervals a and b?"""
+    (a0, al), (b0, bl) = sorted([a, b])
+    if a0 + al > b0:                       # overlapping pieces (the same piece)
+        return True
+    return (a0 + al - 1) // w == b0 // w   # the segment of a's last row reaches b's first
+
+
+def ring_schedule(ring: dict, n: int, order: str = "contiguous") -> dict:
+    """Instantiate the ring schedule for a sequence of n tokens (every rank computes the
+    same value). Returns JSON data:
+
+      pieces[j]            rank j's (start, length) pieces, local order
+      steps[t]             offset t = 0..P-1 that has work somewhere (t = 0: local keys);
+                           at offset t rank j computes with the keys of rank (j - t) mod P
+        ranks[j].launches  [q piece, k piece, branch mask] windows to compute
+        ranks[j].recv      True if rank j receives from (j - t) mod P
+        ranks[j].send      True if rank j sends to (j + t) mod P
+        ranks[j].stride    per k piece of the sender: rows kept 1 in `stride` (compaction)
+      local_only           branches whose every segment stays inside one piece
+      bytes_fraction       sent key bytes / (P-1 full chunks), a measure of the savings
+    """
+    P = ring["ring_size"]
+    pieces = ring_pieces(n, P, order)
+    branches = ring["branches"]
+    causal = ring["causal"]
+
+    def mask(qp, kp) -> int:
+        if causal and kp[0] >= qp[0] + qp[1]:
+            return 0                        # every key after every query
+        bits = 0
+        for br in branches:
+            if _meets(br["w"], qp, kp):
+                bits |= 1 << br["index"]
+        return bits
+
+    def stride(bits: int, kp) -> int:
+        """Kept rows of a window are one residue class mod g per kv head when every
+        branch in it reads in raster order with r | w (then kv head h keeps rows = h
+        mod g, g = gcd of their r); else send every row."""
+        if not bits or not ring["one_kv_head_per_query_head"]:
+            return 1
+        g = 0
+        for br in branches:
+            if bits >> br["index"] & 1:
+                if not br["raster"] or br["w"] % br["r"]:
+                    return 1
+                g = math.gcd(g, br["r"])
+        return g if kp[0] % g == 0 and kp[1] % g == 0 else 1
+
+    steps = []
+    full_rows = sent_rows = 0
+    for t in range(P):
+        ranks = []
+        for j in range(P):
+            src = (j - t) % P
+            launches = [[qi, ki, mask(qp, kp)]
+                        for qi, qp in enumerate(pieces[j]) for ki, kp in enumerate(pieces[src])]
+            launches = [x for x in launches if x[2]]
+            strides = []
+            for ki, kp in enumerate(pieces[src]):
+                union = 0
+                for _, k2, bits in launches:
+                    if k2 == ki:
+                        union |= bits
+                strides.append(stride(union, kp) if t else 1)
+            ranks.append({"launches": launches, "stride": strides})
+        for j in range(P):
+            dst = (j + t) % P
+            ranks[j]["recv"] = bool(t) and bool(ranks[j]["launches"])
+            ranks[j]["send"] = bool(t) and bool(ranks[dst]["launches"])
+            if t and ranks[j]["recv"]:
+                src = (j - t) % P
+                full_rows += sum(kp[1] for kp in pieces[src])
+                sent_rows += sum(kp[1] // g for kp, g in zip(pieces[src], ranks[j]["stride"]))
+        if t == 0 or any(r["launches"] for r in ranks):
+            steps.append({"offset": t, "ranks": ranks})
+    local_only = [br["index"] for br in branches
+                  if all(p[0] % br["w"] == 0 and ((p[0] + p[1]) % br["w"] == 0 or p[0] + p[1] == n)
+                         for rank in pieces for p in rank)]
+    return {"n": n, "ring_size": P, "order": order, "pieces": pieces, "steps": steps,
+            "local_only": local_only,
+            "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
+
+
+def packed_window_mask(ring: dict, seq: tuple[int, int], qp: tuple[int, int],
+                       kp: tuple[int, int]) -> int:
+    """Branch mask of one packed sequence (start, length) in the window (query piece qp,
+    key piece kp): the branches with a segment of the sequence (segments restart at its
+    first row) holding a query of qp and a key of kp; causal drops keys after every query."""
+    s0, n = seq
+    qa, qe = max(qp[0], s0), min(qp[0] + qp[1], s0 + n)
+    ka, ke = max(kp[0], s0), min(kp[0] + kp[1], s0 + n)
+    if qe <= qa or ke <= ka:
+        return 0
+    if ring["causal"] and ka >= qe:
+        return 0
+    bits = 0
+    for br in ring["branches"]:
+        if _meets(br["w"], (qa - s0, qe - qa), (ka - s0, ke - ka)):
+            bits |= 1 << br["index"]
+    return bits
+
+
+def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -> dict:
+    """ring_schedule for a packed row (SPEC §3 "Variable-length batches" on a ring): cu holds
+    the offsets of the sequences over the whole row (n = cu[-1] rows, split in contiguous
+    chunks). A window is launched when some sequence has a segment meeting both its pieces;
+    ranks[j].seqs lists, per launch, the sequences that do (only they are launched), and
+    the launch mask is the union of theirs. Packed rows travel uncompacted (stride 1): the
+    rows a branch keeps are a residue class of each sequence's own start."""
+    if order != "contiguous":
+        raise ValueError("packed rows on a ring take contiguous chunks only")
+    import bisect
+    n, P = cu[-1], ring["ring_size"]
+    pieces = ring_pieces(n, P, order)
+    seqs = [(cu[i], cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
+    nonempty = [i for i, (_, ln) in enumerate(seqs) if ln > 0]
+    starts = [seqs[i][0] for i in nonempty]
+
+    def meeting(p):     # non-empty sequences that hold a row of piece p, in order
+        lo = max(bisect.bisect_right(starts, p[0]) - 1, 0)
+        hi = bisect.bisect_left(starts, p[0] + p[1])
+        return [i for i in nonempty[lo:hi] if seqs[i][0] + seqs[i][1] > p[0]]
+
+    steps = []
+    full_rows = sent_rows = 0
+    used = 0
+    for t in range(P):
+        ranks = []
+        for j in range(P):
+            src = (j - t) % P
+            launches, lseqs = [], []
+            for qi, qp in enumerate(pieces[j]):
+                cand = meeting(qp)
+                for ki, kp in enumerate(pieces[src]):
+                    bits, who = 0, []
+                    for i in cand:
+                        m = packed_window_mask(ring, seqs[i], qp, kp)
+                        if m:
+                            bits |= m
+                            who.append(i)
+                    if bits:
+                        launches.append([qi, ki, bits])
+                        lseqs.append(who)
+                        if t:
+                            used |= bits
+            ranks.append({"launches": launches, "seqs": lseqs, "stride": [1] * len(pieces[src])})
+        for j in range(P):
+            dst = (j + t) % P
+            ranks[j]["recv"] = bool(t) and bool(ranks[j]["launches"])
+            ranks[j]["send"] = bool(t) and bool(ranks[dst]["launches"])
+            if t and ranks[j]["recv"]:
+                rows = sum(kp[1] for kp in pieces[(j - t) % P])
+                full_rows += rows
+                sent_rows += rows
+        if t == 0 or any(r["launches"] for r in ranks):
+            steps.append({"offset": t, "ranks": ranks})
+    local_only = [br["index"] for br in ring["branches"] if not used >> br["index"] & 1]
+    return {"n": n, "ring_size": P, "order": order, "pieces": pieces, "steps": steps,
+            "local_only": local_only, "packed": True,
+            "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
+
+
+def choose_transport(ring: dict, schedule: dict, *, bytes_per_row: int,
+                     step_compute_s: list[float], free_bytes: int | None = None) -> str:
+    """Cost model: a ring pass overlaps each step's transfer with the previous step's
+    kernels (time ~ sum max(compute, bytes / link)); LongNet's all-gather moves all the
+    sparse rows first (time ~ bytes / all-gather rate + compute) and holds them all.
+    Returns "ring" or "allgather"."""
+    remote = [s for s in schedule["steps"] if s["offset"]]
+    if not remote:
+        return "ring"
+    lat = ring["step_latency_us"] * 1e-6
+    per_step_bytes = []
+    for s in remote:
+        rows = max(sum(kp[1] // g for kp, g in zip(schedule["pieces"][(j - s["offset"]) % ring["ring_size"]], r["stride"]))
+                   for j, r in enumerate(s["ranks"]))
+        per_step_bytes.append(rows * bytes_per_row)
+    comp = step_compute_s + [0.0] * (len(schedule["steps"]) - len(step_compute_s))
+    ring_t = comp[0] + sum(max(c, b / (ring["link_gbytes_s"] * 1e9)) + lat
+                           for c, b in zip(comp[1:], per_step_bytes))
+    total = sum(per_step_bytes)
+    gather_t = total / (ring["allgather_gbytes_s"] * 1e9) + lat + sum(comp)
+    if free_bytes is not None and total > free_bytes:
+        return "ring"
+    return "allgather" if gather_t < ring_t else "ring"
