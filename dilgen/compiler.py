@@ -181,7 +181,7 @@ class Kernel:
                                                    max_seqlen=max_seqlen)
 
     def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
-        """A right-padded batch (B, N, ...) with key_padding_mask (B, N), True = padding: each
+        """A padded batch (B, N, ...) with key_padding_mask (B, N), True = padding (left or right): each
         item at its own length, padded rows 0 (GeneratedAttention.padded)."""
         import torch
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")

@@ -4,7 +4,7 @@
 - `MultiheadDilatedAttention(embed_dim, num_heads, segment_lengths, dilation_rates, ...)`:
   projections + dilated attention, following nn.MultiheadAttention's conventions where
   they make sense (batch_first=True only; the spec is the attention mask; key_padding_mask
-  for right-padded batches).
+  for padded batches).
 - `LongNetDecoderBlock`: pre-norm residual block (causal dilated attention + MLP).
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ class DilatedAttention(nn.Module):
         self.kernel = compile_spec(spec)
 
     def forward(self, q, k, v, return_lse: bool = False, key_padding_mask=None):
-        """key_padding_mask (B, N) bool, True = padding (right padding only): each item runs
-        at its own length and its padded rows come out 0."""
+        """key_padding_mask (B, N) bool, True = padding (left or right; each item's tokens one
+        run): each item runs alone and its padded rows come out 0."""
         if key_padding_mask is not None:
             return self.kernel.padded(q, k, v, key_padding_mask, return_lse=return_lse)
         return self.kernel(q, k, v, return_lse=return_lse)
@@ -75,8 +75,8 @@ class MultiheadDilatedAttention(nn.Module):
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights: bool = False):
         """key_padding_mask (B, N) bool, True = padding, as nn.MultiheadAttention takes it, for
-        right-padded batches: every item is computed at its own length (segments of the
-        padding never enter), and the attention output of padded rows is 0 before out_proj
+        padded batches (left or right): every item is computed alone (segments start at its
+        first token, padding never enters), and the attention output of padded rows is 0 before out_proj
         adds its bias."""
         if need_weights:
             raise ValueError("need_weights=True is not supported: dilated attention never "

@@ -190,13 +190,20 @@ def test_padding_mask_equals_each_item_alone(causal):
             assert _err(got[b, :n], ref[0]) < 2e-4
 
 
-def test_left_padding_is_refused():
-    spec = _spec("vl_left", [8], [1])
-    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
-    mask = torch.zeros(2, 8, dtype=torch.bool)
-    mask[1, 0] = True
-    with pytest.raises(InputError, match="row 1 is not right padding"):
-        dilgen.compile(spec).padded(q, k, v, mask)
+def test_left_padding_equals_the_item_alone_and_holes_are_refused():
+    """An item's tokens may follow left padding: its segments start at its first token."""
+    spec = _spec("vl_left", [4, 8], [1, 2])
+    q, k, v = (torch.randn(2, 12, 4, 16) for _ in range(3))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[1, :5] = True
+    kernel = dilgen.compile(spec)
+    out = kernel.padded(q, k, v, mask)
+    alone = kernel(q[1:, 5:], k[1:, 5:], v[1:, 5:])
+    assert _err(out[1, 5:], alone[0]) < 1e-6
+    assert out[1, :5].abs().max() == 0
+    mask[0, 3] = True
+    with pytest.raises(InputError, match="row 0 has padding between tokens"):
+        kernel.padded(q, k, v, mask)
 
 
 def test_ring_specs_take_packed_rows_over_a_process_group_only():

@@ -143,7 +143,7 @@ class GeneratedAttention:
     # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
     def _varlen_ready(self) -> None:
         if self.plan["ring"]["ring_size"] > 1:
-            raise InputError(f"{self.spec['name']}: right-padded batches (key_padding_mask) run on "
+            raise InputError(f"{self.spec['name']}: padded batches (key_padding_mask) run on "
                              f"one device; this spec has ring_size = {self.plan['ring']['ring_size']}: "
                              f"on a ring pack the items and call kernel(q, k, v, cu_seqlens=cu) on "
                              f"every rank, or use a ring_size = 1 spec")
@@ -168,8 +168,9 @@ class GeneratedAttention:
         return (out, lse) if return_lse else out
 
     def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
-        """A right-padded batch: q (B, N, H, D), k and v (B, N, H_kv, D), key_padding_mask (B, N)
-        bool, True = padding. Item b is computed at its own length; padded rows get out = 0,
+        """A padded batch: q (B, N, H, D), k and v (B, N, H_kv, D), key_padding_mask (B, N)
+        bool, True = padding, each item's tokens one run (left or right padding). Item b is
+        computed alone, its segments starting at its first token; padded rows get out = 0,
         lse = -inf and zero gradients. lse is (B, H, N)."""
         self._varlen_ready()
         B, N = check_inputs(self.spec, q, k, v)

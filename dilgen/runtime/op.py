@@ -86,7 +86,7 @@ def _backward(ctx, grad_out, grad_lse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# -- variable-length batches (varlen.py): packed or right-padded rows ---------------------------
+# -- variable-length batches (varlen.py): packed or padded rows ---------------------------------
 def varlen_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, packing) -> tuple[Tensor, Tensor]:
     """(out (rows, H, D), lse (H, rows)) through torch.ops.dilgen.attention_varlen_fwd."""
     key = op_key(attn)

@@ -1,4 +1,4 @@
-"""Variable-length batches: packed sequences (FlashAttention's cu_seqlens) and right-padded
+"""Variable-length batches: packed sequences (FlashAttention's cu_seqlens) and padded
 batches (a key padding mask) as a Packing, and the per-sequence tables the kernels read.
 
 A packing is a list of sequences, sequence b being the rows starts[b] + [0, lengths[b]) of
@@ -117,9 +117,10 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
 
 def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: int,
                               device: torch.device) -> Packing:
-    """A right-padded batch (B, N) bool, True = padding (nn.MultiheadAttention's convention):
-    item b is rows b*N + [0, valid_b) of the (B*N, heads, D) view. Left padding or holes
-    are refused: the valid rows of an item must come first."""
+    """A padded batch (B, N) bool, True = padding (nn.MultiheadAttention's convention):
+    item b's tokens are one run of rows b*N + [first_b, first_b + valid_b) of the (B*N,
+    heads, D) view, after left padding, before right padding, or both; its segments start
+    at its first token. Holes (padding between tokens) are refused."""
     m = key_padding_mask
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
         got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
@@ -129,14 +130,15 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
                           f"(B, N) = ({batch}, {seq_len})")
     m = m.to(device)
     valid = (~m).sum(dim=1, dtype=torch.int32)
-    # right padding: position n is padding iff n >= valid_b
-    expect = torch.arange(seq_len, device=device)[None, :] >= valid[:, None]
+    first = torch.where(valid > 0, (~m).int().argmax(dim=1), 0).to(torch.int32)
+    pos = torch.arange(seq_len, device=device)[None, :]
+    expect = (pos < first[:, None]) | (pos >= (first + valid)[:, None])
     if not torch.equal(expect, m):
         bad = int((expect != m).any(dim=1).nonzero()[0, 0])
-        raise _fail(name, f"key_padding_mask row {bad} is not right padding (valid tokens first, "
-                          f"then padding): left padding or holes are not supported; move the "
-                          f"padding of each item to its end")
-    starts = torch.arange(batch, dtype=torch.int32, device=device) * seq_len
+        raise _fail(name, f"key_padding_mask row {bad} has padding between tokens: an item's "
+                          f"tokens must be one run (left or right padding); pack such items "
+                          f"with cu_seqlens instead")
+    starts = torch.arange(batch, dtype=torch.int32, device=device) * seq_len + first
     return _bucketed(starts, valid, valid.tolist(), False)
 
 
