@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .spec import SpecError, load_spec
+from .spec import Spec, SpecError, load_spec
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -106,7 +106,7 @@ def packed_summary(plan, cu: list[int]) -> list[str]:
 def ring_summary(plan, seq_len: int | None, cu: list[int] | None = None) -> list[str]:
     """The ring schedule in words, for N = seq_len (default: 64K tokens per rank), or for
     the packed row of offsets cu (kernel(q, k, v, cu_seqlens=cu) on every rank)."""
-    from .ir import ring_schedule, ring_schedule_packed
+    from .schedule import ring_schedule, ring_schedule_packed
     P = plan.ring.ring_size
     n = cu[-1] if cu is not None else (seq_len or 65536 * P)
     if n % P:
@@ -141,8 +141,14 @@ def ring_summary(plan, seq_len: int | None, cu: list[int] | None = None) -> list
     return lines
 
 
+def _load(path) -> Spec:
+    """A spec file, its errors naming it as the user can open it: relative to the current
+    folder as given (`dilgen build baddir` -> baddir/neg.json), not by its bare name."""
+    return load_spec(path, source=str(Path(path)))
+
+
 def cmd_compile(args) -> int:
-    spec = load_spec(args.spec)            # a bad spec fails before the heavy imports
+    spec = _load(args.spec)                # a bad spec fails before the heavy imports
     from .compiler import write_module
     target = _target(args.arch)
     path, plan = write_module(spec, target, args.out)   # --out default: compiler.generated_dir
@@ -178,7 +184,7 @@ def cmd_build(args) -> int:
     paths = sorted(folder.glob("*.json"))
     if not paths:
         raise SpecError(f"{folder}: no *.json spec files in it")
-    specs = [load_spec(p) for p in paths]       # validate all before building any
+    specs = [_load(p) for p in paths]           # validate all before building any
     targets = [_target(a) for a in (args.arch or ["sm90"])]
     jobs = [(s, t) for s in specs for t in targets]
     seq_lens = args.seq_len or None
@@ -240,20 +246,25 @@ def _progress(items, total: int, label=str):
 
 
 def cmd_explain(args) -> int:
-    spec = load_spec(args.spec)
+    spec = _load(args.spec)
     from .planner import plan as make_plan
     plan = make_plan(spec, _target(args.arch))
     cu = parse_cu_seqlens(args.cu_seqlens) if args.cu_seqlens else None
     if cu is not None and args.seq_len is not None:
         raise SpecError("--cu-seqlens and --seq-len: give one (a packed batch has cu_seqlens[-1] rows)")
+    pattern = None
+    if args.png:       # checked before the plan is printed: a bad --png argument prints nothing
+        from .explain import default_seq_len, prepare_pattern
+        n = cu[-1] if cu is not None else (args.seq_len or default_seq_len(spec))
+        pattern = prepare_pattern(spec, n, heads=args.heads, cu_seqlens=cu)
+        if Path(args.png).is_dir():
+            raise SpecError(f"--png {args.png}: is a folder; give the PNG file to write")
     print(plan_summary(plan, args.seq_len, cu))
     if cu is not None:
         print("\n".join(packed_summary(plan, cu)))
-    if args.png:
-        from .explain import default_seq_len, write_pattern_png
-        n = cu[-1] if cu is not None else (args.seq_len or default_seq_len(spec))
-        path = write_pattern_png(spec, n, args.png, heads=args.heads, cu_seqlens=cu)
-        print(f"wrote {path}")
+    if pattern is not None:
+        from .explain import draw_pattern
+        print(f"wrote {draw_pattern(pattern, args.png)}")
     return EXIT_OK
 
 

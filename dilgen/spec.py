@@ -7,6 +7,7 @@ line naming the source, the field, the value and the rule, e.g.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import keyword
 import math
@@ -132,6 +133,15 @@ class Spec:
     short_segments: str = "exact"
     source: str = field(default="<spec>", compare=False, repr=False)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Spec":
+        # Spec(...) refuses an unknown or a missing field with spec_from_dict's SpecError,
+        # word for word, before the dataclass __init__ (whose TypeError would say less).
+        # copy and pickle call Spec.__new__(Spec) with no fields: nothing to check then.
+        if args or kwargs:
+            given = {**dict(zip((f.name for f in fields(cls)), args)), **kwargs}
+            _check_field_names(given, given.get("source", "<spec>"), extra=("source",))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         # Normalise containers so that Spec(...) built by hand behaves like a loaded one.
         raw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
@@ -196,10 +206,27 @@ class Spec:
         return spec_from_dict(data, source=origin)
 
 
+# help() and inspect show the dataclass fields, not __new__'s (*args, **kwargs)
+Spec.__signature__ = inspect.signature(Spec.__init__).replace(
+    parameters=list(inspect.signature(Spec.__init__).parameters.values())[1:])
+
 _REQUIRED = ("name", "num_heads", "head_dim", "segment_lengths", "dilation_rates")
 _ALLOWED = ("name", "num_heads", "num_kv_heads", "head_dim", "dtype", "segment_lengths",
             "dilation_rates", "causal", "hilbert", "ring_size", "softmax_scale", "head_offsets",
             "short_segments")
+
+
+def _check_field_names(data: dict, source: str, extra: tuple = ()) -> None:
+    """The first unknown field, else the first missing required one, as a SpecError: one
+    message for a JSON object (spec_from_dict) and for Spec(**fields) (`extra`: the names
+    the Python call takes besides the JSON fields, i.e. source)."""
+    unknown = _sorted_keys(set(data) - set(_ALLOWED) - set(extra))
+    if unknown:
+        raise _fail(source, _key_name(unknown[0]), data[unknown[0]],
+                    f"unknown field (allowed: {', '.join(_ALLOWED)})")
+    for key in _REQUIRED:
+        if key not in data:
+            raise SpecError(f"{source}: {key} is missing: it is a required field")
 
 
 def _validate(raw: dict, src: str) -> dict:
@@ -340,13 +367,7 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
     """Validate a decoded JSON object and build a Spec. Raises SpecError."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: the spec must be a JSON object, got {type(data).__name__}")
-    unknown = _sorted_keys(set(data) - set(_ALLOWED))
-    if unknown:
-        raise _fail(source, _key_name(unknown[0]), data[unknown[0]],
-                    f"unknown field (allowed: {', '.join(_ALLOWED)})")
-    for key in _REQUIRED:
-        if key not in data:
-            raise SpecError(f"{source}: {key} is missing: it is a required field")
+    _check_field_names(data, source)
     raw = dict(data)
     raw.setdefault("num_kv_heads", raw["num_heads"])
     if raw["num_kv_heads"] is None:
@@ -356,10 +377,12 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
     return spec
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Read and validate a spec file. Raises SpecError with a one-line message."""
+def load_spec(path: str | Path, *, source: str | None = None) -> Spec:
+    """Read and validate a spec file. Raises SpecError with a one-line message naming the
+    file as `source` (default: its file name; the command line passes the path as the user
+    gave it, e.g. `baddir/neg.json` for `dilgen build baddir`)."""
     path = Path(path)
-    src = _printable(path.name)
+    src = _printable(path.name if source is None else source)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -227,6 +227,109 @@ def test_explain_png_draws_the_pattern(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
+LONGNET_BASE = Path(__file__).resolve().parents[1] / "examples" / "specs" / "longnet_base.json"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_explain_png_of_a_long_packed_batch_draws_blocks(tmp_path):
+    """Issue 31: --cu-seqlens 0,3000,10000 --png drew nothing (a 4096-token limit named
+    --seq-len, which the user never passed); any N is drawn as blocks of tokens."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "cu.png"
+    rc, out, err = main_in_process("explain", LONGNET_BASE, "--cu-seqlens", "0,3000,10000",
+                                   "--png", png)
+    assert rc == 0, err
+    assert out.rstrip().endswith(f"wrote {png}") and "packed batch: 2 sequence(s)" in out
+    width, height = _png_size(png)
+    assert 800 < width < 2500 and 600 < height < 1600, (width, height)
+
+
+def test_explain_png_limit_names_the_flag_given_before_printing(tmp_path):
+    from dilgen import explain
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "x.png"
+    too_many = explain.MAX_TOKENS + 1
+    for argv, flag in ((("--cu-seqlens", f"0,5,{too_many}"), f"--cu-seqlens 0,5,{too_many}"),
+                       (("--seq-len", str(too_many)), f"--seq-len {too_many}")):
+        rc, out, err = main_in_process("explain", LONGNET_BASE, *argv, "--png", png)
+        line = one_error_line((rc, err))
+        assert line.startswith(f"dilgen: error: {flag}: ") and str(explain.MAX_TOKENS) in line, line
+        assert out == "" and not png.exists()          # validated before the plan is printed
+    rc, out, err = main_in_process("explain", LONGNET_BASE, "--heads", "16", "--png", png)
+    assert "--heads 16" in one_error_line((rc, err)) and out == ""
+
+
+@pytest.mark.parametrize("data,n,cu", [
+    (dict(TINY), 75, None),
+    (dict(TINY_GQA_CAUSAL), 70, None),
+    (dict(TINY_GQA_CAUSAL, head_offsets="block", short_segments="zero_pad"), 48, None),
+    (dict(TINY, segment_lengths=[16, 32], hilbert={"scope": "segment"}, causal=True), 61, None),
+    (dict(TINY, hilbert={"scope": "sequence", "grid": [6, 9]}), 54, None),
+    (dict(TINY_GQA_CAUSAL), 66, [0, 20, 20, 53, 66]),
+], ids=["tiny", "causal_gqa", "torchscale_layout", "hilbert_segment_causal", "hilbert_sequence",
+        "packed"])
+def test_explain_cells_count_the_reference_pairs(data, n, cu):
+    """The picture's cells (any block size) sum the pairs of dilgen.reference's mask."""
+    import torch
+    from dilgen import explain
+    from dilgen.reference import reference_mask_counts
+    spec = dilgen.Spec(**data)
+    for head in range(spec.num_heads):
+        ref = torch.zeros(n, n, dtype=torch.int64)
+        for a, b in zip(cu or [0], cu[1:] if cu else [n]):
+            if b > a:
+                ref[a:b, a:b] = reference_mask_counts(b - a, spec, head)
+        ref = ref.double().numpy()
+        rows = list(explain.branch_rows(spec, n, head, cu))
+        assert (explain.window_counts(rows, n, spec.causal) == ref).all()
+        for block in (1, 4, 7, n):
+            cells = -(-n // block)
+            padded = torch.zeros(cells * block, cells * block, dtype=torch.float64)
+            padded[:n, :n] = torch.from_numpy(ref)
+            want = padded.reshape(cells, block, cells, block).sum(dim=(1, 3)).numpy()
+            assert (explain.cell_counts(rows, n, block, spec.causal) == want).all(), (head, block)
+
+
+def test_explain_default_png_shows_every_branch(tmp_path):
+    """Issue 31: the default picture of longnet_base (w 2048/4096/8192, r 1/2/4) showed two
+    squares and no dilation. Now: N = two of the longest segments in blocks (each branch's
+    segments and its 1/r^2 share of pairs), and the first tokens one cell per token (each
+    branch's lattice, at the head's offsets)."""
+    pytest.importorskip("matplotlib")
+    import numpy as np
+    from dilgen import explain
+    spec = load_spec(LONGNET_BASE)
+    assert explain.default_seq_len(spec) == 16384
+    pattern = explain.prepare_pattern(spec, explain.default_seq_len(spec))
+    assert pattern.heads == [0, 1, 15] and pattern.cells <= 512 < pattern.n
+    z = pattern.zoom
+    assert 16 <= z <= 512 and z % 4 == 0
+    i = np.arange(z)[:, None]
+    j = np.arange(z)[None, :]
+    for head in pattern.heads:
+        counts = pattern.zoom_counts(head)
+        # one more branch on each lattice: r = 1 everywhere, + r = 2, + r = 4 at the head's offsets
+        want = 1 + ((i % 2 == head % 2) & (j % 2 == head % 2)) + ((i % 4 == head % 4) & (j % 4 == head % 4))
+        assert (counts == want).all(), head
+        mean = pattern.overview(head)
+        b = pattern.block
+        cell = lambda q, k: mean[q // b, k // b]      # the cell of token pair (q, k)
+        assert cell(0, 0) == pytest.approx(1 + 1 / 4 + 1 / 16)
+        assert cell(3000, 100) == pytest.approx(1 / 4 + 1 / 16)     # branches 1 and 2 only
+        assert cell(6000, 100) == pytest.approx(1 / 16)             # branch 2 only
+        assert cell(9000, 100) == 0                                 # different segments
+    png = explain.draw_pattern(pattern, tmp_path / "default.png")
+    width, height = _png_size(png)
+    assert width < 2500 and height < 1600, (width, height)
+    rc, out, err = main_in_process("explain", LONGNET_BASE, "--png", tmp_path / "cli.png")
+    assert rc == 0 and (tmp_path / "cli.png").stat().st_size > 10_000, err
+
+
 def test_explain_png_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)    # `import matplotlib` fails
     spec_path = write_spec(tmp_path, TINY)
@@ -307,6 +410,22 @@ def test_build_refuses_a_folder_with_a_bad_spec_before_building(tmp_path):
     line = one_error_line(res)
     assert "num_kv_heads" in line and "zz_bad.json" in line
     assert not any((tmp_path / "cache").rglob("*.py")), "built something before refusing"
+
+
+def test_errors_name_the_spec_file_as_the_user_can_open_it(tmp_path, monkeypatch):
+    """Issue 31: `dilgen build baddir` names baddir/neg.json, not neg.json (the user never
+    typed that name); compile and explain name the file as given too."""
+    monkeypatch.chdir(tmp_path)
+    write_spec(tmp_path / "baddir", TINY)
+    write_spec(tmp_path / "baddir", dict(TINY, num_heads=-1), "neg.json")
+    for argv, shown in ((("build", "baddir"), "baddir/neg.json"),
+                        (("build", "baddir/"), "baddir/neg.json"),
+                        (("compile", "baddir/neg.json"), "baddir/neg.json"),
+                        (("explain", "./baddir/neg.json"), "baddir/neg.json")):
+        rc, out, err = main_in_process(*argv, "--arch", "interpreter")
+        line = one_error_line((rc, err))
+        assert line.startswith(f"dilgen: error: {shown}: num_heads = -1: must be >= 1"), line
+        assert (Path(shown)).is_file()
 
 
 def test_build_bad_folder(tmp_path):

@@ -1,13 +1,11 @@
-"""Issue 16: torchscale's LongNet (Prov-GigaPath's slide encoder) on dilgen.
+"""Issue 16: torchscale's LongNet (Prov-GigaPath's slide encoder) on dilgen (docs/torchscale.md).
 
 - the float64 reference with head_offsets "block" + short_segments "zero_pad" equals a
-  re-expression of torchscale's algorithm (tests/torchscale_model.py, written from the
-  issue's facts) to 1e-12, outputs, LSEs and (with exact branch weights) gradients;
-- torchscale's layout slip is refused everywhere with one line;
+  re-expression of torchscale's algorithm (tests/torchscale_model.py) to 1e-12: outputs,
+  LSEs and (with exact branch weights) gradients; its layout slip is refused in one line;
 - dilgen.compat.torchscale: torchscale's signatures and parameter names, state_dict round
-  trips, patch() on a 2-layer encoder built the torchscale way, the unsupported features'
-  errors, and the whole patched encoder against the torchscale one (attention swapped for
-  the float64 reference);
+  trips, the unsupported features' errors, patch() on a 2-layer encoder and on GigaPath's
+  slide encoder built their way, against the unpatched models (float64 reference);
 - the same through dilgen's kernels (head_dim 48, block offsets, zero padding).
 """
 from __future__ import annotations
@@ -35,12 +33,6 @@ def _spec(H, D, ws, rs, causal=False, **kw):
                 head_offsets="block", short_segments="zero_pad", **kw)
 
 
-def _qkv(B, N, H, D, seed, dtype=torch.float64, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, N, H, D, generator=g, dtype=torch.float64).to(dtype)
-            .requires_grad_(requires_grad) for _ in range(3)]
-
-
 # (B, N, H, D, segment lengths, ratios): N a multiple of no segment, H not a multiple of r,
 # H < r, segments longer than N (torchscale's min(w, N)), rates that are not powers of two
 CASES = {
@@ -59,7 +51,7 @@ CASE_IDS = sorted(CASES)
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_reference_equals_torchscale_reexpression(case, causal):
     B, N, H, D, ws, rs = CASES[case]
-    q, k, v = _qkv(B, N, H, D, seed=len(case))
+    q, k, v = tm.qkv(B, N, H, D, seed=len(case))
     out, lse = reference_attention(q, k, v, _spec(H, D, ws, rs, causal), return_lse=True)
     t_out, t_lse = tm.dilated_attention(q, k, v, ws, rs, causal=causal, return_lse=True)
     assert (out - t_out).abs().max().item() < 1e-12
@@ -72,7 +64,7 @@ def test_reference_equals_torchscale_reexpression(case, causal):
 def test_torchscale_layout_is_not_specs_default():
     """The two quirks change the function (issue 16: 36-67 % at GigaPath's settings)."""
     B, N, H, D, ws, rs = CASES["gigapath_like_d48"]
-    q, k, v = _qkv(B, N, H, D, seed=1)
+    q, k, v = tm.qkv(B, N, H, D, seed=1)
     ts = reference_attention(q, k, v, _spec(H, D, ws, rs))
     spec_default = reference_attention(q, k, v, _spec(H, D, ws, rs).replace(
         head_offsets="mod", short_segments="exact"))
@@ -85,7 +77,7 @@ def test_torchscale_layout_is_not_specs_default():
 
 def test_block_offsets_and_zero_pad_vanish_where_they_must():
     """r = 1 and N a multiple of every w: no offsets, no padding, SPEC's default math."""
-    q, k, v = _qkv(2, 64, 3, 16, seed=2)
+    q, k, v = tm.qkv(2, 64, 3, 16, seed=2)
     spec = _spec(3, 16, [16, 32], [1, 1])
     assert torch.allclose(reference_attention(q, k, v, spec),
                           reference_attention(q, k, v, spec.replace(head_offsets="mod",
@@ -104,7 +96,7 @@ def test_differentiable_reference_gradients(case, causal):
     dout = torch.randn(B, N, H, D, generator=g, dtype=torch.float64)
     grads = {}
     for name in ("reference", "exact_weights", "detached_weights"):
-        q, k, v = _qkv(B, N, H, D, seed=3, requires_grad=True)
+        q, k, v = tm.qkv(B, N, H, D, seed=3, requires_grad=True)
         if name == "reference":
             out, lse = differentiable_reference(q, k, v, spec)
             assert torch.allclose(lse, reference_attention(q, k, v, spec, return_lse=True)[1],
@@ -128,7 +120,7 @@ SLIP = (1, 40, 4, 16, [8, 12], [2, 8])      # 12 % 8 != 0 and N = 40 > 12: three
 
 def test_layout_slip_is_detected_everywhere():
     B, N, H, D, ws, rs = SLIP
-    q, k, v = _qkv(B, N, H, D, seed=4)
+    q, k, v = tm.qkv(B, N, H, D, seed=4)
     with pytest.raises(tm.LayoutSlip):
         tm.dilated_attention(q, k, v, ws, rs)
     spec = _spec(H, D, ws, rs)
@@ -161,13 +153,7 @@ def test_compat_refuses_the_layout_slip_in_one_line():
 
 # --------------------------------------------------------------------------- compat: structure
 
-ARGS = dict(segment_length=[8, 16, 64], dilated_ratio=[1, 2, 4], embed_dim=5 * 48, heads=5)
-
-
-def _encoder(subln=True, seed=0, **extra):
-    args = tm.make_args(ARGS["segment_length"], ARGS["dilated_ratio"], embed_dim=ARGS["embed_dim"],
-                        heads=ARGS["heads"], subln=subln, **extra)
-    return tm.make_encoder(args, seed=seed), args
+ARGS = tm.ENCODER_ARGS     # tm.small_encoder(): two layers, 5 heads of 48, w 8/16/64, r 1/2/4
 
 
 def test_signatures_match_torchscale():
@@ -206,7 +192,7 @@ def test_string_segment_lists_as_in_gigapath_configs():
 
 
 def test_patch_replaces_every_dilated_attention_in_place(capsys):
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     replaced = compat.patch(model)
     assert replaced == ["layers.0.self_attn", "layers.1.self_attn"]
@@ -220,7 +206,7 @@ def test_patch_replaces_every_dilated_attention_in_place(capsys):
     for key, value in before.items():
         assert torch.equal(after[key], value), key
     # a torchscale model takes the patched model's weights back, unchanged
-    fresh, _ = _encoder(seed=1)
+    fresh, _ = tm.small_encoder(seed=1)
     fresh.load_state_dict(after, strict=True)
     assert compat.patch(model, verbose=False) == []
     assert compat.patch(model) == [] and "found no" in capsys.readouterr().out
@@ -229,7 +215,7 @@ def test_patch_replaces_every_dilated_attention_in_place(capsys):
 
 
 def test_patch_keeps_train_mode_and_recognises_by_name_only():
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     model.layers[0].eval()
     compat.patch(model, verbose=False)
     assert model.layers[0].self_attn.training is False and model.layers[1].self_attn.training is True
@@ -253,7 +239,7 @@ def test_patched_encoder_equals_torchscale_encoder_float64(monkeypatch, causal):
     """The whole 2-layer encoder (projections, sub-LN, residuals) after patch(), with the
     attention computed by the float64 reference, equals the torchscale-built encoder."""
     _with_reference(monkeypatch)
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     x = torch.randn(2, 45, ARGS["embed_dim"], dtype=torch.float64)
     expected = model(token_embeddings=x, is_causal=causal)["encoder_out"]
     compat.patch(model, verbose=False)
@@ -272,7 +258,7 @@ def test_patched_encoder_gradients_float64(monkeypatch):
     real = tm.dilated_attention
     monkeypatch.setattr(tm, "dilated_attention",
                         lambda *a, **kw: real(*a, **{**kw, "detach_weights": False}))
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     x = torch.randn(1, 37, ARGS["embed_dim"], dtype=torch.float64, requires_grad=True)
     model(token_embeddings=x)["encoder_out"].square().sum().backward()
     expected = x.grad.clone()
@@ -280,6 +266,21 @@ def test_patched_encoder_gradients_float64(monkeypatch):
     compat.patch(model, verbose=False)
     model(token_embeddings=x)["encoder_out"].square().sum().backward()
     assert (x.grad - expected).abs().max().item() < 1e-9 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("segments", [None, "[8, 16, 32, 64, 128]"], ids=["gigapath_rule", "short"])
+def test_patch_gigapath_slide_encoder_float64(monkeypatch, segments):
+    """GigaPath's slide encoder mirrored tiny (LongNetViT -> make_longnet_from_name -> layers
+    whose self_attn is a DilatedAttention; string segment lists; an all-False padding mask):
+    patch() finds every self_attn and the slide embedding stays (float64 reference). None:
+    LongNetViT's rule, w 1024-1048576 (one zero-padded segment per branch at 45 tokens)."""
+    _with_reference(monkeypatch)
+    model = tm.make_slide_encoder(segment_length=segments)
+    tiles, coords = tm.make_slide(model, 2, 44, seed=3)
+    expected = model(tiles, coords)[0]
+    assert compat.patch(model, verbose=False) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    assert isinstance(model.encoder.layers[1].self_attn, compat.DilatedAttention)
+    assert (model(tiles, coords)[0] - expected).abs().max().item() < 1e-10
 
 
 # --------------------------------------------------------------------------- compat: errors
@@ -334,23 +335,14 @@ def test_dropout_while_training_and_bad_masks():
     hole[0, 3] = True
     left = torch.zeros(2, 12, dtype=torch.bool)
     left[1, :4] = True
-    for mask, row in ((hole, 0), (left, 1)):     # checked by the kernel's padded call
-        with pytest.raises(ValueError) as exc:
-            layer(x, x, x, key_padding_mask=mask)
-        msg = _one_line(exc)
-        assert "right padding" in msg and f"row {row}" in msg, msg
+    with pytest.raises(ValueError) as exc:           # checked by the kernel's padded call
+        layer(x, x, x, key_padding_mask=hole)
+    assert "left or right padding" in _one_line(exc) and "row 0" in str(exc.value)
+    out = layer(x, x, x, key_padding_mask=left)[0]   # left padding (5bed78e): the item alone
+    assert tm.rel_error(out[1, 4:], layer(x[1:, 4:], x[1:, 4:], x[1:, 4:])[0][0]) < TOL_FP32
     with pytest.raises(ValueError) as exc:
         layer(x, x, x, key_padding_mask=torch.zeros(2, 11, dtype=torch.bool))
     assert "key_padding_mask" in _one_line(exc)
-
-
-def _reference_padded(q, k, v, mask, spec):
-    """A right-padded batch -> each item alone at its own length through the float64
-    reference, padded rows 0 (what Kernel.padded computes)."""
-    out = torch.zeros_like(q)
-    for i, n in enumerate((~mask).sum(1).tolist()):
-        out[i, :n] = reference_attention(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], spec)[0]
-    return out
 
 
 def test_key_padding_mask_goes_to_the_padded_call(monkeypatch):
@@ -363,9 +355,9 @@ def test_key_padding_mask_goes_to_the_padded_call(monkeypatch):
 
     def padded(q, k, v, mask, spec):
         calls.append((tuple(q.shape), q.is_contiguous(), mask.clone()))
-        return _reference_padded(q, k, v, mask, spec)
+        return tm.each_item_alone(lambda *qkv: reference_attention(*qkv, spec), q, k, v, mask)
     monkeypatch.setattr(compat, "_attend_padded", padded)
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     lengths = [45, 30, 9]
     x = torch.randn(3, 45, ARGS["embed_dim"], dtype=torch.float64)
     mask = torch.arange(45)[None, :] >= torch.tensor(lengths)[:, None]
@@ -386,34 +378,38 @@ def test_key_padding_mask_goes_to_the_padded_call(monkeypatch):
 TOL_FP32 = 1e-4          # SPEC §2.4, float32 (gradients: twice)
 
 
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("case", ["h5_not_multiple_of_r", "h3_below_r8", "gigapath_like_d48"])
 def test_kernel_equals_reexpression(case, causal):
     B, N, H, D, ws, rs = CASES[case]
     spec = _spec(H, D, ws, rs, causal)
-    q, k, v = _qkv(B, N, H, D, seed=7, dtype=torch.float32, requires_grad=True)
+    q, k, v = tm.qkv(B, N, H, D, seed=7, dtype=torch.float32, requires_grad=True)
     out = compat._attend(q, k, v, spec)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = tm.dilated_attention(q64, k64, v64, ws, rs, causal=causal, detach_weights=False)
-    assert _rel(out, ref) < TOL_FP32
+    assert tm.rel_error(out, ref) < TOL_FP32
     dout = torch.randn_like(ref)
     (out * dout.float()).sum().backward()
     (ref * dout).sum().backward()
     for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        assert _rel(got, want) < 2 * TOL_FP32
+        assert tm.rel_error(got, want) < 2 * TOL_FP32
 
 
 def test_patched_encoder_through_kernels():
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     x = torch.randn(1, 45, ARGS["embed_dim"], dtype=torch.float64)
     expected = model(token_embeddings=x)["encoder_out"]
     compat.patch(model.float(), verbose=False)
     got = model(token_embeddings=x.float())["encoder_out"]
-    assert _rel(got, expected) < 10 * TOL_FP32     # two layers of fp32 around the kernels
+    assert tm.rel_error(got, expected) < 10 * TOL_FP32     # two layers of fp32 around the kernels
+
+
+def test_patched_gigapath_slide_encoder_through_kernels():
+    model = tm.make_slide_encoder()
+    tiles, coords = tm.make_slide(model, 1, 44, seed=4)
+    expected = model(tiles, coords)[0]
+    compat.patch(model.float(), verbose=False)
+    assert tm.rel_error(model(tiles.float(), coords)[0], expected) < 10 * TOL_FP32
 
 
 def test_key_padding_mask_computes_each_sequence_alone(monkeypatch):
@@ -422,7 +418,7 @@ def test_key_padding_mask_computes_each_sequence_alone(monkeypatch):
     model's on that item alone, and the attention output of padded rows is 0 (a layer
     without sub-LN gives out_proj's bias there)."""
     from dilgen import compiler
-    model, _ = _encoder()
+    model, _ = tm.small_encoder()
     model = model.float()
     lengths = [45, 30]
     x = torch.randn(2, 45, ARGS["embed_dim"])
@@ -453,13 +449,13 @@ def test_key_padding_mask_computes_each_sequence_alone(monkeypatch):
         assert ptr == projected[j]                      # q_proj's output itself: no copy
         assert torch.equal(seen, mask)
     for i, n in enumerate(lengths):
-        assert _rel(batch[i, :n], alone_dilgen[i][0]) < TOL_FP32
-        assert _rel(batch[i, :n], alone[i][0].double()) < 10 * TOL_FP32
+        assert tm.rel_error(batch[i, :n], alone_dilgen[i][0]) < TOL_FP32
+        assert tm.rel_error(batch[i, :n], alone[i][0].double()) < 10 * TOL_FP32
     assert math.isfinite(batch.sum().item())
     # gradients go through the padded call: item i's rows get its alone gradients
     sum((batch[i, :n] * g[i, :n]).sum() for i, n in enumerate(lengths)).backward()
     for i, n in enumerate(lengths):
-        assert _rel(xb.grad[i, :n], xs[i].grad[0]) < 2 * TOL_FP32
+        assert tm.rel_error(xb.grad[i, :n], xs[i].grad[0]) < 2 * TOL_FP32
     # padded rows: attention output 0 before out_proj
     layer = compat.DilatedAttention(tm.make_args([8, 16], [1, 2], embed_dim=96, heads=2), 96, 2,
                                     self_attention=True)
@@ -467,7 +463,7 @@ def test_key_padding_mask_computes_each_sequence_alone(monkeypatch):
     short = torch.arange(20)[None, :] >= torch.tensor([20, 11])[:, None]
     out, _ = layer(y, y, y, key_padding_mask=short)
     assert torch.equal(out[1, 11:], layer.out_proj.bias.detach().expand(9, 96))
-    assert _rel(out[1, :11], layer(y[1:, :11], y[1:, :11], y[1:, :11])[0][0]) < TOL_FP32
+    assert tm.rel_error(out[1, :11], layer(y[1:, :11], y[1:, :11], y[1:, :11])[0][0]) < TOL_FP32
 
 
 # --------------------------------------------------------------------------- the bench, smoke

@@ -77,3 +77,49 @@ def test_train_tiny_lm_help():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--seq-len" in proc.stdout and "--json" in proc.stdout
+
+
+# --------------------------------------------------------------------------- generate_tiny_lm
+
+GENERATE = ROOT / "examples" / "generate_tiny_lm.py"
+
+
+@pytest.fixture(scope="module")
+def generate_example():
+    spec = importlib.util.spec_from_file_location("generate_tiny_lm_example", GENERATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_copy_accuracy_judges_each_copy_step(generate_example):
+    """A perfect copy of the repeated block scores 1 (it scored 0: compared with the token
+    block - 1 back); each step is judged on its own previous token."""
+    import torch
+    acc = generate_example.copy_accuracy
+    block, prompt, new = 5, 20, 8
+    seq = torch.tensor([[3, 1, 4, 0, 2] * 6, [7, 5, 6, 2, 1] * 6])[:, :prompt + new]
+    assert acc(seq, prompt, block) == 1.0
+    slipped = torch.cat([seq[:, :prompt], seq[:, prompt + 1:prompt + new + 1]], dim=1)
+    assert acc(slipped, prompt, block) == pytest.approx(6 / 7)         # one skipped token
+    stuck = torch.cat([seq[:, :prompt], seq[:, prompt - 1:prompt].expand(-1, new)], dim=1)
+    assert acc(stuck, prompt, block) == 0.0
+    outside = seq.clone()
+    outside[0, prompt + 2] = 9                                        # not in the block
+    assert acc(outside, prompt, block) == pytest.approx(14 / 16)
+    assert math.isnan(acc(seq[:, :7], 4, block))                     # prompt < block
+
+
+def test_generate_says_when_the_weights_are_random(generate_example, capsys, monkeypatch):
+    """Issue 31: without --train-steps the weights are random; the run says so (copy
+    accuracy about 0 is expected) and how to train, instead of a bare `copy accuracy 0.00`."""
+    small = {"device": "cpu", "prompt": 20, "new": 2, "batch": 1, "seq_len": 64}
+    res = generate_example.generate(small)
+    out = capsys.readouterr().out
+    assert res["weights"] == "random"
+    assert "random (untrained) weights" in out and "copy accuracy" in out, out
+    assert "--train-steps" in out and "expected" in out, out
+    monkeypatch.setattr(generate_example, "_train", lambda *a, **kw: None)   # trained: no note
+    res = generate_example.generate(dict(small, train_steps=1))
+    out = capsys.readouterr().out
+    assert res["weights"] == "trained 1 step(s)" and "untrained" not in out, out

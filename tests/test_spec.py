@@ -191,6 +191,36 @@ def test_hand_built_spec_is_validated():
         Spec(name="ok", num_heads=4, head_dim=64, segment_lengths=[16, 32], dilation_rates=[1])
 
 
+def test_python_and_json_name_unknown_and_missing_fields_alike():
+    """Issue 31: Spec(**fields) and spec_from_dict(fields) refuse an unknown or a missing
+    field with the same SpecError, word for word; Spec stays a frozen dataclass."""
+    import dataclasses
+    import inspect
+    for fields, words in (({**BASE, "foo": 1}, "foo = 1: unknown field (allowed: name, "),
+                          ({**BASE, "dilation_rate": [1, 2]}, "dilation_rate = [1, 2]: unknown field"),
+                          ({k: v for k, v in BASE.items() if k != "head_dim"},
+                           "head_dim is missing: it is a required field")):
+        with pytest.raises(SpecError) as from_python:
+            Spec(**fields)
+        with pytest.raises(SpecError) as from_json:
+            spec_from_dict(fields)
+        assert str(from_python.value) == str(from_json.value), str(from_python.value)
+        assert str(from_python.value).startswith(f"<spec>: {words}"), str(from_python.value)
+    with pytest.raises(SpecError, match=r"^here: foo = 1: unknown field \(allowed: name, num_heads, "):
+        Spec(**BASE, foo=1, source="here")
+    spec = Spec(**BASE)
+    assert dataclasses.is_dataclass(spec) and Spec(**spec.to_json()) == spec
+    assert dataclasses.replace(spec, causal=True) == spec.replace(causal=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.causal = True
+    with pytest.raises(SpecError, match="foo = 1: unknown field"):
+        dataclasses.replace(spec, foo=1)
+    assert list(inspect.signature(Spec).parameters)[:3] == ["name", "num_heads", "head_dim"]
+    import copy
+    import pickle
+    assert copy.deepcopy(spec) == spec == pickle.loads(pickle.dumps(spec))
+
+
 def test_replace_revalidates(tmp_path):
     spec = load_spec(_write(tmp_path / "a.json", BASE))
     other = spec.replace(causal=True)

@@ -27,7 +27,9 @@ use) to cuDNN's SDPA with its LSE, in bf16, as torchscale's users run it with Fl
 The modules below mirror torchscale's constructor and forward signatures and parameter
 names (`q_proj`, `k_proj`, `v_proj`, `out_proj`, `inner_attn_ln`), so that a state_dict of
 one loads into dilgen.compat.torchscale.DilatedAttention and `patch()` finds them by class
-name, as it finds the real ones in a user's vendored copy.
+name, as it finds the real ones in a user's vendored copy. `make_slide_encoder` mirrors the
+module structure of Prov-GigaPath's slide encoder (LongNetViT -> make_longnet_from_name ->
+LongNetEncoder), tiny and with random weights (docs/torchscale.md).
 """
 from __future__ import annotations
 
@@ -246,3 +248,160 @@ def make_encoder(args, *, seed: int = 0, dtype=torch.float64) -> LongNetEncoder:
             else:
                 p.copy_(0.1 * torch.randn_like(p))
     return model
+
+
+# --------------------------------------------------------------------------- GigaPath's slide encoder
+# Prov-GigaPath (github.com/prov-gigapath/prov-gigapath) builds its slide encoder so:
+# gigapath/slide_encoder.py's LongNetViT embeds the tile features (PatchEmbed: a Linear), adds
+# a fixed position embedding looked up from the tile coordinates (2-D sin-cos there, fixed
+# random here), prepends a cls token and runs the encoder of `make_longnet_from_name` from its
+# vendored torchscale (gigapath/torchscale/model/LongNet.py): EncoderConfig(**LongNetConfig.<name>,
+# segment and ratio lists as strings, which EncoderConfig evaluates) -> LongNetEncoder, whose
+# LongNetEncoderLayer builds self_attn = DilatedAttention(args, E, heads,
+# dropout=args.attention_dropout, self_attention=True, encoder_decoder_attention=False,
+# subln=args.subln). torchscale's Encoder.forward makes an all-False encoder_padding_mask when
+# given none and hands it to every layer. Mirrored below at a tiny size (no weights downloaded).
+
+GIGAPATH_CONFIGS = {     # gigapath/torchscale/model/LongNetConfig.py's format, tiny
+    "LongNet_2_layers_128_dim": {
+        "encoder_layers": 2, "encoder_embed_dim": 128, "encoder_ffn_embed_dim": 256,
+        "encoder_attention_heads": 16, "dilated_ratio": "[1, 2, 4, 8, 16]",
+        "segment_length": "[1024, 2048, 4096, 8192, 16384]", "block_shift": True,
+        "flash_attention": True, "use_xmoe": False, "moe_freq": 0},
+}
+
+
+def get_optimal_segment_length(max_wsi_size: int = 262144, tile_size: int = 256) -> str:
+    """LongNetViT's segment lengths: 5 powers of two from 1024 to the largest slide, as a
+    string ('[1024, 5792, 32768, 185363, 1048576]' for GigaPath's defaults)."""
+    top = int(math.log2((max_wsi_size // tile_size) ** 2))
+    return str([int(2 ** float(x)) for x in torch.linspace(10.0, top, 5, dtype=torch.float64)])
+
+
+def make_longnet_from_name(config_name: str, dilated_ratio: str = "[1, 2, 4, 8, 16]",
+                           segment_length: str = "[1024, 2048, 4096, 8192, 16384]",
+                           drop_path_rate: float = 0.1, dropout: float = 0.1) -> "GigaPathEncoder":
+    """gigapath/torchscale/model/LongNet.py's make_longnet_from_name."""
+    cfg = dict(GIGAPATH_CONFIGS[config_name], dropout=dropout, drop_path_rate=drop_path_rate,
+               dilated_ratio=dilated_ratio, segment_length=segment_length)
+    args = make_args(ast.literal_eval(cfg.pop("segment_length")), ast.literal_eval(cfg.pop("dilated_ratio")),
+                     embed_dim=cfg.pop("encoder_embed_dim"), heads=cfg.pop("encoder_attention_heads"),
+                     ffn_dim=cfg.pop("encoder_ffn_embed_dim"), layers=cfg.pop("encoder_layers"), **cfg)
+    return GigaPathEncoder(args)
+
+
+class GigaPathEncoder(LongNetEncoder):
+    """LongNetEncoder with torchscale's Encoder.forward as GigaPath calls it."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.dropout_module = nn.Dropout(args.dropout)
+
+    def forward(self, src_tokens=None, encoder_padding_mask=None, token_embeddings=None,
+                return_all_hiddens=False, is_causal=False):
+        x = token_embeddings
+        if encoder_padding_mask is None:                  # torchscale: an all-False mask
+            encoder_padding_mask = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+        x = self.dropout_module(x * (1 - encoder_padding_mask.unsqueeze(-1).type_as(x)))
+        states = [x] if return_all_hiddens else []
+        for layer in self.layers:
+            x = layer(x, encoder_padding_mask=encoder_padding_mask, is_causal=is_causal)
+            states += [x] if return_all_hiddens else []
+        return {"encoder_out": self.layer_norm(x), "encoder_padding_mask": encoder_padding_mask,
+                "encoder_states": states}
+
+
+class PatchEmbed(nn.Module):
+    """gigapath/slide_encoder.py's PatchEmbed: tile features -> embed_dim."""
+
+    def __init__(self, in_chans, embed_dim):
+        super().__init__()
+        self.proj = nn.Linear(in_chans, embed_dim)
+        self.norm = nn.Identity()
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+class LongNetViT(nn.Module):
+    """gigapath/slide_encoder.py's LongNetViT (global_pool=False: the cls token's embedding)."""
+
+    def __init__(self, in_chans=32, embed_dim=128, depth=2, slide_ngrids=8, tile_size=256,
+                 max_wsi_size=262144, dropout=0.25, drop_path_rate=0.1, segment_length=None):
+        super().__init__()
+        self.patch_embed = PatchEmbed(in_chans, embed_dim)
+        self.slide_ngrids = slide_ngrids
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.register_buffer("pos_embed", torch.randn(1, slide_ngrids ** 2 + 1, embed_dim), persistent=False)
+        segment_length = segment_length or get_optimal_segment_length(max_wsi_size, tile_size)
+        self.encoder = make_longnet_from_name(f"LongNet_{depth}_layers_{embed_dim}_dim",
+                                              segment_length=segment_length, dropout=dropout,
+                                              drop_path_rate=drop_path_rate)
+        self.norm = LayerNorm(embed_dim, eps=1e-6)
+
+    def forward(self, x, coords):
+        x = self.patch_embed(x)
+        pos = (torch.floor(coords / 256.0)[..., 0] * self.slide_ngrids
+               + torch.floor(coords / 256.0)[..., 1]).long() + 1      # + 1: the cls token
+        x = x + self.pos_embed[:, pos, :].squeeze(0)
+        cls = (self.cls_token + self.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)
+        x = torch.cat((cls, x), dim=1)
+        x = self.encoder(src_tokens=None, token_embeddings=x)["encoder_out"]
+        return [self.norm(x)[:, 0]]
+
+
+def make_slide_encoder(*, seed: int = 0, dtype=torch.float64, **kwargs) -> LongNetViT:
+    """A tiny LongNetViT with random weights (every parameter random), in eval mode (its
+    dropout 0.25 and drop-path as GigaPath runs inference), and a slide for it:
+    (tiles (B, L, in_chans), coords (B, L, 2) in pixels)."""
+    torch.manual_seed(seed)
+    model = LongNetViT(**kwargs).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.2 * torch.randn_like(p) + (1.0 if name.endswith("norm.weight") else 0.0))
+    return model
+
+
+def make_slide(model: LongNetViT, batch: int, tiles: int, *, seed: int = 0):
+    """Tile features and distinct tile coordinates (pixels, 256 a tile) for `model`."""
+    g = torch.Generator().manual_seed(seed)
+    n = model.slide_ngrids
+    cells = torch.randperm(n * n, generator=g)[:tiles]
+    coords = torch.stack([cells // n, cells % n], dim=-1).double().mul(256.0).expand(batch, -1, -1)
+    dtype = model.cls_token.dtype
+    return torch.randn(batch, tiles, model.patch_embed.proj.in_features, generator=g, dtype=dtype), coords
+
+
+# --------------------------------------------------------------------------- tests' helpers
+# (tests/test_compat_torchscale.py)
+
+ENCODER_ARGS = dict(segment_length=[8, 16, 64], dilated_ratio=[1, 2, 4], embed_dim=5 * 48, heads=5)
+
+
+def small_encoder(subln=True, seed=0, **extra):
+    """(a 2-layer LongNetEncoder of ENCODER_ARGS with random float64 weights, its args)."""
+    a = ENCODER_ARGS
+    args = make_args(a["segment_length"], a["dilated_ratio"], embed_dim=a["embed_dim"],
+                     heads=a["heads"], subln=subln, **extra)
+    return make_encoder(args, seed=seed), args
+
+
+def qkv(B, N, H, D, seed, dtype=torch.float64, requires_grad=False):
+    """Three random (B, N, H, D) tensors (drawn in float64, then cast)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, N, H, D, generator=g, dtype=torch.float64).to(dtype)
+            .requires_grad_(requires_grad) for _ in range(3)]
+
+
+def each_item_alone(attend, q, k, v, mask):
+    """A right-padded batch (mask True = padding): each item alone at its own length through
+    attend(q, k, v) on (1, n, H, D), padded rows 0 (what Kernel.padded computes)."""
+    out = torch.zeros_like(q)
+    for i, n in enumerate((~mask).sum(1).tolist()):
+        out[i, :n] = attend(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n])[0]
+    return out
+
+
+def rel_error(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

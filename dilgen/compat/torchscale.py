@@ -22,16 +22,32 @@ sequence parallelism (`args.seq_parallel`), cross-attention, attention dropout w
 training, and torchscale's layout slip (min(w, N) not a multiple of r with two or more
 segments, where torchscale's outputs land on shifted rows).
 
-`key_padding_mask` (B, N) bool, True = padding (right-padded batches): torchscale ignores
-it; here the batch goes to the kernel's right-padded call (`Kernel.padded`, autograd-aware),
-which reads the rows in place and computes each item alone at its own length; the attention
-output of padded rows is 0 before `inner_attn_ln` and `out_proj`. A mask of the wrong shape,
-or one that is not right padding (left padding, holes), is refused with one line. An
-all-False mask is the same as none.
+Which code: `DilatedAttention(MultiheadAttention)` of microsoft/torchscale's
+`torchscale/component/dilated_attention.py` (from commit da3d79c, "LongNet release",
+2023-12-19; built by `torchscale/model/longnet.py`'s LongNetEncoderLayer), which
+Prov-GigaPath vendors unchanged as `gigapath/torchscale/component/dilated_attention.py`
+(built by `gigapath/torchscale/model/LongNet.py`'s `make_longnet_from_name`, which
+`gigapath/slide_encoder.py`'s LongNetViT calls). Mirrored: its head blocks (head_offsets
+"block"), its zero padding of min(w, N)-long segments to a multiple of r (short_segments
+"zero_pad"), its (B, N, H*D) projections read as (B, N, H, D), FlashAttention's scale
+1/sqrt(head_dim) per branch and the LSE-softmax mix of the branches, then `inner_attn_ln`
+and `out_proj`. torchscale on PyPI (0.3.0) predates LongNet and has none of these modules:
+install torchscale from git at da3d79c or later, or use GigaPath's copy (docs/torchscale.md).
 
-dilgen never imports torchscale: `patch` recognises torchscale's modules by class name
-(`DilatedAttention`) and attributes (`args.segment_length`, `args.dilated_ratio`,
-`q_proj`, `k_proj`, `v_proj`, `out_proj`), as they appear in any vendored copy.
+`key_padding_mask` (B, N) bool, True = padding (right- or left-padded batches): torchscale
+ignores it; here the batch goes to the kernel's padded call (`Kernel.padded`, autograd-aware),
+which reads the rows in place and computes each item alone at its own length (its segments
+start at its first token); the attention output of padded rows is 0 before `inner_attn_ln`
+and `out_proj`. A mask of the wrong shape, or one whose tokens are not one run (holes), is
+refused with one line. An all-False mask is the same as none.
+
+dilgen never imports torchscale: `patch` walks `model.named_modules()` and their
+`named_children()` and replaces (setattr on the parent, ModuleList entries included) every
+child whose class is named `DilatedAttention`, not dilgen's, with the attributes `args`
+(with `segment_length` and `dilated_ratio`), `embed_dim`, `num_heads`, `q_proj`, `k_proj`,
+`v_proj` and `out_proj`, as in any vendored copy; a renamed subclass is not found (use
+`DilatedAttention.from_torchscale`). tests/torchscale_model.py mirrors torchscale's encoder
+and GigaPath's slide encoder for the tests.
 """
 from __future__ import annotations
 
@@ -89,7 +105,7 @@ def _attend(q, k, v, spec: Spec):
 
 
 def _attend_padded(q, k, v, key_padding_mask, spec: Spec):
-    """A right-padded batch (B, N, H, D), key_padding_mask (B, N) bool with True = padding:
+    """A padded batch (B, N, H, D), key_padding_mask (B, N) bool with True = padding:
     each item at its own length, padded rows 0, through the kernel's padded call (rows read
     in place, autograd-aware)."""
     msg = unsupported_by_kernels(spec)
@@ -103,7 +119,7 @@ def _attend_padded(q, k, v, key_padding_mask, spec: Spec):
         text = str(exc)
         if "key_padding_mask" not in text:      # q, k, v errors read as on the unpadded path
             raise
-        # the kernel's one line on the mask (not right padding: left padding, holes), in
+        # the kernel's one line on the mask (holes: not left or right padding), in
         # this module's voice
         text = text.removeprefix(f"{spec.name}: ")
         raise ValueError(f"{PREFIX}: {text}") from None
@@ -232,7 +248,7 @@ class DilatedAttention(nn.Module):
 
 def _key_padding(mask, B: int, N: int):
     """key_padding_mask as a (B, N) bool tensor with some padding, or None for none (whether
-    it is right padding, the kernel's padded call checks)."""
+    it is left or right padding, the kernel's padded call checks)."""
     if mask is None:
         return None
     if tuple(mask.shape) != (B, N):
