@@ -1,302 +1,428 @@
 #!/usr/bin/env python3
-"""Forward+backward benchmark: dilgen against its peers, bf16, one GPU, one process, on the
-configs A-F of bench/toolkit.py (see bench_forward.py), each non-causal and causal.
-
-Methods: dilgen; gather_cudnn, gather_flash (autograd through the cuDNN / flash attention
-ops and the LSE merge: their LSE gets no gradient, so they are a lower bound for an exact
-method); flex (FlexAttention's backward, torch.compile'd); dense (plain dense SDPA, a
-REFERENCE POINT only, not the same math).
-
-  1. correctness at N = --check-n (B=1): out and dq, dk, dv of dilgen and gather_cudnn
-     against autograd through the float64 reference (dilgen.reference), loss = <out, g>;
-     SPEC bounds (bf16): 2e-2 for out, 4e-2 for gradients;
-  2. timing per (config, causal): forward + backward(g) on fresh random inputs, CUDA
-     events, median of --reps after --warmup warm-ups; each exact peer's gradients are
-     compared with dilgen's on the same inputs at full size.
-Useful FLOPs of forward+backward: 3.5 x the forward's (Σ_i 4·B·H·(N/w_i)·(w_i/r_i)²·D,
-halved when causal). Results: a markdown table, <out>/backward-<date>.json (rewritten
-after every row) and backward-<date>.png. Exit status 1 if dilgen failed the check.
+"""Forward+backward benchmark: dilgen against its peers, forward + backward(g) timed, configs
+A-F x {non-causal, causal}, bf16, one GPU; the flow and options bench_forward.py shares (Bench,
+report, merge_rerun). Methods as in the forward (the gather peers' LSE gets no gradient: a
+lower bound for an exact method; flex has no backward on the CPU). Before timing, out and dq,
+dk, dv of dilgen and gather_cudnn against autograd through the float64 reference at --check-n
+(bounds 2e-2, 4e-2); each exact peer's gradients against dilgen's at full size. Useful FLOPs:
+3.5 x the forward's. Writes backward-<date>.json and .png; exit status 1 if dilgen failed.
 
   python bench/bench_backward.py                                 # A-F x {non-causal, causal}
-  python bench/bench_backward.py --configs A,C --no-causal
+  python bench/bench_backward.py --configs A,F --causal-only --quick
+  python bench/bench_backward.py --configs A --methods dilgen --tunings '{"kv": {"bwd_kv": [64, 32, 4, 3]}}'
   python bench/bench_backward.py --dry-run-cpu --out /tmp/x      # toy sizes on the CPU
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit as tk  # noqa: E402
 from toolkit import log  # noqa: E402
 
-METHODS = ("dilgen", "gather_cudnn", "gather_flash", "flex", "dense")
-EXACT = METHODS[:4]
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2      # SPEC §2 tolerance, bf16 (gradients: twice)
-
-
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=",".join(tk.CONFIGS), help="subset of A-F (default: all)")
-    ap.add_argument("--no-causal", action="store_true", help="only the non-causal variants")
-    ap.add_argument("--causal-only", action="store_true", help="only the causal variants")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    ap.add_argument("--quick", action="store_true", help="1 warm-up, 5 timed calls")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3)")
-    ap.add_argument("--reps", type=int, default=None, help="timed steps, median taken (default 10)")
-    ap.add_argument("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
-    ap.add_argument("--append", nargs="?", const=True, default=False, metavar="FILE",
-                    help="keep the rows of an earlier run that this run does not redo: of today's "
-                         "backward-<date>.json in --out, or of FILE")
-    ap.add_argument("--check-n", type=int, default=1024, help="N of the gradient check (default 1024)")
-    ap.add_argument("--no-check", action="store_true", help="skip the gradient check")
-    ap.add_argument("--dense-max-n", type=int, default=65536, help="no dense above this N (default: not B, E)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="skip flex rows after this many seconds")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--dry-run-cpu", action="store_true",
-                    help="the whole flow at toy sizes on the CPU (numbers meaningless; files *-cpu-dryrun.*)")
-    a = ap.parse_args(argv)
-    try:
-        a.configs = tk.parse_configs(a.configs, tk.DRY_CONFIGS if a.dry_run_cpu else tk.CONFIGS)
-        a.causals = tk.causal_flags(a.no_causal, a.causal_only)
-    except ValueError as e:
-        ap.error(str(e))
-    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    if [m for m in a.methods if m not in METHODS]:
-        ap.error(f"--methods: choose from {','.join(METHODS)}")
-    a.warmup = a.warmup if a.warmup is not None else (0 if a.dry_run_cpu else 1 if a.quick else 3)
-    a.reps = a.reps if a.reps is not None else (1 if a.dry_run_cpu else 5 if a.quick else 10)
-    return a
+PLOTTED = ("dilgen", "gather_cudnn", "gather_flash", "flex", "dense", "cudnn_floor")     # table and plot order
 
 
 class Bench:
-    def __init__(self, args):
+    """One bench over configs x causal flags, every method through one timing/compare loop
+    (run_method); bench_forward.Bench overrides the step (forward alone) and its checks."""
+    kind, prefix, fwd_bwd = "backward", "bwd", True
+    METHODS = ("dilgen", "gather_cudnn", "gather_flash", "dense", "cudnn_floor", "flex")   # flex: compiles
+    CHECKED = ("dilgen", "gather_cudnn")                      # against float64 before timing
+    POINTS = ("dense", "cudnn_floor")                         # reference points: not compared
+    NOTES = ["useful FLOPs of forward+backward counted as 3.5x the forward formula",
+             "the gather peers' LSE gets no gradient: a lower bound for an exact method",
+             "dense, cudnn_floor: REFERENCE POINTS only (not the same math)",
+             "grad_rel_err_vs_dilgen: [dq, dk, dv] of each exact peer against dilgen's, same inputs"]
+
+    @classmethod
+    def parse(cls, argv=None):
+        ap = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        add = ap.add_argument
+        add("--configs", default=",".join(tk.CONFIGS), help="subset of A-F (default: all)")
+        add("--no-causal", action="store_true", help="only the non-causal variants")
+        add("--causal-only", action="store_true", help="only the causal variants")
+        add("--methods", default=",".join(cls.METHODS), help=f"subset of {','.join(cls.METHODS)}")
+        add("--quick", action="store_true", help="1 warm-up, 5 timed calls")
+        add("--warmup", type=int, default=None, help="warm-up calls (default 3)")
+        add("--reps", type=int, default=None, help="timed calls, median taken (default 10)")
+        add("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
+        add("--append", nargs="?", const=True, default=False, metavar="FILE",
+            help=f"keep the rows of an earlier run that this run does not redo: of today's {cls.kind}-<date>.json"
+                 " in --out, or of FILE")
+        add("--check-n", type=int, default=None, help="N of the float64 check (default per config; backward 1024)")
+        add("--no-check", action="store_true", help="skip the float64 check")
+        add("--dense-max-n", type=int, default=65536, help="no dense above this N (default: not B, E)")
+        add("--budget-s", type=float, default=480.0, help="skip flex rows after this many seconds")
+        add("--tunings", default=None, metavar="JSON", help='dilgen variants (a tile sweep) timed and checked '
+            'beside dilgen: {"name": tuning, ...}, e.g. {"kv64": {"bwd_kv": [64, 32, 4, 3]}}')
+        add("--merge-into", metavar="FILE", help="fold this run's --methods into a committed result file")
+        add("--report-from", metavar="FILE", help="only print the table of FILE and redraw its plots")
+        add("--seed", type=int, default=0)
+        add("--no-plot", action="store_true")
+        add("--dry-run-cpu", action="store_true", help="the whole flow at toy sizes on the CPU (numbers meaningless)")
+        cls.add_args(add)
+        a = ap.parse_args(argv)
+        try:
+            a.configs = tk.parse_configs(a.configs, tk.DRY_CONFIGS if a.dry_run_cpu else tk.CONFIGS)
+            a.causals = tk.causal_flags(a.no_causal, a.causal_only)
+            a.methods = tk.pick(a.methods, cls.METHODS)
+            a.tunings = json.loads(a.tunings) if a.tunings else {}
+        except ValueError as e:
+            ap.error(f"{type(e).__name__}: {e}")
+        a.warmup = a.warmup if a.warmup is not None else (0 if a.dry_run_cpu else 1 if a.quick else 3)
+        a.reps = a.reps if a.reps is not None else (1 if a.dry_run_cpu else 5 if a.quick else 10)
+        if a.reps < 1 or a.warmup < 0 or (a.check_n is not None and a.check_n < 1):
+            ap.error("--reps >= 1, --warmup >= 0, --check-n >= 1")
+        return a
+
+    @staticmethod
+    def add_args(add):
+        pass
+
+    @staticmethod
+    def draw(data, rows, path):
+        """<kind>-<date>.png beside the result file: ms per method."""
+        what = "forward" if Path(path).name.startswith("forward") else "fwd+bwd"
+        tk.plot_bars(rows, PLOTTED,
+                     Path(path).with_suffix(".png"), f"{what} time, ms (log scale; lower is better)",
+                     f"dilated attention {what}, bf16 — {data.get('device')}, torch {data.get('torch')}, "
+                     f"triton {data.get('triton')}, {data.get('date')}")
+
+    def __init__(self, args, results=True):
         import torch
         import dilgen
         import peers
-        self.torch, self.dilgen, self.peers, self.args = torch, dilgen, peers, args
-        self.dry = args.dry_run_cpu
+        self.torch, self.dilgen, self.peers, self.a, self.dry = torch, dilgen, peers, args, args.dry_run_cpu
         self.configs = tk.DRY_CONFIGS if self.dry else tk.CONFIGS
         self.dev = torch.device("cpu" if self.dry else "cuda")
-        self.t0 = time.time()
-        self.kernels = {}
-        self.check_failed = False
+        self.t0, self.kernels, self.check_failed = time.time(), {}, False
+        peers.FLEX_MASK_METHOD = getattr(args, "flex_mask", "analytic")
+        self.methods = list(self.METHODS) + [f"dilgen:{n}" for n in args.tunings]
         self.variants = [(c, causal) for c in args.configs for causal in args.causals]
+        if not results:
+            return
         head = tk.header(self.dev, self.dry, {
             "args": vars(args), "configs": {c: self.configs[c] for c in args.configs},
-            "timing": f"{'wall clock' if self.dry else 'CUDA events'} around forward + backward(g), median of "
-                      f"{args.reps} after {args.warmup} warm-ups, synchronised per step",
-            "flops_note": "useful FLOPs of forward+backward counted as 3.5x the forward formula",
-            "notes": ["the gather peers' LSE gets no gradient: a lower bound for an exact method",
-                      "dense: plain dense SDPA, a REFERENCE POINT only (not the same math)",
-                      "grad_rel_err_vs_dilgen: [dq, dk, dv] of each exact peer against dilgen's, same inputs"],
-            "check": []})
-        self.res = tk.Results(tk.result_path(args.out, "backward", self.dry), head, append=args.append)
+            "timing": f"{'wall clock' if self.dry else 'CUDA events'}{' around forward + backward(g)' * self.fwd_bwd}"
+                      f", median of {args.reps} after {args.warmup} warm-ups", "notes": self.NOTES, "check": []})
+        self.res = tk.Results(tk.result_path(args.out, self.kind, self.dry), head, append=args.append)
+
+    def selected(self, m):
+        return m in self.a.methods or m.startswith("dilgen:")
 
     def spec(self, cname, causal):
-        return tk.make_spec(cname, self.configs[cname], causal, prefix="bwd")
+        return tk.make_spec(cname, self.configs[cname], causal, prefix=self.prefix)
 
-    def fn(self, method, spec):
-        p = self.peers
-        if method == "dilgen":
-            kern = self.kernels.get(spec.name) or self.kernels.setdefault(spec.name, self.dilgen.compile(spec))
-            return lambda q, k, v: kern(q, k, v)
-        if method == "dense":
-            return lambda q, k, v: p.dense_sdpa(q, k, v, spec)[0]
-        return lambda q, k, v: p.PEERS[method](q, k, v, spec)[0]
+    def kernel(self, m, spec):
+        if (m, spec.name) not in self.kernels:
+            from dilgen.compiler import Kernel
+            tuning = self.a.tunings[m[7:]] if m.startswith("dilgen:") else None
+            self.kernels[(m, spec.name)] = Kernel(spec, None, tuning) if tuning else self.dilgen.compile(spec)
+        return self.kernels[(m, spec.name)]
 
-    def leaves(self, cfg, seed, n=None, b=None):
-        torch = self.torch
-        g = torch.Generator(device=self.dev).manual_seed(seed)
-        shape = (b or cfg["B"], n or cfg["N"], cfg["H"], cfg["D"])
-        q, k, v, go = (torch.randn(shape, device=self.dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
-        return [t.requires_grad_(True) for t in (q, k, v)], go
+    def check_n(self, cname):
+        return self.a.check_n or 1024
 
-    @staticmethod
-    def grads(fn, qkv, go):
-        for t in qkv:
-            t.grad = None
-        out = fn(*qkv)
-        out.backward(go)
-        return out.detach(), [t.grad.detach().clone() for t in qkv]
+    def inputs(self, cfg, seed, n=None, b=None):
+        """q, k, v (leaves when fwd_bwd) and the cotangent g (fwd_bwd)."""
+        g = self.torch.Generator(device=self.dev).manual_seed(seed)
+        x = [self.torch.randn(b or cfg["B"], n or cfg["N"], cfg["H"], cfg["D"], device=self.dev,
+                              dtype=self.torch.bfloat16, generator=g) for _ in range(3 + self.fwd_bwd)]
+        return tuple(t.requires_grad_(self.fwd_bwd) for t in x[:3]) + tuple(x[3:])
 
-    # ------------------------------------------------------------------ 1. correctness
-    def check(self):
+    def callables(self, m, spec, x):
+        """(forward + backward(g), its cloned dq, dk, dv)."""
+        q, k, v, g = x
+        if m == "cudnn_floor":
+            return (self.peers.lane_floor(spec, q.shape[0], q.shape[1], self.dev, grad=True),) * 2
+        if m.startswith("dilgen"):
+            kern = self.kernel(m, spec)
+            out_of = lambda: kern(q, k, v)  # noqa: E731
+        else:
+            peer = self.peers.PEERS["dense_sdpa" if m == "dense" else m]
+            out_of = lambda: peer(q, k, v, spec)[0]  # noqa: E731
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            out_of().backward(g)
+
+        def first():
+            step()
+            return [t.grad.detach().clone() for t in (q, k, v)]
+        return step, first
+
+    def compare(self, row, m, res, base, against):
+        errs = row.setdefault(f"grad_rel_err_vs_{against}", {})[m] = [tk.rel_err(x, y) for x, y in zip(res, base)]
+        return f"  grads vs {against} " + "/".join(f"{e:.1e}" for e in errs)
+
+    def row_extra(self, cfg, causal):
+        return {"grad_rel_err_vs_dilgen": {}}
+
+    def skip_reason(self, m, cfg):
+        a, took = self.a, time.time() - self.t0
+        if not self.selected(m):
+            return "not selected (--methods)"
+        if m == "dense" and cfg["N"] > a.dense_max_n:
+            return f"skipped: N={cfg['N']} > --dense-max-n={a.dense_max_n} (reference point only)"
+        if m == "flex" and self.fwd_bwd and self.dev.type == "cpu":
+            return "skipped: FlexAttention has no backward on the CPU (dry run)"
+        if m == "flex" and cfg["N"] > getattr(a, "flex_max_n", cfg["N"]):
+            return f"skipped: N={cfg['N']} > --flex-max-n={a.flex_max_n}"
+        if m == "flex" and took > a.budget_s:
+            return f"skipped: time budget --budget-s={a.budget_s:.0f} spent ({took:.0f} s)"
+        return None
+
+    def check_case(self, spec, x, methods, tol=None):
+        """out, dq, dk, dv of `methods` against autograd through the float64 reference."""
         from dilgen.reference import differentiable_reference
-        n_req = self.args.check_n
-        log("== gradient check (B=1, bf16) against autograd through the float64 reference ==")
+        q, k, v, g = x
+        ref = [t.detach().cpu().double().requires_grad_(True) for t in (q, k, v)]
+        ro, _ = differentiable_reference(*ref, spec)
+        ro.backward(g.cpu().double())
+        want, recs, got = [ro.detach()] + [t.grad for t in ref], [], {}
+        for m in methods:
+            rec = {"method": m}
+            try:
+                out = (self.kernel(m, spec)(q, k, v) if m.startswith("dilgen")
+                       else self.peers.PEERS[m](q, k, v, spec)[0])
+                for t in (q, k, v):
+                    t.grad = None
+                out.backward(g)
+                got[m] = [t.grad.detach().clone() for t in (q, k, v)]
+                errs = rec["rel_err_out_dq_dk_dv"] = [tk.rel_err(a.cpu(), b) for a, b in zip([out] + got[m], want)]
+                rec["passed"] = bool(errs[0] < BOUND_OUT and max(errs[1:]) < BOUND_GRAD)
+                rec["_detail"] = "out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs)
+            except Exception as e:  # noqa: BLE001
+                rec.update(error=tk.short_err(e), passed=False)
+            recs.append(rec)
+        if "dilgen" in got and "gather_cudnn" in got:
+            errs = [tk.rel_err(a, b) for a, b in zip(got["dilgen"], got["gather_cudnn"])]
+            recs.append({"method": "dilgen_vs_gather_cudnn", "passed": True, "rel_err_dq_dk_dv": errs,
+                         "_detail": "dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs)})
+        return recs
+
+    def check(self):
+        log("== correctness (B=1, bf16) against the float64 reference (dilgen.reference) ==")
+        checked = [m for m in self.methods if m in self.CHECKED and self.selected(m) or m.startswith("dilgen:")]
         for i, (cname, causal) in enumerate(self.variants):
             cfg, spec = self.configs[cname], self.spec(cname, causal)
-            n = min(n_req, cfg["N"])
-            qkv, go = self.leaves(cfg, self.args.seed + 1000 + i, n=n, b=1)
-            ref = [t.detach().cpu().double().requires_grad_(True) for t in qkv]
-            ro, _ = differentiable_reference(*ref, spec)
-            ro.backward(go.cpu().double())
-            want = [ro.detach()] + [t.grad for t in ref]
-            got_by = {}
-            for m in [m for m in ("dilgen", "gather_cudnn") if m in self.args.methods]:
-                rec = {"config": cname, "causal": causal, "N": n, "method": m}
-                try:
-                    out, gr = self.grads(self.fn(m, spec), qkv, go)
-                    got_by[m] = gr
-                    errs = [tk.rel_err(a.cpu(), b) for a, b in zip([out] + gr, want)]
-                    rec["rel_err_out_dq_dk_dv"] = errs
-                    rec["passed"] = bool(errs[0] < BOUND_OUT and max(errs[1:]) < BOUND_GRAD)
-                    detail = "out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs)
-                except Exception as e:  # noqa: BLE001
-                    rec.update(error=tk.short_err(e), passed=False)
-                    detail = rec["error"]
-                self.res.data["check"].append(rec)
-                log(f"  {'ok  ' if rec['passed'] else 'FAIL'} {cname} causal={causal!s:5s} N={n} {m:12s} {detail}")
-                if m == "dilgen" and not rec["passed"]:
-                    self.check_failed = True
-            if len(got_by) == 2:
-                errs = [tk.rel_err(a, b) for a, b in zip(got_by["dilgen"], got_by["gather_cudnn"])]
-                self.res.data["check"].append({"config": cname, "causal": causal, "N": n,
-                                               "method": "dilgen_vs_gather_cudnn", "rel_err_dq_dk_dv": errs})
+            n = min(self.check_n(cname), cfg["N"])
+            for rec in self.check_case(spec, self.inputs(cfg, self.a.seed + 1000 + i, n=n, b=1), checked):
+                rec.update(config=cname, causal=causal, N=n)
+                self.log_check(rec, f"{cname} causal={causal!s:5s} N={n}")
             self.peers.clear_caches()
             tk.cleanup(self.dev)
+        if any(r["method"] == "flex_block_mask" and not r["passed"] for r in self.res.data["check"]):
+            log("  !! analytic flex block mask differs from create_block_mask's: flex uses --flex-mask create")
+            self.peers.FLEX_MASK_METHOD = "create"
+        if self.check_failed:
+            log("  !! dilgen FAILED the correctness check: its timings are not meaningful")
         self.res.data["check_passed"] = not self.check_failed
         self.res.save()
 
+    def log_check(self, rec, where):
+        detail = rec.pop("_detail", None)
+        self.res.data["check"].append(rec)
+        log(f"  {'ok  ' if rec['passed'] else 'FAIL'} {where} {rec['method']:15s} "
+            f"{rec.get('error') or rec.get('detail') or detail}")
+        self.check_failed |= rec["method"] in ("dilgen", "reference") and not rec["passed"]
+
     # ------------------------------------------------------------------ 2. timing
-    def skip_reason(self, m, cfg):
-        if m not in self.args.methods:
-            return "not selected (--methods)"
-        if m == "dense" and cfg["N"] > self.args.dense_max_n:
-            return f"skipped: N={cfg['N']} > --dense-max-n={self.args.dense_max_n} (reference point only)"
-        if m == "flex" and self.dev.type == "cpu":
-            return "skipped: FlexAttention has no backward on the CPU (dry run)"
-        if m == "flex" and time.time() - self.t0 > self.args.budget_s:
-            return f"skipped: time budget --budget-s={self.args.budget_s:.0f} spent"
-        return None
+    def run_method(self, row, m, spec, x, base, say, against="dilgen"):
+        """Time one method on inputs x, fail soft; its first call compared with base; returns
+        the first call's result for dilgen (the base of the others)."""
+        a, fn = self.a, None
+        reason = self.skip_reason(m, self.configs[row["config"]])
+        if reason:
+            row["errors"][m] = reason
+            return say(f"    {m:12s} {reason}")
+        try:
+            fn, first = self.callables(m, spec, x)
+            if m == "flex":
+                info = self.peers.flex_block_mask(spec, row["N"], self.dev, self.peers.FLEX_MASK_METHOD)[3]
+                row["flex_mask_method"], row["flex_mask_build_s"] = info["method"], round(info["build_s"], 3)
+            t1, res = tk.first_call_s(first, self.dev)
+            row[f"{m}_first_call_s"] = round(t1, 3)
+            note = "" if base is None or m in self.POINTS else self.compare(row, m, res, base, against)
+            kept = res if m in ("dilgen", "gather_cudnn") else None
+            del res
+            pk = tk.peak_extra_gib(fn, self.dev)
+            row[f"{m}_peak_extra_gib"] = None if pk is None else round(pk, 4)
+            t = tk.time_ms(fn, a.warmup, a.reps, self.dev)
+            row[f"{m}_ms"], row["timing_ms"][m] = t["median"], t
+            row["useful_tflops_by_method"][m] = row["useful_gflop"] / t["median"]
+            say(f"    {m:12s} {t['median']:9.3f} ms {row['useful_gflop'] / t['median']:7.1f} useful TFLOP/s  "
+                f"peak +{tk.fmt(pk)} GiB  first call {t1:.1f} s{note}")
+            return kept
+        except Exception as e:  # noqa: BLE001 - fail soft: record, go on
+            oom = isinstance(e, self.torch.OutOfMemoryError)
+            row["errors"][m] = ("OOM: " if oom else "") + tk.short_err(e, 200 if oom else 400)
+            say(f"    {m:12s} {'OOM' if oom else 'ERROR'} {tk.short_err(e, 300)}")
+            if os.environ.get("BENCH_TRACEBACK"):
+                traceback.print_exc()
+        finally:
+            fn = first = None
+            for t_ in x:
+                t_.grad = None
+            tk.cleanup(self.dev)
+
+    def finish(self, row):
+        d = row.get("dilgen_ms")
+        row["useful_tflops"] = row["useful_gflop"] / d if d else None
+        for m in self.methods[1:]:
+            row[f"speedup_vs_{m}"] = row[f"{m}_ms"] / d if (row.get(f"{m}_ms") and d) else None
+        if row.get("dense_ms") and "dense_gflop" in row:
+            row["dense_tflops"] = row["dense_gflop"] / row["dense_ms"]
+        self.res.save()
 
     def timing(self):
-        a, torch = self.args, self.torch
-        log(f"\n== timing: forward + backward (median of {a.reps} after {a.warmup} warm-ups) ==")
-        prog = tk.Progress(len(self.variants), "backward")
+        a = self.a
+        log(f"\n== timing (median of {a.reps} after {a.warmup} warm-ups; flex skipped after {a.budget_s:.0f} s) ==")
+        prog = tk.Progress(len(self.variants), self.kind)
         for i, (cname, causal) in enumerate(self.variants):
             cfg, spec = self.configs[cname], self.spec(cname, causal)
             row = self.res.add({
                 "config": cname, "causal": causal, "B": cfg["B"], "H": cfg["H"], "N": cfg["N"], "D": cfg["D"],
                 "segment_lengths": cfg["ws"], "dilation_rates": cfg["rs"], "hilbert": cfg.get("hilbert"),
-                "useful_gflop": tk.useful_flops(cfg, causal, fwd_bwd=True) / 1e9, "useful_tflops": None,
-                "useful_tflops_by_method": {}, "timing_ms": {}, "grad_rel_err_vs_dilgen": {}, "errors": {},
-                **{f"{m}_ms": None for m in METHODS}})
-            prog.write(f"{prog.tag()} {tk.config_text(cname, cfg)} causal={causal}: "
-                       f"{row['useful_gflop']:.1f} useful GFLOP (fwd+bwd)")
-            qkv, go = self.leaves(cfg, a.seed + i)
-            base = None
-            for m in METHODS:
-                reason = self.skip_reason(m, cfg)
-                if reason:
-                    row["errors"][m] = reason
-                    prog.write(f"    {m:12s} {reason}")
-                    continue
-                fn = self.fn(m, spec)
-                try:
-                    first, (_, gr) = tk.first_call_s(lambda: self.grads(fn, qkv, go), self.dev)
-                    row[f"{m}_first_call_s"] = round(first, 3)
-                    extra = ""
-                    if m == "dilgen":
-                        base = gr
-                    elif m in EXACT and base is not None:
-                        errs = [tk.rel_err(x, y) for x, y in zip(gr, base)]
-                        row["grad_rel_err_vs_dilgen"][m] = errs
-                        extra = "  grads vs dilgen " + "/".join(f"{e:.1e}" for e in errs)
-                    del gr
-
-                    def step():
-                        for t in qkv:
-                            t.grad = None
-                        fn(*qkv).backward(go)
-                    pk = tk.peak_extra_gib(step, self.dev)
-                    row[f"{m}_peak_extra_gib"] = None if pk is None else round(pk, 4)
-                    t = tk.time_ms(step, a.warmup, a.reps, self.dev)
-                    row[f"{m}_ms"], row["timing_ms"][m] = t["median"], t
-                    row["useful_tflops_by_method"][m] = row["useful_gflop"] / t["median"]
-                    prog.write(f"    {m:12s} {t['median']:9.3f} ms {row['useful_gflop'] / t['median']:7.1f} useful "
-                               f"TFLOP/s  first call {first:.1f} s{extra}")
-                except Exception as e:  # noqa: BLE001 - fail soft
-                    oom = isinstance(e, torch.OutOfMemoryError)
-                    row["errors"][m] = ("OOM: " if oom else "") + tk.short_err(e)
-                    prog.write(f"    {m:12s} {'OOM' if oom else 'ERROR'} {tk.short_err(e, 300)}")
-                    if os.environ.get("BENCH_TRACEBACK"):
-                        traceback.print_exc()
-                finally:
-                    for t_ in qkv:
-                        t_.grad = None
-                    fn = None
-                    tk.cleanup(self.dev)
-                self.res.save()
-            del qkv, go, base
+                "useful_gflop": tk.useful_flops(cfg, causal, self.fwd_bwd) / 1e9, "useful_tflops": None,
+                "useful_tflops_by_method": {}, "timing_ms": {}, "errors": {}, **self.row_extra(cfg, causal),
+                **{f"{m}_ms": None for m in self.methods}})
+            prog.write(f"{prog.tag()} {tk.config_text(cname, cfg)} causal={causal}: {row['useful_gflop']:.1f} GFLOP")
+            x, base, against = self.inputs(cfg, a.seed + i), None, None
+            for m in self.methods:            # the first of dilgen, gather_cudnn to run is the others' base
+                if m == "flex":
+                    row["flex_checked_against"] = against
+                kept = self.run_method(row, m, spec, x, base, prog.write, against)
+                if base is None and kept is not None:
+                    base, against = kept, m
+            del x, base
             self.peers.clear_caches()
-            tk.cleanup(self.dev)
-            d = row["dilgen_ms"]
-            row["useful_tflops"] = row["useful_gflop"] / d if d else None
-            for m in METHODS[1:]:
-                row[f"speedup_vs_{m}"] = row[f"{m}_ms"] / d if (row[f"{m}_ms"] and d) else None
-            self.res.save()
-            prog.step(f"{cname} causal={causal}: dilgen {tk.fmt(d, '.3f')} ms")
-        prog.close()
-
-    def report(self):
-        rows = self.res.all_rows()
-
-        def cell(r, m):
-            ms = r.get(f"{m}_ms")
-            if ms is not None:
-                return f"**{ms:.2f}**" if m == "dilgen" else f"{ms:.2f}"
-            e = (r.get("errors") or {}).get(m, "")
-            return "—" if not e or e.startswith(("skipped", "not selected")) else ("OOM" if e.startswith("OOM") else "err")
-        log(f"\n== forward + backward, median ms ({self.res.data['device']}) ==")
-        log(tk.markdown_table(
-            ["config", "causal", "dilgen", "useful TFLOP/s", "gather+cuDNN", "gather+flash", "FlexAttention",
-             "dense SDPA"],
-            [[r["config"], "yes" if r["causal"] else "no", cell(r, "dilgen"), tk.fmt(r.get("useful_tflops"), ".0f")]
-             + [cell(r, m) for m in METHODS[1:]] for r in rows]))
-        log("\nexact peers' gradients against dilgen's at full size (rel. err. dq/dk/dv):")
-        for r in rows:
-            parts = [f"{m} " + "/".join(f"{e:.1e}" for e in errs) for m, errs in (r.get("grad_rel_err_vs_dilgen") or {}).items()]
-            log(f"  {r['config']} causal={r['causal']!s:5s} " + (", ".join(parts) or "-"))
-        for r in rows:
-            for m, e in (r.get("errors") or {}).items():
-                if not e.startswith("not selected"):
-                    log(f"  {r['config']} causal={r['causal']} {m}: {e}")
-        if not self.args.no_plot:
-            draw_plots(self.res.data, rows, tk.result_path(self.args.out, "backward", self.dry))
+            self.finish(row)
+            prog.step(f"{cname} causal={causal}: dilgen {tk.fmt(row['dilgen_ms'], '.3f')} ms")
 
 
-def draw_plots(data: dict, rows: list, json_path: Path) -> None:
-    """backward-<date>.png (fwd+bwd ms per method) beside the result file json_path."""
-    tk.plot_bars(rows, METHODS, json_path.with_suffix(".png"), "forward+backward ms (log scale; lower is better)",
-                 f"dilated attention fwd+bwd, bf16 — {data['device']}, torch {data['torch']}, {data['date']}")
+def report(data: dict, rows: list, path, draw=None) -> None:
+    """README's table (ms, dilgen's TFLOP/s, each method, dilgen causal / non-causal), the
+    exact peers and variants against dilgen, the errors, the plots."""
+    shown = [m for m in PLOTTED[1:] if any(r.get(f"{m}_ms") for r in rows)]
+    shown += sorted({k[:-3] for r in rows for k in r if k.startswith("dilgen:") and k.endswith("_ms")})
+    nc = {r["config"]: r.get("dilgen_ms") for r in rows if not r["causal"]}
+
+    def cell(r, m):
+        if r.get(f"{m}_ms") is not None:
+            return f"**{r[f'{m}_ms']:.2f}**" if m == "dilgen" else f"{r[f'{m}_ms']:.2f}"
+        e = (r.get("errors") or {}).get(m, "")
+        return "—" if not e or e.startswith(("skipped", "not selected")) else "OOM" if e.startswith("OOM") else "err"
+    log(f"\n== {Path(path).name.split('-')[0]}, median ms ({data.get('device')}) ==")
+    log(tk.markdown_table(
+        ["config", "causal", "dilgen ms", "useful TFLOP/s"] + [tk.NAMES.get(m, m) for m in shown] + ["causal / full"],
+        [[r["config"], "yes" if r["causal"] else "no", cell(r, "dilgen"), tk.fmt(r.get("useful_tflops"), ".0f")]
+         + [cell(r, m) for m in shown] + [tk.fmt(r["dilgen_ms"] / nc[r["config"]]) if r["causal"] and
+                                         r.get("dilgen_ms") and nc.get(r["config"]) else ""]
+         for r in sorted(rows, key=lambda r: (r["config"], r["causal"]))]))
+    if data.get("matmul_ceiling"):
+        log(f"matmul ceiling (bf16 {data['matmul_ceiling']['n']}^3): {data['matmul_ceiling']['tflops']:.0f} TFLOP/s")
+    log("\nexact peers and variants against dilgen at full size (relative error of out; fwd+bwd: dq/dk/dv):")
+    for r in rows:
+        parts = [f"{m} " + ("/".join(f"{x:.1e}" for x in e) if isinstance(e, list) else f"{e:.1e}")
+                 + ("" if k.endswith("_vs_dilgen") else " (vs gather_cudnn)")
+                 for k in ("rel_err_vs_dilgen", "rel_err_vs_gather_cudnn", "grad_rel_err_vs_dilgen",
+                           "grad_rel_err_vs_gather_cudnn")
+                 for m, e in (r.get(k) or {}).items() if e is not None]
+        log(f"  {r['config']} causal={r['causal']!s:5s} " + (", ".join(parts) or "-"))
+        for m, e in (r.get("errors") or {}).items():
+            if not e.startswith("not selected"):
+                log(f"  {r['config']} causal={r['causal']} {m}: {e}")
+    log("dense and cudnn_floor are reference points, NOT the same math.")
+    if draw:
+        draw(data, rows, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def merge_rerun(committed, rerun, methods=("dilgen",), draw=None) -> list:
+    """Fold a re-run of some methods (a bench_forward / bench_backward file or its data) into
+    a committed file of the same GPU: in each row of both (same config and causal flag) the
+    methods' fields (<m>_ms, _first_call_s, _peak_extra_gib, timing_ms, useful_tflops_by_method,
+    errors; dilgen's useful_tflops) are replaced and the speed-ups recomputed; the peers' stay.
+    Rows get `merged_from`, their checks come from the re-run, `earlier_runs` lists the merge,
+    and draw(data, rows, path) redraws the plots beside the file. Returns the merged keys."""
+    committed = Path(committed)
+    old = json.loads(committed.read_text())
+    new = rerun if isinstance(rerun, dict) else json.loads(Path(rerun).read_text())
+    if old.get("device") != new.get("device"):
+        raise ValueError(f"device differs: {old.get('device')!r} vs {new.get('device')!r}")
+
+    def key(r):
+        return r.get("config"), bool(r.get("causal"))
+    by_key, merged = {key(r): r for r in old["rows"]}, []
+    stamp = {k: new.get(k) for k in ("time", "device", "torch", "triton")} | {"methods": list(methods)}
+    for row in new["rows"]:
+        merged.append(key(row))
+        target = by_key.get(key(row))
+        if target is None:
+            old["rows"].append(row)
+            continue
+        for m in methods:
+            for sfx in ("_ms", "_first_call_s", "_peak_extra_gib"):
+                if m + sfx in row:
+                    target[m + sfx] = row[m + sfx]
+            for field in ("timing_ms", "useful_tflops_by_method"):
+                if m in row.get(field, {}):
+                    target.setdefault(field, {})[m] = row[field][m]
+        if "dilgen" in methods:
+            target["useful_tflops"] = row.get("useful_tflops", target.get("useful_tflops"))
+        dg = target.get("dilgen_ms")
+        for k in [k for k in target if k.startswith("speedup_vs_")]:
+            peer = target.get(k[len("speedup_vs_"):] + "_ms")
+            target[k] = peer / dg if peer and dg else None
+        target["errors"] = ({m: e for m, e in (target.get("errors") or {}).items() if m not in methods}
+                            | {m: e for m, e in (row.get("errors") or {}).items() if m in methods})
+        target["merged_from"] = stamp
+    keys = set(merged)
+    old["check"] = ([c for c in old.get("check", []) if key(c) not in keys]
+                    + [c for c in new.get("check", []) if key(c) in keys])
+    old.setdefault("earlier_runs", []).append(stamp | {"merged_rows": [list(k) for k in merged]})
+    if "check_passed" in new:
+        old["check_passed"] = bool(old.get("check_passed", True)) and bool(new["check_passed"])
+    tk.write_json_atomic(committed, old)
+    log(f"merged {len(merged)} row(s) into {committed}: {merged}")
+    if draw:
+        draw(old, old["rows"], committed)
+    return merged
+
+
+def main(argv=None, cls=Bench):
+    a = cls.parse(argv)
     tk.setup_paths()
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-    import torch
-    if not torch.cuda.is_available() and not args.dry_run_cpu:
-        log("bench_backward.py needs a CUDA GPU; --dry-run-cpu runs the flow on the CPU at toy sizes.")
+    tk.quiet()
+    if a.report_from:
+        data = json.loads(Path(a.report_from).read_text())
+        report(data, data["rows"], a.report_from, None if a.no_plot else cls.draw)
+        return 0
+    if getattr(a, "check_peers", False):
+        return cls.check_peers(a)
+    if tk.no_gpu(a.dry_run_cpu, f"bench_{cls.kind}.py"):
         return 2
-    b = Bench(args)
+    b = cls(a)
     d = b.res.data
     log(f"device {d['device']}  torch {d['torch']}  triton {d['triton']}  python {d['python']}  date {d['date']}")
-    log(f"variants {len(b.variants)}  methods {args.methods}  warmup {args.warmup} reps {args.reps}  json {b.res.path}")
-    if not args.no_check:
+    log(f"variants {len(b.variants)}  methods {a.methods}  tunings {list(a.tunings)}  warmup {a.warmup} "
+        f"reps {a.reps}  json {b.res.path}")
+    if not a.no_check:
         b.check()
     b.timing()
-    b.report()
+    report(b.res.data, b.res.all_rows(), b.res.path, None if a.no_plot else cls.draw)
+    if a.merge_into:
+        merge_rerun(a.merge_into, json.loads(b.res.path.read_text()), a.methods, None if a.no_plot else cls.draw)
     log(f"json: {b.res.path}   total {time.time() - b.t0:.0f} s")
     return 1 if b.check_failed else 0
 

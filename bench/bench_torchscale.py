@@ -1,34 +1,12 @@
 #!/usr/bin/env python3
-"""torchscale's LongNet (Prov-GigaPath's slide encoder) against the same model patched onto
-dilgen (issue 16): one GPU, bf16, one process, the same weights and the same inputs.
-
-Model: a GigaPath-sized LongNet encoder built the torchscale way (tests/torchscale_model.py:
-pre-norm layers, sub-LN before out_proj and in the FFN), 12 layers, 768 wide, 16 heads of
-48, FFN 3072, segment lengths 1024 ... 16384 with ratios 1 ... 16 (--segments / --ratios,
-e.g. GigaPath's own 1024,5792,32768,185363,1048576), random weights.
-
-Methods:
-  torchscale  torchscale's algorithm as its users run it: per branch, zero padding, reshapes
-              into segments, each head block's rows, an attention kernel with LSE (cuDNN's
-              SDPA, torch.ops.aten._scaled_dot_product_cudnn_attention, as FlashAttention is
-              not on the device) and the LSE mix with weights under no_grad
-              (the float64 re-expression of tests/test_compat_torchscale.py, in bf16);
-  dilgen      a deep copy of the same model after dilgen.compat.torchscale.patch(model):
-              head_offsets "block", short_segments "zero_pad" kernels;
-  no_attention the patched model with its attention core replaced by the identity on v
-              (projections, sub-LN, FFN, norms unchanged): the time both models share,
-              so torchscale_ms / no_attention_ms bounds any attention's whole-model speed-up,
-              and (method - no_attention) is each method's attention time (Amdahl).
-Passes: "fwd" (inference: torch.no_grad, eval mode) and "fwd+bwd" (fine-tuning: forward,
-then backward of a fixed random cotangent into the weights and the input).
-
-Per (tiles, pass, method): median ms (CUDA events, bench/toolkit.py's time_ms), peak_GiB
-(torch.cuda.max_memory_allocated during one call: weights, inputs and activations) and
-extra_GiB (above what was allocated before the call); and, per tiles, the relative
-difference of the two models' outputs (bf16 both). Rows go to
-bench/results/torchscale-<date>-<gpu>.json (tiles, pass, method, ms, peak_GiB, ...),
-rewritten after every row, and a markdown table is printed at the end. Methods the kernels
-do not take yet (dilgen.spec.unsupported_by_kernels) get a row saying so, with ms null.
+"""torchscale's LongNet (Prov-GigaPath's slide encoder: 12 layers, 768 wide, 16 heads of 48,
+segments 1024 .. 16384, ratios 1 .. 16; tests/torchscale_model.py) against the same model after
+dilgen.compat.torchscale.patch, bf16, one GPU, same weights and inputs. Methods: torchscale (its
+algorithm with cuDNN's SDPA and LSE), dilgen (the patched copy), no_attention (the attention
+core replaced by the identity: the time both share, so torchscale / no_attention bounds any
+attention's whole-model speed-up). Passes fwd (no_grad) and fwd+bwd. Per row: median ms, peak
+and extra GiB; per tiles, the two models' outputs compared. Methods the kernels refuse
+(dilgen.spec.unsupported_by_kernels) get a row saying so.
 
   python bench/bench_torchscale.py                        # 10K, 30K, 70K tiles, fwd and fwd+bwd
   python bench/bench_torchscale.py --tiles 70000 --passes fwd
@@ -73,8 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed calls, median taken (default 5; smoke 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
-    ap.add_argument("--smoke", action="store_true",
-                    help=f"a tiny model on the CPU (numbers meaningless): {SMOKE}")
+    ap.add_argument("--smoke", action="store_true", help=f"a tiny model on the CPU (numbers meaningless): {SMOKE}")
     a = ap.parse_args(argv)
     if a.smoke:
         a.tiles_list, a.layers, a.embed, a.heads = SMOKE["tiles"], SMOKE["layers"], SMOKE["embed"], SMOKE["heads"]
@@ -83,21 +60,10 @@ def parse_args(argv=None):
         a.tiles_list, a.seg_list, a.ratio_list = _ints(a.tiles), _ints(a.segments), _ints(a.ratios)
     if len(a.seg_list) != len(a.ratio_list):
         ap.error("--segments and --ratios must have the same length")
-    a.passes = [p for p in a.passes.split(",") if p]
-    a.methods = [m for m in a.methods.split(",") if m]
-    if set(a.passes) - set(PASSES) or set(a.methods) - set(METHODS):
-        ap.error(f"--passes from {PASSES}, --methods from {METHODS}")
+    a.passes, a.methods = tk.pick(a.passes, PASSES, "--passes"), tk.pick(a.methods, METHODS)
     a.warmup = a.warmup if a.warmup is not None else (0 if a.smoke else 2)
     a.reps = a.reps if a.reps is not None else (1 if a.smoke else 5)
     return a
-
-
-def _gpu_tag(name: str) -> str:
-    low = name.lower()
-    for tag in ("h200", "h100", "a100", "b200"):
-        if tag in low:
-            return tag
-    return "".join(c for c in low if c.isalnum())[:16] or "gpu"
 
 
 def main(argv=None) -> int:
@@ -106,7 +72,7 @@ def main(argv=None) -> int:
 
     import torchscale_model as tm
     import peers
-    from dilgen.compat.torchscale import patch, spec_for
+    from dilgen.compat import torchscale as compat
     from dilgen.spec import unsupported_by_kernels
 
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
@@ -120,18 +86,14 @@ def main(argv=None) -> int:
                         ffn_dim=4 * a.embed, layers=a.layers)
     ts_model = tm.make_encoder(args, seed=a.seed, dtype=dtype).to(device)
     dg_model = copy.deepcopy(ts_model)
-    replaced = patch(dg_model, verbose=False)
+    replaced = compat.patch(dg_model, verbose=False)
     models = {"torchscale": ts_model, "dilgen": dg_model, "no_attention": dg_model}
-    from dilgen.compat import torchscale as compat
 
     def identity_attend(q, k, v, spec):
         return v            # no attention core: what remains is the time both models share
-    refusal = unsupported_by_kernels(spec_for(args, a.heads, a.embed // a.heads))
+    refusal = unsupported_by_kernels(compat.spec_for(args, a.heads, a.embed // a.heads))
     dilgen_attention = "dilgen kernels"
-    if refusal and a.smoke:
-        # the kernels do not take torchscale's layout yet: the smoke run still goes through
-        # the patched model, with its attention computed by the float64 reference
-        from dilgen.compat import torchscale as compat
+    if refusal and a.smoke:      # kernels pending: the smoke run's patched model uses the float64 reference
         from dilgen.reference import differentiable_reference
         compat._attend = lambda q, k, v, spec: differentiable_reference(
             q.double(), k.double(), v.double(), spec)[0].to(q.dtype)
@@ -144,9 +106,8 @@ def main(argv=None) -> int:
                   "segment_length": a.seg_list, "dilated_ratio": a.ratio_list, "dtype": "bfloat16"},
         "torchscale_attention": "aten._scaled_dot_product_cudnn_attention (LSE)" if device.type == "cuda"
         else "fp32 math fallback (CPU smoke)", "dilgen_attention": dilgen_attention})
-    date = head["date"]
-    tag = "cpu-smoke" if a.smoke else _gpu_tag(head.get("device", "gpu"))
-    res = tk.Results(Path(a.out) / f"torchscale-{date}-{tag}.json", head, key=("tiles", "pass", "method"))
+    tag = "cpu-smoke" if a.smoke else tk.gpu_tag(head.get("device", "gpu"))
+    res = tk.Results(Path(a.out) / f"torchscale-{head['date']}-{tag}.json", head, key=("tiles", "pass", "method"))
     log(f"{head.get('device')}: {len(replaced)} DilatedAttention modules patched; "
         f"w {a.seg_list} r {a.ratio_list}; dilgen: {'pending: ' + refusal if refusal else dilgen_attention}")
 
@@ -185,7 +146,7 @@ def main(argv=None) -> int:
                 try:
                     t0 = time.perf_counter()
                     first = fn()
-                    tk._sync(device)
+                    tk.sync(device)
                     row["first_call_s"] = round(time.perf_counter() - t0, 3)
                     if pas == "fwd":
                         outs[method] = first
@@ -214,10 +175,7 @@ def main(argv=None) -> int:
             res.save()
             log(f"  {n} tiles: dilgen vs torchscale outputs (bf16): relative difference {err:.2e}")
         del outs
-    progress.close()
-
-    rows = res.rows
-    get = {(r["tiles"], r["pass"], r["method"]): r for r in rows}
+    get = {(r["tiles"], r["pass"], r["method"]): r for r in res.rows}
     table = []
     for n in a.tiles_list:
         for pas in a.passes:
@@ -236,10 +194,7 @@ def main(argv=None) -> int:
                               "no-attention ms", "attention-only speed-up", "bound (torchscale / no-attention)",
                               "torchscale peak GiB", "dilgen peak GiB"], table)
     res.data["table_md"] = text
-    path = res.save()
-    log("")
-    log(text)
-    log(f"\nwrote {path}")
+    log(f"\n{text}\n\nwrote {res.save()}")
     return 0
 
 

@@ -1,212 +1,133 @@
-"""The peers dilgen is benchmarked against, all with the attention of SPEC.md §2.
+"""The peers dilgen is benchmarked against, each exact for every spec (SPEC.md §2: r ∤ w,
+short last segments, GQA, Hilbert orderings), plus two reference points. Each is
+``peer(q, k, v, spec) -> (out, lse)`` in dilgen's layout: q (B, N, H, D), k, v (B, N, Hkv, D);
+out in q's dtype, lse (B, H, N) float32 (−inf, out 0, where no branch keeps the query).
 
-Every peer is a function ``peer(q, k, v, spec) -> (out, lse)`` with the dilgen layout:
-q (B, N, H, D), k and v (B, N, Hkv, D); out (B, N, H, D) in the dtype of q and lse
-(B, H, N) float32 (natural log of the softmax denominator; -inf, with out = 0, where no
-branch keeps the query). ``spec`` is a ``dilgen.Spec`` (or anything with its field
-names: num_heads, num_kv_heads, head_dim, segment_lengths, dilation_rates, causal,
-softmax_scale).
-
-The semantics, per branch (w, r): segments [s*w, min((s+1)*w, N)) (the last one may be
-short, nothing is padded); in head h the branch keeps the positions whose offset t from
-the segment start has t mod r == h mod r; kept queries attend to the kept keys of their
-segment (key <= query when causal); branches are merged with LongNet Eq. 10,
-out = sum_i exp(lse_i - lse) o_i, lse = logsumexp_i lse_i (a key kept by two branches
-counts twice). Query head h reads key/value head h // (H / Hkv).
-
-Peers:
-  gather_cudnn  per branch and head group (heads with equal h mod r), gather the kept rows
-                into dense (B*segments, heads, rows, D) tensors, run cuDNN attention
-                (aten._scaled_dot_product_cudnn_attention, which returns the LSE), scatter
-                back, merge the branches in fp32.
-  gather_flash  the same with aten._scaled_dot_product_flash_attention (FlashAttention-2).
-  flex          FlexAttention: mask_mod = union of the branches (and causal), score_mod =
-                + log(multiplicity) where several branches keep a pair; torch.compile'd.
-  dense_sdpa    plain dense SDPA over the whole sequence (causal or not). NOT the same
-                math: a reference point only (what one runs without dilation). Its lse is
-                None.
-
-Hilbert ordering (spec.hilbert, SPEC §2): branch i walks its segments in a virtual
-order pi_i (virtual position -> raster position; scope "segment": the gilbert curve of the
-branch's own grid inside every segment, a short last segment keeping the curve order of
-the positions that exist; scope "sequence": one curve over the whole rows x cols image).
-The segments and the lanes t mod r == h mod r are cut along the virtual order; causal
-masking compares raster positions. The gather peers gather the raster positions
-pi_i(s*w + o + r*j) of each segment, sorted, so that "key <= query in raster order" is
-again the lower triangle of each gathered block; flex looks the virtual positions up in
-pi_i^-1 inside mask_mod / score_mod. The tables come from dilgen.runtime.tables (the
-same tables as dilgen's kernels; dilgen.reference carries its own independent curve, and
-tools/check_peers_cpu.py compares the two).
-
-Without CUDA (or for float32 inputs, which the fused kernels do not take) the gather
-peers run their per-segment attention with an explicit fp32 softmax, so their semantics
-can be checked on a CPU against dilgen.reference (see tools/check_peers_cpu.py).
+  gather_cudnn  per branch and head group (equal h mod r): the kept rows gathered into dense
+                (B·segments, heads, rows, D), cuDNN attention with LSE, scatter, LongNet's
+                Eq. 10 merge in fp32 (a key kept by two branches counts twice)
+  gather_flash  the same with FlashAttention-2
+  flex          FlexAttention: mask_mod = union of the branches (+ causal), score_mod =
+                + log(multiplicity); BlockMask from the segment structure (raster); on a
+                packed row of sequences: document_block_mask (bench_varlen.py)
+  dense_sdpa    dense SDPA over the whole sequence: a reference point, not the same math
+  lane_floor    cuDNN on the gathered lane shapes, no gather, scatter or merge: the vendor
+                kernels' floor under any gather peer (a reference point)
+Hilbert: branch i cuts segments and lanes along its virtual order pi_i (dilgen.runtime.tables,
+the kernels' own tables), causal compares raster positions; the gather peers gather pi_i(...)
+sorted per segment, flex looks positions up in pi_i⁻¹. On the CPU (or fp32) the gather peers
+use an fp32 softmax and flex runs eagerly: `bench_forward.py --check-peers` checks every peer
+against dilgen.reference (float64).
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import json
 import math
+import operator
 import time
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["gather_cudnn", "gather_flash", "flex", "dense_sdpa", "PEERS", "EXACT_PEERS",
-           "flex_block_mask", "clear_caches", "branches_of", "scale_of", "hilbert_of", "virtual_tables"]
-
-
-# --------------------------------------------------------------------------- spec access
-
-def _get(spec, name, default=None):
-    if isinstance(spec, dict):
-        return spec.get(name, default)
-    return getattr(spec, name, default)
+_TABLES: dict = {}
+_ROWS: dict = {}
+_BLOCK_MASKS: dict = {}
+_FLEX_COMPILED = None
+FLEX_MASK_METHOD = "analytic"   # bench_forward.py sets it from --flex-mask (Hilbert specs: "create")
 
 
 def branches_of(spec) -> list[tuple[int, int]]:
-    return [(int(w), int(r)) for w, r in zip(_get(spec, "segment_lengths"),
-                                           _get(spec, "dilation_rates"))]
+    return [(int(w), int(r)) for w, r in zip(spec.segment_lengths, spec.dilation_rates)]
 
 
 def scale_of(spec, head_dim: int) -> float:
-    s = _get(spec, "softmax_scale", None)
-    return 1.0 / math.sqrt(head_dim) if s is None else float(s)
+    return 1.0 / math.sqrt(head_dim) if spec.softmax_scale is None else float(spec.softmax_scale)
 
 
 def hilbert_of(spec) -> dict | None:
-    """spec.hilbert as a plain dict ({"scope", "grids"?, "grid"?}) or None."""
-    h = _get(spec, "hilbert", None)
-    if h is None:
-        return None
-    if hasattr(h, "to_json"):
-        return h.to_json()
-    if isinstance(h, dict):
-        return dict(h)
-    return {k: getattr(h, k) for k in ("scope", "grids", "grid") if getattr(h, k, None) is not None}
-
-
-def _segment_grid(w: int, i: int, hil: dict) -> tuple[int, int]:
-    grids = hil.get("grids")
-    if grids is not None:
-        rows, cols = (int(x) for x in grids[i])
-    else:
-        if w & (w - 1):
-            raise ValueError(f"segment_lengths[{i}] = {w}: Hilbert segment scope without grids needs a power of two")
-        k = w.bit_length() - 1
-        rows, cols = 1 << (k // 2), 1 << ((k + 1) // 2)
-    if rows * cols != w:
-        raise ValueError(f"hilbert grid [{rows}, {cols}] of branch {i}: rows*cols != w = {w}")
-    return rows, cols
-
-
-_TABLES: dict = {}
+    h = getattr(spec, "hilbert", None)
+    return None if h is None else h.to_json() if hasattr(h, "to_json") else dict(h)
 
 
 def virtual_tables(spec, N: int, device) -> list:
-    """Per branch: None (raster order) or pi_i as an int64 tensor of length N on `device`:
-    virtual position (curve order, in which segments and lanes are cut) -> raster position."""
-    hil = hilbert_of(spec)
-    branches = branches_of(spec)
+    """Per branch None (raster) or pi_i, int64 (N,) on `device`: virtual -> raster position."""
+    hil, branches = hilbert_of(spec), branches_of(spec)
     if hil is None:
         return [None] * len(branches)
     from dilgen.runtime.tables import table_tensors
-    device = torch.device(device)
     out = []
     for i, (w, _) in enumerate(branches):
         if hil["scope"] == "sequence":
-            desc = {"scope": "sequence", "grid": [int(x) for x in hil["grid"]]}
-        elif hil["scope"] == "segment":
-            desc = {"scope": "segment", "grid": list(_segment_grid(w, i, hil))}
+            grid = [int(x) for x in hil["grid"]]
+        elif hil.get("grids") is not None:
+            grid = [int(x) for x in hil["grids"][i]]
         else:
-            raise ValueError(f"hilbert.scope = {hil['scope']!r}")
-        key = (json_key(desc), int(N), str(device))
+            if w & (w - 1):
+                raise ValueError(f"segment_lengths[{i}] = {w}: Hilbert segment scope without grids needs 2^k")
+            k = w.bit_length() - 1
+            grid = [1 << (k // 2), 1 << ((k + 1) // 2)]
+        desc = {"scope": hil["scope"], "grid": grid}
+        key = (json.dumps(desc, sort_keys=True), int(N), str(device))
         if key not in _TABLES:
-            fwd, _ = table_tensors(desc, int(N), torch.device("cpu"))
-            _TABLES[key] = fwd.to(device=device, dtype=torch.int64)
+            _TABLES[key] = table_tensors(desc, int(N), torch.device("cpu"))[0].to(device=device, dtype=torch.int64)
         out.append(_TABLES[key])
     return out
 
 
-def json_key(d: dict) -> str:
-    import json
-    return json.dumps(d, sort_keys=True)
-
-
 def _check_shapes(q, k, v, spec):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be (B, N, H, D) / (B, N, Hkv, D)")
-    B, N, H, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[1] != N or k.shape[3] != D:
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    Hkv = k.shape[2]
-    if H % Hkv:
-        raise ValueError(f"k/v heads {Hkv} must divide q heads {H}")
-    nh = _get(spec, "num_heads", H)
-    if nh is not None and int(nh) != H:
-        raise ValueError(f"q has {H} heads but spec.num_heads = {nh}")
-    return B, N, H, Hkv, D
+    """(B, N, H, Hkv, D) of q (B, N, H, D), k, v (B, N, Hkv, D) that agree with spec.num_heads."""
+    B, N, H, D = q.shape if q.dim() == 4 else (None,) * 4
+    if B is None or k.shape != v.shape or tuple(k.shape[:2]) != (B, N) or k.shape[3] != D or H % k.shape[2] \
+            or int(spec.num_heads) != H:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}, "
+                         f"num_heads {spec.num_heads}")
+    return B, N, H, k.shape[2], D
 
 
 # --------------------------------------------------------------------------- per-segment attention
-# Each takes dense q, k, v (B', H', S, D) (same H' for q and k/v) and returns
-# out (B', H', S, D) in the input dtype and lse (B', H', S) float32.
+# (B', H', S, D) q, k, v -> out (B', H', S, D) in the input dtype, lse (B', H', S) float32
 
 def _attn_math(q, k, v, causal: bool, scale: float):
     """Explicit softmax in fp32 (the CPU / fp32 fallback)."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    S = q.shape[-2]
     if causal:
-        upper = torch.ones(S, S, dtype=torch.bool, device=q.device).triu_(1)
-        s = s.masked_fill(upper, float("-inf"))
+        S = q.shape[-2]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    out = torch.matmul(p, v.float()).to(q.dtype)
-    return out, lse
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
 
 
-def _fused_ok(q) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+def _attn_fused(cudnn: bool):
+    """cuDNN's or FlashAttention-2's attention with LSE (the fp32 math off CUDA or in fp32)."""
+    def attn(q, k, v, causal: bool, scale: float):
+        if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+            return _attn_math(q, k, v, causal, scale)
+        ops = torch.ops.aten
+        res = (ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale) if cudnn
+               else ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale))
+        # cuDNN's stats come as (B', H', S, 1): keep the first S entries of whatever comes
+        return res[0], res[1].reshape(q.shape[0], q.shape[1], -1)[:, :, :q.shape[2]].float()
+    return attn
 
 
-def _attn_cudnn(q, k, v, causal: bool, scale: float):
-    if not _fused_ok(q):
-        return _attn_math(q, k, v, causal, scale)
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale)
-    out, lse = res[0], res[1]
-    Bp, Hp, S = q.shape[0], q.shape[1], q.shape[2]
-    # cuDNN returns the stats as (B', H', S, 1); keep the first S entries of whatever comes
-    return out, lse.reshape(Bp, Hp, -1)[:, :, :S].float()
-
-
-def _attn_flash(q, k, v, causal: bool, scale: float):
-    if not _fused_ok(q):
-        return _attn_math(q, k, v, causal, scale)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale)
-    out, lse = res[0], res[1]
-    Bp, Hp, S = q.shape[0], q.shape[1], q.shape[2]
-    return out, lse.reshape(Bp, Hp, -1)[:, :, :S].float()
+_attn_cudnn, _attn_flash = _attn_fused(True), _attn_fused(False)
 
 
 # --------------------------------------------------------------------------- gather peers
 
 def _gather(x, start: int, nseg: int, seglen: int, g: int, r: int, heads):
-    """Rows start + s*seglen + g + j*r (s < nseg, g + j*r < seglen) of x (B, N, Hx, D),
-    heads `heads` (a slice or an index tensor), as a contiguous (B*nseg, Hg, m, D)."""
+    """Rows start + s·seglen + g + j·r of x (B, N, Hx, D), heads `heads`, as (B·nseg, Hg, m, D)."""
     B, _, Hx, D = x.shape
     y = x[:, start:start + nseg * seglen].view(B, nseg, seglen, Hx, D)[:, :, g::r]
     y = y[:, :, :, heads] if isinstance(heads, slice) else y.index_select(3, heads)
-    m, Hg = y.shape[2], y.shape[3]
-    return y.permute(0, 1, 3, 2, 4).reshape(B * nseg, Hg, m, D)
-
-
-_ROWS: dict = {}
+    return y.permute(0, 1, 3, 2, 4).reshape(B * nseg, y.shape[3], y.shape[2], D)
 
 
 def _kept_rows(pi, start: int, nseg: int, seglen: int, g: int, r: int):
-    """(nseg, m) int64 raster positions pi(start + s*seglen + g + r*j), sorted in each
-    segment (then "key <= query in raster order" is the lower triangle of a block).
-    Cached per table, like any gather-based implementation would keep its indices."""
+    """(nseg, m) raster positions pi(start + s·seglen + g + r·j), sorted per segment; cached
+    per table, as any gather-based implementation would keep its indices."""
     key = (pi.data_ptr(), pi.numel(), str(pi.device), start, nseg, seglen, g, r)
     hit = _ROWS.get(key)
     if hit is None or hit[0] is not pi:
@@ -218,43 +139,31 @@ def _kept_rows(pi, start: int, nseg: int, seglen: int, g: int, r: int):
 
 def _dilated_gather(attn, q, k, v, spec):
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # no-ops for the usual inputs
-    G = H // Hkv
-    causal = bool(_get(spec, "causal", False))
-    scale = scale_of(spec, D)
-    dev = q.device
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    G, causal, scale, dev = H // Hkv, bool(spec.causal), scale_of(spec, D), q.device
     outs, lses = [], []
     for (w, r), pi in zip(branches_of(spec), virtual_tables(spec, N, dev)):
         w_eff = min(w, N)
-        nfull = N // w_eff
-        tail = N - nfull * w_eff
-        # pieces of the sequence that have the same segment length: (start, nseg, seglen)
-        pieces = [(0, nfull, w_eff)] + ([(nfull * w_eff, 1, tail)] if tail else [])
-        o_b = torch.zeros(q.shape, dtype=q.dtype, device=dev)   # rows the branch does not keep stay 0
+        nfull, tail = N // w_eff, N % w_eff
+        pieces = [(0, nfull, w_eff)] + ([(nfull * w_eff, 1, tail)] if tail else [])   # (start, nseg, seglen)
+        o_b = torch.zeros(q.shape, dtype=q.dtype, device=dev)    # rows the branch does not keep stay 0
         l_b = torch.full((B, H, N), float("-inf"), device=dev, dtype=torch.float32)
-        for g in range(min(r, H)):                     # head group: heads h with h % r == g
+        for g in range(min(r, H)):                               # head group: h % r == g
             qh = slice(g, H, r)
-            if G == 1:
-                kvh = qh
-            else:
-                kvh = torch.arange(g, H, r, device=dev) // G
+            kvh = qh if G == 1 else torch.arange(g, H, r, device=dev) // G
             for start, nseg, seglen in pieces:
-                if g >= seglen:                        # this group keeps no row here
+                if g >= seglen:
                     continue
-                if pi is not None:                     # Hilbert: gather by index
-                    _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh,
-                                    causal, scale)
+                if pi is not None:
+                    _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh, causal, scale)
                     continue
-                qs = _gather(q, start, nseg, seglen, g, r, qh)
-                ks = _gather(k, start, nseg, seglen, g, r, kvh)
-                vs = _gather(v, start, nseg, seglen, g, r, kvh)
+                qs, ks, vs = (_gather(x, start, nseg, seglen, g, r, h) for x, h in ((q, qh), (k, kvh), (v, kvh)))
                 o, l = attn(qs, ks, vs, causal, scale)
                 Hg, m = qs.shape[1], qs.shape[2]
-                # scatter back: o (B*nseg, Hg, m, D) -> rows of o_b; l -> l_b
-                o_dst = o_b[:, start:start + nseg * seglen].view(B, nseg, seglen, H, D)[:, :, g::r, qh]
-                o_dst.copy_(o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4))
-                l_dst = l_b[:, qh, start:start + nseg * seglen].view(B, Hg, nseg, seglen)[:, :, :, g::r]
-                l_dst.copy_(l.view(B, nseg, Hg, m).permute(0, 2, 1, 3))
+                o_b[:, start:start + nseg * seglen].view(B, nseg, seglen, H, D)[:, :, g::r, qh].copy_(
+                    o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4))
+                l_b[:, qh, start:start + nseg * seglen].view(B, Hg, nseg, seglen)[:, :, :, g::r].copy_(
+                    l.view(B, nseg, Hg, m).permute(0, 2, 1, 3))
         outs.append(o_b)
         lses.append(l_b)
     return _merge(outs, lses, q.dtype)
@@ -263,245 +172,179 @@ def _dilated_gather(attn, q, k, v, spec):
 def _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh, causal, scale):
     """The Hilbert piece of _dilated_gather: rows pi(virtual lane positions), sorted."""
     B, _, H, D = q.shape
-    idx = _kept_rows(pi, start, nseg, seglen, g, r)               # (nseg, m)
-    m = idx.shape[1]
-    flat = idx.reshape(-1)
+    idx = _kept_rows(pi, start, nseg, seglen, g, r)
+    m, flat = idx.shape[1], idx.reshape(-1)
 
     def take(x, heads):
-        y = x.index_select(1, flat)                               # (B, nseg*m, Hx, D)
+        y = x.index_select(1, flat)
         y = y[:, :, heads] if isinstance(heads, slice) else y.index_select(2, heads)
         return y.view(B, nseg, m, y.shape[2], D).permute(0, 1, 3, 2, 4).reshape(B * nseg, y.shape[2], m, D)
-
-    qs, ks, vs = take(q, qh), take(k, kvh), take(v, kvh)
-    o, l = attn(qs, ks, vs, causal, scale)
+    qs = take(q, qh)
+    o, l = attn(qs, take(k, kvh), take(v, kvh), causal, scale)
     Hg = qs.shape[1]
     o_b[:, flat, qh] = o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4).reshape(B, nseg * m, Hg, D)
     l_b[:, qh, flat] = l.view(B, nseg, Hg, m).permute(0, 2, 1, 3).reshape(B, Hg, nseg * m)
 
 
 def _merge(outs, lses, dtype):
-    """LongNet Eq. 10 in fp32: out = sum_i exp(lse_i - lse) o_i, lse = logsumexp_i lse_i."""
-    L = torch.stack(lses)                                  # (nb, B, H, N)
-    lse = torch.logsumexp(L, dim=0)                        # -inf where no branch keeps
+    """LongNet Eq. 10 in fp32: out = Σ_i exp(lse_i − lse)·o_i, lse = logsumexp_i lse_i."""
+    L = torch.stack(lses)
+    lse = torch.logsumexp(L, dim=0)                              # −inf where no branch keeps
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     acc = None
     for i, o in enumerate(outs):
-        wgt = torch.exp(L[i] - lse_safe).transpose(1, 2).unsqueeze(-1)   # (B, N, H, 1); 0 where -inf
-        if acc is None:
-            acc = o.float().mul_(wgt)
-        else:
-            acc.addcmul_(o, wgt)                           # computed in fp32
+        wgt = torch.exp(L[i] - lse_safe).transpose(1, 2).unsqueeze(-1)
+        acc = o.float().mul_(wgt) if acc is None else acc.addcmul_(o, wgt)
     return acc.to(dtype), lse
 
 
-def gather_cudnn(q, k, v, spec):
-    """Gather per (branch, head group) + cuDNN attention with LSE + scatter + fp32 merge."""
-    return _dilated_gather(_attn_cudnn, q, k, v, spec)
+# gather per (branch, head group) + cuDNN / FlashAttention-2 with LSE + scatter + fp32 merge
+gather_cudnn = functools.partial(_dilated_gather, _attn_cudnn)
+gather_flash = functools.partial(_dilated_gather, _attn_flash)
 
-
-def gather_flash(q, k, v, spec):
-    """Gather per (branch, head group) + FlashAttention-2 with LSE + scatter + fp32 merge."""
-    return _dilated_gather(_attn_flash, q, k, v, spec)
-
-
-# --------------------------------------------------------------------------- dense SDPA
 
 def dense_sdpa(q, k, v, spec):
-    """REFERENCE POINT, not the same math: dense SDPA over the whole sequence."""
+    """REFERENCE POINT, not the same math: dense SDPA over the whole sequence (lse None)."""
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
-    kw = {"is_causal": bool(_get(spec, "causal", False)), "scale": scale_of(spec, D)}
-    if Hkv != H:
-        kw["enable_gqa"] = True
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
-    return out.transpose(1, 2), None
+    kw = {"is_causal": bool(spec.causal), "scale": scale_of(spec, D)} | ({"enable_gqa": True} if Hkv != H else {})
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw
+                                          ).transpose(1, 2), None
+
+
+def lane_floor(spec, B: int, N: int, device, grad: bool = False, seed: int = 0):
+    """REFERENCE POINT: a callable running, per branch, one cuDNN SDPA on the gathered lane
+    shapes (B·⌈N/w⌉, H, ⌈w/r⌉, D) made beforehand (+ backward of a random cotangent when grad)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ts = [[torch.randn(B * -(-N // min(w, N)), spec.num_heads, -(-min(w, N) // r), spec.head_dim, device=device,
+                       dtype=torch.bfloat16, generator=gen).requires_grad_(grad) for _ in range(4)]
+          for w, r in branches_of(spec)]
+    backend = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+
+    def run():
+        with sdpa_kernel([backend]):
+            for q, k, v, g in ts:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=bool(spec.causal))
+                if grad:
+                    torch.autograd.grad(o, (q, k, v), g)
+    return run
 
 
 # --------------------------------------------------------------------------- FlexAttention
 
-def _kept(idx, w: int, r: int, c):
-    """Is position idx kept (offset in its segment congruent to c mod r)?"""
-    t = idx if w % r == 0 else idx % w       # (idx % w) % r == idx % r when r divides w
-    return (t % r) == c
-
-
-def _branch_pair(w: int, r: int, N: int, h, q_idx, kv_idx):
-    if w >= N:
-        cond = None                           # one segment: every pair shares it
-    else:
-        cond = (q_idx // w) == (kv_idx // w)
+def _branch_pair(w: int, r: int, N: int, h, q_idx, kv_idx, inv=None):
+    """Does branch (w, r) keep (q_idx, kv_idx) in head h? None: every pair (w >= N, r = 1).
+    inv (Hilbert): the rule on virtual positions inv[raster]."""
+    if inv is not None:
+        q_idx, kv_idx = inv[q_idx], inv[kv_idx]
+    cond = None if (w >= N and inv is None) else (q_idx // w) == (kv_idx // w)
     if r > 1:
         c = h % r
-        sel = _kept(q_idx, w, r, c) & _kept(kv_idx, w, r, c)
+        tq, tk = (q_idx, kv_idx) if (w % r == 0 and inv is None) else (q_idx % w, kv_idx % w)
+        sel = ((tq % r) == c) & ((tk % r) == c)      # (idx % w) % r == idx % r when r | w
         cond = sel if cond is None else cond & sel
     return cond
 
 
-def _branch_pair_virtual(w: int, r: int, inv, h, q_idx, kv_idx):
-    """Hilbert: the pair rule on virtual positions inv[raster] (pi^-1 of the branch)."""
-    vq, vk = inv[q_idx], inv[kv_idx]
-    cond = (vq // w) == (vk // w)
-    if r > 1:
-        c = h % r
-        cond = cond & (((vq % w) % r) == c) & (((vk % w) % r) == c)
-    return cond
-
-
 def _make_mods(branches, causal: bool, N: int, invs=None):
-    """mask_mod / score_mod of the union of branches. invs: per branch None (raster) or
-    pi^-1 (raster position -> virtual position), int64 on the device of q."""
+    """mask_mod / score_mod of the union of branches (score_mod None for one branch); invs:
+    per branch None (raster) or pi⁻¹ (raster -> virtual position) on q's device."""
     branches = tuple(branches)
     invs = tuple(invs) if invs is not None else (None,) * len(branches)
 
-    def pair(i, h, q_idx, kv_idx):
-        w, r = branches[i]
-        if invs[i] is not None:
-            return _branch_pair_virtual(w, r, invs[i], h, q_idx, kv_idx)
-        return _branch_pair(w, r, N, h, q_idx, kv_idx)
+    def pairs(h, q_idx, kv_idx):          # a list, not a generator: torch.compile traces it
+        cs = [_branch_pair(w, r, N, h, q_idx, kv_idx, inv) for (w, r), inv in zip(branches, invs)]
+        return [(q_idx >= 0) if c is None else c for c in cs]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        m = None
-        for i in range(len(branches)):
-            c = pair(i, h, q_idx, kv_idx)
-            if c is None:                     # w >= N and r == 1: everything
-                c = q_idx >= 0
-            m = c if m is None else (m | c)
-        if causal:
-            m = m & (kv_idx <= q_idx)
-        return m
+        m = functools.reduce(operator.or_, pairs(h, q_idx, kv_idx))
+        return m & (kv_idx <= q_idx) if causal else m
 
-    if len(branches) == 1:
-        return mask_mod, None
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        cnt = None
-        for i in range(len(branches)):
-            c = pair(i, h, q_idx, kv_idx)
-            c = (q_idx >= 0) if c is None else c
-            c = c.to(torch.float32)
-            cnt = c if cnt is None else cnt + c
-        # + log(multiplicity); pairs no branch keeps are masked by mask_mod anyway
+    def score_mod(score, b, h, q_idx, kv_idx):          # pairs no branch keeps are masked anyway
+        cnt = functools.reduce(operator.add, [c.to(torch.float32) for c in pairs(h, q_idx, kv_idx)])
         return score + torch.log(torch.clamp(cnt, min=1.0))
 
-    return mask_mod, score_mod
+    return mask_mod, (score_mod if len(branches) > 1 else None)
 
 
 def _dense_to_ordered(dense):
-    """(…, nq, nk) bool -> (num (…, nq) int32, indices (…, nq, nk) int32), as flex wants."""
+    """(…, nq, nk) bool -> (num (…, nq), indices (…, nq, nk)) int32, as flex wants."""
     d = dense.to(torch.int32)
-    num = d.sum(dim=-1).to(torch.int32).contiguous()
-    idx = torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
-    return num, idx
+    return (d.sum(dim=-1).to(torch.int32).contiguous(),
+            torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
 
 
 def analytic_block_sets(branches, causal: bool, H: int, N: int, block: int = 128):
-    """Exact non-empty block pairs and (conservatively) full block pairs of the union mask,
-    computed from the segment structure in O(H·(N/block)² + N) instead of O(H·N²).
-
-    Returns (nonempty, full): bool (H, nb, nb) on the CPU.
-    A block pair (qb, kb) with qb < kb can share a segment only through the segment that
-    holds both the last row of qb and the first row of kb (segments are intervals); on the
-    diagonal it is non-empty iff the block keeps any row. Causal: non-empty only for
-    kb <= qb (equal block sizes, Q_LEN == KV_LEN). Full: some branch with r == 1 has both
-    blocks, complete (inside N), in one segment (and kb < qb when causal)."""
+    """Exact (nonempty, full) block pairs, bool (H, nb, nb), of the union mask in O(H·(N/block)² + N):
+    qb < kb share a segment only through the one holding qb's last and kb's first row; full: an
+    r = 1 branch holds both blocks, complete, in one segment (kb < qb when causal)."""
     nb = -(-N // block)
     pos = torch.arange(N)
-    blk = pos // block
-    first = torch.arange(nb) * block                      # first row of each block
-    last = torch.clamp(first + block - 1, max=N - 1)      # last existing row
-    complete = (first + block - 1) < N
+    blk, first = pos // block, torch.arange(nb) * block
+    last, complete = torch.clamp(first + block - 1, max=N - 1), (first + block - 1) < N
     nonempty = torch.zeros(H, nb, nb, dtype=torch.bool)
     full = torch.zeros(nb, nb, dtype=torch.bool)
-    upper = torch.ones(nb, nb, dtype=torch.bool).triu(1)  # qb < kb
+    upper = torch.ones(nb, nb, dtype=torch.bool).triu(1)
+
+    def per_block(x):
+        return torch.zeros(nb, dtype=torch.int64).index_add_(0, blk, x.long()) > 0
     for w, r in branches:
-        seg = pos // w
-        off = pos % w
-        s_first, s_last = first // w, last // w
-        is_first = seg == s_first[blk]                    # row lies in its block's first segment
-        is_last = seg == s_last[blk]
+        seg, off, s_first, s_last = pos // w, pos % w, first // w, last // w
+        is_first, is_last = seg == s_first[blk], seg == s_last[blk]
         for c in range(min(r, H)):
             kept = (off % r) == c
-            any_k = torch.zeros(nb, dtype=torch.int64).index_add_(0, blk, kept.long()) > 0
-            k_first = torch.zeros(nb, dtype=torch.int64).index_add_(0, blk, (kept & is_first).long()) > 0
-            k_last = torch.zeros(nb, dtype=torch.int64).index_add_(0, blk, (kept & is_last).long()) > 0
-            # qb < kb: shared segment = s_last(qb) == s_first(kb)
-            up = (s_last[:, None] == s_first[None, :]) & k_last[:, None] & k_first[None, :] & upper
-            ne = up | up.transpose(0, 1)
-            ne |= torch.diag(any_k)
-            nonempty[c::r] |= ne
+            up = (s_last[:, None] == s_first[None, :]) & per_block(kept & is_last)[:, None] \
+                & per_block(kept & is_first)[None, :] & upper
+            nonempty[c::r] |= up | up.transpose(0, 1) | torch.diag(per_block(kept))
         if r == 1:
             one = complete & (s_first == s_last)
             full |= one[:, None] & one[None, :] & (s_first[:, None] == s_first[None, :])
     if causal:
-        nonempty &= ~upper                                # kb <= qb
-        full &= torch.ones(nb, nb, dtype=torch.bool).tril(-1)   # kb < qb
-    full = full.unsqueeze(0).expand(H, nb, nb) & nonempty
-    return nonempty, full
+        nonempty &= ~upper
+        full &= torch.ones(nb, nb, dtype=torch.bool).tril(-1)
+    return nonempty, full.unsqueeze(0).expand(H, nb, nb) & nonempty
 
 
 def block_sets_of(block_mask):
     """(nonempty, full) bool (H, nq, nk) of a BlockMask (batch 0), on the CPU."""
     def dense(num, idx):
         num, idx = num[0].cpu().long(), idx[0].cpu().long()
-        Hh, nq, nk = idx.shape
-        valid = torch.arange(nk)[None, None, :] < num[:, :, None]
-        d = torch.zeros(Hh, nq, nk + 1, dtype=torch.bool)
-        d.scatter_(2, torch.where(valid, idx, nk), True)
+        nk = idx.shape[2]
+        d = torch.zeros(*idx.shape[:2], nk + 1, dtype=torch.bool)
+        d.scatter_(2, torch.where(torch.arange(nk)[None, None, :] < num[:, :, None], idx, nk), True)
         return d[:, :, :nk]
     partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
-    if block_mask.full_kv_num_blocks is not None:
-        fullm = dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    else:
-        fullm = torch.zeros_like(partial)
+    fullm = (dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+             if block_mask.full_kv_num_blocks is not None else torch.zeros_like(partial))
     return partial | fullm, fullm
-
-
-_BLOCK_MASKS: dict = {}
-_FLEX_COMPILED = None
 
 
 def _raise_recompile_limits():
     try:
         import torch._dynamo as dynamo
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(dynamo.config, name) and getattr(dynamo.config, name) < 64:
-                setattr(dynamo.config, name, 64)
-        if hasattr(dynamo.config, "accumulated_recompile_limit"):
-            dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, 4096)
-        if hasattr(dynamo.config, "accumulated_cache_size_limit"):
-            dynamo.config.accumulated_cache_size_limit = max(dynamo.config.accumulated_cache_size_limit, 4096)
-    except Exception:  # pragma: no cover - best effort
+        for name, low in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 4096),
+                          ("accumulated_cache_size_limit", 4096)):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(getattr(dynamo.config, name), low))
+    except Exception:  # noqa: BLE001 - best effort
         pass
 
 
 def flex_block_mask(spec, N: int, device, method: str = "analytic"):
-    """The BlockMask (and the mods) of `spec` at length N; cached. Returns
-    (block_mask, mask_mod, score_mod, info) with info = {"method", "build_s"}.
-
-    method "create": torch's create_block_mask (compiled on CUDA: _compile=True), which
-    evaluates mask_mod at all H·N² points (about 2 minutes at N=131072, H=16 on an H200).
-    method "analytic": the same block sets from the segment structure (analytic_block_sets;
-    checked equal to create_block_mask's by tools/check_peers_cpu.py and bench_forward.py).
-    Hilbert-ordered specs always use "create" (the analytic sets assume raster segments);
-    info["method"] says which one was used."""
+    """(block_mask, mask_mod, score_mod, {"method", "build_s"}) of `spec` at length N, cached.
+    "create": torch's create_block_mask (mask_mod at all H·N² points: ~2 min at N = 131072);
+    "analytic": the same block sets from analytic_block_sets (checked equal by bench_forward.py).
+    Hilbert specs always use "create"."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-    H = int(_get(spec, "num_heads"))
-    causal = bool(_get(spec, "causal", False))
-    branches = branches_of(spec)
-    device = torch.device(device)
-    hil = hilbert_of(spec)
-    if hil is not None:
-        method = "create"
-    key = (tuple(branches), causal, H, int(N), str(device), method, json_key(hil or {}))
-    hit = _BLOCK_MASKS.get(key)
-    if hit is not None:
-        return hit
-    invs = None
-    if hil is not None:
-        invs = []
-        for pi in virtual_tables(spec, N, device):
-            inv = torch.empty_like(pi)
-            inv[pi] = torch.arange(N, device=device, dtype=pi.dtype)
-            invs.append(inv)
+    H, causal, branches, device, hil = int(spec.num_heads), bool(spec.causal), branches_of(spec), \
+        torch.device(device), hilbert_of(spec)
+    method = "create" if hil is not None else method
+    key = (tuple(branches), causal, H, int(N), str(device), method, json.dumps(hil or {}, sort_keys=True))
+    if key in _BLOCK_MASKS:
+        return _BLOCK_MASKS[key]
+    invs = None if hil is None else [torch.empty_like(pi).scatter_(0, pi, torch.arange(N, device=device))
+                                     for pi in virtual_tables(spec, N, device)]      # pi⁻¹
     mask_mod, score_mod = _make_mods(branches, causal, N, invs)
     t0 = time.perf_counter()
     if method == "create":
@@ -510,9 +353,7 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
                                _compile=(device.type == "cuda"))
     elif method == "analytic":
         nonempty, full = analytic_block_sets(branches, causal, H, N)
-        partial = nonempty & ~full
-        num, idx = _dense_to_ordered(partial.unsqueeze(0))
-        fnum, fidx = _dense_to_ordered(full.unsqueeze(0))
+        (num, idx), (fnum, fidx) = _dense_to_ordered((nonempty & ~full)[None]), _dense_to_ordered(full[None])
         bm = BlockMask.from_kv_blocks(num.to(device), idx.to(device), fnum.to(device), fidx.to(device),
                                       BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(N, N))
     else:
@@ -520,53 +361,98 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     info = {"method": method, "build_s": time.perf_counter() - t0}
-    res = (bm, mask_mod, score_mod, info)
-    _BLOCK_MASKS[key] = res
-    return res
+    return _BLOCK_MASKS.setdefault(key, (bm, mask_mod, score_mod, info))
 
 
-def _flex_fn(device):
+def flex_fn(device):
+    """flex_attention, torch.compile'd on CUDA (eager, unfused math, on the CPU)."""
     global _FLEX_COMPILED
     from torch.nn.attention.flex_attention import flex_attention
-    if device.type != "cuda":
-        return flex_attention          # eager (unfused math) on the CPU: for semantic checks
+    if torch.device(device).type != "cuda":
+        return flex_attention
     if _FLEX_COMPILED is None:
         _raise_recompile_limits()
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     return _FLEX_COMPILED
 
 
-FLEX_MASK_METHOD = "analytic"   # bench_forward.py sets this from --flex-mask (Hilbert specs: "create")
-
-
 def flex(q, k, v, spec, method: str | None = None):
     """FlexAttention: mask_mod = union of branches (+ causal), score_mod = + log(multiplicity)."""
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
     bm, _, score_mod, _ = flex_block_mask(spec, N, q.device, method or FLEX_MASK_METHOD)
-    fn = _flex_fn(q.device)
-    kw = {"score_mod": score_mod, "block_mask": bm, "scale": scale_of(spec, D)}
-    if Hkv != H:
-        kw["enable_gqa"] = True
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, H, N, D) views
-    if _FLEX_HAS_RETURN_LSE:
-        out, lse = fn(qt, kt, vt, return_lse=True, **kw)      # deprecated in favour of return_aux, still there
+    kw = {"score_mod": score_mod, "block_mask": bm, "scale": scale_of(spec, D)} | \
+        ({"enable_gqa": True} if Hkv != H else {})
+    qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    from torch.nn.attention import flex_attention as fa
+    if "return_lse" in inspect.signature(fa.flex_attention).parameters:    # deprecated, still there
+        out, lse = flex_fn(q.device)(*qkv, return_lse=True, **kw)
     else:
-        from torch.nn.attention.flex_attention import AuxRequest
-        out, aux = fn(qt, kt, vt, return_aux=AuxRequest(lse=True), **kw)
+        out, aux = flex_fn(q.device)(*qkv, return_aux=fa.AuxRequest(lse=True), **kw)
         lse = aux.lse
     return out.transpose(1, 2), lse.float()
 
 
-def _has_return_lse() -> bool:
-    try:
-        import inspect
-        from torch.nn.attention.flex_attention import flex_attention
-        return "return_lse" in inspect.signature(flex_attention).parameters
-    except Exception:  # noqa: BLE001
-        return True
+# --------------------------------------------------------------------------- FlexAttention on packed rows
+
+def document_mods(branches, causal: bool, lengths, device):
+    """mask_mod / score_mod of a packed row: same sequence AND the dilated pattern on positions
+    local to the sequence."""
+    n = torch.tensor(lengths, dtype=torch.int64)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), n)
+    first = (torch.cumsum(n, 0) - n).repeat_interleave(n)
+    pad = 2 * 128 - len(doc) % 128       # a kernel may read mask_mod a block past the last row
+    doc = torch.cat([doc, torch.full((pad,), -1)]).to(device=device, dtype=torch.int32)
+    first = torch.cat([first, torch.zeros(pad, dtype=torch.int64)]).to(device=device, dtype=torch.int32)
+    inner_mask, inner_score = _make_mods(branches, causal, max(w for w, _ in branches) + 1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & inner_mask(b, h, q_idx - first[q_idx], kv_idx - first[kv_idx])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return inner_score(score, b, h, q_idx - first[q_idx], kv_idx - first[kv_idx])
+    return mask_mod, (score_mod if inner_score is not None else None)
 
 
-_FLEX_HAS_RETURN_LSE = _has_return_lse()
+def block_sets(branches, causal: bool, lengths, block: int = 128, device="cpu"):
+    """(nonempty, full) bool (nb, nb) block pairs of a packed row: per query block, the interval
+    of key blocks that may hold a kept pair (the segments holding it; a superset for every head)
+    and of those whose every pair is kept (one segment of an r = 1 branch holds both blocks).
+    O(segments + blocks), so 1.3M rows are cheap."""
+    nb = -(-sum(lengths) // block)
+    lo, hi = torch.full((nb,), nb + 1, dtype=torch.int64), torch.full((nb,), -1, dtype=torch.int64)
+    flo, fhi, s0 = lo.clone(), hi.clone(), 0
+    for n in lengths:
+        for w, r in branches:
+            for a in range(0, n, w):
+                sa, se = s0 + a, s0 + min(a + w, n)
+                ba, bb = sa // block, (se - 1) // block
+                lo[ba:bb + 1].clamp_(max=ba)
+                hi[ba:bb + 1].clamp_(min=bb)
+                ca, cb = -(-sa // block), se // block - 1       # blocks wholly inside
+                if r == 1 and ca <= cb:
+                    flo[ca:cb + 1].clamp_(max=ca)
+                    fhi[ca:cb + 1].clamp_(min=cb)
+        s0 += n
+    if causal:
+        hi, fhi = torch.minimum(hi, torch.arange(nb)), torch.minimum(fhi, torch.arange(nb) - 1)
+    lo, hi, flo, fhi = (x.to(device)[:, None] for x in (lo, hi, flo, fhi))
+    kb = torch.arange(nb, device=device)[None, :]
+    return (kb >= lo) & (kb <= hi), (kb >= flo) & (kb <= fhi) & (kb >= lo) & (kb <= hi)
+
+
+def document_block_mask(spec, lengths, device, block: int = 128):
+    """(BlockMask, mask_mod, score_mod, build seconds) of FlexAttention on a packed row of
+    sequences of `lengths` (bench_varlen.py's flex_document)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    t0, branches = time.perf_counter(), branches_of(spec)
+    mask_mod, score_mod = document_mods(branches, bool(spec.causal), lengths, device)
+    ne, full = block_sets(branches, bool(spec.causal), lengths, block, device)
+    (num, idx), (fnum, fidx) = _dense_to_ordered((ne & ~full)[None, None]), _dense_to_ordered(full[None, None])
+    T = sum(lengths)
+    bm = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(T, T))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return bm, mask_mod, score_mod, time.perf_counter() - t0
 
 
 def clear_caches():
@@ -576,6 +462,4 @@ def clear_caches():
     _ROWS.clear()
 
 
-PEERS = {"gather_cudnn": gather_cudnn, "gather_flash": gather_flash, "flex": flex,
-         "dense_sdpa": dense_sdpa}
-EXACT_PEERS = ("gather_cudnn", "gather_flash", "flex")   # dense_sdpa is a reference point
+PEERS = {"gather_cudnn": gather_cudnn, "gather_flash": gather_flash, "flex": flex, "dense_sdpa": dense_sdpa}

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_backward  # noqa: E402
+import bench_forward  # noqa: E402
 import toolkit as tk  # noqa: E402
 
 
@@ -132,7 +134,7 @@ def test_roofline_and_bar_plots(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [{"config": "A", "causal": c, "dilgen_ms": 2.0, "gather_cudnn_ms": 3.0,
              "useful_tflops_by_method": {"dilgen": 400.0, "gather_cudnn": 300.0}} for c in (False, True)]
-    roof = tk.plot_roofline(rows, ["dilgen", "gather_cudnn", "flex"], 700.0, tmp_path / "roof.png", "t")
+    roof = bench_forward.plot_roofline(rows, ["dilgen", "gather_cudnn", "flex"], 700.0, tmp_path / "roof.png", "t")
     bars = tk.plot_bars(rows, ["dilgen", "gather_cudnn"], tmp_path / "bars.png", "ms", "t")
     for p in (roof, bars):
         assert p is not None and p.read_bytes()[:4] == b"\x89PNG"
@@ -145,9 +147,8 @@ def test_sanitize_and_short_err():
 
 
 def test_merge_rerun_replaces_only_the_rerun_methods(tmp_path):
-    """bench/tools/merge_rerun.py: dilgen's fields and the speed-ups move, the peers' stay."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "tools"))
-    import merge_rerun
+    """bench_backward.merge_rerun (bench_forward/backward --merge-into): dilgen's fields and the speed-ups move,
+    the peers' stay."""
     old = {"device": "GPU X", "check": [{"config": "A", "causal": False, "passed": True},
                                          {"config": "B", "causal": False, "passed": True}],
            "rows": [{"config": "A", "causal": False, "dilgen_ms": 2.0, "peer_ms": 4.0, "useful_tflops": 100.0,
@@ -162,7 +163,7 @@ def test_merge_rerun_replaces_only_the_rerun_methods(tmp_path):
                      "timing_ms": {"dilgen": {"median": 1.0}}, "useful_tflops_by_method": {"dilgen": 200.0}}]}
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(new))
-    assert merge_rerun.main([str(tmp_path / "old.json"), str(tmp_path / "new.json")]) == 0
+    assert bench_backward.merge_rerun(tmp_path / "old.json", tmp_path / "new.json") == [("A", False)]
     got = json.loads((tmp_path / "old.json").read_text())
     a, b = got["rows"]
     assert (a["dilgen_ms"], a["peer_ms"], a["speedup_vs_peer"], a["useful_tflops"]) == (1.0, 4.0, 4.0, 200.0)
@@ -174,14 +175,13 @@ def test_merge_rerun_replaces_only_the_rerun_methods(tmp_path):
     assert got["earlier_runs"][-1]["merged_rows"] == [["A", False]]
     new["device"] = "GPU Y"                      # numbers from another GPU are refused
     (tmp_path / "new.json").write_text(json.dumps(new))
-    with pytest.raises(SystemExit):
-        merge_rerun.main([str(tmp_path / "old.json"), str(tmp_path / "new.json")])
+    with pytest.raises(ValueError, match="device differs"):
+        bench_backward.merge_rerun(tmp_path / "old.json", new)
 
 
 def test_merge_rerun_redraws_the_plots_beside_a_bench_file(tmp_path):
     """After a merge the forward file's bar and roofline plots are redrawn from its rows."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "tools"))
-    import merge_rerun
+    pytest.importorskip("matplotlib")
     head = {"device": "GPU X", "torch": "t", "triton": "3.6", "date": "2000-01-01",
             "matmul_ceiling": {"tflops": 700.0}}
     row = {"config": "A", "causal": False, "dilgen_ms": 2.0, "gather_cudnn_ms": 3.0, "useful_tflops": 400.0,
@@ -191,7 +191,7 @@ def test_merge_rerun_redraws_the_plots_beside_a_bench_file(tmp_path):
     committed = tmp_path / "forward-2000-01-01.json"
     committed.write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(new))
-    assert merge_rerun.main([str(committed), str(tmp_path / "new.json")]) == 0
+    assert bench_backward.merge_rerun(committed, tmp_path / "new.json", draw=bench_forward.Bench.draw) == [("A", False)]
     for name in ("forward-2000-01-01.png", "roofline-2000-01-01.png"):
         png = tmp_path / name
         assert png.exists() and png.read_bytes()[:4] == b"\x89PNG", name
