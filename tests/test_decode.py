@@ -188,13 +188,14 @@ def test_kv_cache_decoder_block_matches_full_forward():
         torch.testing.assert_close(step, full, rtol=2e-4, atol=2e-4)
         # items at different lengths: item 1 restarts (reset rows by hand) and both advance
         cache.reset()
-        cache.append(torch.zeros(2, 3, 2, 16), torch.zeros(2, 3, 2, 16))
+        dev = device()
+        cache.append(torch.zeros(2, 3, 2, 16, device=dev), torch.zeros(2, 3, 2, 16, device=dev))
         cache.lengths, cache.seqlens = [3, 0], torch.tensor([3, 0], dtype=torch.int32, device=device())
-        cache.append(torch.ones(2, 2, 2, 16), torch.ones(2, 2, 2, 16))
+        cache.append(torch.ones(2, 2, 2, 16, device=dev), torch.ones(2, 2, 2, 16, device=dev))
         assert cache.lengths == [5, 2]
         assert cache.k[0, 3:5].eq(1).all() and cache.k[1, 0:2].eq(1).all() and cache.k[0, :3].eq(0).all()
         with pytest.raises(ValueError, match="max_len"):
-            cache.append(torch.ones(2, 12, 2, 16), torch.ones(2, 12, 2, 16))
+            cache.append(torch.ones(2, 12, 2, 16, device=dev), torch.ones(2, 12, 2, 16, device=dev))
 
 
 def test_generate_tiny_lm_example():

@@ -198,12 +198,13 @@ def test_generate_runs_the_decode_kernel_and_equals_full_forwards(models, batch,
         mask[1, :6] = 0                       # left padding, as generate() wants it
         ids[1, :6] = 0
     decodes = []
-    real = dilgen.Kernel.decode
-    monkeypatch.setattr(dilgen.Kernel, "decode", lambda self, *a, **k: decodes.append(1) or real(self, *a, **k))
+    from dilgen.runtime import GeneratedAttention
+    real = GeneratedAttention.decode
+    monkeypatch.setattr(GeneratedAttention, "decode", lambda self, *a, **k: decodes.append(1) or real(self, *a, **k))
     steps = 5
     out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                          do_sample=False, use_cache=True)
     assert len(decodes) >= (steps - 1) * model.config.num_hidden_layers
-    monkeypatch.setattr(dilgen.Kernel, "decode", real)
+    monkeypatch.setattr(GeneratedAttention, "decode", real)
     want = _greedy_by_full_forwards(model, ids, mask, steps)
     assert torch.equal(out, want)

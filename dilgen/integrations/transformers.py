@@ -72,10 +72,16 @@ def _pattern(config) -> dict:
 
 def kernel_for(module, query: torch.Tensor, key: torch.Tensor, scaling, causal: bool) -> Kernel:
     """The dilgen Kernel of one attention module's call: the config's pattern with the
-    call's heads, head_dim, dtype, causality and scale. Kept on the module (a decode step
-    pays one tuple comparison) and per spec across modules."""
+    call's heads, head_dim, dtype, causality and scale (kept per spec across modules)."""
+    return _prepared(module, query, key, scaling, causal)[0]
+
+
+def _prepared(module, query, key, scaling, causal):
+    """(Kernel, its GeneratedAttention for query's device), kept on the module: a decode
+    step pays one tuple comparison."""
     pattern = getattr(module.config, "dilgen_spec", None)
-    sig = (id(pattern), query.dtype, causal, scaling, query.shape[1], key.shape[1], query.shape[3])
+    sig = (id(pattern), query.dtype, query.device, causal, scaling, query.shape[1], key.shape[1],
+           query.shape[3])
     hit = module.__dict__.get("_dilgen_kernel")
     if hit is not None and hit[0] == sig:
         return hit[1]
@@ -93,8 +99,9 @@ def kernel_for(module, query: torch.Tensor, key: torch.Tensor, scaling, causal: 
     kernel = _KERNELS.get(spec.key())
     if kernel is None:
         kernel = _KERNELS[spec.key()] = Kernel(spec)
-    module.__dict__["_dilgen_kernel"] = (sig, kernel)
-    return kernel
+    prepared = (kernel, kernel.compiled_for(query.device).attention)
+    module.__dict__["_dilgen_kernel"] = (sig, prepared)
+    return prepared
 
 
 def _refuse_unsupported(dropout, sliding_window, softcap, kwargs) -> None:
@@ -176,22 +183,35 @@ def _prefill(kernel: Kernel, q, k, v, mask, kwargs):
     return kernel.padded(q, k, v, padding)
 
 
-def _decode(kernel: Kernel, q, k, v, mask):
+_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _uniform_lengths(batch: int, n: int, device) -> torch.Tensor:
+    """A (batch,) int32 tensor of n on `device`, as a view into a table made once (a decode
+    step then launches nothing to make its cache_seqlens)."""
+    table = _LENGTHS.get((batch, device))
+    if table is None or table.shape[0] <= n:
+        size = max(2 * n, 4096)
+        table = _LENGTHS[(batch, device)] = torch.arange(size, dtype=torch.int32, device=device) \
+            .repeat_interleave(batch).view(size, batch)
+    return table[n]
+
+
+def _decode(attention, q, k, v, mask):
     """T new tokens per item over S cached keys: rows [first, end) of item b are its tokens
     (end = the keys written so far), the new ones its last T."""
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     if mask is None:
-        seqlens = torch.full((B,), S, dtype=torch.int32, device=q.device)
-        return kernel.decode(q, k, v, seqlens, validate=False)
+        return attention.decode(q, k, v, _uniform_lengths(B, S, q.device), validate=False)
     first, end = valid_runs(mask)
     if all(a == 0 for a in first):
         seqlens = torch.tensor(end, dtype=torch.int32).to(q.device)
-        return kernel.decode(q, k, v, seqlens)
+        return attention.decode(q, k, v, seqlens)
     # left padding: item b's keys start at first[b]; its own view of the cache
     outs = []
     for b, (a, e) in enumerate(zip(first, end)):
         n = torch.tensor([e - a], dtype=torch.int32).to(q.device)
-        outs.append(kernel.decode(q[b:b + 1], k[b:b + 1, a:], v[b:b + 1, a:], n))
+        outs.append(attention.decode(q[b:b + 1], k[b:b + 1, a:], v[b:b + 1, a:], n))
     return torch.cat(outs)
 
 
@@ -207,7 +227,7 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
                          f"a {attention_mask.dim()}-D mask: build the model with "
                          f"attn_implementation='dilgen' so transformers makes masks for it")
     causal = module.is_causal if is_causal is None else is_causal
-    kernel = kernel_for(module, query, key, scaling, causal)
+    kernel, attention = _prepared(module, query, key, scaling, causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, T, heads, D) views
     if k.shape[1] == q.shape[1]:
         out = _prefill(kernel, q, k, v, attention_mask, kwargs)
@@ -215,7 +235,7 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
         raise ValueError("attn_implementation='dilgen': fewer queries than keys (a KV cache) "
                          "needs a causal model")
     else:
-        out = _decode(kernel, q, k, v, attention_mask)
+        out = _decode(attention, q, k, v, attention_mask)
     return out, None
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .checks import TORCH_DTYPES, InputError
-from .launch import poison, run_launches
+from .launch import RepeatLauncher, poison, run_launches
 from .tables import table_tensors
 
 #: The runtime halves the planner's split until the split kernel has at least this many
@@ -161,8 +161,9 @@ def choose_split(config: dict, rows: int, device: torch.device) -> int:
 
 
 def _kernel(attention, fn, interpret: bool):
-    """A decode kernel: Triton's interpreter on CPU, triton.jit on CUDA (decode kernels are
-    not in `dilgen build`'s ahead-of-time cache, so they skip its lookup)."""
+    """A decode kernel: Triton's interpreter on CPU, triton.jit on CUDA through a
+    RepeatLauncher (a step's host time counts once per layer; decode kernels are not in
+    `dilgen build`'s ahead-of-time cache, so they skip its lookup)."""
     key = ("decode", fn.__name__, interpret)
     k = attention._jitted.get(key)
     if k is None:
@@ -174,7 +175,7 @@ def _kernel(attention, fn, interpret: bool):
                     k = InterpretedFunction(fn)
                 else:
                     import triton
-                    k = triton.jit(fn)
+                    k = RepeatLauncher(triton.jit(fn))
                 attention._jitted[key] = k
     return k
 
@@ -198,51 +199,114 @@ def _curves(attention, device: torch.device) -> list:
     return hit
 
 
+def _refusal(attention) -> str | None:
+    """Why this module cannot decode (one line), or None."""
+    spec, plan = attention.spec, attention.plan
+    unsupported = decode_unsupported(plan)
+    if unsupported:
+        return (f"{spec['name']}: decode does not take {unsupported} yet (issue 16): "
+                f"run the full forward instead")
+    why = why_no_decode(spec)
+    if why is None and attention.decode_kernels is None:
+        why = (f"{spec['name']}: this generated module has no decode kernels; "
+               f"re-run `dilgen compile` with this version of dilgen")
+    return why
+
+
 def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
            validate: bool = True, split: int | None = None):
     """See the module docstring. `split` (kept keys per program) overrides the runtime's
     choice (tests, benchmarks); validate=False skips the host check of cache_seqlens (no
     device-to-host copy: for loops that track the lengths themselves, like nn.KVCache)."""
     spec, plan = attention.spec, attention.plan
-    unsupported = decode_unsupported(plan)
-    if unsupported:
-        raise InputError(f"{spec['name']}: decode does not take {unsupported} yet (issue 16): "
-                         f"run the full forward instead")
-    why = why_no_decode(spec)
-    if why is not None or attention.decode_kernels is None:
-        raise InputError(why or f"{spec['name']}: this generated module has no decode kernels; "
-                                f"re-run `dilgen compile` with this version of dilgen")
+    refusal = attention.__dict__.get("_decode_refusal", False)
+    if refusal is False:
+        refusal = attention.__dict__["_decode_refusal"] = _refusal(attention)
+    if refusal is not None:
+        raise InputError(refusal)
     B, T, _ = check_decode_inputs(spec, q, k_cache, v_cache, cache_seqlens, validate)
     kernels = attention.decode_kernels
     cfg = kernels["config"]
     H, Hkv, D = plan["num_heads"], plan["num_kv_heads"], plan["head_dim"]
     device = q.device
     interpret = device.type == "cpu"
-    if split is None:
-        split = choose_split(cfg, B * T * Hkv, device)
-    elif split < 1:
+    if split is not None and split < 1:
         raise InputError(f"{spec['name']}: decode: split = {split}: must be >= 1")
-    ends = num_chunks(cfg["lanes"], split)
+    chunks = attention.__dict__.setdefault("_decode_chunks", {})
+    hit = chunks.get((B * T * Hkv, device, split))
+    if hit is None:
+        if len(chunks) > 64:
+            chunks.clear()
+        s = choose_split(cfg, B * T * Hkv, device) if split is None else split
+        hit = chunks[(B * T * Hkv, device, split)] = (s, num_chunks(cfg["lanes"], s))
+    split, ends = hit
     C = ends[-1]
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=device)
-    lse = torch.empty((B, H, T), dtype=torch.float32, device=device)
+    if interpret:
+        lse = torch.empty((B, H, T), dtype=torch.float32, device=device)
+        out_p = torch.empty((B * T * H, C, D), dtype=torch.float32, device=device)
+        lse_p = torch.empty((B * T * H, C), dtype=torch.float32, device=device)
+    else:   # partials (and an unreturned lse) in buffers kept per stream: calls on it are ordered
+        lse, out_p, lse_p = _scratch(attention, device, (B, T, H, D, C), return_lse)
     poison(out, lse)
-    out_p = torch.empty((B * T * H, C, D), dtype=torch.float32, device=device)
-    lse_p = torch.empty((B * T * H, C), dtype=torch.float32, device=device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+               k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     split_args = (q, k_cache, v_cache, cache_seqlens, out_p, lse_p, *_curves(attention, device),
-                  T, split, C, *ends,
-                  q.stride(0), q.stride(1), q.stride(2),
-                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), interpret)
+                  T, split, C, *ends, *strides, interpret)
     combine_args = (out_p, lse_p, out, lse, T, C,
                     out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
-    launches = [(_kernel(attention, kernels["split"], interpret), (B * T * Hkv, C), split_args,
-                 cfg["launch"]["split"]),
-                (_kernel(attention, kernels["combine"], interpret), (B * T * H,), combine_args,
-                 cfg["launch"]["combine"])]
-    run_launches(launches, interpret)
+    split_kernel = _kernel(attention, kernels["split"], interpret)
+    combine_kernel = _kernel(attention, kernels["combine"], interpret)
+    grids = ((B * T * Hkv, C), (B * T * H,))
+    if interpret:
+        run_launches([(split_kernel, grids[0], split_args, {}), (combine_kernel, grids[1], combine_args, {})],
+                     interpret)
+    else:
+        _launch(attention, (split_kernel, combine_kernel), grids, (split_args, combine_args),
+                (cfg["launch"]["split"], cfg["launch"]["combine"]), (T, split, *ends), strides,
+                (q, k_cache, v_cache, cache_seqlens, out))
     attention.launches += 1
     return (out, lse) if return_lse else out
+
+
+def _scratch(attention, device, shape: tuple, fresh_lse: bool):
+    """(lse, out_p, lse_p) for a call of `shape` (B, T, H, D, chunks) on the current stream:
+    the partials' buffers are kept (every call on a stream runs after the one before), lse
+    is fresh when the caller gets it."""
+    from triton.runtime.driver import driver
+    B, T, H, D, C = shape
+    stream = driver.active.get_current_stream(device.index if device.index is not None
+                                              else torch.cuda.current_device())
+    keep = attention.__dict__.setdefault("_decode_scratch", {})
+    hit = keep.get((stream, shape))
+    if hit is None:
+        if len(keep) > 16:
+            keep.clear()
+        hit = keep[(stream, shape)] = (
+            torch.empty((B, H, T), dtype=torch.float32, device=device),
+            torch.empty((B * T * H, C, D), dtype=torch.float32, device=device),
+            torch.empty((B * T * H, C), dtype=torch.float32, device=device))
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=device) if fresh_lse else hit[0]
+    return lse, hit[1], hit[2]
+
+
+def _launch(attention, launchers, grids, args, options, sizes, strides, tensors) -> None:
+    """The split and combine launches of a step. Their compiled kernels are kept under the
+    step's key: what Triton specializes on beyond the module's fixed sizes and dtypes, i.e.
+    the strides' divisibility by 16 and equality to 1, their int32 range and the tensors'
+    16-byte alignment (sizes, split and chunk ends are exact in the key). A new key goes
+    through Triton's binder once (RepeatLauncher.run)."""
+    key = (tensors[0].get_device(), sizes, grids, tuple((s & 15 == 0) + 2 * (s == 1) for s in strides),
+           max(strides) < 2**31, tuple(t.data_ptr() & 15 == 0 for t in tensors))
+    fast = attention.__dict__.setdefault("_decode_fast", {})
+    hit = fast.get(key)
+    if hit is None:
+        hit = tuple(launcher.run(grid, a, o) for launcher, grid, a, o in zip(launchers, grids, args, options))
+        if None not in hit:
+            fast[key] = hit
+        return
+    for launcher, kernel, grid, a in zip(launchers, hit, grids, args):
+        launcher.launch(kernel, grid, a)
 
 
 __all__ = ["decode", "check_decode_inputs", "decode_unsupported", "why_no_decode", "choose_split", "num_chunks",

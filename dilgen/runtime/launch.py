@@ -59,3 +59,68 @@ def run_launches(launches, interpret: bool) -> None:
                 kernel[grid](*args)
         else:
             kernel[grid](*args, **opts)
+
+
+_INT32 = (-2**31, 2**31)
+
+
+def _arg_class(arg):
+    """What of a launch argument Triton's specialization depends on: a tensor's dtype and
+    16-byte alignment; an int's type (i32, i64, u64 by range), divisibility by 16 and
+    equality to 1; a bool's value. Anything else is kept as it is (hashable)."""
+    kind = type(arg)
+    if kind is int:
+        return (arg == 1, arg % 16 == 0, _INT32[0] <= arg < _INT32[1], arg < 2**63)
+    if kind is bool or arg is None:
+        return arg
+    if kind is float:
+        return float
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    return arg
+
+
+class RepeatLauncher:
+    """`kernel[grid](*args, **options)` for a jitted kernel launched again and again with
+    arguments of one shape (decoding: every step, every layer). The first launch of a
+    specialization goes through triton.jit (binder, compile or cache, launch) and keeps the
+    compiled kernel under a key of the arguments' classes (`_arg_class`, as fine as Triton's
+    own specialization; constexpr parameters by value); later launches with that key call the
+    compiled kernel's launcher directly (`launch`), as JITFunction.run does, without the
+    binder. A caller that knows its own finer key may keep the compiled kernel itself."""
+
+    def __init__(self, jit_fn) -> None:
+        self.jit_fn = jit_fn
+        self._constexpr = tuple(p.is_constexpr for p in jit_fn.params)
+        self._defaults = tuple(p.default for p in jit_fn.params)
+        self._kernels: dict[tuple, object] = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.run(grid, args, options)
+
+    def run(self, grid, args: tuple, options: dict):
+        """Launch; return the compiled kernel that ran."""
+        from triton.runtime.driver import driver
+        device = driver.active.get_current_device()
+        key = (device, len(args), tuple(sorted(options.items())),
+               *(a if c else _arg_class(a) for a, c in zip(args, self._constexpr)))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self.jit_fn[grid](*args, **options)
+            if kernel is not None:
+                self._kernels[key] = kernel
+            return kernel
+        self.launch(kernel, grid, args)
+        return kernel
+
+    def launch(self, kernel, grid, args: tuple) -> None:
+        """Launch a compiled kernel of this function (one that an earlier `run` returned
+        for arguments of the same classes) on the current stream."""
+        from triton import knobs
+        from triton.runtime.driver import driver
+        args = args + self._defaults[len(args):]
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *args), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *args)
