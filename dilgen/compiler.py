@@ -161,7 +161,8 @@ class Kernel:
         tokens, caches (B, N_max, H_kv, D) holding their keys and values, cache_seqlens (B,)
         int32 valid rows (new ones included). Returns rows cache_seqlens[b] - T ..
         cache_seqlens[b] - 1 of the causal forward over each prefix (and lse (B, H, T) with
-        return_lse=True). Inference only: not autograd-aware (dilgen.runtime.decode)."""
+        return_lse=True). Inference only: not autograd-aware (dilgen.runtime.decode).
+        validate=False: see GeneratedAttention.decode."""
         import torch
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention.decode(

@@ -66,7 +66,13 @@ class GeneratedAttention:
         valid rows per item (new ones included). Returns out (B, T, H, D), the rows
         cache_seqlens[b] - T .. cache_seqlens[b] - 1 of the causal forward over each item's
         prefix, and with return_lse=True lse (B, H, T) float32. Not autograd-aware (see
-        dilgen.runtime.decode)."""
+        dilgen.runtime.decode). validate=False skips the host check T <= cache_seqlens[b] <= N_max: no device-to-host
+        copy and no sync (10-42 us a step on an H200 at batch 1-8, and a call that can be
+        captured in a CUDA graph; bench/results/decode_host-2026-11-25-h200.json). Unchecked,
+        a length past N_max makes the kernels read rows beyond the cache (other memory, or
+        an illegal-address fault) and one below T reads rows before the item: the output is
+        then unspecified (finite garbage, usually), never an error. For loops that track the
+        lengths themselves (nn.KVCache, the transformers integration)."""
         return decode(self, q, k_cache, v_cache, cache_seqlens, return_lse=return_lse,
                       validate=validate)
 

@@ -215,9 +215,9 @@ def _refusal(attention) -> str | None:
 
 def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
            validate: bool = True, split: int | None = None):
-    """See the module docstring. `split` (kept keys per program) overrides the runtime's
-    choice (tests, benchmarks); validate=False skips the host check of cache_seqlens (no
-    device-to-host copy: for loops that track the lengths themselves, like nn.KVCache)."""
+    """See the module docstring and GeneratedAttention.decode (what validate=False leaves
+    unchecked). `split` (kept keys per program) overrides the runtime's choice (tests,
+    benchmarks)."""
     spec, plan = attention.spec, attention.plan
     refusal = attention.__dict__.get("_decode_refusal", False)
     if refusal is False:
