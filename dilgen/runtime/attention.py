@@ -71,7 +71,7 @@ class GeneratedAttention:
         captured in a CUDA graph; bench/results/decode_host-2026-11-25-h200.json). Unchecked,
         a length past N_max makes the kernels read rows beyond the cache (other memory, or
         an illegal-address fault) and one below T reads rows before the item: the output is
-        then unspecified (finite garbage, usually), never an error. For loops that track the
+        then unspecified (finite garbage, usually), with no InputError. For loops that track the
         lengths themselves (nn.KVCache, the transformers integration)."""
         return decode(self, q, k_cache, v_cache, cache_seqlens, return_lse=return_lse,
                       validate=validate)
