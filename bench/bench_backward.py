@@ -1,20 +1,16 @@
 #!/usr/bin/env python3
-"""Forward+backward benchmark: dilgen against its peers, forward + backward(g) timed, configs
-A-F x {non-causal, causal}, bf16, one GPU; the flow and options bench_forward.py shares (Bench,
-report, merge_rerun). Methods as in the forward (the gather peers' LSE gets no gradient: a
-lower bound for an exact method; flex has no backward on the CPU). Before timing, out and dq,
-dk, dv of dilgen and gather_cudnn against autograd through the float64 reference at --check-n
-(bounds 2e-2, 4e-2); each exact peer's gradients against dilgen's at full size. Useful FLOPs:
-3.5 x the forward's. Writes backward-<date>.json and .png; exit status 1 if dilgen failed.
+"""Forward + backward(g) of dilgen and its peers, configs A-F x {non-causal, causal}, bf16, one
+GPU, and the flow bench_forward.py shares (Bench, report, merge_rerun; bench/README.md has the
+methods, options and fields). Before timing, out, dq, dk, dv of dilgen and gather_cudnn against
+autograd through the float64 reference (2e-2, 4e-2); each exact peer's gradients against
+dilgen's at full size. Writes backward-<date>.json and .png; exit status 1 if dilgen failed.
 
   python bench/bench_backward.py                                 # A-F x {non-causal, causal}
   python bench/bench_backward.py --configs A,F --causal-only --quick
   python bench/bench_backward.py --configs A --methods dilgen --tunings '{"kv": {"bwd_kv": [64, 32, 4, 3]}}'
-  python bench/bench_backward.py --dry-run-cpu --out /tmp/x      # toy sizes on the CPU
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit as tk  # noqa: E402
-from toolkit import log  # noqa: E402
 
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2      # SPEC §2 tolerance, bf16 (gradients: twice)
 PLOTTED = ("dilgen", "gather_cudnn", "gather_flash", "flex", "dense", "cudnn_floor")     # table and plot order
@@ -41,23 +36,15 @@ class Bench:
              "the gather peers' LSE gets no gradient: a lower bound for an exact method",
              "dense, cudnn_floor: REFERENCE POINTS only (not the same math)",
              "grad_rel_err_vs_dilgen: [dq, dk, dv] of each exact peer against dilgen's, same inputs"]
+    OPTIONS = ()                                              # bench_forward.py's own: (flag, add_argument keywords)
 
     @classmethod
     def parse(cls, argv=None):
-        ap = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap = tk.parser(sys.modules[cls.__module__].__doc__, "no_causal", "causal_only", "warmup", "reps", "out",
+                       "append", "seed", "no_plot", "dry_run_cpu", methods=cls.METHODS)
         add = ap.add_argument
         add("--configs", default=",".join(tk.CONFIGS), help="subset of A-F (default: all)")
-        add("--no-causal", action="store_true", help="only the non-causal variants")
-        add("--causal-only", action="store_true", help="only the causal variants")
-        add("--methods", default=",".join(cls.METHODS), help=f"subset of {','.join(cls.METHODS)}")
         add("--quick", action="store_true", help="1 warm-up, 5 timed calls")
-        add("--warmup", type=int, default=None, help="warm-up calls (default 3)")
-        add("--reps", type=int, default=None, help="timed calls, median taken (default 10)")
-        add("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
-        add("--append", nargs="?", const=True, default=False, metavar="FILE",
-            help=f"keep the rows of an earlier run that this run does not redo: of today's {cls.kind}-<date>.json"
-                 " in --out, or of FILE")
         add("--check-n", type=int, default=None, help="N of the float64 check (default per config; backward 1024)")
         add("--no-check", action="store_true", help="skip the float64 check")
         add("--dense-max-n", type=int, default=65536, help="no dense above this N (default: not B, E)")
@@ -66,10 +53,8 @@ class Bench:
             'beside dilgen: {"name": tuning, ...}, e.g. {"kv64": {"bwd_kv": [64, 32, 4, 3]}}')
         add("--merge-into", metavar="FILE", help="fold this run's --methods into a committed result file")
         add("--report-from", metavar="FILE", help="only print the table of FILE and redraw its plots")
-        add("--seed", type=int, default=0)
-        add("--no-plot", action="store_true")
-        add("--dry-run-cpu", action="store_true", help="the whole flow at toy sizes on the CPU (numbers meaningless)")
-        cls.add_args(add)
+        for flag, kw in cls.OPTIONS:
+            add(flag, **kw)
         a = ap.parse_args(argv)
         try:
             a.configs = tk.parse_configs(a.configs, tk.DRY_CONFIGS if a.dry_run_cpu else tk.CONFIGS)
@@ -85,15 +70,10 @@ class Bench:
         return a
 
     @staticmethod
-    def add_args(add):
-        pass
-
-    @staticmethod
     def draw(data, rows, path):
         """<kind>-<date>.png beside the result file: ms per method."""
         what = "forward" if Path(path).name.startswith("forward") else "fwd+bwd"
-        tk.plot_bars(rows, PLOTTED,
-                     Path(path).with_suffix(".png"), f"{what} time, ms (log scale; lower is better)",
+        tk.plot_bars(rows, PLOTTED, Path(path).with_suffix(".png"), f"{what} time, ms (log scale; lower is better)",
                      f"dilated attention {what}, bf16 — {data.get('device')}, torch {data.get('torch')}, "
                      f"triton {data.get('triton')}, {data.get('date')}")
 
@@ -139,22 +119,25 @@ class Bench:
                               dtype=self.torch.bfloat16, generator=g) for _ in range(3 + self.fwd_bwd)]
         return tuple(t.requires_grad_(self.fwd_bwd) for t in x[:3]) + tuple(x[3:])
 
+    def attend(self, m, spec, lse=False):
+        """(q, k, v) -> out, or (out, lse), of dilgen, a variant dilgen:<name> or a peer."""
+        if m.startswith("dilgen"):
+            kern = self.kernel(m, spec)
+            return lambda q, k, v: kern(q, k, v, return_lse=lse)
+        peer = self.peers.PEERS["dense_sdpa" if m == "dense" else m]
+        return lambda q, k, v: peer(q, k, v, spec) if lse else peer(q, k, v, spec)[0]
+
     def callables(self, m, spec, x):
         """(forward + backward(g), its cloned dq, dk, dv)."""
         q, k, v, g = x
         if m == "cudnn_floor":
             return (self.peers.lane_floor(spec, q.shape[0], q.shape[1], self.dev, grad=True),) * 2
-        if m.startswith("dilgen"):
-            kern = self.kernel(m, spec)
-            out_of = lambda: kern(q, k, v)  # noqa: E731
-        else:
-            peer = self.peers.PEERS["dense_sdpa" if m == "dense" else m]
-            out_of = lambda: peer(q, k, v, spec)[0]  # noqa: E731
+        attend = self.attend(m, spec)
 
         def step():
             for t in (q, k, v):
                 t.grad = None
-            out_of().backward(g)
+            attend(q, k, v).backward(g)
 
         def first():
             step()
@@ -193,12 +176,8 @@ class Bench:
         for m in methods:
             rec = {"method": m}
             try:
-                out = (self.kernel(m, spec)(q, k, v) if m.startswith("dilgen")
-                       else self.peers.PEERS[m](q, k, v, spec)[0])
-                for t in (q, k, v):
-                    t.grad = None
-                out.backward(g)
-                got[m] = [t.grad.detach().clone() for t in (q, k, v)]
+                out = self.attend(m, spec)(q, k, v)
+                got[m] = list(self.torch.autograd.grad(out, (q, k, v), g))
                 errs = rec["rel_err_out_dq_dk_dv"] = [tk.rel_err(a.cpu(), b) for a, b in zip([out] + got[m], want)]
                 rec["passed"] = bool(errs[0] < BOUND_OUT and max(errs[1:]) < BOUND_GRAD)
                 rec["_detail"] = "out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs)
@@ -212,7 +191,7 @@ class Bench:
         return recs
 
     def check(self):
-        log("== correctness (B=1, bf16) against the float64 reference (dilgen.reference) ==")
+        tk.log("== correctness (B=1, bf16) against the float64 reference (dilgen.reference) ==")
         checked = [m for m in self.methods if m in self.CHECKED and self.selected(m) or m.startswith("dilgen:")]
         for i, (cname, causal) in enumerate(self.variants):
             cfg, spec = self.configs[cname], self.spec(cname, causal)
@@ -223,21 +202,20 @@ class Bench:
             self.peers.clear_caches()
             tk.cleanup(self.dev)
         if any(r["method"] == "flex_block_mask" and not r["passed"] for r in self.res.data["check"]):
-            log("  !! analytic flex block mask differs from create_block_mask's: flex uses --flex-mask create")
+            tk.log("  !! analytic flex block mask differs from create_block_mask's: flex uses --flex-mask create")
             self.peers.FLEX_MASK_METHOD = "create"
         if self.check_failed:
-            log("  !! dilgen FAILED the correctness check: its timings are not meaningful")
+            tk.log("  !! dilgen FAILED the correctness check: its timings are not meaningful")
         self.res.data["check_passed"] = not self.check_failed
         self.res.save()
 
     def log_check(self, rec, where):
         detail = rec.pop("_detail", None)
         self.res.data["check"].append(rec)
-        log(f"  {'ok  ' if rec['passed'] else 'FAIL'} {where} {rec['method']:15s} "
-            f"{rec.get('error') or rec.get('detail') or detail}")
+        tk.log(f"  {'ok  ' if rec['passed'] else 'FAIL'} {where} {rec['method']:15s} "
+               f"{rec.get('error') or rec.get('detail') or detail}")
         self.check_failed |= rec["method"] in ("dilgen", "reference") and not rec["passed"]
 
-    # ------------------------------------------------------------------ 2. timing
     def run_method(self, row, m, spec, x, base, say, against="dilgen"):
         """Time one method on inputs x, fail soft; its first call compared with base; returns
         the first call's result for dilgen (the base of the others)."""
@@ -287,8 +265,8 @@ class Bench:
 
     def timing(self):
         a = self.a
-        log(f"\n== timing (median of {a.reps} after {a.warmup} warm-ups; flex skipped after {a.budget_s:.0f} s) ==")
-        prog = tk.Progress(len(self.variants), self.kind)
+        tk.log(f"\n== timing (median of {a.reps} after {a.warmup} warm-ups; flex skipped after {a.budget_s:.0f} s) ==")
+        prog = tk.Progress(len(self.variants))
         for i, (cname, causal) in enumerate(self.variants):
             cfg, spec = self.configs[cname], self.spec(cname, causal)
             row = self.res.add({
@@ -297,12 +275,14 @@ class Bench:
                 "useful_gflop": tk.useful_flops(cfg, causal, self.fwd_bwd) / 1e9, "useful_tflops": None,
                 "useful_tflops_by_method": {}, "timing_ms": {}, "errors": {}, **self.row_extra(cfg, causal),
                 **{f"{m}_ms": None for m in self.methods}})
-            prog.write(f"{prog.tag()} {tk.config_text(cname, cfg)} causal={causal}: {row['useful_gflop']:.1f} GFLOP")
+            hil = f" hilbert {json.dumps(cfg['hilbert'])}" if cfg.get("hilbert") else ""
+            tk.log(f"[{i + 1}/{len(self.variants)}] {cname}: B{cfg['B']} H{cfg['H']} N{cfg['N']} D{cfg['D']} "
+                   f"w {cfg['ws']} r {cfg['rs']}{hil} causal={causal}: {row['useful_gflop']:.1f} GFLOP")
             x, base, against = self.inputs(cfg, a.seed + i), None, None
             for m in self.methods:            # the first of dilgen, gather_cudnn to run is the others' base
                 if m == "flex":
                     row["flex_checked_against"] = against
-                kept = self.run_method(row, m, spec, x, base, prog.write, against)
+                kept = self.run_method(row, m, spec, x, base, tk.log, against)
                 if base is None and kept is not None:
                     base, against = kept, m
             del x, base
@@ -323,58 +303,52 @@ def report(data: dict, rows: list, path, draw=None) -> None:
             return f"**{r[f'{m}_ms']:.2f}**" if m == "dilgen" else f"{r[f'{m}_ms']:.2f}"
         e = (r.get("errors") or {}).get(m, "")
         return "—" if not e or e.startswith(("skipped", "not selected")) else "OOM" if e.startswith("OOM") else "err"
-    log(f"\n== {Path(path).name.split('-')[0]}, median ms ({data.get('device')}) ==")
-    log(tk.markdown_table(
+    tk.log(f"\n== {Path(path).name.split('-')[0]}, median ms ({data.get('device')}) ==")
+    tk.log(tk.markdown_table(
         ["config", "causal", "dilgen ms", "useful TFLOP/s"] + [tk.NAMES.get(m, m) for m in shown] + ["causal / full"],
         [[r["config"], "yes" if r["causal"] else "no", cell(r, "dilgen"), tk.fmt(r.get("useful_tflops"), ".0f")]
          + [cell(r, m) for m in shown] + [tk.fmt(r["dilgen_ms"] / nc[r["config"]]) if r["causal"] and
                                          r.get("dilgen_ms") and nc.get(r["config"]) else ""]
          for r in sorted(rows, key=lambda r: (r["config"], r["causal"]))]))
     if data.get("matmul_ceiling"):
-        log(f"matmul ceiling (bf16 {data['matmul_ceiling']['n']}^3): {data['matmul_ceiling']['tflops']:.0f} TFLOP/s")
-    log("\nexact peers and variants against dilgen at full size (relative error of out; fwd+bwd: dq/dk/dv):")
+        tk.log(f"matmul ceiling (bf16 {data['matmul_ceiling']['n']}^3): {data['matmul_ceiling']['tflops']:.0f} TFLOP/s")
+    tk.log("\nexact peers and variants against dilgen at full size (relative error of out; fwd+bwd: dq/dk/dv):")
     for r in rows:
         parts = [f"{m} " + ("/".join(f"{x:.1e}" for x in e) if isinstance(e, list) else f"{e:.1e}")
                  + ("" if k.endswith("_vs_dilgen") else " (vs gather_cudnn)")
                  for k in ("rel_err_vs_dilgen", "rel_err_vs_gather_cudnn", "grad_rel_err_vs_dilgen",
                            "grad_rel_err_vs_gather_cudnn")
                  for m, e in (r.get(k) or {}).items() if e is not None]
-        log(f"  {r['config']} causal={r['causal']!s:5s} " + (", ".join(parts) or "-"))
+        tk.log(f"  {r['config']} causal={r['causal']!s:5s} " + (", ".join(parts) or "-"))
         for m, e in (r.get("errors") or {}).items():
             if not e.startswith("not selected"):
-                log(f"  {r['config']} causal={r['causal']} {m}: {e}")
-    log("dense and cudnn_floor are reference points, NOT the same math.")
+                tk.log(f"  {r['config']} causal={r['causal']} {m}: {e}")
+    tk.log("dense and cudnn_floor are reference points, NOT the same math.")
     if draw:
         draw(data, rows, path)
 
 
 def merge_rerun(committed, rerun, methods=("dilgen",), draw=None) -> list:
-    """Fold a re-run of some methods (a bench_forward / bench_backward file or its data) into
-    a committed file of the same GPU: in each row of both (same config and causal flag) the
-    methods' fields (<m>_ms, _first_call_s, _peak_extra_gib, timing_ms, useful_tflops_by_method,
-    errors; dilgen's useful_tflops) are replaced and the speed-ups recomputed; the peers' stay.
-    Rows get `merged_from`, their checks come from the re-run, `earlier_runs` lists the merge,
-    and draw(data, rows, path) redraws the plots beside the file. Returns the merged keys."""
-    committed = Path(committed)
-    old = json.loads(committed.read_text())
+    """--merge-into: fold a re-run of some methods (a bench_forward / bench_backward file or its data)
+    into a committed file of the same GPU. In each row of both (config, causal) the methods' fields
+    (<m>_ms, _first_call_s, _peak_extra_gib, timing_ms, useful_tflops_by_method, errors; dilgen's
+    useful_tflops) are replaced, the speed-ups recomputed, the peers' kept; rows get `merged_from`,
+    their checks come from the re-run, `earlier_runs` lists the merge; draw(data, rows, path)
+    redraws the plots. Returns the merged keys."""
+    old = json.loads(Path(committed).read_text())
     new = rerun if isinstance(rerun, dict) else json.loads(Path(rerun).read_text())
     if old.get("device") != new.get("device"):
         raise ValueError(f"device differs: {old.get('device')!r} vs {new.get('device')!r}")
-
-    def key(r):
-        return r.get("config"), bool(r.get("causal"))
-    by_key, merged = {key(r): r for r in old["rows"]}, []
-    stamp = {k: new.get(k) for k in ("time", "device", "torch", "triton")} | {"methods": list(methods)}
+    key = lambda r: (r.get("config"), bool(r.get("causal")))  # noqa: E731
+    by_key, merged = {key(r): r for r in old["rows"]}, [key(r) for r in new["rows"]]
+    stamp = {k: new.get(k) for k in ("time", "device", "torch", "triton", "commit")} | {"methods": list(methods)}
     for row in new["rows"]:
-        merged.append(key(row))
         target = by_key.get(key(row))
         if target is None:
             old["rows"].append(row)
             continue
         for m in methods:
-            for sfx in ("_ms", "_first_call_s", "_peak_extra_gib"):
-                if m + sfx in row:
-                    target[m + sfx] = row[m + sfx]
+            target.update({m + x: row[m + x] for x in ("_ms", "_first_call_s", "_peak_extra_gib") if m + x in row})
             for field in ("timing_ms", "useful_tflops_by_method"):
                 if m in row.get(field, {}):
                     target.setdefault(field, {})[m] = row[field][m]
@@ -387,14 +361,13 @@ def merge_rerun(committed, rerun, methods=("dilgen",), draw=None) -> list:
         target["errors"] = ({m: e for m, e in (target.get("errors") or {}).items() if m not in methods}
                             | {m: e for m, e in (row.get("errors") or {}).items() if m in methods})
         target["merged_from"] = stamp
-    keys = set(merged)
-    old["check"] = ([c for c in old.get("check", []) if key(c) not in keys]
-                    + [c for c in new.get("check", []) if key(c) in keys])
+    old["check"] = ([c for c in old.get("check", []) if key(c) not in merged]
+                    + [c for c in new.get("check", []) if key(c) in merged])
     old.setdefault("earlier_runs", []).append(stamp | {"merged_rows": [list(k) for k in merged]})
     if "check_passed" in new:
         old["check_passed"] = bool(old.get("check_passed", True)) and bool(new["check_passed"])
     tk.write_json_atomic(committed, old)
-    log(f"merged {len(merged)} row(s) into {committed}: {merged}")
+    tk.log(f"merged {len(merged)} row(s) into {committed}: {merged}")
     if draw:
         draw(old, old["rows"], committed)
     return merged
@@ -402,7 +375,6 @@ def merge_rerun(committed, rerun, methods=("dilgen",), draw=None) -> list:
 
 def main(argv=None, cls=Bench):
     a = cls.parse(argv)
-    tk.setup_paths()
     tk.quiet()
     if a.report_from:
         data = json.loads(Path(a.report_from).read_text())
@@ -413,17 +385,15 @@ def main(argv=None, cls=Bench):
     if tk.no_gpu(a.dry_run_cpu, f"bench_{cls.kind}.py"):
         return 2
     b = cls(a)
-    d = b.res.data
-    log(f"device {d['device']}  torch {d['torch']}  triton {d['triton']}  python {d['python']}  date {d['date']}")
-    log(f"variants {len(b.variants)}  methods {a.methods}  tunings {list(a.tunings)}  warmup {a.warmup} "
-        f"reps {a.reps}  json {b.res.path}")
+    tk.log(f"variants {len(b.variants)}  methods {a.methods}  tunings {list(a.tunings)}  warmup {a.warmup} "
+           f"reps {a.reps}  json {b.res.path}")
     if not a.no_check:
         b.check()
     b.timing()
     report(b.res.data, b.res.all_rows(), b.res.path, None if a.no_plot else cls.draw)
     if a.merge_into:
         merge_rerun(a.merge_into, json.loads(b.res.path.read_text()), a.methods, None if a.no_plot else cls.draw)
-    log(f"json: {b.res.path}   total {time.time() - b.t0:.0f} s")
+    tk.log(f"json: {b.res.path}   total {time.time() - b.t0:.0f} s")
     return 1 if b.check_failed else 0
 
 

@@ -10,12 +10,9 @@ first: dilgen against the float64 reference (a scaled-down spec) and gather_sdpa
 
   python bench/bench_decode.py                      # the grid above, JSON + PNG in bench/results
   python bench/bench_decode.py --sweep --out /tmp/x
-  python bench/bench_decode.py --dry-run-cpu --out /tmp/x    # toy sizes, interpreter
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import math
 import sys
 import time
@@ -24,7 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit as tk  # noqa: E402
-from toolkit import log  # noqa: E402
 
 METHODS = ("dilgen", "dense", "gather_sdpa")
 SHOWN = METHODS + ("dilgen_graph",)          # dilgen_graph: beside METHODS on a GPU
@@ -36,23 +32,19 @@ TOL = {"bfloat16": 2e-2, "float32": 1e-4}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default=None, help="comma list (default 1,8,16,64: 16 is the largest batch "
-                                                    "whose 1M cache fits an H200)")
-    ap.add_argument("--contexts", default=None, help="comma list (default 16384,131072,1048576)")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--mem-frac", type=float, default=0.85,
-                    help="skip a (batch, context, method) whose tensors exceed this fraction of GPU memory")
-    ap.add_argument("--sweep", action="store_true", help="also sweep dilgen's split and tile")
-    ap.add_argument("--split", type=int, default=None, help="force dilgen's split (default: the runtime's)")
-    ap.add_argument("--tile", default=None, help="dilgen decode tile block,split,warps,stages (tuning)")
-    ap.add_argument("--budget-s", type=float, default=270.0, help="stop sweeps after this many seconds")
-    ap.add_argument("--out", default=str(tk.RESULTS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--dry-run-cpu", action="store_true")
+    ap = tk.parser(__doc__, "warmup", "reps", "out", "seed", "no_plot", "dry_run_cpu", methods=METHODS,
+                   warmup=dict(default=20, help="warm-up calls (default 20)"),
+                   reps=dict(default=50, help="timed calls, median taken (default 50)"))
+    add = ap.add_argument
+    add("--batches", default=None, help="comma list (default 1,8,16,64: 16 is the largest batch whose 1M cache "
+        "fits an H200)")
+    add("--contexts", default=None, help="comma list (default 16384,131072,1048576)")
+    add("--mem-frac", type=float, default=0.85,
+        help="skip a (batch, context, method) whose tensors exceed this fraction of GPU memory")
+    add("--sweep", action="store_true", help="also sweep dilgen's split and tile")
+    add("--split", type=int, default=None, help="force dilgen's split (default: the runtime's)")
+    add("--tile", default=None, help="dilgen decode tile block,split,warps,stages (tuning)")
+    add("--budget-s", type=float, default=270.0, help="stop sweeps after this many seconds")
     a = ap.parse_args(argv)
     cfg = DRY if a.dry_run_cpu else GPU
     a.batches = [int(x) for x in a.batches.split(",")] if a.batches else cfg["batches"]
@@ -78,17 +70,16 @@ class Bench:
             "definitions": {
                 "us_per_step": "median CUDA-event time of one decode step (one new token per item), microseconds",
                 "kept_bytes": "K and V bytes of the rows some query head of a kv group keeps for the new token, "
-                              "summed over branches (a row kept by two branches counts twice): what dilgen reads; "
-                              "the same figure for every method",
+                              "summed over branches (a row kept by two counts twice): what dilgen reads; the same "
+                              "figure for every method",
                 "GB_per_s": "kept_bytes / time (1e9 bytes)",
                 "copy_GB_per_s": "device-to-device copy of 4 GiB: (read + write bytes) / time",
                 "dense": "SDPA of the new query against every valid cache row (the cost of reading the whole "
                          "cache; not the same math)",
                 "gather_sdpa": "kept keys gathered per (item, head) with torch indexing, then SDPA with a "
                                "validity mask (exact)"}})
-        tag = "cpu-dryrun" if a.dry_run_cpu else ("h200" if "H200" in head.get("device", "") else "gpu")
-        self.res = tk.Results(Path(a.out) / f"decode-{datetime.date.today().isoformat()}-{tag}.json", head,
-                              key=("batch", "context", "method"))
+        self.res = tk.Results(tk.result_path(a.out, "decode", a.dry_run_cpu, tag=None if a.dry_run_cpu else
+                                             tk.gpu_tag(head["device"])), head, key=("batch", "context", "method"))
         self.res.data.update(check=[], skipped=[])
         self.check_failed = False
 
@@ -119,9 +110,8 @@ class Bench:
             step = self.fn("dilgen", q, k, v, seqlens, split=split, kernel=kernel)
             for _ in range(3):
                 step()
-            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph):         # synchronises first
                 step()
             return graph.replay
         B, _, H, D = q.shape
@@ -148,11 +138,11 @@ class Bench:
             return torch.where(ok.any(-1)[:, :, None, None], out, 0.0).transpose(1, 2)   # no branch keeps: 0
         return step
 
-    # ------------------------------------------------------------------ checks, copy rate
     def check(self):
+        """dilgen against the float64 reference (a scaled-down spec), then against gather_sdpa."""
         torch, dry = self.torch, self.a.dry_run_cpu
         from dilgen.reference import reference_attention
-        log("\n== correctness ==")
+        tk.log("\n== correctness ==")
         ws = self.cfg["ws"] if dry else [max(8, w // 32) for w in self.cfg["ws"]]
         spec = self.spec.replace(name="bench_decode_small", segment_lengths=ws)
         lens = [200, 157] if dry else [min(1500, 2 * ws[-1]) - 37, min(1500, 2 * ws[-1])]
@@ -160,43 +150,41 @@ class Bench:
         full_q = torch.randn(len(lens), max(lens), self.cfg["H"], self.cfg["D"], dtype=self.dtype, device=self.dev)
         for b, n in enumerate(lens):
             full_q[b, n - 1] = q[b, 0]
-        sl = torch.tensor(lens, dtype=torch.int32, device=self.dev)
-        rec = {"method": "dilgen", "against": "float64 reference", "segment_lengths": ws, "lens": lens}
-        try:
-            with torch.no_grad():
-                out, lse = self.dilgen.compiler.Kernel(spec).decode(q, k, v, sl, return_lse=True)
+
+        def against_reference():
+            sl = torch.tensor(lens, dtype=torch.int32, device=self.dev)
+            out, lse = self.dilgen.compiler.Kernel(spec).decode(q, k, v, sl, return_lse=True)
             errs = []
             for b, n in enumerate(lens):
-                ref, ref_lse = reference_attention(full_q[b:b + 1, :n].cpu(), k[b:b + 1, :n].cpu(),
-                                                   v[b:b + 1, :n].cpu(), spec, return_lse=True)
+                ref, ref_lse = reference_attention(*(t[b:b + 1, :n].cpu() for t in (full_q, k, v)), spec,
+                                                   return_lse=True)
                 d, pat = tk.lse_diff(lse[b, :, 0].cpu(), ref_lse[0, :, n - 1])
                 errs += [tk.rel_err(out[b, 0].cpu(), ref[0, n - 1]), d if pat else math.inf]
-            rec["max_err"] = max(errs)
-            rec["passed"] = rec["max_err"] < TOL[self.cfg["dtype"]]
-        except Exception as e:  # noqa: BLE001
-            rec.update(error=tk.short_err(e), passed=False)
-        self.record_check(rec)
+            return {"max_err": max(errs)}
+        self.record_check({"method": "dilgen", "against": "float64 reference", "segment_lengths": ws, "lens": lens},
+                          against_reference)
         ctx = 300 if dry else 40000                 # full size: dilgen against the exact peer
         q, k, v = self.cache(2, ctx, 7)
         sl = torch.tensor([ctx - 43 if dry else ctx - 4321, ctx], dtype=torch.int32, device=self.dev)
-        rec = {"method": "dilgen", "against": "gather_sdpa", "context": ctx, "lens": sl.tolist()}
-        try:
-            with torch.no_grad():
-                rec["rel_err"] = tk.rel_err(self.fn("dilgen", q, k, v, sl)().float(),
-                                            self.fn("gather_sdpa", q, k, v, sl)().float())
-            rec["passed"] = rec["rel_err"] < TOL[self.cfg["dtype"]]
-        except Exception as e:  # noqa: BLE001
-            rec.update(error=tk.short_err(e), passed=False)
-        self.record_check(rec)
-        del q, k, v
+        self.record_check({"method": "dilgen", "against": "gather_sdpa", "context": ctx, "lens": sl.tolist()},
+                          lambda: {"rel_err": tk.rel_err(self.fn("dilgen", q, k, v, sl)().float(),
+                                                         self.fn("gather_sdpa", q, k, v, sl)().float())})
+        q = k = v = full_q = None
         tk.cleanup(self.dev)
         self.res.data["check_passed"] = not self.check_failed
 
-    def record_check(self, rec):
+    def record_check(self, rec, measure):
+        """rec + measure()'s {name: error}, passed when each is under TOL (or the exception); logged."""
+        try:
+            with self.torch.no_grad():
+                rec.update(errs := measure())
+            rec["passed"] = max(errs.values()) < TOL[self.cfg["dtype"]]
+        except Exception as e:  # noqa: BLE001
+            rec.update(error=tk.short_err(e), passed=False)
         self.res.data["check"].append(rec)
         self.check_failed |= not rec["passed"]
-        log(f"  {'ok  ' if rec['passed'] else 'FAIL'} dilgen vs {rec['against']}: "
-            + (rec.get("error") or f"{rec.get('max_err', rec.get('rel_err')):.2e}"))
+        tk.log(f"  {'ok  ' if rec['passed'] else 'FAIL'} dilgen vs {rec['against']}: "
+               + (rec.get("error") or f"{max(errs.values()):.2e}"))
         self.res.save()
 
     def copy_bandwidth(self):
@@ -206,18 +194,17 @@ class Bench:
         t = tk.time_ms(lambda: dst.copy_(src), 3, 10, self.dev)
         bw = self.res.data["copy_GB_per_s"] = 2 * n / (t["median"] * 1e-3) / 1e9
         self.res.data["copy_timing_ms"] = t
-        log(f"copy bandwidth: {bw:.0f} GB/s (read + write of {n >> 20} MiB, {t['median']:.3f} ms)")
+        tk.log(f"copy bandwidth: {bw:.0f} GB/s (read + write of {n >> 20} MiB, {t['median']:.3f} ms)")
         src = dst = None
         tk.cleanup(self.dev)
 
-    # ------------------------------------------------------------------ timing
     def fits(self, nbytes):
         return self.dev.type != "cuda" or \
             nbytes <= self.a.mem_frac * self.torch.cuda.get_device_properties(self.dev).total_memory
 
     def skip(self, B, ctx, methods, msg):
         self.res.data["skipped"] += [{"batch": B, "context": ctx, "method": m, "reason": msg} for m in methods]
-        log(f"  B={B:3d} ctx={ctx:8d} {methods[0] + ': ' if len(methods) == 1 else ''}skipped: {msg}")
+        tk.log(f"  B={B:3d} ctx={ctx:8d} {methods[0] + ': ' if len(methods) == 1 else ''}skipped: {msg}")
         self.res.save()
 
     def time_row(self, B, ctx, method, q, k, v, sl, kept, **kw):
@@ -240,13 +227,13 @@ class Bench:
             row["error"] = tk.short_err(e)
             tk.cleanup(self.dev)
         self.res.add(row)
-        log(f"  B={B:3d} ctx={ctx:8d} {method:28s} " + (f"{row['us_per_step']:9.1f} us  {row['GB_per_s']:7.0f} GB/s"
-                                                         if "us_per_step" in row else row.get("error", "")))
+        tk.log(f"  B={B:3d} ctx={ctx:8d} {method:28s} " + (f"{row['us_per_step']:9.1f} us  {row['GB_per_s']:7.0f} GB/s"
+                                                            if "us_per_step" in row else row.get("error", "")))
 
     def timing(self):
         a, c, item = self.a, self.cfg, self.dtype.itemsize
         sweep = lambda: a.sweep and time.time() - self.t0 < a.budget_s  # noqa: E731
-        log("\n== timing ==")
+        tk.log("\n== timing ==")
         for ctx in a.contexts:
             for B in a.batches:
                 cache_bytes = 2 * B * ctx * c["Hkv"] * c["D"] * item
@@ -288,64 +275,52 @@ def report(res, a):
     get = lambda B, c, m, f="us_per_step", s=".1f": tk.fmt((by.get((B, c, m)) or {}).get(f), s)  # noqa: E731
     ratio = lambda B, c: (by[(B, c, "dense")]["us_per_step"] / by[(B, c, "dilgen")]["us_per_step"]  # noqa: E731
                           if (B, c, "dense") in by and (B, c, "dilgen") in by else None)
-    log(f"\n== decode, us per step ({res.data['device']}) ==")
-    log(tk.markdown_table(["batch", "context", "dilgen us", "dilgen (CUDA graph) us", "dense us", "gather_sdpa us",
-                           "dilgen GB/s", "graph GB/s", "graph / copy BW", "dense / dilgen"],
-                          [[B, c, get(B, c, "dilgen"), get(B, c, "dilgen_graph"), get(B, c, "dense"),
-                            get(B, c, "gather_sdpa"), get(B, c, "dilgen", "GB_per_s", ".0f"),
-                            get(B, c, "dilgen_graph", "GB_per_s", ".0f"),
-                            get(B, c, "dilgen_graph", "fraction_of_copy_bw", ".2f"), tk.fmt(ratio(B, c), ".1f")]
-                           for B in a.batches for c in a.contexts]))
-    summary, top = {}, max(a.contexts)
-    for m in ("dilgen", "dilgen_graph"):
-        for B in a.batches:
-            pts = sorted((r["context"], r["us_per_step"]) for r in rows if r["method"] == m and r["batch"] == B)
-            if len(pts) > 1:
-                summary[f"{m}_batch{B}_us_{pts[-1][0]}_over_{pts[0][0]}"] = pts[-1][1] / pts[0][1]
+    tk.log(f"\n== decode, us per step ({res.data['device']}) ==")
+    tk.log(tk.markdown_table(["batch", "context", "dilgen us", "dilgen (CUDA graph) us", "dense us", "gather_sdpa us",
+                              "dilgen GB/s", "graph GB/s", "graph / copy BW", "dense / dilgen"],
+                             [[B, c, get(B, c, "dilgen"), get(B, c, "dilgen_graph"), get(B, c, "dense"),
+                               get(B, c, "gather_sdpa"), get(B, c, "dilgen", "GB_per_s", ".0f"),
+                               get(B, c, "dilgen_graph", "GB_per_s", ".0f"),
+                               get(B, c, "dilgen_graph", "fraction_of_copy_bw", ".2f"), tk.fmt(ratio(B, c), ".1f")]
+                              for B in a.batches for c in a.contexts]))
+    series = {(m, B): sorted((r["context"], r["us_per_step"]) for r in rows if r["method"] == m and r["batch"] == B)
+              for m in SHOWN for B in a.batches}         # us per step against the context
+    top = max(a.contexts)
+    summary = {f"{m}_batch{B}_us_{pts[-1][0]}_over_{pts[0][0]}": pts[-1][1] / pts[0][1]
+               for (m, B), pts in series.items() if m.startswith("dilgen") and len(pts) > 1}
     summary.update({f"dense_over_dilgen_batch{B}_{top}": ratio(B, top) for B in a.batches if ratio(B, top)})
     res.data["summary"] = summary
     res.save()
-    log(f"summary: {summary}")
-    plt = None if a.no_plot else tk.pyplot()
-    if plt is None or not rows:
-        return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    tk.log(f"summary: {summary}")
     styles = {"dilgen": ("#d62728", "o"), "dilgen_graph": ("#ff7f0e", "^"), "dense": ("#7f7f7f", "x"),
               "gather_sdpa": ("#1f77b4", "s")}
-    for m in SHOWN:
-        for B, dash in zip(a.batches, ("-", "--", ":", "-.")):
-            pts = sorted((r["context"], r["us_per_step"]) for r in rows if r["method"] == m and r["batch"] == B)
+
+    def draw(ax):
+        for (m, B), pts in series.items():
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=styles[m][0], marker=styles[m][1],
-                        linestyle=dash, label=f"{m}, batch {B}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set(xlabel="context (tokens in the cache)", ylabel="us per decode step (log)")
+                ax.plot(*zip(*pts), color=styles[m][0], marker=styles[m][1], label=f"{m}, batch {B}",
+                        linestyle=("-", "--", ":", "-.")[a.batches.index(B) % 4])
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel="context (tokens in the cache)", ylabel="us per decode step (log)")
+        ax.grid(which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=3)
     d = res.data
-    ax.set_title(f"decode latency vs context, bf16 H32/8 D128, w 2K..32K r 1..16\n{d['device']}, "
-                 f"torch {d['torch']}, triton {d['triton']}, {d['date']}", fontsize=9)
-    ax.grid(which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(res.path.with_suffix(".png"), dpi=120)
-    plt.close(fig)
-    log(f"plot: {res.path.with_suffix('.png')}")
+    if rows and not a.no_plot:
+        tk.figure(res.path.with_suffix(".png"), f"decode latency vs context, bf16 H32/8 D128, w 2K..32K r 1..16\n"
+                  f"{d['device']}, torch {d['torch']}, triton {d['triton']}, {d['date']}", draw)
 
 
 def main(argv=None):
     a, cfg = parse_args(argv)
-    tk.setup_paths()
     warnings.filterwarnings("ignore")
     if tk.no_gpu(a.dry_run_cpu, "bench_decode.py"):
         return 2
     b = Bench(a, cfg)
-    d = b.res.data
-    log(f"device {d['device']}  torch {d['torch']}  triton {d['triton']}  date {d['date']}  json {b.res.path}")
     b.check()
     b.copy_bandwidth()
     b.timing()
     report(b.res, a)
-    log(f"json: {b.res.path}   total {time.time() - b.t0:.0f} s")
+    tk.log(f"json: {b.res.path}   total {time.time() - b.t0:.0f} s")
     return 1 if b.check_failed else 0
 
 

@@ -1,20 +1,19 @@
 #!/usr/bin/env python3
-"""Forward benchmark: dilgen against its exact peers (bench/peers.py: gather_cudnn,
-gather_flash, flex) and two reference points (dense SDPA; cudnn_floor, cuDNN on the gathered
-lane shapes), configs A-F x {non-causal, causal}, bf16, one GPU. Every method is checked
-against the float64 reference before timing (flex's block masks against create_block_mask);
-then CUDA-event medians, first call, peak memory, the peers against dilgen at full size, the
-bf16 matmul ceiling. Writes forward-<date>.json, .png and roofline-<date>.png; exit status 1 if
-dilgen failed its check. The flow and the shared options are bench_backward.py's.
+"""Forward of dilgen, its exact peers (gather_cudnn, gather_flash, flex) and two reference points
+(dense, cudnn_floor), configs A-F x {non-causal, causal}, bf16, one GPU; bench/README.md has the
+methods, options and fields. Every method checked against the float64 reference before timing
+(flex's block masks against create_block_mask), then timed (bench_backward.py's flow), the
+peers against dilgen at full size, the bf16 matmul ceiling. Writes forward-<date>.json, .png
+and roofline-<date>.png; exit status 1 if dilgen failed its check.
 
   python bench/bench_forward.py                          # A-F, both causal flags
   python bench/bench_forward.py --configs A,F --no-causal --quick
   python bench/bench_forward.py --methods dilgen --merge-into bench/results/forward-DATE.json
-  python bench/bench_forward.py --dry-run-cpu --quick --out /tmp/x   # toy sizes on the CPU
   python bench/bench_forward.py --check-peers            # the peers' semantics on the CPU
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -22,24 +21,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_backward  # noqa: E402
 import toolkit as tk  # noqa: E402
-from toolkit import log  # noqa: E402
 
 CHECK_N = {"A": 4096, "B": 2048, "C": 4096, "D": 2048, "E": 2048, "F": 4096}   # fp64 reference: ~N² per head
 TOL = 2e-2               # SPEC §2, bf16: relative error of out and max |lse - lse_ref|
 SEG = {"scope": "segment"}
 # --check-peers: (name, B, N, H, Hkv, D, ws, rs, softmax_scale, hilbert); causal and not, fp32 and bf16
 PEER_CASES = [
-    ("basic", 1, 64, 4, 4, 16, [16, 32], [1, 2], None, None),
+    ("basic", 1, 64, 4, 4, 16, [16, 32], [1, 2], None, None), ("gqa", 2, 96, 6, 2, 16, [32, 64], [2, 3], None, None),
     ("short_tail_r3", 2, 70, 6, 6, 16, [16, 32, 48], [1, 2, 3], None, None),
     ("r_not_dividing_w", 1, 53, 6, 6, 32, [10, 7, 20], [3, 2, 3], 0.3, None),
     ("gqa_tail", 1, 100, 8, 2, 16, [32, 64, 16], [2, 4, 1], None, None),
-    ("gqa", 2, 96, 6, 2, 16, [32, 64], [2, 3], None, None),
-    ("mqa", 1, 40, 4, 1, 16, [8, 40], [1, 4], None, None),
-    ("w_gt_n", 1, 50, 4, 4, 16, [128, 16], [2, 1], None, None),
+    ("mqa", 1, 40, 4, 1, 16, [8, 40], [1, 4], None, None), ("w_gt_n", 1, 50, 4, 4, 16, [128, 16], [2, 1], None, None),
     ("r_gt_h_unkept_rows", 1, 64, 2, 2, 16, [32, 64], [4, 8], None, None),
     ("duplicate_branch", 1, 48, 2, 2, 16, [16, 16], [1, 1], None, None),
-    ("single_branch", 1, 48, 3, 3, 16, [12], [3], None, None),
-    ("w1", 1, 20, 2, 2, 16, [1, 4], [1, 2], None, None),
+    ("single_branch", 1, 48, 3, 3, 16, [12], [3], None, None), ("w1", 1, 20, 2, 2, 16, [1, 4], [1, 2], None, None),
     ("block_scale", 1, 384, 4, 4, 16, [128, 256], [1, 2], None, None),
     ("longnet_like_tail", 1, 1100, 4, 4, 16, [128, 256, 512], [1, 2, 4], None, None),
     ("E_like", 1, 512, 12, 12, 16, [32, 64, 128, 256, 512], [1, 2, 4, 6, 12], None, None),
@@ -52,13 +47,11 @@ PEER_CASES = [
     ("hilbert_sequence_tail", 1, 192, 6, 3, 16, [48, 100], [2, 3], None, {"scope": "sequence", "grid": [8, 24]}),
     ("dense_one_branch", 1, 64, 4, 4, 16, [64], [1], None, None),      # dense_sdpa == the reference
 ]
-BLOCK_CASES = [   # --check-peers: analytic flex block masks, (N, H, ws, rs), both causal flags
-    (4096, 16, [2048, 4096, 8192], [1, 2, 4]), (4096, 16, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]),
-    (4096, 32, [1024, 2048, 4096], [1, 2, 4]), (4096, 16, [4096, 16384], [4, 16]),
-    (4096, 16, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
-    (4096, 16, [128, 256, 512, 1024, 2048], [1, 2, 4, 6, 12]),
-    (4096, 16, [128, 256, 512, 1024, 2048], [1, 2, 4, 8, 16]), (4096, 16, [512, 2048], [4, 16]),
-    (1000, 6, [100, 300, 77], [1, 3, 2]), (700, 4, [5, 64, 1000], [1, 2, 3]), (1024, 4, [1024, 512], [200, 1])]
+# --check-peers: analytic flex block masks, (N, H, ws, rs), both causal flags: configs A-E at N 4096, odd ones
+BLOCK_CASES = [(4096, c["H"], c["ws"], c["rs"]) for c in tk.CONFIGS.values() if not c.get("hilbert")] + [
+    (4096, 16, [128, 256, 512, 1024, 2048], [1, 2, 4, 6, 12]), (4096, 16, [512, 2048], [4, 16]),
+    (4096, 16, [128, 256, 512, 1024, 2048], [1, 2, 4, 8, 16]), (1000, 6, [100, 300, 77], [1, 3, 2]),
+    (700, 4, [5, 64, 1000], [1, 2, 3]), (1024, 4, [1024, 512], [200, 1])]
 
 
 class Bench(bench_backward.Bench):
@@ -67,18 +60,16 @@ class Bench(bench_backward.Bench):
     CHECKED = ("dilgen", "gather_cudnn", "gather_flash")
     NOTES = ["useful_gflop: Σ_i 4·B·H·(N/w_i)·(w_i/r_i)²·D, halved when causal (dilgen.stats)",
              "useful_tflops: dilgen's; useful_tflops_by_method: the same work / each method's time",
-             "dense: plain dense SDPA; cudnn_floor: cuDNN on the gathered lane shapes, no gather, scatter or "
-             "merge; REFERENCE POINTS only (not the same math)", "speedup_vs_X = X_ms / dilgen_ms",
-             "X_peak_extra_gib: max_memory_allocated during one call minus what was allocated before it minus "
-             "its outputs"]
+             "dense: plain dense SDPA; cudnn_floor: cuDNN on the gathered lane shapes, no gather, scatter or merge; "
+             "REFERENCE POINTS only (not the same math)", "speedup_vs_X = X_ms / dilgen_ms", "X_peak_extra_gib: "
+             "max_memory_allocated during one call minus what was allocated before it minus its outputs"]
 
-    @staticmethod
-    def add_args(add):
-        add("--flex-mask", choices=("analytic", "create"), default="analytic", help="flex BlockMask from the "
-            "segment structure (checked equal to create_block_mask's) or create_block_mask; Hilbert: create")
-        add("--flex-max-n", type=int, default=1 << 30, help="no flex above this N")
-        add("--matmul-n", type=int, default=8192, help="size of the matmul ceiling (0: skip)")
-        add("--check-peers", action="store_true", help="only check the peers against float64 on the CPU")
+    OPTIONS = (("--flex-mask", dict(choices=("analytic", "create"), default="analytic", help="flex BlockMask "
+                                    "from the segment structure (checked equal to create_block_mask's) or "
+                                    "create_block_mask; Hilbert: create")),
+               ("--flex-max-n", dict(type=int, default=1 << 30, help="no flex above this N")),
+               ("--matmul-n", dict(type=int, default=8192, help="size of the matmul ceiling (0: skip)")),
+               ("--check-peers", dict(action="store_true", help="only check the peers against float64 on the CPU")))
 
     def check_n(self, cname):
         return self.a.check_n or (2048 if self.a.quick else CHECK_N[cname])
@@ -86,13 +77,8 @@ class Bench(bench_backward.Bench):
     def callables(self, m, spec, x):
         """(fn timed, fn whose result is compared): forward, (out, lse) both."""
         q, k, v = x
-        if m.startswith("dilgen"):
-            kern = self.kernel(m, spec)
-            fn = lambda: kern(q, k, v, return_lse=True)  # noqa: E731
-        elif m == "cudnn_floor":
-            fn = self.peers.lane_floor(spec, q.shape[0], q.shape[1], self.dev)
-        else:
-            fn = lambda: self.peers.PEERS["dense_sdpa" if m == "dense" else m](q, k, v, spec)  # noqa: E731
+        fn = (self.peers.lane_floor(spec, q.shape[0], q.shape[1], self.dev) if m == "cudnn_floor"
+              else functools.partial(self.attend(m, spec, lse=True), q, k, v))
         return fn, fn
 
     def compare(self, row, m, res, base, against):
@@ -106,7 +92,6 @@ class Bench(bench_backward.Bench):
         return {"dense_gflop": 4 * cfg["B"] * cfg["H"] * cfg["N"] ** 2 * cfg["D"] / (2 if causal else 1) / 1e9,
                 "rel_err_vs_dilgen": {}, "lse_max_abs_diff_vs_dilgen": {}, "lse_inf_pattern_equal_vs_dilgen": {}}
 
-    # ------------------------------------------------------------------ 1. correctness
     def check_case(self, spec, x, methods, tol=TOL):
         """Records of `methods` against dilgen.reference (float64) on inputs x."""
         from dilgen.reference import reference_attention
@@ -116,7 +101,7 @@ class Bench(bench_backward.Bench):
             return [{"method": "reference", "error": tk.short_err(e), "passed": False}]
         recs = []
         for m in methods:
-            rec = {"method": m}
+            rec = {"method": m if isinstance(m, str) else m[0]}
             try:
                 out, lse = (self.callables(m, spec, x)[1] if isinstance(m, str) else m[1])()
                 rec["rel_err_vs_ref"] = tk.rel_err(out.cpu(), ref_out)
@@ -129,7 +114,6 @@ class Bench(bench_backward.Bench):
                                   f"-inf pattern (out 0) ok {rec['lse_inf_pattern_ok'] and zero}")
             except Exception as e:  # noqa: BLE001
                 rec.update(error=tk.short_err(e), passed=False)
-            rec["method"] = m if isinstance(m, str) else m[0]
             recs.append(rec)
         if "flex" in self.a.methods and self.peers.FLEX_MASK_METHOD == "analytic" and spec.hilbert is None:
             recs.append(self.check_block_mask(spec, x[0].shape[1]))
@@ -142,8 +126,7 @@ class Bench(bench_backward.Bench):
             bm_a, mask_mod, _, _ = self.peers.flex_block_mask(spec, n, self.dev, "analytic")
             bm_c = create_block_mask(mask_mod, B=None, H=spec.num_heads, Q_LEN=n, KV_LEN=n, device=self.dev)
             (a_ne, a_full), (c_ne, c_full) = self.peers.block_sets_of(bm_a), self.peers.block_sets_of(bm_c)
-            eq = self.torch.equal
-            rec.update(nonempty_equal=eq(a_ne, c_ne), full_equal=eq(a_full, c_full))
+            rec.update(nonempty_equal=self.torch.equal(a_ne, c_ne), full_equal=self.torch.equal(a_full, c_full))
             rec["passed"] = rec["nonempty_equal"] and rec["full_equal"]
             rec["detail"] = f"analytic == create_block_mask: nonempty {rec['nonempty_equal']}, full {rec['full_equal']}"
         except Exception as e:  # noqa: BLE001
@@ -158,7 +141,7 @@ class Bench(bench_backward.Bench):
             t = tk.time_ms(lambda: a @ b, self.a.warmup, self.a.reps, self.dev)
             mm = self.res.data["matmul_ceiling"] = {"n": n, "dtype": "bfloat16", "ms": t["median"],
                                                     "tflops": 2 * n ** 3 / t["median"] / 1e9, "timing_ms": t}
-            log(f"\n== matmul ceiling: bf16 {n}^3: {mm['ms']:.3f} ms = {mm['tflops']:.0f} TFLOP/s ==")
+            tk.log(f"\n== matmul ceiling: bf16 {n}^3: {mm['ms']:.3f} ms = {mm['tflops']:.0f} TFLOP/s ==")
             self.res.save()
 
     @staticmethod
@@ -178,43 +161,21 @@ class Bench(bench_backward.Bench):
 
 
 def plot_roofline(rows, methods, ceiling_tflops, path, title: str):
-    """Useful TFLOP/s per (config, causal) for each method (rows carry useful_tflops_by_method),
-    the measured matmul ceiling as a horizontal line."""
-    plt = tk.pyplot()
-    if plt is None or not rows:
-        return None
-    try:
-        fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows) + 3), 5))
-        markers = {"dilgen": "o", "gather_cudnn": "s", "gather_flash": "D", "flex": "^", "dense": "x"}
-        top = ceiling_tflops or 0
-        for j, m in enumerate(methods):
-            pts = [(i + (j - (len(methods) - 1) / 2) * 0.08, (r.get("useful_tflops_by_method") or {}).get(m))
-                   for i, r in enumerate(rows)]
-            pts = [(x, y) for x, y in pts if y]
-            if pts:
-                ax.scatter([x for x, _ in pts], [y for _, y in pts], s=60 if m == "dilgen" else 36,
-                           marker=markers.get(m, "o"), color=tk.COLORS.get(m), label=tk.NAMES.get(m, m), zorder=3)
-                top = max(top, max(y for _, y in pts))
+    """Useful TFLOP/s per (config, causal) and method (rows' useful_tflops_by_method), under the
+    measured matmul ceiling."""
+    def ceiling(ax):
         if ceiling_tflops:
             ax.axhline(ceiling_tflops, color="black", linestyle="--", linewidth=1)
             ax.text(len(rows) - 0.5, ceiling_tflops, f"bf16 matmul ceiling {ceiling_tflops:.3g} TFLOP/s",
                     ha="right", va="bottom", fontsize=8)
-        ax.set_ylim(0, 1.12 * top if top else 1)
-        ax.set_ylabel("useful TFLOP/s (same work figure for every method)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="upper left")
-        ax.grid(axis="y", alpha=0.3)
-        return tk.save_figure(plt, fig, ax, rows, title, path)
-    except Exception as e:  # noqa: BLE001
-        log(f"plot failed: {tk.short_err(e)}")
-        return None
+    return tk.plot_bars(rows, methods, path, "useful TFLOP/s (same work figure for every method)", title,
+                        lambda r, m: (r.get("useful_tflops_by_method") or {}).get(m), log_scale=False, extra=ceiling)
 
 
 def check_peers(b: Bench) -> int:
-    """--check-peers: every peer against dilgen.reference (float64) on odd specs, fp32 (1e-5)
-    and bf16 (2e-2), flex eager with both block masks; the analytic block masks against
-    create_block_mask on the configs' shapes; bench_varlen.py's document block sets (flex on
-    packed rows) against create_block_mask's. Exit status 1 on any failure."""
+    """--check-peers: every peer against dilgen.reference (float64) on odd specs, fp32 (1e-5) and bf16
+    (2e-2), flex eager with both block masks; the analytic block masks and bench_varlen.py's
+    document block sets against create_block_mask's. Exit status 1 on any failure."""
     torch, peers, fails = b.torch, b.peers, 0
     g = torch.Generator().manual_seed(0)
     for (name, B, N, H, Hkv, D, ws, rs, scale, hil), causal in [(c, f) for c in PEER_CASES for f in (False, True)]:
@@ -231,19 +192,18 @@ def check_peers(b: Bench) -> int:
             for rec in b.check_case(spec, x, runs, tol):
                 fails += not rec["passed"]
                 if not rec["passed"]:
-                    log(f"  FAIL {name} causal={causal} {str(dtype)[6:]} {rec['method']}: "
-                        f"{rec.get('error') or rec.get('_detail')}")
+                    tk.log(f"  FAIL {name} causal={causal} {str(dtype)[6:]} {rec['method']}: "
+                           f"{rec.get('error') or rec.get('_detail')}")
             peers.clear_caches()
-        log(f"  done {name} causal={causal}")
-    for N, H, ws, rs in BLOCK_CASES:
-        for causal in (False, True):
-            spec = b.dilgen.Spec(name="blk", num_heads=H, head_dim=16, segment_lengths=ws, dilation_rates=rs,
-                                 causal=causal, dtype="float32")
-            rec = b.check_block_mask(spec, N)
-            fails += not rec["passed"]
-            log(f"  {'ok  ' if rec['passed'] else 'FAIL'} block mask N={N} H={H} w {ws} r {rs} causal={causal}: "
-                f"{rec.get('error') or rec['detail']}")
-            peers.clear_caches()
+        tk.log(f"  done {name} causal={causal}")
+    for (N, H, ws, rs), causal in [(c, f) for c in BLOCK_CASES for f in (False, True)]:
+        spec = b.dilgen.Spec(name="blk", num_heads=H, head_dim=16, segment_lengths=ws, dilation_rates=rs,
+                             causal=causal, dtype="float32")
+        rec = b.check_block_mask(spec, N)
+        fails += not rec["passed"]
+        tk.log(f"  {'ok  ' if rec['passed'] else 'FAIL'} block mask N={N} H={H} w {ws} r {rs} causal={causal}: "
+               f"{rec.get('error') or rec['detail']}")
+        peers.clear_caches()
     from torch.nn.attention.flex_attention import create_block_mask
     branches = [(8, 1), (16, 2)]                      # bench_varlen.py's dry run: H 2, w [8, 16], r [1, 2]
     for lengths in ([37, 5, 64, 19, 100, 3, 0, 41], [30, 11], [5, 17, 9, 24], [19, 22, 24, 30]):
@@ -255,9 +215,9 @@ def check_peers(b: Bench) -> int:
             ne, full = peers.block_sets(branches, causal, lengths, block)
             missing, wrong = int((ne_ref & ~ne).sum()), int((full & ~full_ref).sum())   # a superset; full only if so
             fails += bool(missing or wrong)
-            log(f"  {'FAIL' if missing or wrong else 'ok  '} document block sets {lengths} causal={causal} "
-                f"block {block}: {missing} pairs missing, {wrong} wrongly full")
-    log(f"== {fails} failure(s), {time.time() - b.t0:.0f} s ==")
+            tk.log(f"  {'FAIL' if missing or wrong else 'ok  '} document block sets {lengths} causal={causal} "
+                   f"block {block}: {missing} pairs missing, {wrong} wrongly full")
+    tk.log(f"== {fails} failure(s), {time.time() - b.t0:.0f} s ==")
     return 1 if fails else 0
 
 

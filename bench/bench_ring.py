@@ -1,21 +1,17 @@
 #!/usr/bin/env python3
-"""Ring benchmark: weak and strong scaling of dilgen's ring over P GPUs (a process per GPU,
-NCCL; gloo with --dry-run-cpu), raster and Hilbert orders (--orders raster,segment,sequence),
-forward and fwd+bwd; spec H16 D128 bf16, w 2K .. 1M, r 1 .. 32. For each P and order, at N =
---tokens-per-gpu x P: the bf16 ring against the float64 reference (small N); the single-device
-kernel on the full N (T_1(N); each rank keeps its rows of out, dq, dk, dv); the ring, every
-rank's rows checked against those (2e-2, 4e-2), its time T_P(N) the slowest rank's; raster:
-LongNet's all-gather transport, the modelled dense flash ring, --max-tokens. Strong efficiency
-T_1(N) / (P · T_P(N)); weak: TFLOP/s per GPU over the 1-GPU row.
+"""Weak and strong scaling of dilgen's ring over P GPUs (a process per GPU, NCCL; gloo with
+--dry-run-cpu), raster and Hilbert orders, forward and fwd+bwd; spec H16 D128 bf16, w 2K .. 1M,
+r 1 .. 32. Per P and order (N = --tokens-per-gpu x P): the bf16 ring against float64 (small N);
+the single-device kernel on the full N (T_1(N)); the ring on each rank's rows, checked against
+the single-device rows (2e-2, 4e-2), T_P(N) the slowest rank's; raster: LongNet's all-gather
+transport, the modelled dense flash ring, --max-tokens. bench/README.md has the rows' fields.
 
   python bench/bench_ring.py --gpus 1 2                       # raster, segment, sequence
   python bench/bench_ring.py --gpus 1 2 4 --orders raster --max-tokens
-  python bench/bench_ring.py --dry-run-cpu --gpus 1 2 --out /tmp/x   # gloo on the CPU, toy sizes
   python bench/bench_ring.py --plot bench/results/ring-DATE.json     # redraw the plot
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -33,9 +29,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit as tk  # noqa: E402
-from toolkit import log  # noqa: E402
-
-tk.setup_paths()
 
 GPU = dict(ws=[2048, 8192, 32768, 131072, 524288, 1048576], rs=[1, 2, 4, 8, 16, 32], H=16, D=128,
            tokens=262144, small=(8192, 2, 64))          # small: (N, H, D) of the fp64 check
@@ -67,9 +60,8 @@ def my_rows(x, P, rank, spec, dim=1):
     return x if P == 1 else shard(x, P, rank, spec=spec, dim=dim)
 
 
-# --------------------------------------------------------------------------- one rank
-
 class Rank:
+    """One process of the ring: its device, its rows, its share of every measurement."""
     def __init__(self, rank, P, args, dist, dev):
         import torch
         self.torch, self.rank, self.P, self.args, self.dist, self.dev = torch, rank, P, args, dist, dev
@@ -81,18 +73,16 @@ class Rank:
         return t.tolist()
 
     def wall_ms(self, fn, reps, barrier=True):
-        """ms per call: one warm-up, then reps calls back to back; the slowest rank's."""
+        """ms per call: one warm-up, then reps calls back to back; with barrier, the slowest rank's."""
+        def now():
+            tk.sync(self.dev)
+            self.dist.barrier() if barrier else None
+            return time.perf_counter()
         fn()
-        tk.sync(self.dev)
-        if barrier:
-            self.dist.barrier()
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(reps):
             fn()
-        tk.sync(self.dev)
-        if barrier:
-            self.dist.barrier()
-        ms = (time.perf_counter() - t0) / reps * 1e3
+        ms = (now() - t0) / reps * 1e3
         return self.reduce([ms], self.dist.ReduceOp.MAX)[0] if barrier else ms
 
     def bf16_error(self, order) -> float:
@@ -158,15 +148,11 @@ class Rank:
         fwd, fwd_bwd, leaves = self.steps(kernel, *mine)
         fwd_bwd()
         if ref is not None:
-            sq = []
-            for x, y in zip([kernel(*mine[:3]).detach()] + [t.grad for t in leaves], ref):
-                sq += [(x.double() - y.double()).norm().item() ** 2, y.double().norm().item() ** 2]
-            worst = self.reduce([math.sqrt(sq[2 * i] / max(sq[2 * i + 1], 1e-300)) for i in range(4)],
-                                self.dist.ReduceOp.MAX)
-            tot = self.reduce(sq)
-            names = ("out", "dq", "dk", "dv")
-            row["check_rel_err_vs_single_device"] = dict(zip(names, [math.sqrt(tot[2 * i] / max(tot[2 * i + 1], 1e-300))
-                                                                     for i in range(4)]))
+            sq = [v for x, y in zip([kernel(*mine[:3]).detach()] + [t.grad for t in leaves], ref)
+                  for v in ((x.double() - y.double()).norm().item() ** 2, y.double().norm().item() ** 2)]
+            rel = lambda s: [math.sqrt(s[i] / max(s[i + 1], 1e-300)) for i in range(0, 8, 2)]  # noqa: E731
+            worst, names = self.reduce(rel(sq), self.dist.ReduceOp.MAX), ("out", "dq", "dk", "dv")
+            row["check_rel_err_vs_single_device"] = dict(zip(names, rel(self.reduce(sq))))
             row["check_worst_rank_rel_err"] = dict(zip(names, worst))
             row["check_passed"] = bool(worst[0] < BOUND_OUT and max(worst[1:]) < BOUND_GRAD)
             del ref
@@ -228,11 +214,8 @@ class Rank:
             try:
                 big = [torch.randn(1, t_try, geo["H"], geo["D"], device=self.dev, dtype=torch.bfloat16)
                        .requires_grad_(True) for _ in range(3)]
-                t0 = time.perf_counter()
-                kernel(*big).backward(torch.randn_like(big[0]))
-                tk.sync(self.dev)
-                row[f"fwd_bwd_ms_at_{t_try}"] = (time.perf_counter() - t0) * 1e3
-                del big
+                s = tk.first_call_s(lambda: kernel(*big).backward(torch.randn_like(big[0])), self.dev)[0]
+                row[f"fwd_bwd_ms_at_{t_try}"], big = s * 1e3, None
             except torch.OutOfMemoryError:
                 ok = 0
             tk.cleanup(self.dev)
@@ -247,14 +230,13 @@ def worker(rank, P, port, args, out_path):
     import torch
     import torch.distributed as dist
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    if args.dry_run_cpu:
+    dry, dev = args.dry_run_cpu, torch.device("cpu") if args.dry_run_cpu else torch.device("cuda", rank)
+    if dry:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")   # masked interpreter lanes
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=600))
     else:
-        dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", rank=rank, world_size=P, timeout=timedelta(seconds=300), device_id=dev)
+    dist.init_process_group("gloo" if dry else "nccl", rank=rank, world_size=P,
+                            timeout=timedelta(seconds=600 if dry else 300), **({} if dry else {"device_id": dev}))
     me, rows = Rank(rank, P, args, dist, dev), []
     for order in args.orders:
         t0 = time.time()
@@ -270,9 +252,9 @@ def worker(rank, P, port, args, out_path):
         rows.append(row)
         if rank == 0:
             tk.write_json_atomic(out_path, rows)
-            log(f"    P={P} {order:8s} " + (row.get("error") or f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd "
-                f"{row['fwd_bwd_ms']:.1f} ms, strong eff {tk.fmt(row.get('strong_scaling_eff'), '.2f')}")
-                + f"  ({row['wall_s']:.0f} s)")
+            tk.log(f"    P={P} {order:8s} " + (row.get("error") or f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd "
+                   f"{row['fwd_bwd_ms']:.1f} ms, strong eff {tk.fmt(row.get('strong_scaling_eff'), '.2f')}")
+                   + f"  ({row['wall_s']:.0f} s)")
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001
@@ -280,25 +262,21 @@ def worker(rank, P, port, args, out_path):
     dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------- parent
-
 def finish(rows):
     """Weak-scaling efficiency against the 1-GPU row of the same order; modelled dense flash ring."""
     flash = next((b for b in rows if b["gpus"] == 1 and "flash_step_fwd_ms" in b), None)
     for r in rows:
         base = next((b for b in rows if b["gpus"] == 1 and b.get("order") == r.get("order") and "fwd_bwd_ms" in b
                      and b.get("tokens_per_gpu") == r.get("tokens_per_gpu")), None)
-        if base and "fwd_bwd_ms" in r:
-            for kind in ("fwd", "fwd_bwd"):
+        for kind in ("fwd", "fwd_bwd"):
+            if base and "fwd_bwd_ms" in r:
                 r[f"efficiency_{kind}"] = r[f"useful_tflops_per_gpu_{kind}"] / base[f"useful_tflops_per_gpu_{kind}"]
-        if flash and r.get("order") == "raster":
-            for kind in ("fwd", "fwd_bwd"):
+            if flash and r.get("order") == "raster":
                 r[f"dense_ring_flash_{kind}_ms_modelled"] = flash[f"flash_step_{kind}_ms"] * r["gpus"]
 
 
 def report(rows):
-    def k(x):
-        return f"{x // 1024}K" if x % 1024 == 0 else str(x)
+    k = lambda x: f"{x // 1024}K" if x % 1024 == 0 else str(x)  # noqa: E731
     body = []
     for r in sorted(rows, key=lambda r: (ORDERS.index(r.get("order", "raster")), r["gpus"])):
         chk = r.get("check_worst_rank_rel_err")
@@ -310,19 +288,17 @@ def report(rows):
                      tk.fmt(r.get("strong_scaling_eff"), ".0%"), tk.fmt(r.get("allgather_fwd_bwd_ms"), ".1f"),
                      "—" if not chk else "/".join(f"{chk[x]:.1e}" for x in ("out", "dq", "dk", "dv")),
                      f"{r['bf16_rel_error_vs_fp64']:.1e}"])
-    log(tk.markdown_table(["GPUs", "order", "tokens/GPU", "N", "fwd ms", "fwd+bwd ms", "1-GPU fwd+bwd ms (same N)",
-                           "TFLOP/s per GPU", "weak eff", "strong eff", "all-gather fwd+bwd ms",
-                           "rows vs 1 GPU out/dq/dk/dv", "bf16 vs fp64"], body))
+    tk.log(tk.markdown_table(["GPUs", "order", "tokens/GPU", "N", "fwd ms", "fwd+bwd ms", "1-GPU fwd+bwd ms (same N)",
+                              "TFLOP/s per GPU", "weak eff", "strong eff", "all-gather fwd+bwd ms",
+                              "rows vs 1 GPU out/dq/dk/dv", "bf16 vs fp64"], body))
 
 
 def plot(result, path):
-    plt = tk.pyplot()
+    """TFLOP/s per GPU (weak scaling) and strong-scaling efficiency against P, per order."""
     rows = [r for r in result["rows"] if "fwd_bwd_ms" in r]
-    if plt is None or not rows:
-        return
-    try:
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-        style, gpus = {"raster": "o-", "segment": "s--", "sequence": "^:"}, sorted({r["gpus"] for r in rows})
+    style, gpus = {"raster": "o-", "segment": "s--", "sequence": "^:"}, sorted({r["gpus"] for r in rows})
+
+    def draw(ax):
         for order in ORDERS:
             rs = sorted((r for r in rows if r.get("order") == order), key=lambda r: r["gpus"])
             label = "raster" if order == "raster" else f"Hilbert {order}"
@@ -332,47 +308,35 @@ def plot(result, path):
                 se = [(r["gpus"], r["strong_scaling_eff"]) for r in rs if r.get("strong_scaling_eff")]
                 ax[1].plot([x for x, _ in se], [y for _, y in se], style[order], label=label)
         ag = sorted((r for r in rows if r.get("allgather_fwd_bwd_ms")), key=lambda r: r["gpus"])
-        if ag:
-            sp = result["spec"]
-            geo = dict(H=sp["num_heads"], D=sp["head_dim"], ws=sp["segment_lengths"], rs=sp["dilation_rates"])
-            ax[0].plot([r["gpus"] for r in ag], [useful_flops_per_gpu(geo, r["N"], r["gpus"], True)
-                                                 / r["allgather_fwd_bwd_ms"] / 1e9 for r in ag],
+        if ag:                  # the same work in the all-gather's time
+            ax[0].plot([r["gpus"] for r in ag], [r["useful_tflops_per_gpu_fwd_bwd"] * r["fwd_bwd_ms"]
+                                                 / r["allgather_fwd_bwd_ms"] for r in ag],
                        "x-.", color="gray", label="raster, all-gather (LongNet)")
         t = rows[0]["tokens_per_gpu"]
-        ax[0].set(xlabel="GPUs", ylabel="useful TFLOP/s per GPU (fwd+bwd)", xticks=gpus,
+        ax[0].set(xlabel="GPUs", ylabel="useful TFLOP/s per GPU (fwd+bwd)", xticks=gpus, ylim=(0, None),
                   title=f"weak scaling, {f'{t // 1024}K' if t >= 1024 else t} tokens per GPU")
-        ax[0].set_ylim(bottom=0)
         ax[1].axhline(1.0, color="black", linewidth=0.8)
         ax[1].set(xlabel="GPUs", ylabel="T_1(N) / (P · T_P(N))", xticks=gpus, ylim=(0, 1.15),
                   title="strong scaling efficiency (fwd+bwd), N = tokens/GPU x P")
         for a_ in ax:
             a_.legend(fontsize=8)
             a_.grid(alpha=0.3)
-        fig.suptitle(f"dilgen ring, bf16 — {result['device']}, {result['date']}", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        log(f"plot: {path}")
-    except Exception as e:  # noqa: BLE001
-        log(f"plot failed: {tk.short_err(e)}")
+    return tk.figure(path, f"dilgen ring, bf16 — {result['device']}, {result['date']}", draw, (11, 4.2), 2,
+                     dpi=110) if rows else None
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = tk.parser(__doc__, "reps", "out", "append", "no_plot", "dry_run_cpu",
+                   reps=dict(help="timed calls (fwd+bwd: half) (default 4; dry run 1)"),
+                   dry_run_cpu=dict(help="gloo on the CPU at toy sizes (numbers meaningless)"))
     add = ap.add_argument
     add("--gpus", type=int, nargs="+", default=[1, 2, 4], help="GPU counts (default 1 2 4)")
     add("--tokens-per-gpu", type=int, default=None, help="default 262144 (dry run: 64)")
     add("--orders", default=",".join(ORDERS), help="subset of raster,segment,sequence")
-    add("--reps", type=int, default=None, help="timed calls (fwd+bwd: half) (default 4; dry run 1)")
     add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
         "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
     add("--no-allgather", action="store_true", help="skip LongNet's all-gather transport")
     add("--no-flash", action="store_true", help="skip the dense flash ring model")
-    add("--out", default=str(tk.RESULTS))
-    add("--append", nargs="?", const=True, default=False, metavar="FILE",
-        help="keep the rows of an earlier run not redone: of today's ring-<date>.json in --out, or of FILE")
-    add("--no-plot", action="store_true")
-    add("--dry-run-cpu", action="store_true", help="gloo on the CPU at toy sizes (numbers meaningless)")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
     a = ap.parse_args(argv)
     a.orders = tk.pick(a.orders, ORDERS, "--orders")
@@ -394,7 +358,7 @@ def main(argv=None):
         return 2
     if not dry and [p for p in gpus if p > torch.cuda.device_count()]:
         gpus = [p for p in gpus if p <= torch.cuda.device_count()]
-        log(f"only {torch.cuda.device_count()} GPU(s): running --gpus {gpus}")
+        tk.log(f"only {torch.cuda.device_count()} GPU(s): running --gpus {gpus}")
     head = tk.header("cpu" if dry else "cuda", dry, {
         "args": vars(args), "spec": {"segment_lengths": geo["ws"], "dilation_rates": geo["rs"], "num_heads": geo["H"],
                                      "head_dim": geo["D"], "dtype": "bfloat16", "batch": 1},
@@ -410,8 +374,8 @@ def main(argv=None):
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for i, P in enumerate(gpus):
-            log(f"[{i + 1}/{len(gpus)}] {P} {'process' if dry else 'GPU'}(s), "
-                f"{args.tokens_per_gpu or geo['tokens']} tokens each, orders {args.orders} ...")
+            tk.log(f"[{i + 1}/{len(gpus)}] {P} {'process' if dry else 'GPU'}(s), "
+                   f"{args.tokens_per_gpu or geo['tokens']} tokens each, orders {args.orders} ...")
             path, t0 = Path(tmp) / f"ring_{P}.json", time.time()
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -419,26 +383,24 @@ def main(argv=None):
             try:
                 mp.start_processes(worker, args=(P, port, args, str(path)), nprocs=P, join=True, start_method="spawn")
             except Exception as e:  # noqa: BLE001 - a crashed rank: keep what rank 0 wrote
-                log(f"  P={P}: {tk.short_err(e, 300)}")
+                tk.log(f"  P={P}: {tk.short_err(e, 300)}")
                 failed = True
             for r in json.loads(path.read_text()) if path.exists() else [{"gpus": P, "error": "no result"}]:
                 r.setdefault("tokens_per_gpu", args.tokens_per_gpu or geo["tokens"])
                 res.add(r)
                 failed |= "error" in r or r.get("check_passed") is False
-            log(f"  {P}: {time.time() - t0:.0f} s")
-            finish(res.rows)
-            res.save()
+            tk.log(f"  {P}: {time.time() - t0:.0f} s")
     rows = res.all_rows()
     finish(rows)
     res.save()
     report(rows)
     if not args.no_plot:
         plot({**res.data, "rows": rows}, tk.result_path(args.out, "ring", dry, ext="png"))
-    log(f"json: {res.path}")
+    tk.log(f"json: {res.path}")
     bad = [f"P={r['gpus']} {r.get('order')}: {r.get('error', 'check failed')[:160]}" for r in res.rows
            if "error" in r or r.get("check_passed") is False]
     if bad or failed:
-        log(f"{len(bad)} row(s) failed (exit status 1):\n  " + "\n  ".join(bad))
+        tk.log(f"{len(bad)} row(s) failed (exit status 1):\n  " + "\n  ".join(bad))
     return 1 if failed else 0
 
 

@@ -5,8 +5,7 @@ dilgen.compat.torchscale.patch, bf16, one GPU, same weights and inputs. Methods:
 algorithm with cuDNN's SDPA and LSE), dilgen (the patched copy), no_attention (the attention
 core replaced by the identity: the time both share, so torchscale / no_attention bounds any
 attention's whole-model speed-up). Passes fwd (no_grad) and fwd+bwd. Per row: median ms, peak
-and extra GiB; per tiles, the two models' outputs compared. Methods the kernels refuse
-(dilgen.spec.unsupported_by_kernels) get a row saying so.
+and extra GiB; per tiles, the two models' outputs compared.
 
   python bench/bench_torchscale.py                        # 10K, 30K, 70K tiles, fwd and fwd+bwd
   python bench/bench_torchscale.py --tiles 70000 --passes fwd
@@ -14,50 +13,40 @@ and extra GiB; per tiles, the two models' outputs compared. Methods the kernels 
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))      # torchscale_model: the tests' re-expression
 import toolkit as tk  # noqa: E402
-from toolkit import log  # noqa: E402
-
-tk.setup_paths()
 
 PASSES = ("fwd", "fwd+bwd")
 METHODS = ("torchscale", "dilgen", "no_attention")
 SMOKE = dict(tiles=[100, 300], layers=2, embed=64, heads=4, segments=[16, 32, 64], ratios=[1, 2, 4])
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiles", default="10000,30000,70000", help="slide lengths N (tokens = tiles)")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embed", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--segments", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--ratios", default="1,2,4,8,16")
-    ap.add_argument("--passes", default=",".join(PASSES), help=f"subset of {','.join(PASSES)}")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 2; smoke 0)")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls, median taken (default 5; smoke 1)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(tk.RESULTS), help="output folder (default bench/results)")
-    ap.add_argument("--smoke", action="store_true", help=f"a tiny model on the CPU (numbers meaningless): {SMOKE}")
+    ap = tk.parser(__doc__, "warmup", "reps", "seed", "out", methods=METHODS,
+                   warmup=dict(help="warm-up calls (default 2; smoke 0)"),
+                   reps=dict(help="timed calls, median taken (default 5; smoke 1)"))
+    add = ap.add_argument
+    add("--tiles", default="10000,30000,70000", help="slide lengths N (tokens = tiles)")
+    add("--layers", type=int, default=12)
+    add("--embed", type=int, default=768)
+    add("--heads", type=int, default=16)
+    add("--segments", default="1024,2048,4096,8192,16384")
+    add("--ratios", default="1,2,4,8,16")
+    add("--passes", default=",".join(PASSES), help=f"subset of {','.join(PASSES)}")
+    add("--smoke", action="store_true", help=f"a tiny model on the CPU (numbers meaningless): {SMOKE}")
     a = ap.parse_args(argv)
     if a.smoke:
         a.tiles_list, a.layers, a.embed, a.heads = SMOKE["tiles"], SMOKE["layers"], SMOKE["embed"], SMOKE["heads"]
         a.seg_list, a.ratio_list = SMOKE["segments"], SMOKE["ratios"]
     else:
-        a.tiles_list, a.seg_list, a.ratio_list = _ints(a.tiles), _ints(a.segments), _ints(a.ratios)
+        a.tiles_list, a.seg_list, a.ratio_list = ([int(x) for x in t.replace(" ", "").split(",") if x]
+                                                  for t in (a.tiles, a.segments, a.ratios))
     if len(a.seg_list) != len(a.ratio_list):
         ap.error("--segments and --ratios must have the same length")
     a.passes, a.methods = tk.pick(a.passes, PASSES, "--passes"), tk.pick(a.methods, METHODS)
@@ -73,12 +62,10 @@ def main(argv=None) -> int:
     import torchscale_model as tm
     import peers
     from dilgen.compat import torchscale as compat
-    from dilgen.spec import unsupported_by_kernels
 
-    device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
-    if device.type != "cuda" and not a.smoke:
-        log("no CUDA device: run with --smoke for the CPU flow")
+    if tk.no_gpu(a.smoke, "bench_torchscale.py", "--smoke"):
         return 2
+    device = torch.device("cpu" if a.smoke else "cuda")
     dtype = torch.bfloat16
     tm.ATTENTION = peers._attn_cudnn        # cuDNN SDPA with LSE (the fp32 math on the CPU)
 
@@ -91,13 +78,6 @@ def main(argv=None) -> int:
 
     def identity_attend(q, k, v, spec):
         return v            # no attention core: what remains is the time both models share
-    refusal = unsupported_by_kernels(compat.spec_for(args, a.heads, a.embed // a.heads))
-    dilgen_attention = "dilgen kernels"
-    if refusal and a.smoke:      # kernels pending: the smoke run's patched model uses the float64 reference
-        from dilgen.reference import differentiable_reference
-        compat._attend = lambda q, k, v, spec: differentiable_reference(
-            q.double(), k.double(), v.double(), spec)[0].to(q.dtype)
-        dilgen_attention, refusal = "float64 reference (kernels pending; smoke only)", None
 
     head = tk.header(device, dry=a.smoke, extra={
         "bench": "torchscale", "args": vars(a) | {"replaced": replaced},
@@ -105,96 +85,67 @@ def main(argv=None) -> int:
                   "head_dim": a.embed // a.heads, "ffn_dim": 4 * a.embed,
                   "segment_length": a.seg_list, "dilated_ratio": a.ratio_list, "dtype": "bfloat16"},
         "torchscale_attention": "aten._scaled_dot_product_cudnn_attention (LSE)" if device.type == "cuda"
-        else "fp32 math fallback (CPU smoke)", "dilgen_attention": dilgen_attention})
-    tag = "cpu-smoke" if a.smoke else tk.gpu_tag(head.get("device", "gpu"))
-    res = tk.Results(Path(a.out) / f"torchscale-{head['date']}-{tag}.json", head, key=("tiles", "pass", "method"))
-    log(f"{head.get('device')}: {len(replaced)} DilatedAttention modules patched; "
-        f"w {a.seg_list} r {a.ratio_list}; dilgen: {'pending: ' + refusal if refusal else dilgen_attention}")
+        else "fp32 math fallback (CPU smoke)", "dilgen_attention": "dilgen kernels"})
+    res = tk.Results(tk.result_path(a.out, "torchscale", tag="cpu-smoke" if a.smoke else tk.gpu_tag(head["device"])),
+                     head, key=("tiles", "pass", "method"))
+    tk.log(f"{head.get('device')}: {len(replaced)} DilatedAttention modules patched; w {a.seg_list} r {a.ratio_list}")
 
-    real_attend = compat._attend     # after the smoke run's possible stand-in
+    real_attend = compat._attend
     gen = torch.Generator(device="cpu").manual_seed(a.seed)
-    progress = tk.Progress(len(a.tiles_list) * len(a.passes) * len(a.methods), "torchscale")
+    progress = tk.Progress(len(a.tiles_list) * len(a.passes) * len(a.methods))
     for n in a.tiles_list:
-        x = torch.randn(1, n, a.embed, generator=gen).to(device=device, dtype=dtype)
-        cot = torch.randn(1, n, a.embed, generator=gen).to(device=device, dtype=dtype)
+        x, cot = (torch.randn(1, n, a.embed, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         outs = {}
-        for pas in a.passes:
-            for method in a.methods:
-                model = models[method]
-                row = {"tiles": n, "pass": pas, "method": method, "ms": None, "peak_GiB": None}
-                compat._attend = identity_attend if method == "no_attention" else real_attend
-                if method == "dilgen" and refusal:
-                    row["skipped"] = refusal
-                    res.add(row)
-                    progress.step(f"{n} {pas} {method}: skipped (kernels pending)")
-                    continue
+        for pas, method in [(p, m) for p in a.passes for m in a.methods]:
+            model, row = models[method], {"tiles": n, "pass": pas, "method": method, "ms": None, "peak_GiB": None}
+            compat._attend = identity_attend if method == "no_attention" else real_attend
+            model.train(pas != "fwd")
+            xg = x.detach().clone().requires_grad_(pas != "fwd")
+
+            def fn(model=model, xg=xg, pas=pas):
                 if pas == "fwd":
-                    model.eval()
-
-                    def fn(model=model):
-                        with torch.no_grad():
-                            return model(token_embeddings=x)["encoder_out"]
-                else:
-                    model.train()
-                    xg = x.detach().clone().requires_grad_(True)
-
-                    def fn(model=model, xg=xg):
-                        for p in model.parameters():
-                            p.grad = None
-                        xg.grad = None
-                        model(token_embeddings=xg)["encoder_out"].backward(cot)
-                try:
-                    t0 = time.perf_counter()
-                    first = fn()
-                    tk.sync(device)
-                    row["first_call_s"] = round(time.perf_counter() - t0, 3)
-                    if pas == "fwd":
-                        outs[method] = first
-                    del first
-                    t = tk.time_ms(fn, a.warmup, a.reps, device)
-                    row["ms"], row["timing_ms"] = t["median"], t
-                    if device.type == "cuda":
-                        tk.cleanup(device)
-                        base = torch.cuda.memory_allocated(device)
-                        torch.cuda.reset_peak_memory_stats(device)
-                        fn()
-                        torch.cuda.synchronize(device)
-                        peak = torch.cuda.max_memory_allocated(device)
-                        row["peak_GiB"] = round(peak / 2**30, 3)
-                        row["extra_GiB"] = round((peak - base) / 2**30, 3)
-                except Exception as e:  # noqa: BLE001 - OOM and friends: the row says so
-                    row["error"] = tk.short_err(e)
-                compat._attend = real_attend
-                res.add(row)
-                progress.step(f"{n} {pas} {method}: {tk.fmt(row['ms'])} ms, "
-                              f"peak {tk.fmt(row['peak_GiB'])} GiB{' ' + row['error'] if 'error' in row else ''}")
-                tk.cleanup(device)
+                    with torch.no_grad():
+                        return model(token_embeddings=xg)["encoder_out"]
+                for p in model.parameters():
+                    p.grad = None
+                xg.grad = None
+                model(token_embeddings=xg)["encoder_out"].backward(cot)
+            try:
+                t1, first = tk.first_call_s(fn, device)
+                row["first_call_s"] = round(t1, 3)
+                if pas == "fwd":
+                    outs[method] = first
+                del first
+                t = tk.time_ms(fn, a.warmup, a.reps, device)
+                row["ms"], row["timing_ms"] = t["median"], t
+                if (pk := tk.peak_extra_gib(fn, device, with_peak=True)) is not None:
+                    row["peak_GiB"], row["extra_GiB"] = round(pk[0], 3), round(pk[1], 3)
+            except Exception as e:  # noqa: BLE001 - OOM and friends: the row says so
+                row["error"] = tk.short_err(e)
+            compat._attend = real_attend
+            res.add(row)
+            progress.step(f"{n} {pas} {method}: {tk.fmt(row['ms'])} ms, "
+                          f"peak {tk.fmt(row['peak_GiB'])} GiB{' ' + row['error'] if 'error' in row else ''}")
+            tk.cleanup(device)
         if "torchscale" in outs and "dilgen" in outs:
             err = tk.rel_err(outs["dilgen"], outs["torchscale"])
             res.data.setdefault("check", []).append({"tiles": n, "rel_err_dilgen_vs_torchscale": err})
             res.save()
-            log(f"  {n} tiles: dilgen vs torchscale outputs (bf16): relative difference {err:.2e}")
+            tk.log(f"  {n} tiles: dilgen vs torchscale outputs (bf16): relative difference {err:.2e}")
         del outs
     get = {(r["tiles"], r["pass"], r["method"]): r for r in res.rows}
-    table = []
-    for n in a.tiles_list:
-        for pas in a.passes:
-            ts, dg = get.get((n, pas, "torchscale"), {}), get.get((n, pas, "dilgen"), {})
-            floor = get.get((n, pas, "no_attention"), {}).get("ms")
-            speed = ts["ms"] / dg["ms"] if ts.get("ms") and dg.get("ms") else None
-            bound = ts["ms"] / floor if ts.get("ms") and floor else None
-            attn = ((ts["ms"] - floor) / (dg["ms"] - floor)
-                    if ts.get("ms") and dg.get("ms") and floor and dg["ms"] > floor else None)
-            table.append([n, pas, tk.fmt(ts.get("ms")), tk.fmt(dg.get("ms")),
-                          tk.fmt(speed, ".2f") + ("x" if speed else ""), tk.fmt(floor),
-                          tk.fmt(attn, ".2f") + ("x" if attn else ""),
-                          tk.fmt(bound, ".2f") + ("x" if bound else ""),
-                          tk.fmt(ts.get("peak_GiB")), tk.fmt(dg.get("peak_GiB"))])
+    table, times = [], lambda x: tk.fmt(x) + "x" * bool(x)
+    for n, pas in [(n, p) for n in a.tiles_list for p in a.passes]:
+        ts, dg, floor = (get.get((n, pas, m), {}) for m in METHODS)        # torchscale, dilgen, no_attention
+        t, d, f = ts.get("ms"), dg.get("ms"), floor.get("ms")
+        table.append([n, pas, tk.fmt(t), tk.fmt(d), times(t / d if t and d else None), tk.fmt(f),
+                      times((t - f) / (d - f) if t and d and f and d > f else None), times(t / f if t and f else None),
+                      tk.fmt(ts.get("peak_GiB")), tk.fmt(dg.get("peak_GiB"))])
     text = tk.markdown_table(["tiles", "pass", "torchscale ms", "dilgen ms", "speed-up",
                               "no-attention ms", "attention-only speed-up", "bound (torchscale / no-attention)",
                               "torchscale peak GiB", "dilgen peak GiB"], table)
     res.data["table_md"] = text
-    log(f"\n{text}\n\nwrote {res.save()}")
+    tk.log(f"\n{text}\n\nwrote {res.save()}")
     return 0
 
 

@@ -9,11 +9,10 @@ model's own "sdpa" and "flex_attention" on the same work.
               S keys, batch 1 and 8, eager and replayed from a CUDA graph, dilgen vs sdpa
 
 Without a GPU, --dry-run-cpu runs both at toy sizes (dilgen in Triton's interpreter).
-Writes bench/results/transformers-<date>.json (and a PNG of the loss curves).
+Writes bench/results/transformers-<date>-<gpu>.json (and a PNG of the loss curves).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import sysconfig
@@ -22,8 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit  # noqa: E402
-
-toolkit.setup_paths()
 
 PATTERN = {"segment_lengths": [2048, 4096, 8192, 16384, 32768], "dilation_rates": [1, 2, 4, 8, 16]}
 MODEL = dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -89,10 +86,11 @@ def train_one(impl: str, n: int, data: bytes, seconds: float, dry: bool, device)
                 start = time.perf_counter()
             if start is not None and (time.perf_counter() - start > seconds or (dry and len(losses) >= 4)):
                 break
-        timed = t_steps[2:] or t_steps
+        timed = sorted(t_steps[2:] or t_steps)
+        step_s = timed[len(timed) // 2]
         row.update(status="ok", steps=len(losses), losses=losses, first_steps_s=[round(t, 2) for t in t_steps[:2]],
-                   step_s=round(sorted(timed)[len(timed) // 2], 4), tokens_per_s=round(n / sorted(timed)[len(timed) // 2]),
-                   peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None)
+                   step_s=round(step_s, 4), tokens_per_s=round(n / step_s), peak_gib=round(
+                       torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None)
     except torch.cuda.OutOfMemoryError:
         row.update(status="did not fit (out of memory)")
     except Exception as e:  # noqa: BLE001 - a failed implementation is a row
@@ -118,63 +116,54 @@ def decode_one(impl: str, batch: int, S: int, graph: bool, dry: bool, device) ->
     q = torch.randn(batch, H, 1, D, device=device, dtype=dtype)
     k, v = (torch.randn(batch, Hkv, S, D, device=device, dtype=dtype) for _ in range(2))
     call = lambda: fn(attn, q, k, v, None, scaling=attn.scaling)[0]  # noqa: E731
-    reps = 3 if dry else 200
+    reps = 3 if dry else 500
     with torch.inference_mode():
         for _ in range(3):
             call()
-        toolkit.sync(device)
-        if graph:
+        n, run, per = reps, call, 1
+        if graph:                    # one replay: 20 calls
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 for _ in range(20):
                     call()
             g.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(reps // 20 + 1):
-                g.replay()
-            torch.cuda.synchronize()
-            us = (time.perf_counter() - t0) / ((reps // 20 + 1) * 20) * 1e6
-        else:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                call()
+            n, run, per = reps // 20 + 1, g.replay, 20
+        rounds = []                  # the best of three: host time is noisy
+        for _ in range(3):
             toolkit.sync(device)
-            us = (time.perf_counter() - t0) / reps * 1e6
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run()
+            toolkit.sync(device)
+            rounds.append((time.perf_counter() - t0) / (n * per) * 1e6)
+        us = min(rounds)
     return {"impl": impl, "batch": batch, "cache": S, "cuda_graph": graph, "us_per_layer_step": round(us, 1)}
 
 
 def plot(rows, path):
-    plt = toolkit.pyplot()
     ok = [r for r in rows if r.get("losses")]
-    if plt is None or not ok:
-        return None
     contexts = sorted({r["context"] for r in ok})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
-    for ax, n in zip(axes[0], contexts):
-        for r in (r for r in ok if r["context"] == n):
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['impl']} ({r['tokens_per_s']} tok/s)")
-        ax.set_title(f"Llama 8x1024, context {n // 1024}K tokens", fontsize=10)
-        ax.set_xlabel("step (one sequence)")
-        ax.set_ylabel("training loss (bytes)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+    def draw(axes):
+        for ax, n in zip(axes if len(contexts) > 1 else [axes], contexts):
+            for r in (r for r in ok if r["context"] == n):
+                ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['impl']} ({r['tokens_per_s']} tok/s)")
+            ax.set(title=f"Llama 8x1024, context {f'{n // 1024}K' if n >= 1024 else n} tokens",
+                   xlabel="step (one sequence)", ylabel="training loss (bytes)")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+    return toolkit.figure(path, None, draw, (6 * len(contexts), 4), len(contexts)) if ok else None
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--train", action="store_true")
-    ap.add_argument("--decode", action="store_true")
-    ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--seconds", type=float, default=90.0, help="timed training per run")
-    ap.add_argument("--cache", type=int, default=32768, help="cached keys for --decode")
-    ap.add_argument("--out", default=str(toolkit.RESULTS))
-    ap.add_argument("--dry-run-cpu", action="store_true")
+    ap = toolkit.parser(__doc__, "out", "dry_run_cpu")
+    add = ap.add_argument
+    add("--train", action="store_true", help="only the training runs (default: both)")
+    add("--decode", action="store_true", help="only the decode timings (default: both)")
+    add("--contexts", default="32768,131072", help="training contexts (dry run: 128)")
+    add("--impls", default=",".join(IMPLS), help=f"a subset of {','.join(IMPLS)}")
+    add("--seconds", type=float, default=90.0, help="timed training per run")
+    add("--cache", type=int, default=32768, help="cached keys for --decode")
     args = ap.parse_args(argv)
     import torch
     import transformers
@@ -186,24 +175,21 @@ def main(argv=None) -> None:
     result = {**toolkit.header(device, dry, {"transformers": transformers.__version__}),
               "model": DRY_MODEL if dry else MODEL, "dilgen_spec": DRY_PATTERN if dry else PATTERN,
               "train": [], "decode": []}
-    path = toolkit.result_path(args.out, "transformers" + ("" if dry else "-" + toolkit.gpu_tag(result["device"])), dry)
+    path = toolkit.result_path(args.out, "transformers", dry, tag=None if dry else toolkit.gpu_tag(result["device"]))
     if args.train or not args.decode:
         data = corpus()
         toolkit.log(f"corpus: {len(data) / 2**20:.1f} MiB of standard-library source")
         contexts = [128] if dry else [int(x) for x in args.contexts.split(",")]
-        for n in contexts:
-            for impl in impls:
-                result["train"].append(train_one(impl, n, data, args.seconds, dry, device))
-                toolkit.write_json_atomic(path, result)
-        png = plot(result["train"], path.with_suffix(".png"))
-        toolkit.log(f"plot: {png}")
+        for n, impl in [(n, impl) for n in contexts for impl in impls]:
+            result["train"].append(train_one(impl, n, data, args.seconds, dry, device))
+            toolkit.write_json_atomic(path, result)
+        plot(result["train"], path.with_suffix(".png"))
     if args.decode or not args.train:
         S = 64 if dry else args.cache
-        for batch in (1, 8):
-            for graph in ((False,) if dry else (False, True)):
-                for impl in (i for i in impls if i != "flex_attention"):
-                    result["decode"].append(decode_one(impl, batch, S, graph, dry, device))
-                    toolkit.log(f"  decode {result['decode'][-1]}")
+        for batch, graph, impl in [(b, g, i) for b in (1, 8) for g in ((False,) if dry else (False, True))
+                                   for i in impls if i != "flex_attention"]:
+            result["decode"].append(decode_one(impl, batch, S, graph, dry, device))
+            toolkit.log(f"  decode {result['decode'][-1]}")
         toolkit.write_json_atomic(path, result)
     rows = [[r["impl"], r["context"], r["status"], r.get("tokens_per_s"), r.get("peak_gib"),
              r.get("losses", [None])[-1]] for r in result["train"]]

@@ -1,21 +1,19 @@
 """Variable-length batches (issue 14): packed batches of many sequence lengths, forward and
 fwd+bwd, config A's branches, bf16, one GPU. Methods on the same inputs: dilgen_varlen (the
-packed call, cu_seqlens), dilgen_one_sequence (one sequence of the total length: the rate to
-reach), (a) dilgen_padded (kernel.padded, right-padded to the longest, in chunks when too big),
-(b) dilgen_loop (a call per sequence), (c) flex_document (FlexAttention with a document mask),
-gather_cudnn per sequence. Each method's first call is checked against dilgen_varlen's out or
-dq, dk, dv (dilgen_loop's check is the packed call's; 2e-2 / 4e-2, fp32 dry run / 100). Useful
-FLOPs exact per sequence. Target: varlen >= 0.9x one sequence and >= 2x the best of (a)-(c)
-(`summary`). Packings: docs64 (64 sequences, log-uniform 2K .. 64K, 1.3M tokens: the issue's),
-docs (LM packing, 131,072 rows), slides (8 slides of 2K .. 32K tiles).
+packed call, cu_seqlens; always run), dilgen_one_sequence (one sequence of the total length:
+the rate to reach), (a) dilgen_padded (kernel.padded, right-padded to the longest, in chunks
+when too big), (b) dilgen_loop (a call per sequence), (c) flex_document (FlexAttention with a
+document mask), gather_cudnn per sequence. Each method's first call is checked against
+dilgen_varlen's out or dq, dk, dv (dilgen_loop's check is the packed call's; 2e-2 / 4e-2, fp32
+dry run / 100). Useful FLOPs exact per sequence. Target: varlen >= 0.9x one sequence and >= 2x
+the best of (a)-(c) (`summary`). Packings: docs64 (64 sequences, log-uniform 2K .. 64K, 1.3M
+tokens: the issue's), docs (LM packing, 131,072 rows), slides (8 slides of 2K .. 32K tiles).
 
     python bench/bench_varlen.py --packings docs64 --no-causal
     python bench/bench_varlen.py --packings docs64 --causal-only --append
-    python bench/bench_varlen.py --dry-run-cpu --out /tmp/x     # H 2, D 16, w [8, 16], r [1, 2]
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import random
@@ -26,8 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit as tk  # noqa: E402
 
-tk.setup_paths()
-
 SPEC = dict(H=16, D=128, ws=[2048, 4096, 8192], rs=[1, 2, 4])          # config A's branches
 DRY = dict(H=2, D=16, ws=[8, 16], rs=[1, 2])
 DOCS64, DRY_DOCS64 = dict(count=64, lo=2048, hi=65536, seed=5), dict(count=4, lo=8, hi=32, seed=5)
@@ -36,7 +32,6 @@ METHODS = ("dilgen_varlen", "dilgen_one_sequence", "dilgen_loop", "gather_cudnn"
 SHOW = ("dilgen_varlen", "dilgen_one_sequence", "dilgen_padded", "dilgen_loop", "flex_document", "gather_cudnn")
 TARGET_PEERS = ("dilgen_padded", "dilgen_loop", "flex_document")      # issue 14's (a)-(c)
 TARGET_RATE, TARGET_SPEEDUP = 0.9, 2.0
-YES_NO = {True: "yes", False: "no", None: "—"}
 PASSES = ("fwd", "fwd_bwd")
 BOUND = {"fwd": 2e-2, "fwd_bwd": 4e-2}
 CHUNK = 1 << 15                                        # rows per fp64 piece of a check
@@ -82,9 +77,8 @@ class Skip(Exception):
     pass
 
 
-# --------------------------------------------------------------------------- one (packing, causal, pass)
-
 class Case:
+    """One (packing, causal, pass): the packed inputs, and per method a builder of its call."""
     def __init__(self, b, pack: str, causal: bool, pas: str):
         import torch
         import dilgen
@@ -263,8 +257,6 @@ class Case:
         return row
 
 
-# --------------------------------------------------------------------------- the bench
-
 class Bench:
     def __init__(self, args):
         import torch
@@ -276,7 +268,7 @@ class Bench:
         self.packs = packings(self.dry)
         self.names = tk.pick(args.packings or ("docs64,slides" if self.dry else ",".join(self.packs)), self.packs,
                              "--packings")
-        chosen = tk.pick(args.methods or ",".join(METHODS), METHODS)
+        chosen = tk.pick(args.methods, METHODS)
         self.methods = [m for m in METHODS if m in chosen or m == "dilgen_varlen"]   # varlen: the reference
         self.causals = tk.causal_flags(args.no_causal, args.causal_only)
         self.passes = ("fwd",) if args.no_bwd else PASSES
@@ -297,7 +289,7 @@ class Bench:
 
     def run(self):
         todo = [(p, c, s) for p in self.names for c in self.causals for s in self.passes]
-        prog = tk.Progress(len(todo) * len(self.methods), "varlen")
+        prog = tk.Progress(len(todo) * len(self.methods))
         for pack, causal, pas in todo:
             case, rows = Case(self, pack, causal, pas), {}
             for m in self.methods:
@@ -333,8 +325,8 @@ class Bench:
              "best peer", f"speedup (>= {TARGET_SPEEDUP})", "vs gather+cuDNN", "targets met"],
             [[s["packing"], mask(s), s["pass"], tk.fmt(s["dilgen_varlen_tflops"], spec),
               tk.fmt(s["dilgen_one_sequence_tflops"], spec), tk.fmt(s["rate_vs_one_sequence"]), s["best_peer"],
-              tk.fmt(s["speedup_vs_best_peer"]), tk.fmt(s["speedup_vs_gather_cudnn"]),
-              YES_NO[s["targets_met"]] + " (peers missing)" * (not s["peers_complete"])]
+              tk.fmt(s["speedup_vs_best_peer"]), tk.fmt(s["speedup_vs_gather_cudnn"]), {True: "yes", False: "no",
+              None: "—"}[s["targets_met"]] + " (peers missing)" * (not s["peers_complete"])]
              for s in summ]))
         for r in [r for r in rows if r.get("check_passed") is False]:
             tk.log(f"!! check failed: {r}")
@@ -364,46 +356,34 @@ def summarize(rows) -> list:
                  peers_missing={m: (by.get(m) or {}).get("error") or "not run" for m in TARGET_PEERS if not tf[m]},
                  speedup_vs_best_peer=round(v / peers[best], 3) if v and best else None,
                  speedup_vs_gather_cudnn=round(v / tf["gather_cudnn"], 3) if v and tf["gather_cudnn"] else None)
-        s["peers_complete"] = not s["peers_missing"]
-        s["rate_target_met"] = None if s["rate_vs_one_sequence"] is None else s["rate_vs_one_sequence"] >= TARGET_RATE
-        s["speedup_target_met"] = (None if s["speedup_vs_best_peer"] is None
-                                   else s["speedup_vs_best_peer"] >= TARGET_SPEEDUP)
-        s["targets_met"] = (None if None in (s["rate_target_met"], s["speedup_target_met"])
-                            else s["rate_target_met"] and s["speedup_target_met"])
-        s["checks_passed"] = all(r.get("check_passed") is not False for r in by.values())
+        rate, speed = s["rate_vs_one_sequence"], s["speedup_vs_best_peer"]
+        s.update(peers_complete=not s["peers_missing"], rate_target_met=None if rate is None else rate >= TARGET_RATE,
+                 speedup_target_met=None if speed is None else speed >= TARGET_SPEEDUP,
+                 targets_met=None if None in (rate, speed) else rate >= TARGET_RATE and speed >= TARGET_SPEEDUP,
+                 checks_passed=all(r.get("check_passed") is not False for r in by.values()))
         out.append(s)
     order = {p: i for i, p in enumerate(("docs64", "docs", "slides"))}
     return sorted(out, key=lambda s: (order.get(s["packing"], 99), s["packing"], s["causal"], PASSES.index(s["pass"])))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = ap.add_argument
-    add("--out", default=str(tk.RESULTS))
-    add("--packings", default=None, help="comma list of docs64,docs,slides (default: all)")
-    add("--methods", default=None, help=f"comma list of {','.join(METHODS)} (dilgen_varlen always runs)")
-    add("--no-causal", action="store_true", help="only the non-causal variants")
-    add("--causal-only", action="store_true", help="only the causal variants")
-    add("--no-bwd", action="store_true", help="forward only")
-    add("--reps", type=int, default=None, help="timed calls, median taken (default 10; dry 1)")
-    add("--warmup", type=int, default=None, help="calls before timing, the checked first call included "
-        "(default 3); 0: the checked first call is the only timed one (dry default)")
-    add("--flex-budget-s", type=float, default=480.0, help="skip flex_document once the run took this long")
-    add("--append", action="store_true", help="keep the rows of today's file that this run does not redo")
-    add("--dry-run-cpu", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    ap = tk.parser(__doc__, "out", "no_causal", "causal_only", "reps", "warmup", "append", "dry_run_cpu",
+                   methods=METHODS, warmup=dict(help="calls before timing, the checked first call included "
+                                                     "(default 3); 0: the checked first call is the only timed one "
+                                                     "(dry default)"))
+    ap.add_argument("--packings", default=None, help="comma list of docs64,docs,slides (default: all)")
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--flex-budget-s", type=float, default=480.0, help="skip flex_document after this many seconds")
     args = ap.parse_args(argv)
     tk.quiet()
     if tk.no_gpu(args.dry_run_cpu, "bench_varlen.py"):
         return 2
     b = Bench(args)
-    d = b.res.data
-    tk.log(f"device {d['device']}  torch {d['torch']}  triton {d['triton']}  packings {b.names}  "
-           f"methods {b.methods}  json {b.res.path}")
+    tk.log(f"packings {b.names}  methods {b.methods}  json {b.res.path}")
     for p in b.names:
-        i = d["packings"][p]
+        i = b.res.data["packings"][p]
         tk.log(f"  {p}: {i['sequences']} sequences, {i['total']} rows, {i['shortest']} .. {i['longest']}")
     b.run()
-    b.res.save()
     b.report()
     tk.log(f"wrote {b.res.save()}  ({time.time() - b.t0:.0f} s)")
     return 1 if b.failed else 0

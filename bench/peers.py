@@ -1,23 +1,11 @@
-"""The peers dilgen is benchmarked against, each exact for every spec (SPEC.md §2: r ∤ w,
-short last segments, GQA, Hilbert orderings), plus two reference points. Each is
-``peer(q, k, v, spec) -> (out, lse)`` in dilgen's layout: q (B, N, H, D), k, v (B, N, Hkv, D);
-out in q's dtype, lse (B, H, N) float32 (−inf, out 0, where no branch keeps the query).
-
-  gather_cudnn  per branch and head group (equal h mod r): the kept rows gathered into dense
-                (B·segments, heads, rows, D), cuDNN attention with LSE, scatter, LongNet's
-                Eq. 10 merge in fp32 (a key kept by two branches counts twice)
-  gather_flash  the same with FlashAttention-2
-  flex          FlexAttention: mask_mod = union of the branches (+ causal), score_mod =
-                + log(multiplicity); BlockMask from the segment structure (raster); on a
-                packed row of sequences: document_block_mask (bench_varlen.py)
-  dense_sdpa    dense SDPA over the whole sequence: a reference point, not the same math
-  lane_floor    cuDNN on the gathered lane shapes, no gather, scatter or merge: the vendor
-                kernels' floor under any gather peer (a reference point)
-Hilbert: branch i cuts segments and lanes along its virtual order pi_i (dilgen.runtime.tables,
-the kernels' own tables), causal compares raster positions; the gather peers gather pi_i(...)
-sorted per segment, flex looks positions up in pi_i⁻¹. On the CPU (or fp32) the gather peers
-use an fp32 softmax and flex runs eagerly: `bench_forward.py --check-peers` checks every peer
-against dilgen.reference (float64).
+"""The peers dilgen is benchmarked against, each ``peer(q, k, v, spec) -> (out, lse)`` in
+dilgen's layout (q (B, N, H, D), k, v (B, N, Hkv, D); out in q's dtype, lse (B, H, N) float32,
+−inf and out 0 where no branch keeps the query) and exact for every spec (SPEC.md §2: r ∤ w,
+short last segments, GQA, Hilbert orderings): gather_cudnn, gather_flash, flex (+ its document
+mask on packed rows, document_block_mask); and two reference points, not the same math:
+dense_sdpa and lane_floor. bench/README.md ("What each method computes") says what each one
+computes. Off CUDA (or in fp32) the gather peers use an fp32 softmax and flex runs eagerly;
+`bench_forward.py --check-peers` checks every peer against dilgen.reference (float64).
 """
 from __future__ import annotations
 
@@ -47,28 +35,20 @@ def scale_of(spec, head_dim: int) -> float:
 
 
 def hilbert_of(spec) -> dict | None:
-    h = getattr(spec, "hilbert", None)
-    return None if h is None else h.to_json() if hasattr(h, "to_json") else dict(h)
+    return None if spec.hilbert is None else spec.hilbert.to_json()
 
 
 def virtual_tables(spec, N: int, device) -> list:
     """Per branch None (raster) or pi_i, int64 (N,) on `device`: virtual -> raster position."""
-    hil, branches = hilbert_of(spec), branches_of(spec)
+    hil = spec.hilbert
     if hil is None:
-        return [None] * len(branches)
+        return [None] * len(spec.segment_lengths)
     from dilgen.runtime.tables import table_tensors
+    from dilgen.spec import default_grid
     out = []
-    for i, (w, _) in enumerate(branches):
-        if hil["scope"] == "sequence":
-            grid = [int(x) for x in hil["grid"]]
-        elif hil.get("grids") is not None:
-            grid = [int(x) for x in hil["grids"][i]]
-        else:
-            if w & (w - 1):
-                raise ValueError(f"segment_lengths[{i}] = {w}: Hilbert segment scope without grids needs 2^k")
-            k = w.bit_length() - 1
-            grid = [1 << (k // 2), 1 << ((k + 1) // 2)]
-        desc = {"scope": hil["scope"], "grid": grid}
+    for i, (w, _) in enumerate(branches_of(spec)):
+        grid = hil.grid if hil.scope == "sequence" else hil.grids[i] if hil.grids else default_grid(w)
+        desc = {"scope": hil.scope, "grid": [int(x) for x in grid]}
         key = (json.dumps(desc, sort_keys=True), int(N), str(device))
         if key not in _TABLES:
             _TABLES[key] = table_tensors(desc, int(N), torch.device("cpu"))[0].to(device=device, dtype=torch.int64)
@@ -79,8 +59,8 @@ def virtual_tables(spec, N: int, device) -> list:
 def _check_shapes(q, k, v, spec):
     """(B, N, H, Hkv, D) of q (B, N, H, D), k, v (B, N, Hkv, D) that agree with spec.num_heads."""
     B, N, H, D = q.shape if q.dim() == 4 else (None,) * 4
-    if B is None or k.shape != v.shape or tuple(k.shape[:2]) != (B, N) or k.shape[3] != D or H % k.shape[2] \
-            or int(spec.num_heads) != H:
+    if B is None or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != D or H % k.shape[2] \
+            or H != spec.num_heads:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}, "
                          f"num_heads {spec.num_heads}")
     return B, N, H, k.shape[2], D
@@ -268,11 +248,16 @@ def _make_mods(branches, causal: bool, N: int, invs=None):
     return mask_mod, (score_mod if len(branches) > 1 else None)
 
 
-def _dense_to_ordered(dense):
-    """(…, nq, nk) bool -> (num (…, nq), indices (…, nq, nk)) int32, as flex wants."""
-    d = dense.to(torch.int32)
-    return (d.sum(dim=-1).to(torch.int32).contiguous(),
-            torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+def _block_mask(nonempty, full, n: int, mask_mod, device, block: int = 128):
+    """flex's BlockMask of bool block sets (…, nq, nk), full ⊆ nonempty, on `device`."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def ordered(dense):              # (num (…, nq), indices (…, nq, nk)) int32
+        d = dense.to(device=device, dtype=torch.int32)
+        return (d.sum(dim=-1).to(torch.int32).contiguous(),
+                torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+    return BlockMask.from_kv_blocks(*ordered(nonempty & ~full), *ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(n, n))
 
 
 def analytic_block_sets(branches, causal: bool, H: int, N: int, block: int = 128):
@@ -321,14 +306,12 @@ def block_sets_of(block_mask):
 
 
 def _raise_recompile_limits():
-    try:
-        import torch._dynamo as dynamo
-        for name, low in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 4096),
-                          ("accumulated_cache_size_limit", 4096)):
-            if hasattr(dynamo.config, name):
-                setattr(dynamo.config, name, max(getattr(dynamo.config, name), low))
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    """Every config's mask is another graph for torch.compile: dynamo's limits raised to fit them all."""
+    import torch._dynamo as dynamo
+    for name, low in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 4096),
+                      ("accumulated_cache_size_limit", 4096)):
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, max(getattr(dynamo.config, name), low))
 
 
 def flex_block_mask(spec, N: int, device, method: str = "analytic"):
@@ -336,7 +319,7 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
     "create": torch's create_block_mask (mask_mod at all H·N² points: ~2 min at N = 131072);
     "analytic": the same block sets from analytic_block_sets (checked equal by bench_forward.py).
     Hilbert specs always use "create"."""
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
     H, causal, branches, device, hil = int(spec.num_heads), bool(spec.causal), branches_of(spec), \
         torch.device(device), hilbert_of(spec)
     method = "create" if hil is not None else method
@@ -352,10 +335,7 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
         bm = create_block_mask(mask_mod, B=None, H=H, Q_LEN=N, KV_LEN=N, device=device,
                                _compile=(device.type == "cuda"))
     elif method == "analytic":
-        nonempty, full = analytic_block_sets(branches, causal, H, N)
-        (num, idx), (fnum, fidx) = _dense_to_ordered((nonempty & ~full)[None]), _dense_to_ordered(full[None])
-        bm = BlockMask.from_kv_blocks(num.to(device), idx.to(device), fnum.to(device), fidx.to(device),
-                                      BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(N, N))
+        bm = _block_mask(*(x[None] for x in analytic_block_sets(branches, causal, H, N)), N, mask_mod, device)
     else:
         raise ValueError(f"flex block mask method {method!r}: must be 'analytic' or 'create'")
     if device.type == "cuda":
@@ -380,8 +360,7 @@ def flex(q, k, v, spec, method: str | None = None):
     """FlexAttention: mask_mod = union of branches (+ causal), score_mod = + log(multiplicity)."""
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
     bm, _, score_mod, _ = flex_block_mask(spec, N, q.device, method or FLEX_MASK_METHOD)
-    kw = {"score_mod": score_mod, "block_mask": bm, "scale": scale_of(spec, D)} | \
-        ({"enable_gqa": True} if Hkv != H else {})
+    kw = dict(score_mod=score_mod, block_mask=bm, scale=scale_of(spec, D), enable_gqa=Hkv != H)
     qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     from torch.nn.attention import flex_attention as fa
     if "return_lse" in inspect.signature(fa.flex_attention).parameters:    # deprecated, still there
@@ -395,8 +374,7 @@ def flex(q, k, v, spec, method: str | None = None):
 # --------------------------------------------------------------------------- FlexAttention on packed rows
 
 def document_mods(branches, causal: bool, lengths, device):
-    """mask_mod / score_mod of a packed row: same sequence AND the dilated pattern on positions
-    local to the sequence."""
+    """mask_mod / score_mod of a packed row: same sequence AND the pattern on in-sequence positions."""
     n = torch.tensor(lengths, dtype=torch.int64)
     doc = torch.repeat_interleave(torch.arange(len(lengths)), n)
     first = (torch.cumsum(n, 0) - n).repeat_interleave(n)
@@ -414,10 +392,9 @@ def document_mods(branches, causal: bool, lengths, device):
 
 
 def block_sets(branches, causal: bool, lengths, block: int = 128, device="cpu"):
-    """(nonempty, full) bool (nb, nb) block pairs of a packed row: per query block, the interval
-    of key blocks that may hold a kept pair (the segments holding it; a superset for every head)
-    and of those whose every pair is kept (one segment of an r = 1 branch holds both blocks).
-    O(segments + blocks), so 1.3M rows are cheap."""
+    """(nonempty, full) bool (nb, nb) block pairs of a packed row, O(segments + blocks): per query
+    block the interval of key blocks that may hold a kept pair (a superset for every head) and of
+    those whose every pair is kept (one segment of an r = 1 branch holds both blocks)."""
     nb = -(-sum(lengths) // block)
     lo, hi = torch.full((nb,), nb + 1, dtype=torch.int64), torch.full((nb,), -1, dtype=torch.int64)
     flo, fhi, s0 = lo.clone(), hi.clone(), 0
@@ -441,15 +418,11 @@ def block_sets(branches, causal: bool, lengths, block: int = 128, device="cpu"):
 
 
 def document_block_mask(spec, lengths, device, block: int = 128):
-    """(BlockMask, mask_mod, score_mod, build seconds) of FlexAttention on a packed row of
-    sequences of `lengths` (bench_varlen.py's flex_document)."""
-    from torch.nn.attention.flex_attention import BlockMask
+    """(BlockMask, mask_mod, score_mod, build s) of flex on a packed row of sequences of `lengths`."""
     t0, branches = time.perf_counter(), branches_of(spec)
     mask_mod, score_mod = document_mods(branches, bool(spec.causal), lengths, device)
-    ne, full = block_sets(branches, bool(spec.causal), lengths, block, device)
-    (num, idx), (fnum, fidx) = _dense_to_ordered((ne & ~full)[None, None]), _dense_to_ordered(full[None, None])
-    T = sum(lengths)
-    bm = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(T, T))
+    bm = _block_mask(*(x[None, None] for x in block_sets(branches, bool(spec.causal), lengths, block, device)),
+                     sum(lengths), mask_mod, device, block)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return bm, mask_mod, score_mod, time.perf_counter() - t0
@@ -457,9 +430,8 @@ def document_block_mask(spec, lengths, device, block: int = 128):
 
 def clear_caches():
     """Drop the cached block masks and curve tables (their memory) between configs."""
-    _BLOCK_MASKS.clear()
-    _TABLES.clear()
-    _ROWS.clear()
+    for cache in (_BLOCK_MASKS, _TABLES, _ROWS):
+        cache.clear()
 
 
 PEERS = {"gather_cudnn": gather_cudnn, "gather_flash": gather_flash, "flex": flex, "dense_sdpa": dense_sdpa}

@@ -1,13 +1,12 @@
-"""The bench toolkit: what every script in bench/ shares. The configs A-F (and their toy twins
-for --dry-run-cpu), their specs and useful FLOPs; timing (CUDA events around each call, median;
-wall clock on the CPU, so --dry-run-cpu runs the same code), compile time, peak memory,
-a header (device, versions, date) for every result file and `Results`,
-the file rewritten atomically after every row, optionally merged with an earlier run's rows;
-a markdown table printer, bar plots, a progress line per row. Nothing here imports dilgen or
-torch at module import time (tests/test_bench_toolkit.py tests it on the CPU).
+"""What every script in bench/ shares: the configs A-F (and their toy twins for --dry-run-cpu),
+specs and useful FLOPs; the shared options; timing (CUDA events, median; wall clock on the CPU,
+so --dry-run-cpu runs the same code), compile time, peak memory; the header of every result
+file (device, versions, commit) and `Results`, rewritten atomically after every row; tables,
+plots, progress lines. Importing it puts this checkout's dilgen on sys.path, imports no torch.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import json
@@ -15,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -23,6 +23,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
+for _p in (str(REPO), str(HERE)):      # `import dilgen` (this checkout) and `import peers` from any cwd
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 # --------------------------------------------------------------------------- configs
 # B, H, N, D; branches (ws, rs); "hilbert" is the spec field (None: raster order).
@@ -47,11 +50,6 @@ DRY_CONFIGS = {
 }
 
 
-def config_text(name: str, cfg: dict) -> str:
-    return (f"{name}: B{cfg['B']} H{cfg['H']} N{cfg['N']} D{cfg['D']} w {cfg['ws']} r {cfg['rs']}"
-            + (f" hilbert {json.dumps(cfg['hilbert'])}" if cfg.get("hilbert") else ""))
-
-
 def parse_configs(text: str, configs=CONFIGS) -> list[str]:
     names = [c.strip().upper() for c in text.split(",") if c.strip()]
     if [c for c in names if c not in configs]:
@@ -65,13 +63,12 @@ def causal_flags(no_causal: bool = False, causal_only: bool = False) -> list[boo
     return [False] if no_causal else [True] if causal_only else [False, True]
 
 
-def make_spec(name: str, cfg: dict, causal: bool, prefix: str = "bench", dtype: str = "bfloat16", **extra):
-    """dilgen.Spec of a config (spec name like bench_a_causal)."""
+def make_spec(name: str, cfg: dict, causal: bool, prefix: str = "bench"):
+    """dilgen.Spec of a config, bf16 (spec name like bench_a_causal)."""
     import dilgen
     return dilgen.Spec(name=f"{prefix}_{name.lower()}_{'causal' if causal else 'full'}", num_heads=cfg["H"],
-                       num_kv_heads=cfg.get("Hkv", cfg["H"]), head_dim=cfg["D"], dtype=dtype,
-                       segment_lengths=list(cfg["ws"]), dilation_rates=list(cfg["rs"]), causal=causal,
-                       hilbert=cfg.get("hilbert"), **extra)
+                       head_dim=cfg["D"], dtype="bfloat16", segment_lengths=list(cfg["ws"]),
+                       dilation_rates=list(cfg["rs"]), causal=causal, hilbert=cfg.get("hilbert"))
 
 
 def useful_flops(cfg: dict, causal: bool, fwd_bwd: bool = False) -> float:
@@ -154,6 +151,31 @@ def pick(text, choices, what="--methods") -> list[str]:
     return got
 
 
+SHARED = {      # options several scripts share: dest -> add_argument keywords
+    "out": dict(default=str(RESULTS), help="output folder (default bench/results)"),
+    "dry_run_cpu": dict(action="store_true", help="the whole flow at toy sizes on the CPU (numbers meaningless)"),
+    "no_causal": dict(action="store_true", help="only the non-causal variants"),
+    "causal_only": dict(action="store_true", help="only the causal variants"),
+    "warmup": dict(type=int, default=None, help="warm-up calls (default 3; dry run 0)"),
+    "reps": dict(type=int, default=None, help="timed calls, median taken (default 10; dry run 1)"),
+    "append": dict(nargs="?", const=True, default=False, metavar="FILE",
+                   help="keep the rows of an earlier run that this run does not redo: today's file in --out or FILE"),
+    "seed": dict(type=int, default=0),
+    "no_plot": dict(action="store_true", help="write no PNG"),
+}
+
+
+def parser(doc, *shared, methods=(), **changed):
+    """An ArgumentParser with `doc` as --help, the SHARED options named (keywords changed per
+    dest: reps=dict(default=50)) and --methods (a subset of `methods`, default all)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for dest in shared:
+        ap.add_argument("--" + dest.replace("_", "-"), **SHARED[dest] | changed.get(dest, {}))
+    if methods:
+        ap.add_argument("--methods", default=",".join(methods), help=f"a subset of {','.join(methods)}")
+    return ap
+
+
 # --------------------------------------------------------------------------- timing
 
 def sync(device) -> None:
@@ -163,9 +185,8 @@ def sync(device) -> None:
 
 
 def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda") -> dict:
-    """Times of `reps` calls after `warmup` calls: CUDA events around each call, recorded back
-    to back with one synchronisation at the end (as triton.testing.do_bench does); wall clock
-    on the CPU. Every method is timed this way. {median, min, max, n, times}."""
+    """{median, min, max, n, times} ms of `reps` calls after `warmup`: CUDA events around each call,
+    recorded back to back, one synchronisation at the end (as triton's do_bench); CPU: wall clock."""
     import torch
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
@@ -193,9 +214,9 @@ def first_call_s(fn, device="cuda"):
     return time.perf_counter() - t, res
 
 
-def peak_extra_gib(fn, device="cuda"):
+def peak_extra_gib(fn, device="cuda", with_peak: bool = False):
     """Peak memory of one call above what was allocated before it minus the outputs it
-    returns, in GiB; None off CUDA."""
+    returns, in GiB; with_peak: (the peak, the peak minus what was allocated before); None off CUDA."""
     import torch
     if torch.device(device).type != "cuda":
         return None
@@ -205,11 +226,12 @@ def peak_extra_gib(fn, device="cuda"):
     torch.cuda.reset_peak_memory_stats(device)
     res = fn()
     sync(device)
-    outs = res if isinstance(res, (tuple, list)) else (res,)
-    extra = torch.cuda.max_memory_allocated(device) - base - sum(
-        t.untyped_storage().nbytes() for t in outs if hasattr(t, "untyped_storage"))
-    del res, outs
-    return max(extra, 0) / 2**30
+    peak = torch.cuda.max_memory_allocated(device)
+    if with_peak:
+        return peak / 2**30, (peak - base) / 2**30
+    outs = sum(t.untyped_storage().nbytes() for t in (res if isinstance(res, (tuple, list)) else (res,))
+               if hasattr(t, "untyped_storage"))
+    return max(peak - base - outs, 0) / 2**30
 
 
 def cleanup(device="cuda") -> None:
@@ -225,14 +247,30 @@ def cleanup(device="cuda") -> None:
 
 # --------------------------------------------------------------------------- header, results
 
+def commit() -> str | None:
+    """`git rev-parse --short HEAD` of REPO, + "+dirty" when dilgen/, templates/ or bench/ (its
+    results aside) differ from it; without git (a copied tree) $DILGEN_COMMIT, else None."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+    try:
+        if (REPO / ".git").exists():
+            dirty = git("status", "--porcelain", "--", "dilgen", "templates", "bench", ":(exclude)bench/results")
+            return git("rev-parse", "--short", "HEAD") + "+dirty" * bool(dirty)
+    except Exception:  # noqa: BLE001 - no git, no repository, a timeout: the fallback
+        pass
+    return os.environ.get("DILGEN_COMMIT") or None
+
+
 def header(device="cuda", dry: bool = False, extra: dict | None = None) -> dict:
-    """Device name, versions, date: the top of every result file."""
+    """Device name, versions, commit, date: the top of every result file (and of the run's log)."""
     import torch
     import triton
     import dilgen
     h = {"date": datetime.date.today().isoformat(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
-         "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
-         "dilgen": getattr(dilgen, "__version__", None), "cuda": torch.version.cuda, "dry_run_cpu": bool(dry)}
+         "commit": commit(), "torch": torch.__version__, "triton": triton.__version__,
+         "python": sys.version.split()[0], "dilgen": getattr(dilgen, "__version__", None), "cuda": torch.version.cuda,
+         "dry_run_cpu": bool(dry)}
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -247,11 +285,15 @@ def header(device="cuda", dry: bool = False, extra: dict | None = None) -> dict:
             pass
     else:
         h["device"] = f"CPU{' dry run' * dry} ({platform.machine()}){': numbers meaningless' * dry}"
+    log(f"device {h['device']}  torch {h['torch']}  triton {h['triton']}  commit {h['commit']}  date {h['date']}")
     return h | (extra or {})
 
 
-def result_path(out_dir, name: str, dry: bool = False, date: str | None = None, ext: str = "json") -> Path:
-    return Path(out_dir) / f"{name}-{date or datetime.date.today().isoformat()}{'-cpu-dryrun' * dry}.{ext}"
+def result_path(out_dir, name: str, dry: bool = False, date: str | None = None, ext: str = "json",
+                tag: str | None = None) -> Path:
+    """<out_dir>/<name>-<date>[-cpu-dryrun][-<tag>].<ext>"""
+    return Path(out_dir) / (f"{name}-{date or datetime.date.today().isoformat()}{'-cpu-dryrun' * dry}"
+                            f"{'-' + tag if tag else ''}.{ext}")
 
 
 def gpu_tag(name: str) -> str:
@@ -261,16 +303,13 @@ def gpu_tag(name: str) -> str:
 
 
 class Results:
-    """One result file: header fields + "rows", rewritten atomically after every change.
-
-    append=True keeps the rows of an existing file of the same name, except those whose
-    `key` fields equal a row added now (a rerun replaces its row); append=PATH takes the
-    earlier rows from PATH instead. Lists named in `lists` (the checks) merge the same way."""
+    """One result file: header fields + "rows", rewritten atomically after every change. append=True
+    keeps the rows of the existing file except those whose `key` fields equal a row added now (a
+    rerun replaces its row); append=PATH takes them from PATH; the `lists` (checks) merge alike."""
 
     def __init__(self, path, head: dict, key=("config", "causal"), append=False, lists=("check",)):
         self.path, self.key, self.lists, self._t0 = Path(path), tuple(key), tuple(lists), time.time()
-        self.data = dict(head)
-        self.data.setdefault("rows", [])
+        self.data = {"rows": []} | dict(head)
         self.kept, self.kept_lists = [], {}
         source = self.path if append is True else Path(append) if append else None
         if source is not None and source.exists():
@@ -281,8 +320,8 @@ class Results:
                 old = {}
             self.kept = list(old.get("rows", []))
             self.kept_lists = {k: list(old.get(k) or []) for k in self.lists}
-            self.data["earlier_runs"] = old.get("earlier_runs", []) + [
-                {k: old.get(k) for k in ("time", "device", "torch", "triton", "args", "check_passed") if k in old}]
+            self.data["earlier_runs"] = old.get("earlier_runs", []) + [{k: old[k] for k in (
+                "time", "device", "commit", "torch", "triton", "args", "check_passed") if k in old}]
             self.data |= {k: v for k, v in old.items() if k not in self.data and k != "rows"}
         elif source is not None and append is not True:
             raise FileNotFoundError(f"--append {source}: no such file")
@@ -331,31 +370,12 @@ def fmt(x, spec: str = ".2f", none: str = "—") -> str:
 class Progress:
     """A line per finished row: '[i/n] text  (elapsed)'."""
 
-    def __init__(self, total: int, desc: str = ""):
-        self.total, self.i, self.desc, self.t0 = total, 0, desc, time.time()
-
-    write = staticmethod(log)
-
-    def tag(self) -> str:
-        return f"[{min(self.i + 1, self.total)}/{self.total}]"
+    def __init__(self, total: int):
+        self.total, self.i, self.t0 = total, 0, time.time()
 
     def step(self, msg: str = "") -> None:
         self.i += 1
         log(f"[{self.i}/{self.total}] {msg}  ({time.time() - self.t0:.0f} s)")
-
-    def close(self) -> None:
-        pass
-
-
-def pyplot():
-    """matplotlib.pyplot with the Agg backend, or None (with a message) when missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except Exception as e:  # noqa: BLE001
-        log(f"matplotlib unavailable ({short_err(e, 80)}): no plot written (pip install matplotlib)")
 
 
 NAMES = {"dilgen": "dilgen", "gather_cudnn": "gather+cuDNN", "gather_flash": "gather+FA2", "flex": "FlexAttention",
@@ -364,43 +384,46 @@ COLORS = {"dilgen": "#d62728", "gather_cudnn": "#1f77b4", "gather_flash": "#17be
           "dense": "#7f7f7f", "cudnn_floor": "#bcbd22"}
 
 
-def save_figure(plt, fig, ax, rows, title, path):
-    """x labels (config, causal) of rows, the title; the PNG written at path."""
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['config']}{' causal' if r.get('causal') else ''}" for r in rows], fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    log(f"plot: {path}")
-    return Path(path)
-
-
-def plot_bars(rows, methods, path, ylabel: str, title: str, field: str = "{m}_ms", log_scale: bool = True):
-    """Grouped bars per row (one bar per method with a value); returns the path or None."""
-    plt = pyplot()
-    if plt is None or not rows:
-        return None
+def figure(path, title, draw, size=(8, 5), ncols=1, dpi=120):
+    """One PNG at path: draw(ax) fills the axes (a list of them when ncols > 1), the title (if any)
+    goes on top. Returns the path, or None (with a message) without matplotlib or when drawing fails."""
     try:
-        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows) + 3), 5))
-        width = 0.8 / len(methods)
-        for j, m in enumerate(methods):
-            pts = [(i + (j - (len(methods) - 1) / 2) * width, r.get(field.format(m=m))) for i, r in enumerate(rows)]
-            if [y for _, y in pts if y]:
-                ax.bar([x for x, y in pts if y], [y for _, y in pts if y], width, label=NAMES.get(m, m),
-                       color=COLORS.get(m), hatch="//" if m == "dense" else None,
-                       edgecolor="black" if m == "dense" else "white")
-        ax.set_yscale("log" if log_scale else "linear")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-        ax.grid(axis="y", which="both", alpha=0.3)
-        return save_figure(plt, fig, ax, rows, title, path)
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        return log(f"matplotlib unavailable ({short_err(e, 80)}): no plot written (pip install matplotlib)")
+    try:
+        fig, ax = plt.subplots(1, ncols, figsize=size)
+        draw(ax)
+        if title:
+            (fig.suptitle if ncols > 1 else ax.set_title)(title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+        log(f"plot: {path}")
+        return Path(path)
     except Exception as e:  # noqa: BLE001
         log(f"plot failed: {short_err(e)}")
 
 
-def setup_paths() -> None:
-    """Make `import dilgen` (this checkout) and `import peers, toolkit` work from any cwd."""
-    for p in (str(REPO), str(HERE)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+def plot_bars(rows, methods, path, ylabel: str, title: str, field="{m}_ms", log_scale: bool = True, extra=None):
+    """Grouped bars per row, one per method with a value (row[field.format(m)], or field(row, m));
+    extra(ax) draws more. Returns the path or None."""
+    value = field if callable(field) else lambda r, m: r.get(field.format(m=m))
+
+    def draw(ax):
+        width = 0.8 / len(methods)
+        for j, m in enumerate(methods):
+            pts = [(i + (j - (len(methods) - 1) / 2) * width, value(r, m)) for i, r in enumerate(rows)]
+            if [y for _, y in pts if y]:
+                ax.bar([x for x, y in pts if y], [y for _, y in pts if y], width, label=NAMES.get(m, m),
+                       color=COLORS.get(m), hatch="//" if m == "dense" else None,
+                       edgecolor="black" if m == "dense" else "white")
+        ax.set(yscale="log" if log_scale else "linear", ylabel=ylabel)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.set_xticks(range(len(rows)))       # one position per row: "A", "A causal", ...
+        ax.set_xticklabels([f"{r['config']}{' causal' if r.get('causal') else ''}" for r in rows], fontsize=8)
+        extra(ax) if extra else None
+    return figure(path, title, draw, (max(8, 1.1 * len(rows) + 3), 5)) if rows else None

@@ -25,7 +25,7 @@ class Target:
     def block_table(self, head_dim: int, itemsize: int, causal: bool = False,
                     descriptors: bool = False) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) before lattice constraints. The sm90
-        rows are the autotune winners on an H200 (bench/tools/tune_forward.py, 2026-11-21):
+        rows are the autotune winners on an H200 (2026-11-21; bench_forward.py --tunings re-times them):
         causal prefers 64-row tiles, whose lattice span is shorter, so fewer keys past
         the diagonal are visited. descriptors: the fused kernel reads keys through tensor
         descriptors (fused_tma), which take 128 keys per step at head_dim 128 (H200, bf16,
@@ -56,7 +56,8 @@ class Target:
                        ) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
         """Backward tiles before lattice constraints: dkdv (keys per program, queries per
         step, warps, stages) and dq (largest query rows, keys per step, warps, stages).
-        GPU rows: the fastest of sweeps on an H200 (bench/tools/tune_backward.py)."""
+        GPU rows: the fastest of sweeps on an H200 (bench/results/tune_backward-2026-11-21-h200.json;
+        bench_backward.py --tunings '{"name": {"bwd_kv": [...]}}' re-times such tiles)."""
         if self.name == "interpreter":
             return (16, 16, 1, 1), (16, 16, 1, 1)
         table = {16: ((128, 32, 4, 3), (128, 64, 4, 3)), 32: ((128, 32, 4, 3), (128, 64, 4, 3)),
@@ -64,12 +65,12 @@ class Target:
                  256: ((32, 32, 4, 2), (64, 16, 4, 2))}
         kv, dq = table[head_dim]
         if causal and head_dim == 128:
-            # causal A (bench/tools/tune_backward.py, H200): dq 64 x 32 keys, 4 warps: 5.0 ms
+            # causal A (H200, bench/results/tune_backward-*.json): dq 64 x 32 keys, 4 warps: 5.0 ms
             # backward against 6.5 ms with 64 keys and 8 warps
             dq = (64, 32, 4, 3)
         if causal and head_dim == 64 and self.capability is not None and self.capability >= 90:
             # causal C, per-branch dK/dV (H200, fwd+bwd): 128 keys per program 4.01 ms against
-            # 4.15 with 64, 4.24 with 64 x 64 (lanes_probe s13_bwd_ws_causal_tiles)
+            # 4.15 with 64, 4.24 with 64 x 64 (bench/results/lanes_probe-*.json, s13_bwd_ws_causal_tiles)
             kv = (128, 32, 4, 3)
         if itemsize == 4:             # fp32 tiles are twice as large: no multi-buffering
             kv, dq = kv[:3] + (1,), dq[:3] + (1,)
@@ -113,7 +114,7 @@ class Target:
     # it the per-branch dkdv wins (B: 32.5 vs 35.0 ms). sm90, since the per-branch dkdv
     # reads its query and dO lanes through descriptors (bwd_tma): the per-branch dkdv wins at
     # L = 4 too, its diagonal square where the lattice tile's is L times wider (H200, causal
-    # fwd+bwd: C 4.69 -> 4.15 ms, A 5.90 -> 5.76; lanes_probe s13_causal_dkdv), so only an
+    # fwd+bwd: C 4.69 -> 4.15 ms, A 5.90 -> 5.76; bench/results/lanes_probe-*.json, s13_causal_dkdv), so only an
     # L = 1 spec (one r = 1 branch, whose key tiles are raster tiles) keeps the fused one.
     causal_max_lattice: int = 4
     lane_tma: bool = False    # tensor-descriptor loads in causal lane kernels (KernelConfig)
@@ -176,7 +177,7 @@ class Target:
     def fused_dkdv_tile(self, head_dim: int, itemsize: int, causal: bool = False
                         ) -> tuple[int, int, int, int] | None:
         """The dkdv tile the fused (all-branch) kernel prefers, or None for the
-        backward_table row. H200 sweep (bench/tools/tune_backward.py): A 8.85 against 9.28 ms
+        backward_table row. H200 sweep (bench/results/tune_backward-2026-11-21-h200.json): A 8.85 against 9.28 ms
         with (128, 64, 8, 3); C 5.39 against 5.67 ms with (128, 32, 4, 3); causal: no gain."""
         if self.capability is None or self.capability < 90 or causal or itemsize != 2:
             return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,19 @@ def test_results_append_from_another_file_merges_rows_and_checks(tmp_path):
         tk.Results(tmp_path / "x.json", {}, append=str(tmp_path / "missing.json"))
 
 
+def test_commit_is_git_head_or_the_env_fallback(tmp_path, monkeypatch):
+    """header()'s "commit": the checkout's short HEAD (+dirty); without git, $DILGEN_COMMIT, else None."""
+    got = tk.commit()
+    assert got is None or re.fullmatch(r"[0-9a-f]{4,40}(\+dirty)?", got), got
+    monkeypatch.setenv("DILGEN_COMMIT", "abc1234")
+    monkeypatch.setattr(tk.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("git")))
+    assert tk.commit() == "abc1234"                     # git missing
+    monkeypatch.setattr(tk, "REPO", tmp_path)          # a copied tree without .git
+    assert tk.commit() == "abc1234"
+    monkeypatch.delenv("DILGEN_COMMIT")
+    assert tk.commit() is None
+
+
 def test_markdown_table():
     text = tk.markdown_table(["config", "ms"], [["A", "**1.00**"], ["B|x", None]])
     assert text.splitlines() == ["| config | ms |", "|---|---|", "| A | **1.00** |", "| B\\|x | — |"]
@@ -120,12 +134,10 @@ def test_configs_e_and_f_and_their_specs():
 
 
 def test_progress_plain_lines(capsys):
-    p = tk.Progress(2, "x")
-    assert p.tag() == "[1/2]"
+    p = tk.Progress(2)
     p.step("first")
-    p.write("note")
+    tk.log("note")
     p.step("second")
-    p.close()
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("[1/2] first") and out[1] == "note" and out[2].startswith("[2/2] second")
 

@@ -1,5 +1,6 @@
 """What the AOT path did in this process: launch counters, the fallbacks to the JIT and
-why, and a count of every Triton compile (bench/tools/aot_proof.py reads all three)."""
+why, and a count of every Triton compile (docs/aot.md checks all three on a GPU;
+bench/results/aot_proof-2026-11-21-h200.json records them)."""
 from __future__ import annotations
 
 import contextlib
