@@ -7,6 +7,12 @@ reader never sees half an entry; an entry whose files do not match their manifes
 treated as missing and repaired in place, file by file with os.replace (no locks; see
 store()). Temporaries that a killed writer leaves behind are swept after an hour.
 
+A cache folder that cannot be written (a read-only home, a path under /proc, a file in
+its place) is not fatal: the process stores its entries in a temporary folder of its own
+instead, with one warning naming the folder, why, and DILGEN_CACHE_DIR (entries already in
+the folder are still read). `dilgen build`, whose job is to fill the cache, refuses
+instead (strict()).
+
 Environment knobs (Triton style):
   DILGEN_CACHE_DIR       where the cache lives (default ~/.cache/dilgen)
   DILGEN_ALWAYS_COMPILE  1 = ignore cached entries and rebuild them
@@ -14,6 +20,7 @@ Environment knobs (Triton style):
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -22,6 +29,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -29,9 +37,81 @@ MODULE = "module.py"
 
 
 def cache_dir() -> Path:
+    """The cache folder as configured (DILGEN_CACHE_DIR, default ~/.cache/dilgen)."""
     root = os.environ.get("DILGEN_CACHE_DIR")
     path = Path(root).expanduser() if root else Path.home() / ".cache" / "dilgen"
     return path
+
+
+class CacheError(OSError):
+    """The cache folder cannot be written and no fallback is allowed (`dilgen build`)."""
+
+
+class CacheWarning(UserWarning):
+    """The cache folder cannot be written: this process caches in a temporary folder."""
+
+
+_FALLBACK: dict[str, Path] = {}     # configured folder -> this process's temporary cache
+_STRICT = [False]
+
+
+@contextlib.contextmanager
+def strict():
+    """Within it, an unwritable cache folder raises CacheError instead of falling back to
+    a temporary folder (`dilgen build`: the cache is what it makes)."""
+    old, _STRICT[0] = _STRICT[0], True
+    try:
+        yield
+    finally:
+        _STRICT[0] = old
+
+
+def unwritable(folder: Path | None = None) -> str | None:
+    """Why entries cannot be written under `folder` (default: the cache folder), in a few
+    words, or None if they can: it (or a folder above it) is a file, or creating it or a
+    file in it fails (read-only file system, permission, a path under /proc)."""
+    folder = Path(folder) if folder is not None else cache_dir()
+    for up in (folder, *folder.parents):
+        if os.path.lexists(up):
+            if not up.is_dir():
+                return f"{up} is a file, not a folder"
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        where = exc.filename if isinstance(exc.filename, str) else str(folder)
+        return f"cannot write {where}: {exc.strerror or exc}"
+    return None
+
+
+def _writable_root(root: Path, folder: Path, exc: OSError) -> Path:
+    """Where to store now that writing under `folder` (in the cache `root`) raised `exc`:
+    this process's temporary cache if the folder cannot be written (one warning), else
+    `exc` is raised again (a failure that is not about the folder)."""
+    reason = unwritable(folder)
+    if reason is None:
+        raise exc
+    if _STRICT[0]:
+        raise CacheError(f"the kernel cache {root} is not writable ({reason}); set "
+                         f"DILGEN_CACHE_DIR to a writable folder") from None
+    tmp = Path(tempfile.mkdtemp(prefix="dilgen-cache-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    _FALLBACK[str(root)] = tmp
+    warnings.warn(f"dilgen: the kernel cache {root} is not writable ({reason}); this process "
+                  f"caches kernels in {tmp} instead (deleted at exit, so they compile again "
+                  f"next time); set DILGEN_CACHE_DIR to a writable folder", CacheWarning,
+                  stacklevel=3)
+    return tmp
+
+
+def _roots() -> list[Path]:
+    """Folders to read entries from: the cache folder, then this process's fallback."""
+    root = cache_dir()
+    fallback = _FALLBACK.get(str(root))
+    return [root] if fallback is None else [root, fallback]
 
 
 def always_compile() -> bool:
@@ -53,8 +133,8 @@ def _sha_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def entry_dir(key: str) -> Path:
-    return cache_dir() / key[:2] / key
+def entry_dir(key: str, root: Path | None = None) -> Path:
+    return (cache_dir() if root is None else root) / key[:2] / key
 
 
 STALE_SECONDS = 3600   # a hidden temporary this old has no live writer (a writer takes seconds)
@@ -86,8 +166,11 @@ def load(key: str, require: str = MODULE) -> Path | None:
     could remove the sound entry that a concurrent writer has just put in its place."""
     if always_compile():
         return None
-    folder = entry_dir(key)
-    return folder if _verify(folder, key, require) else None
+    for root in _roots():
+        folder = entry_dir(key, root)
+        if _verify(folder, key, require):
+            return folder
+    return None
 
 
 def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = False) -> Path:
@@ -102,8 +185,21 @@ def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = Fals
     - a damaged entry: repaired in place, one file at a time with os.replace and the
       manifest last, so its module path never disappears under a process that is
       importing it. An entry's bytes are a function of its key, so concurrent repairs
-      write the same bytes."""
-    final = entry_dir(key)
+      write the same bytes.
+
+    A cache folder that cannot be written sends the entry (and this process's later ones)
+    to a temporary folder, with one warning (_writable_root)."""
+    root = cache_dir()
+    fallback = _FALLBACK.get(str(root))
+    if fallback is None:
+        try:
+            return _store(entry_dir(key, root), key, files, info, replace)
+        except OSError as exc:
+            fallback = _writable_root(root, entry_dir(key, root).parent, exc)
+    return _store(entry_dir(key, fallback), key, files, info, replace)
+
+
+def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: bool) -> Path:
     require = MODULE if MODULE in files else next(iter(files))
     final.parent.mkdir(parents=True, exist_ok=True)
     _sweep(final.parent)
@@ -205,13 +301,20 @@ def _remove(folder: Path, keep_folder: bool = False) -> None:
             trash.unlink()
 
 
-def _tuning_path(key: str) -> Path:
-    return cache_dir() / "tuning" / f"{key}.json"
+def _tuning_path(key: str, root: Path | None = None) -> Path:
+    return (cache_dir() if root is None else root) / "tuning" / f"{key}.json"
 
 
 def load_tuning(key: str) -> dict | None:
     """A stored autotune winner, or None (a corrupt file counts as none)."""
-    path = _tuning_path(key)
+    for root in reversed(_roots()):     # this process's own winner first
+        config = _load_tuning(_tuning_path(key, root))
+        if config is not None:
+            return config
+    return None
+
+
+def _load_tuning(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
         config = data["config"]
@@ -226,8 +329,18 @@ def load_tuning(key: str) -> dict | None:
 
 
 def store_tuning(key: str, config: dict, info: dict) -> Path:
-    """Write an autotune winner atomically."""
-    path = _tuning_path(key)
+    """Write an autotune winner atomically (to the fallback if the cache is not writable)."""
+    root = cache_dir()
+    fallback = _FALLBACK.get(str(root))
+    if fallback is None:
+        try:
+            return _store_tuning(_tuning_path(key, root), config, info)
+        except OSError as exc:
+            fallback = _writable_root(root, _tuning_path(key, root).parent, exc)
+    return _store_tuning(_tuning_path(key, fallback), config, info)
+
+
+def _store_tuning(path: Path, config: dict, info: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tune-", dir=path.parent)
     try:

@@ -17,12 +17,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"dilgen: error: {message} (see `dilgen --help`)\n")
 
 
-def _target(name: str):
-    from .targets import get_target
+def _target(name: str, newer: list | None = None):
+    """The Target of an --arch value; a GPU without a plan of its own (sm89, sm100) gets
+    one stderr line saying which plan it takes and why (targets.resolve_arch). `newer`
+    collects the names newer than every target."""
+    from .targets import resolve_arch
     try:
-        return get_target(name)
+        target, note, is_newer = resolve_arch(name)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
+    if note is not None:
+        print(f"dilgen: {note}", file=sys.stderr)
+    if is_newer and newer is not None:
+        newer.append(name)
+    return target
 
 
 def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) -> str:
@@ -147,11 +155,31 @@ def _load(path) -> Spec:
     return load_spec(path, source=str(Path(path)))
 
 
+def _check_out(out: str, name: str) -> None:
+    """--out names a folder: refuse a file (or a file above it) in one line."""
+    path = Path(out)
+    for up in (path, *path.parents):
+        if os.path.lexists(up):
+            if not up.is_dir():
+                where = f"--out {out} is a file" if up == path else f"--out {out}: {up} is a file"
+                raise SpecError(f"{where}; --out takes a folder (the module is written as "
+                                f"<folder>/{name}.py): give a folder, new or existing")
+            break
+
+
 def cmd_compile(args) -> int:
     spec = _load(args.spec)                # a bad spec fails before the heavy imports
-    from .compiler import write_module
+    from .compiler import generated_dir, write_module
     target = _target(args.arch)
-    path, plan = write_module(spec, target, args.out)   # --out default: compiler.generated_dir
+    if args.out is not None:
+        _check_out(args.out, spec.name)
+    try:
+        path, plan = write_module(spec, target, args.out)   # --out default: compiler.generated_dir
+    except OSError as exc:
+        where = args.out if args.out is not None else f"{generated_dir(target)}/ (the default)"
+        raise SpecError(f"cannot write the module into {where} ({exc.strerror or exc}"
+                        + (f": {exc.filename}" if isinstance(exc.filename, str) else "")
+                        + "); give a writable folder with --out") from None
     if args.dump_ir:
         print(plan.dumps())
         print(f"wrote {path}", file=sys.stderr)
@@ -177,6 +205,12 @@ def import_hint(path: Path) -> str:
 
 
 def cmd_build(args) -> int:
+    from . import cache
+    with cache.strict():        # the cache is what build makes: no temporary fallback
+        return _build(args, cache)
+
+
+def _build(args, cache) -> int:
     from .compiler import build
     folder = Path(args.specs_dir)
     if not folder.is_dir():
@@ -185,15 +219,25 @@ def cmd_build(args) -> int:
     if not paths:
         raise SpecError(f"{folder}: no *.json spec files in it")
     specs = [_load(p) for p in paths]           # validate all before building any
-    targets = [_target(a) for a in (args.arch or ["sm90"])]
+    newer: list[str] = []
+    targets = list(dict.fromkeys(_target(a, newer) for a in (args.arch or ["sm90"])))
+    reason = cache.unwritable()
+    if reason is not None:
+        raise SpecError(f"the kernel cache {cache.cache_dir()} is not writable ({reason}); "
+                        f"dilgen build fills the cache: set DILGEN_CACHE_DIR to a writable folder")
     jobs = [(s, t) for s in specs for t in targets]
     seq_lens = args.seq_len or None
     built = binaries = cached = repaired = 0
-    skipped: list[str] = []
+    # ahead-of-time binaries are per architecture: a GPU newer than every target gets the
+    # sm90 plan's module, and its kernels compile on first use (a sm90 cubin would not load)
+    skipped: list[str] = [f"{name}: no {name} target, so no {name} binaries; its kernels (the "
+                          f"sm90 plan) compile on first use" for name in newer]
+    from .targets import resolve_arch
+    aot = [resolve_arch(a)[0] for a in (args.arch or ["sm90"]) if a not in newer]
     for spec, target in _progress(jobs, len(jobs), lambda job: f"{job[0].name} [{job[1].name}]"):
         compiled = build(spec, target)
         changed = not compiled.cache_hit
-        if target.capability is not None:      # a GPU target: compile its kernels ahead of time
+        if target.capability is not None and target in aot:   # a GPU target: its kernels ahead of time
             report = _compile_ahead(compiled, target, seq_lens, args.jobs)
             binaries += report.compiled
             cached += report.cached
@@ -270,13 +314,14 @@ def cmd_explain(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .targets import ARCH_HELP
     parser = _Parser(prog="dilgen", description="Compile dilated-attention specs to Triton kernels.")
     parser.add_argument("--version", action="version", version=f"dilgen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("compile", help="validate, plan and emit generated/<name>.py")
     p.add_argument("spec", help="the spec JSON file")
-    p.add_argument("--arch", default="sm90", help="sm90 (default), sm80 or interpreter")
+    p.add_argument("--arch", default="sm90", help=f"the target (default sm90): {ARCH_HELP}")
     p.add_argument("--out", default=None,
                    help="output folder (default generated/ for sm90, generated/<arch>/ for "
                         "another --arch)")
@@ -285,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="ahead-of-time: every spec of a folder into the cache")
     p.add_argument("specs_dir")
-    p.add_argument("--arch", action="append", help="target(s), repeatable (default sm90)")
+    p.add_argument("--arch", action="append",
+                   help=f"target(s), repeatable (default sm90): {ARCH_HELP}")
     p.add_argument("--seq-len", type=int, action="append", default=None,
                    help="compile the kernels' specializations for this sequence length, "
                         "repeatable (default: powers of two 1024..131072)")
@@ -299,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, nargs="*", default=None, help="heads to draw")
     p.add_argument("--cu-seqlens", default=None, metavar="0,N1,N1+N2,...",
                    help="a packed batch (kernel(q, k, v, cu_seqlens=...)): its sequences and tiles")
-    p.add_argument("--arch", default="sm90")
+    p.add_argument("--arch", default="sm90", help=f"the target (default sm90): {ARCH_HELP}")
     p.set_defaults(func=cmd_explain)
     return parser
 

@@ -24,6 +24,15 @@ SHORT_SEGMENTS = ("exact", "zero_pad")    # SPEC's short last segment | torchsca
 DTYPES = ("float16", "bfloat16", "float32")
 HILBERT_SCOPES = ("segment", "sequence")
 MAX_INT = 1 << 40          # larger than any sequence a GPU can hold; guards against 1e300-sized ints
+# The kernels compute positions (rows of one sequence) in int32; the row offsets they
+# address memory with are int64 (tests/test_row_offsets.py). A segment length is a
+# constant of that arithmetic (s*w, u // w), and a tile of up to TILE_LANES lanes of a
+# branch spans TILE_LANES*r positions past its first, so every position formed, up to
+# about N + TILE_LANES*r, must stay below 2**31 (runtime.checks.check_positions).
+MAX_POSITION = (1 << 31) - 1
+TILE_LANES = 128           # the most lanes a tile of the block tables holds (targets.py)
+MAX_SEGMENT = MAX_POSITION
+MAX_DILATION = (1 << 31) // TILE_LANES - 1     # 2**24 - 1
 MAX_BRANCHES = 16
 MAX_CURVE_CELLS = 1 << 24  # Hilbert tables are built in Python: keep them to 16M cells
 
@@ -75,16 +84,30 @@ class _LongInt(str):
     """An integer literal too long to convert; shown, never used."""
 
 
-def _int(src: str, path: str, value: Any, lo: int = 1, hi: int = MAX_INT) -> int:
+def _int(src: str, path: str, value: Any, lo: int = 1, hi: int = MAX_INT,
+         too_big: str | None = None) -> int:
+    """An int field in [lo, hi]; too_big: the rule a larger value breaks (default <= hi)."""
+    too_big = too_big or f"must be <= {hi}"
     if isinstance(value, _LongInt):
-        raise _fail(src, path, value, f"must be >= {lo}" if value.startswith("-") else f"must be <= {hi}")
+        raise _fail(src, path, value, f"must be >= {lo}" if value.startswith("-") else too_big)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(src, path, value, "must be an integer")
+        raise _fail(src, path, value, _not_an_integer(value))
     if value < lo:
         raise _fail(src, path, value, f"must be >= {lo}")
     if value > hi:
-        raise _fail(src, path, value, f"must be <= {hi}")
+        raise _fail(src, path, value, too_big)
     return value
+
+
+def _not_an_integer(value: Any, what: str = "an integer") -> str:
+    """The rule an int field's non-int value breaks, with the fix when it is plain."""
+    if isinstance(value, bool):
+        return f"must be {what}, not true or false"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return f"must be {what} (write {int(value)}, not {value!r})"
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,18}", value):
+        return f"must be {what} (write {int(value)} without quotes)"
+    return f"must be {what}"
 
 
 def _is_pow2(x: int) -> bool:
@@ -229,6 +252,13 @@ def _check_field_names(data: dict, source: str, extra: tuple = ()) -> None:
             raise SpecError(f"{source}: {key} is missing: it is a required field")
 
 
+LIMITS = {   # field: (largest value, the rule a larger one breaks)
+    "segment_lengths": (MAX_SEGMENT, "must be < 2**31 (the kernels compute positions in int32)"),
+    "dilation_rates": (MAX_DILATION, f"must be < 2**24 (the kernels compute positions in int32, "
+                                     f"and a tile of {TILE_LANES} lanes spans {TILE_LANES}*r of them)"),
+}
+
+
 def _validate(raw: dict, src: str) -> dict:
     """Check every rule of SPEC §1; return normalised values (tuples, Hilbert objects)."""
     name = raw["name"]
@@ -244,7 +274,10 @@ def _validate(raw: dict, src: str) -> dict:
     if num_heads % num_kv:
         raise _fail(src, "num_kv_heads", num_kv, f"must divide num_heads = {num_heads}")
     head_dim = raw["head_dim"]
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise _fail(src, "head_dim", head_dim,
+                    _not_an_integer(head_dim, "an integer, a multiple of 8 from 8 to 256"))
+    if head_dim not in HEAD_DIMS:
         raise _fail(src, "head_dim", head_dim, "must be a multiple of 8 from 8 to 256 (one of 8, 16, 24, ..., 256)")
     dtype = raw["dtype"]
     if dtype not in DTYPES or not isinstance(dtype, str):
@@ -259,7 +292,8 @@ def _validate(raw: dict, src: str) -> dict:
             raise _fail(src, key, value, "must not be empty")
         if len(value) > MAX_BRANCHES:
             raise _fail(src, key, value, f"must have at most {MAX_BRANCHES} branches")
-        lists[key] = tuple(_int(src, f"{key}[{i}]", x) for i, x in enumerate(value))
+        hi, why = LIMITS[key]
+        lists[key] = tuple(_int(src, f"{key}[{i}]", x, hi=hi, too_big=why) for i, x in enumerate(value))
     segs, rates = lists["segment_lengths"], lists["dilation_rates"]
     if len(segs) != len(rates):
         raise _fail(src, "dilation_rates", list(rates),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import warnings
 from dataclasses import dataclass
 
 
@@ -191,20 +193,70 @@ INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}
 
 
-def get_target(name: str) -> Target:
-    """Target by name ("sm90", "sm80", "interpreter"); other sm numbers map to the
-    nearest family below them."""
+ARCHES = ("sm90", "sm80", "interpreter")      # the plans dilgen has (--arch)
+NEWEST = "sm90"
+ARCH_HELP = ("sm90 (Hopper), sm80 (Ampere) or interpreter (CPU); sm86 and sm89 take the sm80 "
+             "plan, a newer GPU (sm100, sm120, ...) the sm90 plan")
+
+
+class TargetWarning(UserWarning):
+    """A GPU newer than every target runs the newest target's plan."""
+
+
+def resolve_arch(name: str) -> tuple[Target, str | None, bool]:
+    """(target, note, newer) for an --arch value: a target's name, or smNN for a GPU that
+    has no plan of its own, which takes its family's (sm86, sm89: sm80) or, newer than
+    every target, the newest (sm100, sm120: sm90). note says which plan and why (None
+    for a target's own name); newer: the GPU is newer than every target. Anything else
+    raises ValueError listing the accepted values."""
     if name in TARGETS_BY_NAME:
-        return TARGETS_BY_NAME[name]
-    if name.startswith("sm") and name[2:].isdigit():
-        cap = int(name[2:])
-        return SM90 if cap >= 90 else SM80 if cap >= 80 else _unsupported(name)
-    raise ValueError(f"unknown --arch {name!r}: choose one of sm90, sm80, interpreter")
+        return TARGETS_BY_NAME[name], None, False
+    m = re.fullmatch(r"sm([1-9][0-9]{1,2})", name) if isinstance(name, str) else None
+    if m is None:
+        raise ValueError(f"unknown --arch {name!r}: choose one of {', '.join(ARCHES)} "
+                         f"(or smNN of a newer GPU, e.g. sm100, which takes the sm90 plan)")
+    cap = int(m.group(1))
+    if cap > 90:
+        return SM90, (f"--arch {name}: no {name} templates yet; building the {NEWEST} plan "
+                      f"(Hopper's tiles and TMA; Triton compiles its kernels for {name} when "
+                      f"they first run; not measured on {name})"), True
+    if cap >= 80:
+        return SM80, (f"--arch {name}: building the sm80 plan (the Ampere plan serves sm80 to "
+                      f"sm89; Triton compiles its kernels for {name} when they first run)"), False
+    raise ValueError(f"--arch {name}: dilgen needs sm80 (Ampere) or newer; choose one of "
+                     f"{', '.join(ARCHES)}")
 
 
-def _unsupported(name: str) -> Target:
-    raise ValueError(f"--arch {name}: dilgen needs sm80 (Ampere) or newer")
+_WARNED: set = set()
+
+
+def _warn_newer(name: str, note: str) -> None:
+    """One TargetWarning per GPU name and process."""
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"dilgen: {note}", TargetWarning, stacklevel=3)
+
+
+def get_target(name: str) -> Target:
+    """Target by name ("sm90", "sm80", "interpreter"); other sm numbers map to their family
+    (sm86, sm89: sm80), or, newer than sm90, to sm90 with a TargetWarning (resolve_arch)."""
+    target, note, newer = resolve_arch(name)
+    if newer:
+        _warn_newer(name, note)
+    return target
 
 
 def target_for_capability(major: int, minor: int) -> Target:
-    return get_target(f"sm{major}{minor}")
+    """The target of a GPU of compute capability major.minor: a newer GPU than sm90
+    (Blackwell: 10.x, 12.x) runs the sm90 plan, with one TargetWarning per process."""
+    name = f"sm{major}{minor}"
+    if (major, minor) < (8, 0):
+        raise ValueError(f"this GPU ({name}, compute capability {major}.{minor}): dilgen needs "
+                         f"sm80 (Ampere) or newer; use a newer GPU, or CPU tensors (Triton's "
+                         f"interpreter)")
+    target, note, newer = resolve_arch(name)
+    if newer:
+        _warn_newer(name, f"this GPU ({name}, compute capability {major}.{minor}) has no "
+                          f"templates of its own yet; it runs the {NEWEST} plan (Hopper's tiles "
+                          f"and TMA, compiled by Triton for {name}; not measured on {name})")
+    return target

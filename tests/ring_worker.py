@@ -308,3 +308,71 @@ def check_packed_error(case: dict, rank: int, P: int, dev, fields: dict) -> list
     except Exception as exc:  # noqa: BLE001
         return [f"{kind} rank {rank}: wrong exception {type(exc).__name__}: {exc}"]
     return [f"{kind} rank {rank}: no error raised"]
+
+
+# -- issue 35: a refused call leaves nothing pending -----------------------------------------
+# Run as a script under torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
+#   python tests/ring_worker.py refused catch|raise OUT_DIR
+# Unlike worker() above, it ends as a user's script does, through the interpreter's teardown
+# (no os._exit, no destroy_process_group), which is where a collective left pending aborts.
+
+def _held_by_collectives(exc: BaseException) -> list[str]:
+    """Tensors that the ring's frames of a raised error's traceback hold, which some other
+    owner (a process group's worker thread) still references: _use_count() > 1."""
+    held, tb = [], exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if "dilgen/runtime/ring" in frame.f_code.co_filename.replace(os.sep, "/"):
+            for name, value in frame.f_locals.items():
+                for t in (value if isinstance(value, (list, tuple)) else [value]):
+                    if isinstance(t, torch.Tensor) and t._use_count() > 1:
+                        held.append(f"{frame.f_code.co_name}.{name} (use count {t._use_count()})")
+        tb = tb.tb_next
+    return held
+
+
+def refused_main(mode: str, out_dir: str) -> None:
+    """Rank 0 passes an fp16 q to a float32 ring spec, 20 times (the default group's custom
+    op and an explicit group in turn), catching the RingError every rank raises; then good
+    calls on both paths, checked against the float64 reference; then (mode "raise") one
+    more refused call left uncaught, so that the script ends by it (exit 1). Writes
+    refused{rank}.json: the messages that were wrong, the tensors still held after a
+    refusal, the good calls' errors."""
+    import torch.distributed as dist
+    import dilgen
+    from dilgen.reference import reference_attention
+    from dilgen.runtime.ring import RingError, shard
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, P = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(P)))
+    spec = dilgen.Spec(name="ring_refused", num_heads=2, head_dim=16, dtype="float32",
+                       segment_lengths=[8, 32], dilation_rates=[1, 2], ring_size=P)
+    kernel = dilgen.compile(spec)
+    gen = torch.Generator().manual_seed(35)
+    full = [torch.randn(1, 16 * P, 2, 16, generator=gen) for _ in range(3)]
+    q, k, v = (shard(t, P, rank) for t in full)
+    bad = q.half() if rank == 0 else q
+    report = {"rank": rank, "wrong": [], "held": [], "good": []}
+    want = "ring_refused: ring call refused on every rank: rank(s) [0] passed bad inputs"
+    for i in range(20):
+        try:
+            kernel(bad, k, v, group=None if i % 2 == 0 else group)
+        except RingError as exc:
+            if not str(exc).startswith(want) or "\n" in str(exc):
+                report["wrong"].append(str(exc))
+            report["held"].extend(_held_by_collectives(exc))
+        else:
+            report["wrong"].append(f"call {i}: no error")
+    ref = shard(reference_attention(*(t.double() for t in full), spec), P, rank)
+    for g in (None, group):
+        out = kernel(q, k, v, group=g)
+        report["good"].append(float((out.double() - ref).abs().max()))
+    write_json(out_dir, f"refused{rank}.json", report)
+    if mode == "raise":
+        kernel(bad, k, v)          # uncaught: the interpreter prints it and exits 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["refused"]:
+        refused_main(sys.argv[2], sys.argv[3])

@@ -170,6 +170,56 @@ def test_compile_unknown_arch_is_refused(tmp_path, arch):
     assert not (tmp_path / "o" / "tiny_attn.py").exists()
 
 
+@pytest.mark.parametrize("arch", ["sm100", "sm120"])
+def test_compile_newer_arch_says_which_plan_it_builds(tmp_path, arch):
+    """Issue 35: a GPU newer than every target builds the sm90 plan, and says so in one
+    stderr line (not silently `target sm90`); the module is the sm90 one, byte for byte."""
+    spec_path = write_spec(tmp_path, TINY)
+    rc, out, err = main_in_process("compile", spec_path, "--arch", arch, "--out", tmp_path / "new")
+    assert rc == 0, err
+    assert err.splitlines() == [f"dilgen: --arch {arch}: no {arch} templates yet; building the "
+                                f"sm90 plan (Hopper's tiles and TMA; Triton compiles its kernels "
+                                f"for {arch} when they first run; not measured on {arch})"], err
+    assert "target sm90" in out
+    rc, _, err90 = main_in_process("compile", spec_path, "--arch", "sm90", "--out", tmp_path / "s90")
+    assert rc == 0 and err90 == ""
+    assert (tmp_path / "new" / "tiny_attn.py").read_bytes() == (tmp_path / "s90" / "tiny_attn.py").read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["sm75", "foo", "sm_90"])
+def test_compile_unknown_older_arch_lists_the_accepted_values(tmp_path, arch):
+    spec_path = write_spec(tmp_path, TINY)
+    rc, out, err = main_in_process("compile", spec_path, "--arch", arch, "--out", tmp_path / "o")
+    line = one_error_line((rc, err))
+    assert arch in line and "choose one of sm90, sm80, interpreter" in line, line
+
+
+def test_help_lists_the_accepted_arches():
+    for command in ("compile", "build", "explain"):
+        rc, out, err = main_in_process(command, "--help")
+        text = " ".join(out.split())
+        assert rc == 0 and "sm90 (Hopper), sm80 (Ampere) or interpreter (CPU)" in text, out
+        assert "a newer GPU (sm100, sm120, ...) the sm90 plan" in text, out
+
+
+def test_build_newer_arch_builds_the_sm90_module_without_binaries(tmp_path, cache_dir):
+    """`dilgen build --arch sm100`: the sm90 plan's module goes into the cache (where a
+    Blackwell GPU finds it), with no sm90 cubins a sm100 GPU could not load."""
+    write_spec(tmp_path / "specs", TINY)
+    rc, out, err = main_in_process("build", tmp_path / "specs", "--arch", "sm100")
+    assert rc == 0, err
+    assert err.startswith("dilgen: --arch sm100: no sm100 templates yet; building the sm90 plan")
+    assert len(err.splitlines()) == 1, err
+    assert "not compiled ahead of time (runs through the JIT): sm100: no sm100 target, so no " \
+           "sm100 binaries" in out, out
+    from dilgen import cache
+    from dilgen.compiler import cache_key
+    from dilgen.spec import spec_from_dict
+    from dilgen.targets import SM90
+    assert cache.load(cache_key(spec_from_dict(TINY), SM90)) is not None
+    assert not list(cache_dir.rglob("*.cubin"))
+
+
 def test_dump_ir_is_json_with_affine_key_maps(tmp_path):
     spec_path = write_spec(tmp_path, LONGNET)
     res = dilgen_cli(tmp_path, "compile", spec_path, "--dump-ir", "--out", tmp_path / "out")
@@ -426,6 +476,38 @@ def test_errors_name_the_spec_file_as_the_user_can_open_it(tmp_path, monkeypatch
         line = one_error_line((rc, err))
         assert line.startswith(f"dilgen: error: {shown}: num_heads = -1: must be >= 1"), line
         assert (Path(shown)).is_file()
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_build_refuses_an_unwritable_cache_in_one_line(tmp_path, monkeypatch, where):
+    """Issue 35: `dilgen build` fills the cache, so an unwritable one is refused in one
+    line naming it and DILGEN_CACHE_DIR (a run-time compile falls back instead)."""
+    from dilgen import cache
+    monkeypatch.setattr(cache, "_FALLBACK", {})
+    bad = tmp_path / "afile" if where == "file" else Path(f"/proc/self/dilgen-{os.getpid()}")
+    if where == "file":
+        bad.write_text("")
+    monkeypatch.setenv("DILGEN_CACHE_DIR", str(bad))
+    write_spec(tmp_path / "specs", TINY)
+    rc, out, err = main_in_process("build", tmp_path / "specs", "--arch", "interpreter")
+    line = one_error_line((rc, err))
+    assert line.startswith(f"dilgen: error: the kernel cache {bad} is not writable ("), line
+    assert "DILGEN_CACHE_DIR" in line and cache._FALLBACK == {}
+    assert out == ""
+
+
+def test_compile_out_onto_a_file_is_refused(tmp_path, monkeypatch):
+    """Issue 35: `--out afile` (an existing file) names the file and what --out takes,
+    instead of `[Errno 17] File exists: 'afile'`; so does a file above the folder."""
+    monkeypatch.chdir(tmp_path)
+    spec_path = write_spec(tmp_path, TINY)
+    Path("afile").write_text("keep\n")
+    for out_arg, shown in (("afile", "--out afile is a file"),
+                           ("afile/sub", "--out afile/sub: afile is a file")):
+        rc, out, err = main_in_process("compile", spec_path, "--out", out_arg)
+        line = one_error_line((rc, err))
+        assert line.startswith(f"dilgen: error: {shown}; --out takes a folder"), line
+    assert Path("afile").read_text() == "keep\n"
 
 
 def test_build_bad_folder(tmp_path):

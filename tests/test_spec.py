@@ -311,7 +311,9 @@ BAD = [
     ("num_heads_negative", {"num_heads": -1}, "num_heads", "-1", ">= 1"),
     ("num_heads_float", {"num_heads": 2.5}, "num_heads", "2.5", "integer"),
     ("num_heads_bool", {"num_heads": True}, "num_heads", "true", "integer"),
-    ("num_heads_string", {"num_heads": "4"}, "num_heads", '"4"', "integer"),
+    ("num_heads_string", {"num_heads": "4"}, "num_heads", '"4"', "integer (write 4 without quotes)"),
+    ("num_heads_integral_float", {"num_heads": 4.0}, "num_heads", "4.0", "integer (write 4, not 4.0)"),
+    ("num_kv_heads_bool", {"num_kv_heads": True}, "num_kv_heads", "true", "integer, not true or false"),
     ("num_kv_heads_not_dividing", {"num_kv_heads": 3}, "num_kv_heads", "3", "divide"),
     ("num_kv_heads_zero", {"num_kv_heads": 0}, "num_kv_heads", "0", ">= 1"),
     ("num_kv_heads_null", {"num_kv_heads": None}, "num_kv_heads", "null", "integer"),
@@ -319,7 +321,10 @@ BAD = [
     ("head_dim_12", {"head_dim": 12}, "head_dim", "12", "multiple of 8"),
     ("head_dim_264", {"head_dim": 264}, "head_dim", "264", "multiple of 8 from 8 to 256"),
     ("head_dim_0", {"head_dim": 0}, "head_dim", "0", "multiple of 8"),
-    ("head_dim_string", {"head_dim": "64"}, "head_dim", '"64"', "one of"),
+    ("head_dim_string", {"head_dim": "64"}, "head_dim", '"64"', "must be an integer, a multiple of 8"),
+    ("head_dim_integral_float", {"head_dim": 64.0}, "head_dim", "64.0",
+     "must be an integer, a multiple of 8 from 8 to 256 (write 64, not 64.0)"),
+    ("head_dim_bool", {"head_dim": True}, "head_dim", "true", "must be an integer"),
     ("dtype_fp8", {"dtype": "fp8"}, "dtype", '"fp8"', "one of"),
     # head_offsets / short_segments (issue 16: torchscale's layout)
     ("head_offsets_unknown", {"head_offsets": "blocks"}, "head_offsets", '"blocks"', '"mod" (offset h mod r) or "block"'),
@@ -342,7 +347,16 @@ BAD = [
     ("segment_lengths_integral_float", {"segment_lengths": [16.0, 32]},
      "segment_lengths[0]", "16.0", "integer"),
     ("segment_lengths_huge_int", {"segment_lengths": [10**30], "dilation_rates": [1]},
-     "segment_lengths[0]", str(10**30), "<="),
+     "segment_lengths[0]", str(10**30), "must be < 2**31"),
+    # issue 35: the kernels compute positions in int32 (limits tested at the bound below)
+    ("segment_lengths_2_31", {"segment_lengths": [16, 2**31]}, "segment_lengths[1]", "2147483648",
+     "must be < 2**31 (the kernels compute positions in int32)"),
+    ("segment_lengths_2_40", {"segment_lengths": [2**40, 32]}, "segment_lengths[0]", "1099511627776",
+     "must be < 2**31 (the kernels compute positions in int32)"),
+    ("dilation_rates_2_24", {"dilation_rates": [1, 2**24]}, "dilation_rates[1]", "16777216",
+     "must be < 2**24 (the kernels compute positions in int32, and a tile of 128 lanes"),
+    ("dilation_rates_integral_float", {"dilation_rates": [1, 2.0]}, "dilation_rates[1]", "2.0",
+     "integer (write 2, not 2.0)"),
     ("segment_lengths_bool_item", {"segment_lengths": [True, 32]},
      "segment_lengths[0]", "true", "integer"),
     ("dilation_rates_length_mismatch", {"dilation_rates": [1]},
@@ -375,6 +389,11 @@ BAD = [
      "hilbert.order", '"x"', "unknown field"),
     # ring_size / softmax_scale
     ("ring_size_zero", {"ring_size": 0}, "ring_size", "0", ">= 1"),
+    ("ring_size_integral_float", {"ring_size": 2.0}, "ring_size", "2.0", "integer (write 2, not 2.0)"),
+    ("ring_size_bool", {"ring_size": True}, "ring_size", "true", "integer, not true or false"),
+    ("hilbert_grid_float", {"segment_lengths": [16], "dilation_rates": [1],
+                            "hilbert": {"scope": "sequence", "grid": [4.0, 8]}},
+     "hilbert.grid[0]", "4.0", "integer (write 4, not 4.0)"),
     ("softmax_scale_negative", {"softmax_scale": -1}, "softmax_scale", "-1", "finite number"),
     ("softmax_scale_zero", {"softmax_scale": 0}, "softmax_scale", "0", "finite number"),
     ("softmax_scale_string", {"softmax_scale": "0.1"}, "softmax_scale", '"0.1"', "number"),
@@ -524,3 +543,48 @@ def test_replace_names_where_the_bad_value_came_from():
     spec = load_spec(Path(__file__).resolve().parent.parent / "examples" / "specs" / "longnet_base.json")
     with pytest.raises(SpecError, match=r"^longnet_base\.json, \.replace\(dilation_rates\): dilation_rates\[2\] = 0"):
         spec.replace(dilation_rates=[1, 2, 0])
+
+
+def test_position_limits_at_the_bound():
+    """Issue 35: the largest segment length and dilation rate are accepted, one more is
+    refused (the rows above); a segment of 2**31 - 1 runs, forward and backward, against
+    the float64 reference (a lattice branch and, causal with GQA, a lane branch); and a
+    call whose positions would pass 2**31 (N + 128*r) is refused with the longest N."""
+    import torch
+    import dilgen
+    from dilgen.reference import differentiable_reference
+    from dilgen.runtime.checks import InputError, check_inputs, check_positions
+    top = Spec(name="top", num_heads=2, head_dim=16, segment_lengths=[2**31 - 1, 16],
+               dilation_rates=[2**24 - 1, 1])
+    assert top.segment_lengths[0] == 2**31 - 1 and top.dilation_rates[0] == 2**24 - 1
+    for fields in (dict(segment_lengths=[16, 2**31 - 1], dilation_rates=[1, 2]),
+                   dict(segment_lengths=[2**31 - 1], dilation_rates=[3], causal=True, num_kv_heads=1)):
+        spec = Spec(name="at_bound", num_heads=2, head_dim=16, dtype="float32", **fields)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 64, 2, 16, generator=gen, requires_grad=True)
+        k, v = (torch.randn(1, 64, spec.num_kv_heads, 16, generator=gen, requires_grad=True)
+                for _ in range(2))
+        out = dilgen.compile(spec)(q, k, v)
+        (out * out).sum().backward()
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, _ = differentiable_reference(*ref_in, spec)
+        (ref * ref).sum().backward()
+        assert (out.double() - ref).abs().max() < 1e-4, fields
+        for mine, want in zip((q, k, v), ref_in):
+            assert (mine.grad.double() - want.grad).abs().max() < 1e-3, fields
+    # run time: positions up to N + 128*r must stay below 2**31 (no memory: expanded views)
+    spec = {"name": "pos", "num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
+            "dilation_rates": (1, 2**20)}
+    longest = 2**31 - 1 - 128 * 2**20
+    for n, ok in ((longest, True), (longest + 1, False)):
+        x = torch.zeros(1, 1, 1, 8).expand(1, n, 1, 8)
+        if ok:
+            assert check_inputs(spec, x, x, x) == (1, n)
+        else:
+            with pytest.raises(InputError) as exc:
+                check_inputs(spec, x, x, x)
+            msg = str(exc.value)
+            _one_line(msg)
+            assert f"N = {n} rows" in msg and "2**31" in msg and f"at most {longest} rows" in msg
+    with pytest.raises(InputError, match=r"N = 2147483648 rows \(2 ranks x 1073741824\)"):
+        check_positions(spec, 2**31, ranks=2)

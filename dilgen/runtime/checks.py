@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..spec import layout_slip_message
+from ..spec import MAX_POSITION, TILE_LANES, layout_slip_message
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -52,7 +52,22 @@ def check_inputs(spec: dict, q: Any, k: Any, v: Any) -> tuple[int, int]:
     if q.device.type not in ("cuda", "cpu"):
         raise InputError(f"{name}: tensors on {q.device} are not supported; use a CUDA GPU, "
                          f"or the CPU (Triton's interpreter)")
+    check_positions(spec, N)
     return B, N
+
+
+def check_positions(spec: dict, n: int, ranks: int = 1) -> None:
+    """The kernels compute positions in int32: a sequence of n rows forms positions up to
+    about n + TILE_LANES * r (a tile of lanes past the last kept one; dilgen.spec), which
+    must stay below 2**31. On a ring, n is the whole sequence (ranks x local rows)."""
+    r = max(spec.get("dilation_rates") or (1,))
+    top = n + TILE_LANES * r
+    if top > MAX_POSITION:
+        whole = f" ({ranks} ranks x {n // ranks})" if ranks > 1 else ""
+        raise InputError(f"{spec['name']}: N = {n} rows{whole}: the kernels compute positions up "
+                         f"to N + {TILE_LANES}*r = {top} (largest dilation rate r = {r}) in "
+                         f"int32, which must stay below 2**31; use sequences of at most "
+                         f"{MAX_POSITION - TILE_LANES * r} rows")
 
 
 def check_zero_pad(spec: dict, n: int) -> None:

@@ -55,7 +55,8 @@ def register_kernel(kernel) -> str:
     with _LOCK:
         _REGISTRY[key] = kernel
         _SPECS[key] = {f: getattr(spec, f) for f in ("name", "num_heads", "num_kv_heads",
-                                                     "head_dim", "dtype", "ring_size")}
+                                                     "head_dim", "dtype", "ring_size",
+                                                     "dilation_rates")}
     return key
 
 

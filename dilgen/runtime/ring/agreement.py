@@ -4,7 +4,8 @@ catches ranks that disagree before any transfer, with the same one-line error ev
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 
@@ -17,6 +18,29 @@ _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 class RingError(InputError):
     """The ranks of a ring call disagree, or the process group does not fit the spec."""
+
+
+def let_go(tensors, timeout_s: float = 2.0) -> None:
+    """Return once no thread of the process group holds a reference to `tensors` (the
+    inputs and outputs of a finished collective), or after timeout_s.
+
+    Why: gloo runs a collective on a worker thread (ProcessGroupGloo::runLoop), which
+    drops its Work, and with it its references to the tensors, just after wait() returns
+    on this thread. A tensor made in Python keeps its Python object alive while C++ holds
+    it, so dropping the Work takes the GIL (c10 PyObject preservation:
+    TensorImpl::decref_pyobject), once per tensor. If the interpreter is
+    already finalizing by then (the call raised and nothing caught it, or the script ended
+    right after the collective), Python ends that thread with pthread_exit inside the
+    noexcept ~AsyncAllgatherWork: std::terminate, "terminate called without an active
+    exception", SIGABRT (seen in a core: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork ->
+    decref_pyobject -> take_gil -> PyThread_exit_thread). Sleeping here releases the GIL, so
+    the worker finishes now. The tensors' use counts say when: 1 is this thread's own
+    Python reference."""
+    deadline = time.monotonic() + timeout_s
+    while any(getattr(t, "_use_count", lambda: 1)() > 1 for t in tensors):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.0002)
 
 
 def _group_info(spec: dict, group) -> tuple[int, int, Any]:
@@ -85,10 +109,14 @@ def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqle
 
 
 def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
-           cu_seqlens=None, max_seqlen=None) -> list[int] | None:
+           cu_seqlens=None, max_seqlen=None,
+           local_check: Callable[[int], None] | None = None) -> list[int] | None:
     """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
     same error on every rank instead of hanging in a later send. With cu_seqlens (a packed
-    row: q, k, v of 3 dims) every rank must pass the same offsets; returns them."""
+    row: q, k, v of 3 dims) every rank must pass the same offsets; returns them.
+    local_check(local rows) raises InputError for what else this rank cannot run (it
+    joins the fingerprint's error bit, so every rank refuses together). Nothing of the
+    collective is left pending when this returns or raises (let_go)."""
     name = spec["name"]
     error = cu = None
     try:
@@ -96,8 +124,12 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
             raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
         if cu_seqlens is None:
             check_inputs(spec, q, k, v)
+            n_loc = q.shape[1]
         else:
             cu = _check_packed(spec, q, k, v, order, P, cu_seqlens, max_seqlen)
+            n_loc = q.shape[0]
+        if local_check is not None:
+            local_check(n_loc)
     except InputError as exc:
         error = str(exc)
     if cu_seqlens is not None:   # the fingerprint reads packed rows as one batch element
@@ -109,22 +141,34 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     every = [torch.empty_like(mine) for _ in range(P)]
     dist.all_gather(every, mine, group=group)
     rows = [x.tolist() for x in every]
+    if dist.get_backend(group) == "gloo":
+        # nothing left pending, refused or not: the process may end right after the call
+        # (cheap: the worker thread only waits for the GIL). Other backends: not examined.
+        let_go((mine, *every))
+    message = _verdict(name, rows, error, P)
+    if message is not None:
+        raise RingError(message)
+    return cu
+
+
+def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str | None:
+    """The error every rank raises for the gathered fingerprints (None: the call runs)."""
     bad_inputs = [r for r in range(P) if rows[r][-1]]
     if bad_inputs:
         detail = f": {error}" if error else ""
-        raise RingError(f"{name}: ring call refused on every rank: rank(s) {bad_inputs} passed "
-                        f"bad inputs" + (f" (this rank{detail})" if error else
-                                         "; see the error on those ranks"))
+        return (f"{name}: ring call refused on every rank: rank(s) {bad_inputs} passed "
+                f"bad inputs" + (f" (this rank{detail})" if error else
+                                 "; see the error on those ranks"))
     for f, label in enumerate(_FIELDS[:-1]):
         values = [r[f] for r in rows]
         if len(set(values)) > 1:
             by_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
             if label == "cu_seqlens":
-                raise RingError(f"{name}: the ranks disagree on cu_seqlens (offsets hash by rank: "
-                                f"{by_rank}); every rank must pass the same cu_seqlens, the "
-                                f"offsets of the sequences over the whole packed row")
+                return (f"{name}: the ranks disagree on cu_seqlens (offsets hash by rank: "
+                        f"{by_rank}); every rank must pass the same cu_seqlens, the "
+                        f"offsets of the sequences over the whole packed row")
             hint = ("every rank must compile the same spec" if f == 0 else
                     "N must be divisible by ring_size, every rank passing N / ring_size rows"
                     if "rows" in label else "every rank must pass tensors of the same shape and dtype")
-            raise RingError(f"{name}: the ranks disagree on {label} ({by_rank}); {hint}")
-    return cu
+            return f"{name}: the ranks disagree on {label} ({by_rank}); {hint}"
+    return None

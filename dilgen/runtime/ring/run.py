@@ -10,10 +10,11 @@ import os
 import torch
 
 from ...schedule import choose_transport, ring_schedule, ring_schedule_packed
+from ..checks import InputError, check_positions
 from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
-from .agreement import RingError, _agree, _group_info
+from .agreement import _agree, _group_info, let_go
 
 
 def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -52,6 +53,34 @@ class _Exchange:
         return self.recv
 
 
+def _check_geometry(attn, n_loc: int, P: int, order: str) -> None:
+    """What this rank's call cannot run besides its inputs (before the agreement, so that
+    every rank refuses together, never one rank alone after the others began to send)."""
+    name = attn.spec["name"]
+    _forced_transport()
+    check_positions(attn.spec, n_loc * P, ranks=P)
+    if order == "zigzag" and (n_loc * P) % (2 * P):
+        raise InputError(f"{name}: {n_loc} local rows cannot be cut into the two zigzag halves; "
+                         f"pass an even number of rows per rank")
+    curve = attn.plan["ring"].get("curve")
+    if curve is not None and n_loc * P != curve[0] * curve[1]:
+        raise InputError(f"{name}: hilbert scope 'sequence' with grid {list(curve)} needs "
+                         f"{curve[0] * curve[1]} tokens in all ({curve[0] * curve[1] // P} per "
+                         f"rank), got {n_loc} per rank; shard with "
+                         f"dilgen.runtime.ring.shard(x, {P}, rank, spec=spec)")
+    if curve is not None and order != "contiguous":
+        raise InputError(f"{name}: hilbert scope 'sequence' shards runs of the curve: "
+                         f"chunk_order must be 'contiguous', got {order!r}")
+
+
+def _forced_transport() -> str:
+    """DILGEN_RING_TRANSPORT: ring, allgather or auto."""
+    forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
+    if forced not in ("ring", "allgather", "auto"):
+        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather or auto")
+    return forced
+
+
 class RingRun:
     """One ring call's geometry: group, pieces, schedule, kernels and launch helpers."""
 
@@ -64,25 +93,12 @@ class RingRun:
         self.P, self.me, self.dist = _group_info(spec, group)
         self.packed = cu_seqlens is not None
         cu = _agree(spec, q, k, v, order, group, self.P, self.me, self.dist,
-                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                    local_check=lambda n_loc: _check_geometry(attn, n_loc, self.P, order))
         if self.packed:         # (N/P, heads, D) rows: one batch element of the kernels' views
             q, k, v = (t.unsqueeze(0) for t in (q, k, v))
         B, n_loc = q.shape[0], q.shape[1]
         self.B, self.n_loc, self.N = B, n_loc, n_loc * self.P
-        parts = 2 * self.P if order == "zigzag" else self.P
-        if self.N % parts:
-            raise RingError(f"{spec['name']}: {n_loc} local rows cannot be cut into the two "
-                            f"zigzag halves; pass an even number of rows per rank")
-        curve = attn.plan["ring"].get("curve")
-        if curve is not None and self.N != curve[0] * curve[1]:
-            # every rank sees the same N (checked by _agree), so every rank raises this
-            raise RingError(f"{spec['name']}: hilbert scope 'sequence' with grid {list(curve)} needs "
-                            f"{curve[0] * curve[1]} tokens in all ({curve[0] * curve[1] // self.P} per "
-                            f"rank), got {n_loc} per rank; shard with "
-                            f"dilgen.runtime.ring.shard(x, {self.P}, rank, spec=spec)")
-        if curve is not None and order != "contiguous":
-            raise RingError(f"{spec['name']}: hilbert scope 'sequence' shards runs of the curve: "
-                            f"chunk_order must be 'contiguous', got {order!r}")
         self.H, self.Hkv, self.D = q.shape[2], k.shape[2], q.shape[3]
         cache = attn.__dict__.setdefault("_ring_schedules", {})
         key = (self.N, order) if cu is None else (self.N, order, tuple(cu))
@@ -125,11 +141,9 @@ class RingRun:
         """"ring" (P2P steps overlapped with kernels) or "allgather" (LongNet §3.1: every
         rank gathers the sparse rows first), by the IR's cost model unless
         DILGEN_RING_TRANSPORT says otherwise."""
-        forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
-        if forced in ("ring", "allgather"):
-            return forced
+        forced = _forced_transport()
         if forced != "auto":
-            raise RingError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather or auto")
+            return forced
         D, H = self.D, self.H
         bytes_per_row = 2 * self.B * self.Hkv * D * q.element_size()
         rate = 3e14 if q.is_cuda else 1e9          # nominal kernel rate, FLOP/s
@@ -168,8 +182,11 @@ class RingRun:
         per_tensor = []
         for x in tensors:
             local = torch.cat([_compact(self.piece(x, i), g) for i in range(len(self.pieces[self.me]))], dim=1)
+            local = local.contiguous()
             every = [torch.empty_like(local) for _ in range(self.P)]
-            self.dist.all_gather(every, local.contiguous(), group=self.group)
+            self.dist.all_gather(every, local, group=self.group)
+            if self.dist.get_backend(self.group) == "gloo":
+                let_go((local, *every))       # nothing pending if the process ends next
             per_tensor.append(every)
         out = []
         for rank in range(self.P):
@@ -197,6 +214,7 @@ class RingRun:
             if self.dist.get_backend(self.group) == "gloo":     # gloo has no reduce_scatter
                 total = torch.stack(stacked)
                 self.dist.all_reduce(total, group=self.group)
+                let_go((total,))              # nothing pending if the process ends next
                 mine = total[self.me]
             else:
                 self.dist.reduce_scatter(mine, stacked, group=self.group)
