@@ -11,7 +11,7 @@ it never plans or emits. One job per module, and a call's path goes down this li
     varlen.py      packings of packed and padded batches, their per-sequence tables
     curve_rows.py  compact curve-ordered rows and causal block lists of Hilbert branches
     registry.py    the string keys torch ops hold, and the objects behind them
-    launch.py      a kernel from generated source (JIT, AOT binary or interpreter); poison
+    launch.py      a kernel from generated source (JIT, AOT binary, interpreter, RepeatLauncher)
     interpreter.py Triton's interpreter inside a process that also compiles for the GPU
     grids.py       launch grids (shared with dilgen.aot's launch model)
     tables.py      Hilbert permutation tables on a device
