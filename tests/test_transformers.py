@@ -189,6 +189,20 @@ def _greedy_by_full_forwards(model, ids, mask, steps):
     return ids
 
 
+def test_one_left_padded_prompt_is_padding_not_packing(models):
+    """generate() gives a left-padded row position ids 0, 0, ..., 0, 1, 2: with its mask
+    that is padding, not packed sequences."""
+    model, _ = models
+    ids = _tokens(1, 24, 6)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, position_ids=pos).logits[0, 5:]
+        alone = model(ids[:, 5:]).logits[0]
+    assert rel_error(got, alone) < 1e-4
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_generate_runs_the_decode_kernel_and_equals_full_forwards(models, batch, monkeypatch):
     model, _ = models

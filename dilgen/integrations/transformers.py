@@ -165,7 +165,10 @@ def _packed_offsets(kwargs, batch: int, rows: int):
 
 def _prefill(kernel: Kernel, q, k, v, mask, kwargs):
     B, T = q.shape[0], q.shape[1]
-    packed = _packed_offsets(kwargs, B, T)
+    if mask is not None and bool(mask.all()):
+        mask = None
+    # padding wins over position_ids that restart (generate() gives padded rows position 0)
+    packed = _packed_offsets(kwargs, B, T) if mask is None or "cu_seq_lens_q" in kwargs else None
     if packed is not None:
         if mask is not None and not bool(mask.all()):
             raise ValueError("attn_implementation='dilgen': packed rows come without padding "
@@ -175,8 +178,6 @@ def _prefill(kernel: Kernel, q, k, v, mask, kwargs):
     if mask is None:
         return kernel(q, k, v)
     first, end = valid_runs(mask)
-    if all(a == 0 and e == T for a, e in zip(first, end)):
-        return kernel(q, k, v)
     padding = torch.ones((B, T), dtype=torch.bool, device=q.device)
     for b, (a, e) in enumerate(zip(first, end)):
         padding[b, a:e] = False
