@@ -19,12 +19,7 @@ class InputError(ValueError):
 def check_inputs(spec: dict, q: Any, k: Any, v: Any) -> tuple[int, int]:
     """(B, N) of q (B, N, H, D), k and v (B, N, H_kv, D) of the spec's dtype on one device."""
     name = spec["name"]
-    for label, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name}: {label} must have 4 dims (B, N, heads, head_dim), "
-                             f"got shape {tuple(t.shape)}")
+    check_tensors(name, (("q", q), ("k", k), ("v", v)), 4, "must have 4 dims (B, N, heads, head_dim)")
     H, Hkv, D = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     B, N = q.shape[0], q.shape[1]
     if tuple(q.shape[2:]) != (H, D):
@@ -38,22 +33,38 @@ def check_inputs(spec: dict, q: Any, k: Any, v: Any) -> tuple[int, int]:
     if B < 1 or N < 1:
         raise InputError(f"{name}: empty input (B = {B}, N = {N}); dilated attention needs "
                          f"B >= 1 and N >= 1")
-    want = TORCH_DTYPES[spec["dtype"]]
-    for label, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != want:
-            raise InputError(f"{name}: {label} has dtype {t.dtype} but the spec says "
-                             f"\"{spec['dtype']}\"; pass {label}.to({want}) or change the spec")
-        if t.device != q.device:
-            raise InputError(f"{name}: q is on {q.device} but {label} is on {t.device}; "
-                             f"move all three to one device")
-        if t.stride(-1) != 1:
-            raise InputError(f"{name}: {label} must be contiguous in head_dim (stride(-1) == 1, "
-                             f"got {t.stride(-1)}); pass {label}.contiguous()")
-    if q.device.type not in ("cuda", "cpu"):
-        raise InputError(f"{name}: tensors on {q.device} are not supported; use a CUDA GPU, "
-                         f"or the CPU (Triton's interpreter)")
+    check_layout(spec, (("q", q), ("k", k), ("v", v)), f"{name}: ", "all three")
     check_positions(spec, N)
     return B, N
+
+
+def check_tensors(name: str, labelled, dims: int, rule: str, context: str = "") -> None:
+    """Each (label, t) is a torch.Tensor of `dims` dims, else one InputError."""
+    for label, t in labelled:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise InputError(f"{name}: {context}{label} {rule}, got shape {tuple(t.shape)}")
+
+
+def check_layout(spec: dict, labelled, prefix: str, together: str) -> None:
+    """The spec's dtype, the first tensor's device (CUDA or CPU), contiguous head_dim, for
+    each (label, t); `prefix` starts every message, `together` names what to move."""
+    want = TORCH_DTYPES[spec["dtype"]]
+    first_label, first = labelled[0]
+    for label, t in labelled:
+        if t.dtype != want:
+            raise InputError(f"{prefix}{label} has dtype {t.dtype} but the spec says "
+                             f"\"{spec['dtype']}\"; pass {label}.to({want}) or change the spec")
+        if t.device != first.device:
+            raise InputError(f"{prefix}{first_label} is on {first.device} but {label} is on "
+                             f"{t.device}; move {together} to one device")
+        if t.stride(-1) != 1:
+            raise InputError(f"{prefix}{label} must be contiguous in head_dim (stride(-1) == 1, "
+                             f"got {t.stride(-1)}); pass {label}.contiguous()")
+    if first.device.type not in ("cuda", "cpu"):
+        raise InputError(f"{prefix}tensors on {first.device} are not supported; use a CUDA GPU, "
+                         f"or the CPU (Triton's interpreter)")
 
 
 def check_positions(spec: dict, n: int, ranks: int = 1) -> None:
@@ -82,12 +93,7 @@ def check_zero_pad(spec: dict, n: int) -> None:
 
 def check_varlen_inputs(spec: dict, q: Any, k: Any, v: Any) -> int:
     """The rows of packed q (rows, H, D), k and v (rows, H_kv, D) (SPEC §3, cu_seqlens)."""
-    name = spec["name"]
-    for label, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise InputError(f"{name}: with cu_seqlens, {label} must have 3 dims (total, heads, "
-                             f"head_dim), got shape {tuple(t.shape)}")
+    check_tensors(spec["name"], (("q", q), ("k", k), ("v", v)), 3,
+                  "must have 3 dims (total, heads, head_dim)", "with cu_seqlens, ")
     check_inputs(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     return q.shape[0]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .checks import TORCH_DTYPES, InputError
+from .checks import InputError, check_layout
 from .launch import RepeatLauncher, poison, run_launches
 from .tables import table_tensors
 
@@ -100,20 +100,8 @@ def check_decode_inputs(spec: dict, q: Any, k_cache: Any, v_cache: Any, cache_se
         raise InputError(f"{name}: decode: k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} must have the same shape")
     n_max = k_cache.shape[1]
-    want = TORCH_DTYPES[spec["dtype"]]
-    for label, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != want:
-            raise InputError(f"{name}: decode: {label} has dtype {t.dtype} but the spec says "
-                             f"\"{spec['dtype']}\"; pass {label}.to({want}) or change the spec")
-        if t.device != q.device:
-            raise InputError(f"{name}: decode: q is on {q.device} but {label} is on {t.device}; "
-                             f"move q, the caches and cache_seqlens to one device")
-        if t.stride(-1) != 1:
-            raise InputError(f"{name}: decode: {label} must be contiguous in head_dim "
-                             f"(stride(-1) == 1, got {t.stride(-1)}); pass {label}.contiguous()")
-    if q.device.type not in ("cuda", "cpu"):
-        raise InputError(f"{name}: decode: tensors on {q.device} are not supported; use a CUDA "
-                         f"GPU, or the CPU (Triton's interpreter)")
+    check_layout(spec, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), f"{name}: decode: ",
+                 "q, the caches and cache_seqlens")
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B or cache_seqlens.dtype != torch.int32:
         raise InputError(f"{name}: decode: cache_seqlens must be an int32 tensor of shape ({B},) "
                          f"(valid cache rows per item, new tokens included), got "
