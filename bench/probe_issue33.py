@@ -193,11 +193,100 @@ def main():
             time_variants(res, "nan_guard", name, False, {"base": {}, "nan_guard": {}},
                           edits_of={"nan_guard": NAN_GUARD})
             save()
+    if "subtile" in parts:
+        part_subtile(res)
+        save()
     if "profile" in parts:
         part_profile(res, peers)
         save()
     save()
     tk.log(f"wrote {path}")
+
+
+# ------------------------------------------------------------------ subtile microbenchmark
+# Plain attention over gathered rows (B*S sequences of L rows, H heads, D), non-causal: does
+# Triton 3.6 overlap one chain's softmax with another chain's dots when a program carries
+# SUB independent row tiles of BM rows against the same key blocks?
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _chain_step(q, k, v, m_i, l_i, acc, qk_scale):
+    qk = tl.dot(q, tl.trans(k))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sub_attn(Q, K, V, O, L, H, qk_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              SUB: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    row0 = bh.to(tl.int64) * L            # (B*S*H, L, D) contiguous per head
+    qd = tl.make_tensor_descriptor(Q + row0 * D, shape=[L, D], strides=[D, 1], block_shape=[BM, D])
+    kd = tl.make_tensor_descriptor(K + row0 * D, shape=[L, D], strides=[D, 1], block_shape=[BN, D])
+    vd = tl.make_tensor_descriptor(V + row0 * D, shape=[L, D], strides=[D, 1], block_shape=[BN, D])
+    od = tl.make_tensor_descriptor(O + row0 * D, shape=[L, D], strides=[D, 1], block_shape=[BM, D])
+    m0 = pid_m * BM * SUB
+    q0 = qd.load([m0, 0])
+    m_0 = tl.full([BM], float("-inf"), tl.float32)
+    l_0 = tl.zeros([BM], tl.float32)
+    a_0 = tl.zeros([BM, D], tl.float32)
+    if SUB == 2:
+        q1 = qd.load([m0 + BM, 0])
+        m_1 = tl.full([BM], float("-inf"), tl.float32)
+        l_1 = tl.zeros([BM], tl.float32)
+        a_1 = tl.zeros([BM, D], tl.float32)
+    for j0 in tl.range(0, L, BN):
+        k = kd.load([j0, 0])
+        v = vd.load([j0, 0])
+        m_0, l_0, a_0 = _chain_step(q0, k, v, m_0, l_0, a_0, qk_scale)
+        if SUB == 2:
+            m_1, l_1, a_1 = _chain_step(q1, k, v, m_1, l_1, a_1, qk_scale)
+    od.store([m0, 0], (a_0 / l_0[:, None]).to(O.dtype.element_ty))
+    if SUB == 2:
+        od.store([m0 + BM, 0], (a_1 / l_1[:, None]).to(O.dtype.element_ty))
+
+
+def part_subtile(res):
+    from dilgen.runtime.launch import ensure_descriptor_allocator
+    ensure_descriptor_allocator()
+    rows = res.setdefault("subtile", {})
+    for D, nseq, Lr in ((128, 28 * 16, 2048), (64, 28 * 2 * 32, 1024)):   # A's and C's work
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(nseq, Lr, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:4], k[:4], v[:4]).float()
+        flops = 4 * nseq * Lr * Lr * D
+        for BM, BN, SUB, warps, stages in [(128, 128, 1, 8, 2), (128, 64, 1, 8, 3), (64, 128, 2, 4, 2),
+                                           (64, 64, 2, 4, 3), (128, 64, 2, 8, 2), (128, 128, 2, 8, 2),
+                                           (64, 128, 2, 8, 2), (64, 64, 2, 8, 3)]:
+            tag = f"D{D}_bm{BM}_bn{BN}_sub{SUB}_w{warps}_s{stages}"
+            try:
+                o = torch.empty_like(q)
+                qk_scale = D ** -0.5 * 1.4426950408889634
+                grid = (Lr // (BM * SUB), nseq)
+                fn = lambda: _sub_attn[grid](q, k, v, o, Lr, 1, qk_scale, D=D, BM=BM, BN=BN, SUB=SUB,  # noqa: E731
+                                             num_warps=warps, num_stages=stages)
+                fn()
+                torch.cuda.synchronize()
+                err = tk.rel_err(o[:4].float(), ref)
+                t = tk.time_ms(fn, warmup=5, reps=20)["median"]
+                rows[tag] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1), "rel_err": err}
+            except Exception as e:  # noqa: BLE001
+                rows[tag] = {"error": tk.short_err(e, 600)}
+            tk.log(f"subtile {tag}: {rows[tag]}")
+        cud = lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q[None], k[None], v[None], None, False, 0.0, False, False)  # noqa: E731
+        try:
+            t = tk.time_ms(cud, warmup=5, reps=20)["median"]
+            rows[f"D{D}_cudnn"] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1)}
+        except Exception as e:  # noqa: BLE001
+            rows[f"D{D}_cudnn"] = {"error": tk.short_err(e, 600)}
+        tk.log(f"subtile D{D} cudnn: {rows[f'D{D}_cudnn']}")
 
 
 if __name__ == "__main__":
