@@ -208,12 +208,6 @@ class KernelConfig:
     fused_tma: bool = False
     fused_ws: bool = False
     fold_scale: bool = False
-    # fwd_pipeline: the full-block descriptor loops issue the scores of key block j+1 before
-    # the softmax of block j (FlashAttention-3's intra-warpgroup overlap); lazy_rescale: the
-    # running max moves only when a row's max grew by more than 8 in the exp2 domain
-    # (FlashAttention-4's conditional rescaling; common.online_softmax_helper)
-    fwd_pipeline: bool = False
-    lazy_rescale: bool = False
     # the backward's raster branches read through tensor descriptors too: the dq kernel its
     # key lanes, the dK/dV kernels (fused and per branch) their query and dO lanes
     bwd_tma: bool = False
@@ -251,8 +245,6 @@ class KernelConfig:
                 **({"fused_tma": True} if self.fused_tma else {}),
                 **({"fused_ws": True} if self.fused_ws else {}),
                 **({"fold_scale": True} if self.fold_scale else {}),
-                **({"fwd_pipeline": True} if self.fwd_pipeline else {}),
-                **({"lazy_rescale": True} if self.lazy_rescale else {}),
                 **({"bwd_tma": True} if self.bwd_tma else {}),
                 **({"l2_bytes": self.l2_bytes} if self.l2_bytes else {}),
                 **({"lattice_group": self.lattice_group} if self.lattice_group else {}),

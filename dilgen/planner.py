@@ -88,8 +88,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
-           "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
-           "fwd_pipeline", "lazy_rescale")
+           "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -293,8 +292,6 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              fused_tma=fused_tma,
                              fused_ws=fused_tma and bool((tuning or {}).get("fused_ws", False)),
                              fold_scale=bool((tuning or {}).get("fold_scale", target.fold_scale)),
-                             fwd_pipeline=bool((tuning or {}).get("fwd_pipeline", False)),
-                             lazy_rescale=bool((tuning or {}).get("lazy_rescale", False)),
                              l2_bytes=target.l2_bytes or 0,
                              lattice_group=int((tuning or {}).get("lattice_group", 0)),
                              bwd_tma=bwd_tma,
