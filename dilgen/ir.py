@@ -208,6 +208,10 @@ class KernelConfig:
     fused_tma: bool = False
     fused_ws: bool = False
     fold_scale: bool = False
+    # the fused forward runs its tile as two chains of block_m / 2 rows against the same key
+    # blocks, so that one chain's dots overlap the other's softmax (single device, non-causal,
+    # raster class branches whose tiles nest in segments; planner.plan decides)
+    dual_chain: bool = False
     # the backward's raster branches read through tensor descriptors too: the dq kernel its
     # key lanes, the dK/dV kernels (fused and per branch) their query and dO lanes
     bwd_tma: bool = False
@@ -245,6 +249,7 @@ class KernelConfig:
                 **({"fused_tma": True} if self.fused_tma else {}),
                 **({"fused_ws": True} if self.fused_ws else {}),
                 **({"fold_scale": True} if self.fold_scale else {}),
+                **({"dual_chain": True} if self.dual_chain else {}),
                 **({"bwd_tma": True} if self.bwd_tma else {}),
                 **({"l2_bytes": self.l2_bytes} if self.l2_bytes else {}),
                 **({"lattice_group": self.lattice_group} if self.lattice_group else {}),

@@ -88,7 +88,8 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
-           "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group")
+           "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
+           "dual_chain")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -227,6 +228,17 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         class_work=tuple(work[x] for x in class_order), block_m=block_m,
         query_map=ir.AffineMap(sympy.expand(c + lattice * m)), order=query_order)
 
+    # Two chains per fused tile (KernelConfig.dual_chain): both halves must share every key
+    # block, so every fused branch is a raster class branch whose tiles nest in segments;
+    # non-causal (a causal diagonal would differ per half), one device
+    fused_now = [b for b in branches if not b.lanes]
+    dual_ok = (spec.ring_size == 1 and query_order is None and not spec.causal and block_m % 32 == 0
+               and bool(fused_now) and all(b.keep_map is None and b.order is None and b.single_segment
+                                           for b in fused_now))
+    dual_chain = dual_ok and bool((tuning or {}).get("dual_chain", target.dual_chain(tile_d, itemsize)))
+    if dual_chain and not (tuning and "num_warps" in tuning):
+        warps = target.dual_chain_warps
+
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:
@@ -292,6 +304,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                              fused_tma=fused_tma,
                              fused_ws=fused_tma and bool((tuning or {}).get("fused_ws", False)),
                              fold_scale=bool((tuning or {}).get("fold_scale", target.fold_scale)),
+                             dual_chain=dual_chain,
                              l2_bytes=target.l2_bytes or 0,
                              lattice_group=int((tuning or {}).get("lattice_group", 0)),
                              bwd_tma=bwd_tma,

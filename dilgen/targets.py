@@ -155,6 +155,9 @@ class Target:
     # L2 bytes the lattice kernels size their groups of tiles to (KernelConfig.l2_bytes,
     # runtime.lattice_group_tiles); None: one group (class-major)
     l2_bytes: int | None = None
+    # two chains per fused forward tile up to this head dim (0: never), with this many warps
+    dual_chain_max_head_dim: int = 0
+    dual_chain_warps: int = 4
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -171,6 +174,11 @@ class Target:
         if self.causal_lanes and head_dim == 128 and (causal or not every_row_kept):
             return "all"
         return "auto"
+
+    def dual_chain(self, head_dim: int, itemsize: int) -> bool:
+        """Whether the fused forward runs each tile as two chains of half the rows
+        (KernelConfig.dual_chain) where the plan allows it."""
+        return itemsize == 2 and head_dim <= self.dual_chain_max_head_dim
 
     def fused_dkdv_ok(self, causal: bool, lattice: int) -> bool:
         """Whether the fused dkdv (key tiles of the query lattice) pays off."""

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: d907d8f054805edb
+# template hash: a550c7e32a300c9a
 # plan key:      258be7844fcbf24f2389f1fe1edbfaea9e634619deb85127a75a5be43e564b67
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

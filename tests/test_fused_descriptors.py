@@ -67,6 +67,17 @@ CASES = [
     ("hilbert_segment_causal_gqa", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], num_kv_heads=2,
                                         causal=True, hilbert={"scope": "segment", "grids": [[4, 8], [8, 8], [8, 16]]}),
      (1, 150), {"bwd_tma": True, "lane_tma": True, "fold_scale": True}),
+    # two chains per fused tile (dual_chain): 32-row tiles of two 16-row chains; a short last
+    # segment (the second chain's rows past N), GQA, a lane branch beside the fused ones,
+    # pointer loads and descriptors, the scale folded and not
+    ("dual_chain_short_last", dict(segment_lengths=[128, 256, 512], dilation_rates=[1, 2, 4]),
+     (1, 700), {**TMA, "dual_chain": True, "block_m": 32}),
+    ("dual_chain_gqa_lane_branch", dict(segment_lengths=[128, 256, 384], dilation_rates=[1, 2, 5], num_heads=6,
+                                        num_kv_heads=3), (2, 400), {"fold_scale": True, "dual_chain": True,
+                                                                    "block_m": 32}),
+    ("dual_chain_unfolded_fp16", dict(segment_lengths=[128, 256], dilation_rates=[1, 2], dtype="float16",
+                                      softmax_scale=0.4), (1, 300), {"fused_tma": True, "fold_scale": False,
+                                                                     "dual_chain": True, "block_m": 32}),
 ]
 
 
@@ -81,11 +92,13 @@ def test_fused_flags_forward_and_gradients(case):
         assert the_plan.fused_dkdv
     if name.endswith("per_branch_dkdv_gqa"):
         assert not the_plan.fused_dkdv
-    assert cfg.fold_scale and cfg.fused_tma == bool(tuning.get("fused_tma"))
+    assert cfg.fold_scale == tuning.get("fold_scale", True) and cfg.fused_tma == bool(tuning.get("fused_tma"))
+    assert cfg.dual_chain == bool(tuning.get("dual_chain"))
     source = codegen.emit(the_plan)
     assert ("k_desc = tl.make_tensor_descriptor" in source) == bool(cfg.fused_tma or cfg.bwd_tma
                                                                    or tuning.get("lane_tma"))
     assert ("q_desc = tl.make_tensor_descriptor" in source) == cfg.bwd_tma
+    assert ("qk2 = tl.dot(q2" in source) == cfg.dual_chain
     check_against_reference(spec, batch, n, tuning, name)
 
 
@@ -187,3 +200,14 @@ def test_lattice_group_tiles_sized_to_l2():
         assert lattice_group_tiles(planner.plan(b_like, target).to_json(), 64, 128, row) == 64
     tuned = planner.plan(b_like, SM90, {"lattice_group": 5}).to_json()
     assert lattice_group_tiles(tuned, 64, 128, row) == 5 and lattice_group_tiles(tuned, 3, 128, row) == 3
+
+
+@pytest.mark.parametrize("fields, why", [
+    (dict(causal=True), "causal"),
+    (dict(segment_lengths=[96, 4096, 8192]), "tiles that span segments"),
+    (dict(ring_size=2), "a ring"),
+])
+def test_dual_chain_only_where_both_halves_share_the_keys(fields, why):
+    spec = _spec(head_dim=64, **fields)
+    assert not planner.plan(spec, SM90, {"dual_chain": True}).config.dual_chain, why
+    assert planner.plan(_spec(head_dim=64), SM90, {"dual_chain": True}).config.dual_chain
