@@ -237,7 +237,9 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
                                            for b in fused_now))
     dual_chain = dual_ok and bool((tuning or {}).get("dual_chain", target.dual_chain(tile_d, itemsize)))
     if dual_chain and not (tuning and "num_warps" in tuning):
-        warps = target.dual_chain_warps
+        warps = target.dual_chain_tile[0]
+    if dual_chain and not (tuning and "block_n" in tuning):
+        block_n = target.dual_chain_tile[1]
 
     tables = []
     for t in [query_order, *orders]:

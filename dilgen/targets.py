@@ -155,9 +155,12 @@ class Target:
     # L2 bytes the lattice kernels size their groups of tiles to (KernelConfig.l2_bytes,
     # runtime.lattice_group_tiles); None: one group (class-major)
     l2_bytes: int | None = None
-    # two chains per fused forward tile up to this head dim (0: never), with this many warps
-    dual_chain_max_head_dim: int = 0
-    dual_chain_warps: int = 4
+    # Two chains per fused forward tile (KernelConfig.dual_chain) at these head dims, with
+    # (warps, keys per step): H200, bf16, C forward 1.244 -> 1.192 ms with 4 warps and 128
+    # keys (64 keys 1.33, 8 warps 2.57, 2 or 4 stages 1.29 / 1.90); head_dim 128 loses
+    # (A 1.72 -> 2.26 at best; bench/results/issue33_dual_chain-2026-11-25-h200.json)
+    dual_chain_head_dims: tuple[int, ...] = ()
+    dual_chain_tile: tuple[int, int] = (4, 128)
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -178,7 +181,7 @@ class Target:
     def dual_chain(self, head_dim: int, itemsize: int) -> bool:
         """Whether the fused forward runs each tile as two chains of half the rows
         (KernelConfig.dual_chain) where the plan allows it."""
-        return itemsize == 2 and head_dim <= self.dual_chain_max_head_dim
+        return itemsize == 2 and head_dim in self.dual_chain_head_dims
 
     def fused_dkdv_ok(self, causal: bool, lattice: int) -> bool:
         """Whether the fused dkdv (key tiles of the query lattice) pays off."""
@@ -195,7 +198,8 @@ class Target:
 
 
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=True, lane_ws=True, causal_lanes=True,
-              lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20)
+              lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
+              dual_chain_head_dims=(64,))
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

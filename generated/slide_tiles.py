@@ -3,7 +3,7 @@
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
 # template hash: a550c7e32a300c9a
-# plan key:      258be7844fcbf24f2389f1fe1edbfaea9e634619deb85127a75a5be43e564b67
+# plan key:      67cd1c4a8cb00f3bb259050770d3cf6778d224188df51ea4aa99b64cb966acd2
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -77,12 +77,13 @@ PLAN = {
     "causal": False,
     "config": {
         "block_m": 128,
-        "block_n": 64,
+        "block_n": 128,
         "bwd_dq": [128, 64, 4, 3],
         "bwd_kv": [128, 32, 4, 3],
         "bwd_tma": True,
         "decode": [64, 2048, 4, 3],
         "dot_precision": None,
+        "dual_chain": True,
         "fold_scale": True,
         "fused_tma": True,
         "l2_bytes": 52428800,
@@ -92,7 +93,7 @@ PLAN = {
         "lane_tma": False,
         "lane_ws": False,
         "num_stages": 3,
-        "num_warps": 8
+        "num_warps": 4
     },
     "dtype": "bfloat16",
     "fused_dkdv": True,
@@ -166,7 +167,8 @@ def online_softmax_update(qk, v, m_i, l_i, acc, GUARD: tl.constexpr, qk_scale):
 
 # Tile shape chosen by the planner for sm90.
 BLOCK_M = tl.constexpr(128)
-BLOCK_N = tl.constexpr(64)
+BLOCK_N = tl.constexpr(128)
+CHAIN_M = tl.constexpr(64)  # rows of each of the tile's two chains
 HEAD_DIM = tl.constexpr(64)
 
 
@@ -216,7 +218,13 @@ def slide_tiles_fwd_kernel(
     slot = 0  # one class
     m0 = pid_t * BLOCK_M
     c = 0
-    m = m0 + tl.arange(0, BLOCK_M)
+    # two chains of CHAIN_M rows (the tile's halves) against the same key blocks: one
+    # chain's dots overlap the other's softmax (KernelConfig.dual_chain)
+    m = m0 + tl.arange(0, CHAIN_M)
+    m2 = m + CHAIN_M
+    u_q2 = c + m2
+    q_valid2 = u_q2 < N
+    p_q2 = u_q2
     u_q = c + m
     q_valid = u_q < N
     p_q = u_q
@@ -230,9 +238,15 @@ def slide_tiles_fwd_kernel(
     q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q2 = tl.load(q_base + p_q2.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid2[:, None], other=0.0)
+    if UPCAST:
+        q2 = q2.to(tl.float32)
+    m_i = tl.full([CHAIN_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([CHAIN_M], dtype=tl.float32)
+    acc = tl.zeros([CHAIN_M, HEAD_DIM], dtype=tl.float32)
+    m_i2 = tl.full([CHAIN_M], float("-inf"), dtype=tl.float32)
+    l_i2 = tl.zeros([CHAIN_M], dtype=tl.float32)
+    acc2 = tl.zeros([CHAIN_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = 0.18033688011112042  # softmax_scale * log2(e): scores in the exp2 domain
 
     # ---- branch 0: w = 1024, r = 1 ----
@@ -257,6 +271,9 @@ def slide_tiles_fwd_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
         m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, False, qk_scale)  # every score of this block is finite
+        # chain 2: the tile's second half, the same keys and values
+        qk2 = tl.dot(q2, tl.trans(k))
+        m_i2, l_i2, acc2 = online_softmax_update(qk2, v, m_i2, l_i2, acc2, False, qk_scale)  # every score of this block is finite
 
     for j0 in tl.range(n_free, n_keys, BLOCK_N):  # blocks with lanes past the end, or on the causal diagonal
         j = j0 + tl.arange(0, BLOCK_N)
@@ -269,6 +286,10 @@ def slide_tiles_fwd_kernel(
         qk = tl.dot(q, tl.trans(k))
         qk = tl.where(k_valid[None, :], qk, float("-inf"))
         m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, True, qk_scale)
+        # chain 2: the tile's second half, the same keys and values
+        qk2 = tl.dot(q2, tl.trans(k))
+        qk2 = tl.where(k_valid[None, :], qk2, float("-inf"))
+        m_i2, l_i2, acc2 = online_softmax_update(qk2, v, m_i2, l_i2, acc2, True, qk_scale)
 
     # Finish: out = acc / l; lse = ln(l) + max (natural log). Rows no branch keeps: 0, -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -277,6 +298,12 @@ def slide_tiles_fwd_kernel(
     o_ptrs = Out + b * stride_ob + h * stride_oh + p_q.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
     tl.store(Lse + b * stride_lb + h * stride_lh + p_q, lse, mask=q_valid)
+    l_safe = tl.where(l_i2 == 0.0, 1.0, l_i2)
+    out = acc2 / l_safe[:, None]
+    lse = tl.where(l_i2 == 0.0, float("-inf"), (m_i2 + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = Out + b * stride_ob + h * stride_oh + p_q2.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_valid2[:, None])
+    tl.store(Lse + b * stride_lb + h * stride_lh + p_q2, lse, mask=q_valid2)
 
 
 # Tile of the lane kernels, chosen by the planner for sm90.

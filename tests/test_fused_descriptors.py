@@ -102,16 +102,20 @@ def test_fused_flags_forward_and_gradients(case):
     check_against_reference(spec, batch, n, tuning, name)
 
 
-def test_fused_descriptors_packed_batch():
+@pytest.mark.parametrize("ws, lengths, tuning", [
+    ([16, 32, 64], [50, 0, 77, 16], TMA),
+    ([128, 256], [300, 0, 131, 16], {**TMA, "dual_chain": True, "block_m": 32}),   # two chains per tile
+], ids=["descriptors", "dual_chain"])
+def test_fused_descriptors_packed_batch(ws, lengths, tuning):
     """Packed sequences (cu_seqlens): the descriptors start at each sequence's rows."""
-    spec = dilgen.Spec(name="fd_packed", num_heads=4, head_dim=16, dtype="float32",
-                       segment_lengths=[16, 32, 64], dilation_rates=[1, 2, 4])
-    lengths = [50, 0, 77, 16]
-    cu = torch.tensor([0, 50, 50, 127, 143], dtype=torch.int32)
+    spec = dilgen.Spec(name="fd_packed" + ("_dual" if "dual_chain" in tuning else ""), num_heads=4,
+                       head_dim=16, dtype="float32", segment_lengths=ws, dilation_rates=[1, 2, 4][:len(ws)])
+    assert planner.plan(spec, INTERPRETER, tuning).config.dual_chain == ("dual_chain" in tuning)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(143, 4, 16, generator=gen) for _ in range(3))
-    out, lse = Kernel(spec, None, TMA)(q.to(device()), k.to(device()), v.to(device()),
-                                         cu_seqlens=cu.to(device()), return_lse=True)
+    q, k, v = (torch.randn(int(cu[-1]), 4, 16, generator=gen) for _ in range(3))
+    out, lse = Kernel(spec, None, tuning)(q.to(device()), k.to(device()), v.to(device()),
+                                            cu_seqlens=cu.to(device()), return_lse=True)
     out, lse = out.cpu(), lse.cpu()
     for b, n in enumerate(lengths):
         if n == 0:
@@ -211,3 +215,13 @@ def test_dual_chain_only_where_both_halves_share_the_keys(fields, why):
     spec = _spec(head_dim=64, **fields)
     assert not planner.plan(spec, SM90, {"dual_chain": True}).config.dual_chain, why
     assert planner.plan(_spec(head_dim=64), SM90, {"dual_chain": True}).config.dual_chain
+
+
+def test_dual_chain_is_sm90s_plan_at_head_dim_64_only():
+    """Where it was measured: C-like specs (head_dim 64, bf16) on sm90, with 4 warps and
+    128 keys per step; head_dim 128, sm80 and the interpreter keep one chain."""
+    cfg = planner.plan(_spec(head_dim=64), SM90).config
+    assert cfg.dual_chain and (cfg.num_warps, cfg.block_n) == (4, 128)
+    assert not planner.plan(_spec(), SM90).config.dual_chain
+    assert not planner.plan(_spec(head_dim=64), SM80).config.dual_chain
+    assert not planner.plan(_spec(head_dim=64, dtype="float32"), SM90).config.dual_chain
