@@ -158,7 +158,8 @@ def test_planner_turns_fused_descriptors_on_where_measured():
     assert cfg.fused_tma and cfg.fold_scale and cfg.bwd_tma and not cfg.fused_ws
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 3)
     c64 = planner.plan(_spec(head_dim=64, num_heads=32), SM90).config
-    assert c64.fused_tma and c64.block_n == 64           # head_dim 64 keeps 64 keys per step
+    assert c64.fused_tma and c64.block_n == 128          # head_dim 64: two chains, 128 keys per step
+    assert planner.plan(_spec(head_dim=64, causal=True), SM90).config.block_n == 64  # one chain: 64 keys
     for spec in (_spec(causal=True), _spec(causal=True, ring_size=2), _spec(dtype="float32"),
                  _spec(hilbert={"scope": "sequence", "grid": [1024, 32]}, causal=True), _spec(head_dim=96)):
         cfg = planner.plan(spec, SM90).config
