@@ -228,14 +228,14 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         class_work=tuple(work[x] for x in class_order), block_m=block_m,
         query_map=ir.AffineMap(sympy.expand(c + lattice * m)), order=query_order)
 
-    # Two chains per fused tile (KernelConfig.dual_chain): both halves walk the tile's key
-    # blocks (causal: the whole tile's diagonal, masked per row), so every fused branch is a
-    # raster class branch whose tiles nest in segments; one device
+    # Two chains per fused tile (KernelConfig.dual_chain): both halves must share every key
+    # block, so every fused branch is a raster class branch whose tiles nest in segments;
+    # non-causal (a causal diagonal would differ per half), one device
     fused_now = [b for b in branches if not b.lanes]
-    dual_ok = (spec.ring_size == 1 and query_order is None and block_m % 32 == 0
+    dual_ok = (spec.ring_size == 1 and query_order is None and not spec.causal and block_m % 32 == 0
                and bool(fused_now) and all(b.keep_map is None and b.order is None and b.single_segment
                                            for b in fused_now))
-    dual_chain = dual_ok and bool((tuning or {}).get("dual_chain", target.dual_chain(tile_d, itemsize, spec.causal)))
+    dual_chain = dual_ok and bool((tuning or {}).get("dual_chain", target.dual_chain(tile_d, itemsize)))
     if dual_chain and not (tuning and "num_warps" in tuning):
         warps = target.dual_chain_tile[0]
     if dual_chain and not (tuning and "block_n" in tuning):

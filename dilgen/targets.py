@@ -161,7 +161,6 @@ class Target:
     # (A 1.72 -> 2.26 at best; bench/results/issue33_dual_chain-2026-11-25-h200.json)
     dual_chain_head_dims: tuple[int, ...] = ()
     dual_chain_tile: tuple[int, int] = (4, 128)
-    dual_chain_causal: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -179,10 +178,10 @@ class Target:
             return "all"
         return "auto"
 
-    def dual_chain(self, head_dim: int, itemsize: int, causal: bool = False) -> bool:
+    def dual_chain(self, head_dim: int, itemsize: int) -> bool:
         """Whether the fused forward runs each tile as two chains of half the rows
         (KernelConfig.dual_chain) where the plan allows it."""
-        return itemsize == 2 and head_dim in self.dual_chain_head_dims and (self.dual_chain_causal or not causal)
+        return itemsize == 2 and head_dim in self.dual_chain_head_dims
 
     def fused_dkdv_ok(self, causal: bool, lattice: int) -> bool:
         """Whether the fused dkdv (key tiles of the query lattice) pays off."""

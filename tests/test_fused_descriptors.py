@@ -75,8 +75,6 @@ CASES = [
     ("dual_chain_gqa_lane_branch", dict(segment_lengths=[128, 256, 384], dilation_rates=[1, 2, 5], num_heads=6,
                                         num_kv_heads=3), (2, 400), {"fold_scale": True, "dual_chain": True,
                                                                     "block_m": 32}),
-    ("dual_chain_causal_gqa", dict(segment_lengths=[128, 256, 512], dilation_rates=[1, 2, 4], num_kv_heads=2,
-                                   causal=True), (1, 600), {"fold_scale": True, "dual_chain": True, "block_m": 32}),
     ("dual_chain_unfolded_fp16", dict(segment_lengths=[128, 256], dilation_rates=[1, 2], dtype="float16",
                                       softmax_scale=0.4), (1, 300), {"fused_tma": True, "fold_scale": False,
                                                                      "dual_chain": True, "block_m": 32}),
@@ -210,6 +208,7 @@ def test_lattice_group_tiles_sized_to_l2():
 
 
 @pytest.mark.parametrize("fields, why", [
+    (dict(causal=True), "causal"),
     (dict(segment_lengths=[96, 4096, 8192]), "tiles that span segments"),
     (dict(ring_size=2), "a ring"),
 ])
