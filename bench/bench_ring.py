@@ -1,10 +1,7 @@
 #!/usr/bin/env python3
 """Weak and strong scaling of dilgen's ring over P GPUs (a process per GPU, NCCL; gloo with
---dry-run-cpu), raster and Hilbert orders, forward and fwd+bwd; spec H16 D128 bf16, w 2K .. 1M,
-r 1 .. 32. Per P and order (N = --tokens-per-gpu x P): the bf16 ring against float64 (small N);
-the single-device kernel on the full N (T_1(N)); the ring on each rank's rows, checked against
-the single-device rows (2e-2, 4e-2), T_P(N) the slowest rank's; raster: LongNet's all-gather
-transport, the modelled dense flash ring, --max-tokens. bench/README.md has the rows' fields.
+--dry-run-cpu), raster and Hilbert orders, forward and fwd+bwd, every rank's rows checked against
+one GPU; spec H16 D128 bf16, w 2K .. 1M, r 1 .. 32. bench/README.md says what a run does.
 
   python bench/bench_ring.py --gpus 1 2                       # raster, segment, sequence
   python bench/bench_ring.py --gpus 1 2 4 --orders raster --max-tokens
@@ -33,25 +30,24 @@ import toolkit as tk  # noqa: E402
 GPU = dict(ws=[2048, 8192, 32768, 131072, 524288, 1048576], rs=[1, 2, 4, 8, 16, 32], H=16, D=128,
            tokens=262144, small=(8192, 2, 64))          # small: (N, H, D) of the fp64 check
 DRY = dict(ws=[8, 32, 128], rs=[1, 2, 4], H=2, D=16, tokens=64, small=(128, 2, 16))
-ORDERS = ("raster", "segment", "sequence")
+ORDERS = ("raster", "segment", "sequence", "causal_gqa")        # causal_gqa: --predict-only
+MODEL = dict(rate_flop_s=3e14, bwd_over_fwd=3.06, one_gpu_bytes_per_token=45568, gpu_memory_gib=139.8,
+             link_gbytes_s=358.0, allgather_gbytes_s=342.0, step_latency_us=30.0)     # --predict-only, H200
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
 
 
 def hilbert_for(order: str, n: int):
     rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)     # as square as possible
-    return None if order == "raster" else {"scope": "segment"} if order == "segment" else \
+    return None if order in ("raster", "causal_gqa") else {"scope": "segment"} if order == "segment" else \
         {"scope": "sequence", "grid": [rows, n // rows]}
 
 
 def make_spec(geo, order: str, n: int, P: int, H=None, D=None, name=None):
     import dilgen
-    return dilgen.Spec(name=name or f"ring_{order}_p{P}", num_heads=H or geo["H"], head_dim=D or geo["D"],
-                       dtype="bfloat16", segment_lengths=geo["ws"], dilation_rates=geo["rs"], ring_size=P,
-                       hilbert=hilbert_for(order, n))
-
-
-def useful_flops_per_gpu(geo, N: int, P: int, fwd_bwd: bool) -> float:
-    return tk.useful_flops(dict(B=1, H=geo["H"], D=geo["D"], N=N, ws=geo["ws"], rs=geo["rs"]), False, fwd_bwd) / P
+    H, gqa = H or geo["H"], order == "causal_gqa"
+    return dilgen.Spec(name=name or f"ring_{order}_p{P}", num_heads=H, num_kv_heads=H // 4 if gqa else H,
+                       head_dim=D or geo["D"], dtype="bfloat16", segment_lengths=geo["ws"], causal=gqa,
+                       dilation_rates=geo["rs"], ring_size=P, hilbert=hilbert_for(order, n))
 
 
 def my_rows(x, P, rank, spec, dim=1):
@@ -103,24 +99,18 @@ class Rank:
 
     def steps(self, kernel, q, k, v, g):
         """(forward, forward + backward) callables on fresh leaves."""
-        torch = self.torch
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-
-        def fwd():
-            with torch.no_grad():
-                kernel(q, k, v)
 
         def fwd_bwd():
             for t in leaves:
                 t.grad = None
             kernel(*leaves).backward(g)
-        return fwd, fwd_bwd, leaves
+        return self.torch.no_grad()(lambda: kernel(q, k, v)), fwd_bwd, leaves
 
     def run(self, order) -> dict:
         import dilgen
         torch, P, rank, a, geo = self.torch, self.P, self.rank, self.args, self.geo
-        T = a.tokens_per_gpu or geo["tokens"]
-        N = T * P
+        N = (T := a.tokens_per_gpu or geo["tokens"]) * P
         row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": None if order == "raster" else order,
                "hilbert_spec": hilbert_for(order, N), "order": order}
         spec, one = make_spec(geo, order, N, P), make_spec(geo, order, N, 1, name=f"ring_{order}_one")
@@ -169,17 +159,9 @@ class Rank:
         if P == 1:
             row["single_device_fwd_ms"], row["single_device_fwd_bwd_ms"] = row["fwd_ms"], row["fwd_bwd_ms"]
         else:
-            try:
-                from dilgen.schedule import ring_schedule
-                sched = ring_schedule(kernel.compiled_for(self.dev).attention.plan["ring"], N)
-                row["remote_steps"], row["bytes_fraction"] = len(sched["steps"]) - 1, sched["bytes_fraction"]
-            except Exception as e:  # noqa: BLE001 - informational only
-                row["schedule_error"] = tk.short_err(e, 200)
-        for kind, fb in (("fwd", False), ("fwd_bwd", True)):
-            row[f"useful_tflops_per_gpu_{kind}"] = useful_flops_per_gpu(geo, N, P, fb) / row[f"{kind}_ms"] / 1e9
-            s = row.get(f"single_device_{kind}_ms")
-            row[f"strong_scaling_eff_{kind}"] = s / (P * row[f"{kind}_ms"]) if s else None
-        row["strong_scaling_eff"] = row["strong_scaling_eff_fwd_bwd"]
+            from dilgen.schedule import ring_schedule       # pure: the planned ring at this N
+            sched = ring_schedule(kernel.compiled_for(self.dev).attention.plan["ring"], N)
+            row["remote_steps"], row["bytes_fraction"] = len(sched["steps"]) - 1, sched["bytes_fraction"]
         del leaves, mine, fwd, fwd_bwd
         tk.cleanup(self.dev)
         if order == "raster" and self.dev.type == "cuda":
@@ -197,10 +179,8 @@ class Rank:
                           for _ in range(4))
         sd = [t.clone().requires_grad_(True) for t in (qd, kd, vd)]
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            def f():
-                with torch.no_grad():
-                    F.scaled_dot_product_attention(qd, kd, vd)
-            row["flash_step_fwd_ms"] = self.wall_ms(f, 2)
+            row["flash_step_fwd_ms"] = self.wall_ms(torch.no_grad()(lambda: F.scaled_dot_product_attention(
+                qd, kd, vd)), 2)
             row["flash_step_fwd_bwd_ms"] = self.wall_ms(lambda: F.scaled_dot_product_attention(*sd).backward(gd), 1)
 
     def longest(self, row, kernel, T):
@@ -252,9 +232,9 @@ def worker(rank, P, port, args, out_path):
         rows.append(row)
         if rank == 0:
             tk.write_json_atomic(out_path, rows)
+            eff = row.get("single_device_fwd_bwd_ms", 0) / P / row.get("fwd_bwd_ms", 1)    # strong scaling
             tk.log(f"    P={P} {order:8s} " + (row.get("error") or f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd "
-                   f"{row['fwd_bwd_ms']:.1f} ms, strong eff {tk.fmt(row.get('strong_scaling_eff'), '.2f')}")
-                   + f"  ({row['wall_s']:.0f} s)")
+                   f"{row['fwd_bwd_ms']:.1f} ms, strong eff {eff:.2f}") + f"  ({row['wall_s']:.0f} s)")
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001
@@ -262,9 +242,15 @@ def worker(rank, P, port, args, out_path):
     dist.destroy_process_group()
 
 
-def finish(rows):
-    """Weak-scaling efficiency against the 1-GPU row of the same order; modelled dense flash ring."""
+def finish(rows, geo):
+    """Useful TFLOP/s per GPU, strong scaling (T_1(N) / (P T_P(N))), weak-scaling efficiency against the
+    1-GPU row of the same order; modelled dense flash ring."""
     flash = next((b for b in rows if b["gpus"] == 1 and "flash_step_fwd_ms" in b), None)
+    for r, kind in ((r, kind) for r in rows if "fwd_bwd_ms" in r for kind in ("fwd", "fwd_bwd")):
+        r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(geo, B=1, N=r["N"]), r.get("order") == "causal_gqa",
+                                                             kind == "fwd_bwd") / r["gpus"] / r[f"{kind}_ms"] / 1e9
+        s = r.get(f"single_device_{kind}_ms")       # strong_scaling_eff: fwd+bwd's (the last kind)
+        r[f"strong_scaling_eff_{kind}"] = r["strong_scaling_eff"] = s / (r["gpus"] * r[f"{kind}_ms"]) if s else None
     for r in rows:
         base = next((b for b in rows if b["gpus"] == 1 and b.get("order") == r.get("order") and "fwd_bwd_ms" in b
                      and b.get("tokens_per_gpu") == r.get("tokens_per_gpu")), None)
@@ -275,22 +261,52 @@ def finish(rows):
                 r[f"dense_ring_flash_{kind}_ms_modelled"] = flash[f"flash_step_{kind}_ms"] * r["gpus"]
 
 
+def predict(args) -> list[dict]:
+    """--predict-only (no run): per problem and P (causal_gqa: H_kv = H / 4, zigzag), the transport dilgen's cost
+    model picks and its time: the forward as schedule.transport_times models it (the runtime's kernel rate, the ring
+    IR's 4 x H200 link rates), the backward as bwd_over_fwd (1 x H200 at 256K: 284.6 / 70.2 ms - 1) x its compute
+    moving 3x its bytes (keys; fp32 dK, dV home). GiB per GPU: bf16 q, k, v, out, dO, dq, dk, dv, fp32 dq, dk, dv, lse,
+    delta per token, 2 steps of received keys and fp32 partials (all-gather: all); P = 1: ring-2026-11-24.json's."""
+    from dilgen import planner, schedule as S, targets
+    M, T, rows, up = MODEL, args.tokens_per_gpu or GPU["tokens"], [], 1 + MODEL["bwd_over_fwd"]
+    for order, P in ((o, p) for o in args.orders for p in args.gpus):
+        spec = make_spec(GPU, order, T * P, max(P, 2))
+        H, Hk, D, rate = spec.num_heads, spec.num_kv_heads, spec.head_dim, M["rate_flop_s"]
+        ring = {**planner.plan(spec, targets.get_target("sm90")).ring.to_json(), **M, "ring_size": P}
+        sched = S.ring_schedule(ring, T * P, ("contiguous", "zigzag")[spec.causal])
+        comp = [x / rate for x in S.step_flops(ring, sched, 1, H, D)]
+        f, b = (S.transport_times(ring, sched, bytes_per_row=4 * Hk * D * n, step_compute_s=[c * x for c in comp])
+                for n, x in ((1, 1), (3, up - 1)))
+        base = T * ((H + 2 * Hk) * D * 8 + 4 * H * D + 8 * H)
+        tr = P > 1 and S.choose_transport(ring, sched, bytes_per_row=4 * Hk * D, step_compute_s=comp,
+                                          free_bytes=(M["gpu_memory_gib"] * 2**30 - base) // 2)
+        i, one = int(tr == "allgather"), tk.useful_flops(dict(GPU, B=1, N=T * P), spec.causal) / rate
+        mem = T * M["one_gpu_bytes_per_token"] if P == 1 else base + [6 * max(f[2], default=0), 3 * sum(f[2])][i]
+        rows.append(dict(gpus=P, order=order, tokens_per_gpu=T, N=T * P, transport=tr or None, fwd_ms=1e3 * f[i],
+                         fwd_bwd_ms=1e3 * (f[i] + b[i]), allgather_fwd_bwd_ms=1e3 * (f[1] + b[1]) if tr else None,
+                         single_device_fwd_ms=1e3 * one, single_device_fwd_bwd_ms=1e3 * one * up,
+                         remote_steps=len(sched["steps"]) - 1, memory_per_gpu_gib=mem / 2**30))
+    return rows
+
+
 def report(rows):
     k = lambda x: f"{x // 1024}K" if x % 1024 == 0 else str(x)  # noqa: E731
     body = []
-    for r in sorted(rows, key=lambda r: (ORDERS.index(r.get("order", "raster")), r["gpus"])):
+    for r in sorted(rows, key=lambda r: (r["tokens_per_gpu"], ORDERS.index(r.get("order", "raster")), r["gpus"])):
         chk = r.get("check_worst_rank_rel_err")
         body.append([r["gpus"], r.get("order"), k(r["tokens_per_gpu"]), "—", "failed: " + r.get("error", "?")[:200]]
-                    + [""] * 8 if "fwd_bwd_ms" not in r else
-                    [r["gpus"], r["order"], k(r["tokens_per_gpu"]), k(r["N"]), f"{r['fwd_ms']:.1f}",
-                     f"{r['fwd_bwd_ms']:.1f}", tk.fmt(r.get("single_device_fwd_bwd_ms"), ".1f"),
+                    + [""] * 9 if "fwd_bwd_ms" not in r else
+                    [r["gpus"], r["order"] + f" ({r.get('transport')})" * bool(r.get("transport")),
+                     k(r["tokens_per_gpu"]), k(r["N"]), f"{r['fwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}",
+                     tk.fmt(r.get("single_device_fwd_bwd_ms"), ".1f"),
                      f"{r['useful_tflops_per_gpu_fwd_bwd']:.0f}", tk.fmt(r.get("efficiency_fwd_bwd"), ".0%"),
                      tk.fmt(r.get("strong_scaling_eff"), ".0%"), tk.fmt(r.get("allgather_fwd_bwd_ms"), ".1f"),
                      "—" if not chk else "/".join(f"{chk[x]:.1e}" for x in ("out", "dq", "dk", "dv")),
-                     f"{r['bf16_rel_error_vs_fp64']:.1e}"])
+                     tk.fmt(r.get("bf16_rel_error_vs_fp64"), ".1e"),
+                     tk.fmt(r.get("peak_gib", r.get("memory_per_gpu_gib")), ".1f")])
     tk.log(tk.markdown_table(["GPUs", "order", "tokens/GPU", "N", "fwd ms", "fwd+bwd ms", "1-GPU fwd+bwd ms (same N)",
                               "TFLOP/s per GPU", "weak eff", "strong eff", "all-gather fwd+bwd ms",
-                              "rows vs 1 GPU out/dq/dk/dv", "bf16 vs fp64"], body))
+                              "rows vs 1 GPU out/dq/dk/dv", "bf16 vs fp64", "GiB per GPU"], body))
 
 
 def plot(result, path):
@@ -302,16 +318,13 @@ def plot(result, path):
         for order in ORDERS:
             rs = sorted((r for r in rows if r.get("order") == order), key=lambda r: r["gpus"])
             label = "raster" if order == "raster" else f"Hilbert {order}"
-            if rs:
-                ax[0].plot([r["gpus"] for r in rs], [r["useful_tflops_per_gpu_fwd_bwd"] for r in rs], style[order],
-                           label=label)
-                se = [(r["gpus"], r["strong_scaling_eff"]) for r in rs if r.get("strong_scaling_eff")]
-                ax[1].plot([x for x, _ in se], [y for _, y in se], style[order], label=label)
-        ag = sorted((r for r in rows if r.get("allgather_fwd_bwd_ms")), key=lambda r: r["gpus"])
+            for a_, xy in zip(ax, ([(r["gpus"], r[f]) for r in rs if r.get(f)]
+                                   for f in ("useful_tflops_per_gpu_fwd_bwd", "strong_scaling_eff"))):
+                a_.plot(*zip(*xy), style[order], label=label) if xy else None
+        ag = [(r["gpus"], r["useful_tflops_per_gpu_fwd_bwd"] * r["fwd_bwd_ms"] / r["allgather_fwd_bwd_ms"])
+              for r in sorted(rows, key=lambda r: r["gpus"]) if r.get("allgather_fwd_bwd_ms")]
         if ag:                  # the same work in the all-gather's time
-            ax[0].plot([r["gpus"] for r in ag], [r["useful_tflops_per_gpu_fwd_bwd"] * r["fwd_bwd_ms"]
-                                                 / r["allgather_fwd_bwd_ms"] for r in ag],
-                       "x-.", color="gray", label="raster, all-gather (LongNet)")
+            ax[0].plot(*zip(*ag), "x-.", color="gray", label="raster, all-gather (LongNet)")
         t = rows[0]["tokens_per_gpu"]
         ax[0].set(xlabel="GPUs", ylabel="useful TFLOP/s per GPU (fwd+bwd)", xticks=gpus, ylim=(0, None),
                   title=f"weak scaling, {f'{t // 1024}K' if t >= 1024 else t} tokens per GPU")
@@ -332,14 +345,15 @@ def parse_args(argv=None):
     add = ap.add_argument
     add("--gpus", type=int, nargs="+", default=[1, 2, 4], help="GPU counts (default 1 2 4)")
     add("--tokens-per-gpu", type=int, default=None, help="default 262144 (dry run: 64)")
-    add("--orders", default=",".join(ORDERS), help="subset of raster,segment,sequence")
+    add("--orders", default=",".join(ORDERS[:3]), help="subset of raster,segment,sequence (+ causal_gqa: model)")
     add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
         "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
     add("--no-allgather", action="store_true", help="skip LongNet's all-gather transport")
     add("--no-flash", action="store_true", help="skip the dense flash ring model")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
+    add("--predict-only", action="store_true", help="no run: the cost model's predictions on H200s (predict())")
     a = ap.parse_args(argv)
-    a.orders = tk.pick(a.orders, ORDERS, "--orders")
+    a.orders = tk.pick(a.orders, ORDERS[:3 + a.predict_only], "--orders")
     if a.max_tokens is not None and not a.max_tokens:
         a.max_tokens = [1 << 20, 3 << 19, 2 << 20]
     a.reps = a.reps or (1 if a.dry_run_cpu else 4)
@@ -353,27 +367,29 @@ def main(argv=None):
         return 0
     import torch
     import torch.multiprocessing as mp
-    dry, geo, gpus = args.dry_run_cpu, DRY if args.dry_run_cpu else GPU, args.gpus
-    if tk.no_gpu(dry, "bench_ring.py", "--dry-run-cpu (gloo)"):
+    dry, geo, gpus, model = args.dry_run_cpu, DRY if args.dry_run_cpu else GPU, args.gpus, args.predict_only
+    if not model and tk.no_gpu(dry, "bench_ring.py", "--dry-run-cpu (gloo)"):
         return 2
-    if not dry and [p for p in gpus if p > torch.cuda.device_count()]:
+    if not dry and not model and [p for p in gpus if p > torch.cuda.device_count()]:
         gpus = [p for p in gpus if p <= torch.cuda.device_count()]
         tk.log(f"only {torch.cuda.device_count()} GPU(s): running --gpus {gpus}")
-    head = tk.header("cpu" if dry else "cuda", dry, {
+    head = tk.header("cpu" if dry or model else "cuda", dry, {
         "args": vars(args), "spec": {"segment_lengths": geo["ws"], "dilation_rates": geo["rs"], "num_heads": geo["H"],
                                      "head_dim": geo["D"], "dtype": "bfloat16", "batch": 1},
         "notes": ["strong_scaling_eff = T_1(N) / (P * T_P(N)), N = tokens_per_gpu * P, T_1 the single-device "
                   "kernel (ring_size 1) on the full N (fwd+bwd; _fwd: forward only)",
                   "efficiency_*: weak scaling, useful TFLOP/s per GPU against the 1-GPU row of the same order",
                   "check_*: every rank's rows of out, dq, dk, dv against the single-device kernel's same rows",
-                  "useful FLOPs: sum_i 4*B*H*(N/w_i)*(w_i/r_i)^2*D (w_i capped at N), x3.5 fwd+bwd, / P per GPU"]})
-    if not dry:
-        head["device"] = f"{len(gpus) and max(gpus)} x {head['device']}"
-    res = tk.Results(tk.result_path(args.out, "ring", dry), head, key=("gpus", "order", "tokens_per_gpu"),
-                     append=args.append, lists=())
+                  "useful FLOPs: sum_i 4*B*H*(N/w_i)*(w_i/r_i)^2*D (w_i capped at N), x3.5 fwd+bwd, / P per GPU"]
+        + [" ".join(predict.__doc__.split())] * model} | ({"model": MODEL} if model else {}))
+    if model or not dry:
+        head["device"] = "model only, no run" if model else f"{len(gpus) and max(gpus)} x {head['device']}"
+    res = tk.Results(tk.result_path(args.out, "ring_predictions" if model else "ring", dry), head,
+                     key=("gpus", "order", "tokens_per_gpu"), append=args.append, lists=())
     failed = False
+    res.rows.extend(predict(args) if model else [])
     with tempfile.TemporaryDirectory() as tmp:
-        for i, P in enumerate(gpus):
+        for i, P in enumerate([] if model else gpus):
             tk.log(f"[{i + 1}/{len(gpus)}] {P} {'process' if dry else 'GPU'}(s), "
                    f"{args.tokens_per_gpu or geo['tokens']} tokens each, orders {args.orders} ...")
             path, t0 = Path(tmp) / f"ring_{P}.json", time.time()
@@ -391,10 +407,10 @@ def main(argv=None):
                 failed |= "error" in r or r.get("check_passed") is False
             tk.log(f"  {P}: {time.time() - t0:.0f} s")
     rows = res.all_rows()
-    finish(rows)
+    finish(rows, geo)
     res.save()
     report(rows)
-    if not args.no_plot:
+    if not args.no_plot and not model:
         plot({**res.data, "rows": rows}, tk.result_path(args.out, "ring", dry, ext="png"))
     tk.log(f"json: {res.path}")
     bad = [f"P={r['gpus']} {r.get('order')}: {r.get('error', 'check failed')[:160]}" for r in res.rows

@@ -2,7 +2,8 @@
 JSON) and a sequence length: which rows each rank holds (`ring_pieces`), which windows
 (query piece, key piece, branch mask) each rank computes at each offset
 (`ring_schedule`, `ring_schedule_packed` for packed rows), and the transport cost model
-(`choose_transport`). Every rank computes the same value; the runtime's ring executes it.
+(`step_flops`, `transport_times`, `choose_transport`). Every rank computes the same value;
+the runtime's ring executes it.
 """
 from __future__ import annotations
 
@@ -190,26 +191,59 @@ def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -
             "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
 
 
-def choose_transport(ring: dict, schedule: dict, *, bytes_per_row: int,
-                     step_compute_s: list[float], free_bytes: int | None = None) -> str:
-    """Cost model: a ring pass overlaps each step's transfer with the previous step's
-    kernels (time ~ sum max(compute, bytes / link)); LongNet's all-gather moves all the
-    sparse rows first (time ~ bytes / all-gather rate + compute) and holds them all.
-    Returns "ring" or "allgather"."""
+def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int) -> list[float]:
+    """Per step, the attention FLOPs of the rank with the most: a launch of a query piece of
+    n_q rows keeps, per branch (w, r) of its mask, 4·B·H·D·n_q·min(w, n_q)/r² (causal: half
+    of it against its own piece's keys). The slowest rank sets a step's time, and every
+    rank computes the same list, so that every rank picks the same transport."""
+    w_r = [(br["index"], br["w"], br["r"]) for br in ring["branches"]]
+    out = []
+    for st in schedule["steps"]:
+        worst = 0.0
+        for j, rank in enumerate(st["ranks"]):
+            flops = 0.0
+            for qi, ki, bits in rank["launches"]:
+                n_q = schedule["pieces"][j][qi][1]
+                # causal: a piece against its own keys keeps half (later pieces: none, dropped)
+                part = 0.5 if ring["causal"] and st["offset"] == 0 and qi == ki else 1.0
+                flops += part * sum(4 * batch * heads * head_dim * n_q * min(w, n_q) / r ** 2
+                                    for i, w, r in w_r if bits >> i & 1)
+            worst = max(worst, flops)
+        out.append(worst)
+    return out
+
+
+def transport_times(ring: dict, schedule: dict, *, bytes_per_row: int,
+                    step_compute_s: list[float]) -> tuple[float, float, list[int]]:
+    """The cost model's (ring pass s, all-gather pass s, bytes of each remote step): a ring
+    pass overlaps each step's transfer with the previous step's kernels (time ~ sum
+    max(compute, bytes / link) + a latency per step); LongNet's all-gather moves all the
+    sparse rows first (time ~ bytes / all-gather rate + latency + compute)."""
+    comp = step_compute_s + [0.0] * (len(schedule["steps"]) - len(step_compute_s))
     remote = [s for s in schedule["steps"] if s["offset"]]
     if not remote:
-        return "ring"
+        return comp[0], comp[0], []
     lat = ring["step_latency_us"] * 1e-6
     per_step_bytes = []
-    for s in remote:
-        rows = max(sum(kp[1] // g for kp, g in zip(schedule["pieces"][(j - s["offset"]) % ring["ring_size"]], r["stride"]))
-                   for j, r in enumerate(s["ranks"]))
+    for s in remote:        # the most rows a receiving rank takes in the step
+        rows = max((sum(kp[1] // g for kp, g in zip(schedule["pieces"][(j - s["offset"]) % ring["ring_size"]],
+                                                     r["stride"]))
+                    for j, r in enumerate(s["ranks"]) if r["recv"]), default=0)
         per_step_bytes.append(rows * bytes_per_row)
-    comp = step_compute_s + [0.0] * (len(schedule["steps"]) - len(step_compute_s))
     ring_t = comp[0] + sum(max(c, b / (ring["link_gbytes_s"] * 1e9)) + lat
                            for c, b in zip(comp[1:], per_step_bytes))
-    total = sum(per_step_bytes)
-    gather_t = total / (ring["allgather_gbytes_s"] * 1e9) + lat + sum(comp)
-    if free_bytes is not None and total > free_bytes:
+    gather_t = sum(per_step_bytes) / (ring["allgather_gbytes_s"] * 1e9) + lat + sum(comp)
+    return ring_t, gather_t, per_step_bytes
+
+
+def choose_transport(ring: dict, schedule: dict, *, bytes_per_row: int,
+                     step_compute_s: list[float], free_bytes: int | None = None) -> str:
+    """Cost model (transport_times): "allgather" when it is faster and the gathered rows
+    fit in free_bytes, else "ring"."""
+    if not any(s["offset"] for s in schedule["steps"]):
+        return "ring"
+    ring_t, gather_t, per_step = transport_times(ring, schedule, bytes_per_row=bytes_per_row,
+                                                 step_compute_s=step_compute_s)
+    if free_bytes is not None and sum(per_step) > free_bytes:
         return "ring"
     return "allgather" if gather_t < ring_t else "ring"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -24,6 +25,23 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.detach().double().cpu()
     denom = ref.norm().item()
     return (got - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+class transport:
+    """DILGEN_RING_TRANSPORT set to `name` inside the block (a case's "transport")."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.saved = os.environ.get("DILGEN_RING_TRANSPORT")
+        os.environ["DILGEN_RING_TRANSPORT"] = self.name
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            del os.environ["DILGEN_RING_TRANSPORT"]
+        else:
+            os.environ["DILGEN_RING_TRANSPORT"] = self.saved
 
 
 def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> list[str]:
@@ -69,12 +87,14 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
         if counter.frame_count != 1:
             return [f"{case['name']} rank {rank}: {counter.frame_count} graphs, want 1"]
     else:
-        out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
+        with transport(case.get("transport", "auto")):
+            out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
     g_out = sh(gout).to(dev)
     g_lse = sh(glse, 2).to(dev)
     lse_finite = torch.isfinite(lse.detach())
     loss = (out.float() * g_out).sum() + torch.where(lse_finite, lse, torch.zeros_like(lse)).mul(g_lse).sum()
-    loss.backward()
+    with transport(case.get("transport", "auto")):
+        loss.backward()
 
     tol = TOL[spec.dtype]
     fails = []
@@ -137,17 +157,10 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
     c = total // P
     rows = slice(rank * c, (rank + 1) * c)
     mine = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
-    saved = os.environ.get("DILGEN_RING_TRANSPORT")
-    os.environ["DILGEN_RING_TRANSPORT"] = case.get("transport", "auto")
-    try:
-        ring_kernel = (dilgen.Kernel(ring_spec, None, case["tuning"]) if case.get("tuning")
-                       else dilgen.compile(ring_spec))
+    ring_kernel = (dilgen.Kernel(ring_spec, None, case["tuning"]) if case.get("tuning")
+                   else dilgen.compile(ring_spec))
+    with transport(case.get("transport", "auto")):
         out, lse = ring_kernel(*mine, cu_seqlens=cu, return_lse=True, group=group)
-    finally:
-        if saved is None:
-            del os.environ["DILGEN_RING_TRANSPORT"]
-        else:
-            os.environ["DILGEN_RING_TRANSPORT"] = saved
     if tuple(out.shape) != (c, H, D) or tuple(lse.shape) != (H, c):
         return [f"{case['name']} rank {rank}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}"]
     loss_of(out, lse, gout[rows], glse[:, rows]).backward()
@@ -271,7 +284,9 @@ def check_error(case: dict, rank: int, P: int, dev) -> list[str]:
     spec = dilgen.Spec(name=f"ring_err_{kind}", **fields)
     q, k, v = (torch.randn(1, n_loc, 2, 16, dtype=fields_dtype, device=dev) for _ in range(3))
     try:
-        dilgen.compile(spec)(q, k, v)
+        # "transport": rank 0 forces the all-gather, the others the ring (a hang if it ran)
+        with transport(("allgather" if rank == 0 else "ring") if kind == "transport" else "auto"):
+            dilgen.compile(spec)(q, k, v)
     except RingError as exc:
         msg = str(exc)
         if "\n" in msg or case["expect_in"] not in msg:
@@ -373,6 +388,95 @@ def refused_main(mode: str, out_dir: str) -> None:
         kernel(bad, k, v)          # uncaught: the interpreter prints it and exits 1
 
 
+# -- a rank that fails in the middle of a ring call (tests/test_ring_faults.py) -------------
+# name: (DILGEN_RING_TRANSPORT, failing rank, pass, step index, "raise" or "kill", group)
+FAULTS = {
+    "setup": ("ring", 1, "setup", 0, "raise", "own"),       # RingRun's set-up, past the agreement
+    "fwd_ring": ("ring", 1, "forward", 1, "raise", "own"),
+    "bwd_ring": ("ring", 2, "backward", 2, "raise", "own"),
+    "bwd_allgather": ("allgather", 0, "backward", 3, "raise", "own"),
+    # the default group (torch ops), left uncaught: every rank ends by the error (exit 1)
+    "fwd_allgather_uncaught": ("allgather", 3, "forward", 0, "raise", "default"),
+    "fwd_kill": ("ring", 2, "forward", 1, "kill", "default"),
+}
+
+
+class injected:
+    """Test hook, this process only: on rank `fail`, RingRun.run (the kernels of one step)
+    raises, or kills the process, when pass `direction` reaches step index `step`; for
+    direction "setup", RingRun._transport raises (the forward's set-up)."""
+
+    def __init__(self, rank: int, fail: int, direction: str, step: int, how: str):
+        self.active, self.args = rank == fail, (rank, direction, step, how)
+
+    def __enter__(self):
+        from dilgen.runtime.ring.run import RingRun
+        self.plain, (rank, direction, step, how) = RingRun.run, self.args
+        plain = self.plain
+
+        self.plain_transport = RingRun._transport
+
+        def run(ring, fn):
+            if ring.direction == direction and ring.at[:2] == ("step", step):
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"injected fault on rank {rank}, {direction} step index {step}")
+            return plain(ring, fn)
+
+        def setup(ring, q):
+            raise RuntimeError(f"injected fault on rank {rank}, {direction} step index {step}")
+        if self.active:
+            RingRun.run = run
+            if direction == "setup":
+                RingRun._transport = setup
+
+    def __exit__(self, *exc):
+        from dilgen.runtime.ring.run import RingRun
+        RingRun.run, RingRun._transport = self.plain, self.plain_transport
+
+
+def fault_main(names: str, out_dir: str) -> None:
+    """Run the FAULTS cases in order (P ranks under torchrun's environment): each one a
+    forward and backward on P * 16 rows whose w = P * 16 branch spans every rank, with
+    the fault injected on one rank. Writes fault{rank}.json after each case: where each
+    rank raised (forward or backward), what, and how many seconds after the call began."""
+    import time
+    import torch.distributed as dist
+    import dilgen
+    from dilgen.runtime.ring import shard
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, P = dist.get_rank(), dist.get_world_size()
+    report = {}
+    for name in names.split(","):
+        transport, fail, direction, step, how, where = FAULTS[name]
+        group = dist.new_group(list(range(P))) if where == "own" else None
+        os.environ["DILGEN_RING_TRANSPORT"] = transport
+        spec = dilgen.Spec(name=f"fault_{name}", num_heads=2, head_dim=16, dtype="float32",
+                           segment_lengths=[16, 16 * P], dilation_rates=[1, 2], ring_size=P)
+        kernel = dilgen.compile(spec)
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = (shard(torch.randn(1, 16 * P, 2, 16, generator=gen), P, rank).requires_grad_(True)
+                   for _ in range(3))
+        entry = report[name] = {"raised_in": None, "type": None, "error": None, "seconds": None}
+        write_json(out_dir, f"fault{rank}.json", report)
+        with injected(rank, fail, direction, step, how):
+            t0, phase = time.monotonic(), "forward"
+            try:
+                out = kernel(q, k, v, group=group)
+                phase = "backward"
+                out.square().sum().backward()
+            except Exception as exc:  # noqa: BLE001 - the parent asserts on the report
+                entry.update(raised_in=phase, type=type(exc).__name__, error=str(exc))
+                if name.endswith("uncaught"):
+                    raise
+            finally:
+                entry["seconds"] = time.monotonic() - t0
+                write_json(out_dir, f"fault{rank}.json", report)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["refused"]:
         refused_main(sys.argv[2], sys.argv[3])
+    if sys.argv[1:2] == ["fault"]:
+        fault_main(sys.argv[2], sys.argv[3])

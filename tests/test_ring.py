@@ -1,4 +1,4 @@
-"""The ring (SPEC §2 "Ring", §3): schedule IR units, and P = 2, 4 gloo runs on CPU where
+"""The ring (SPEC §2 "Ring", §3): schedule IR units, and P = 2, 4, 8 gloo runs on CPU where
 every rank asserts its rows of out, lse and the q, k, v gradients against the float64
 single-device reference (tests/ring_worker.py)."""
 from __future__ import annotations
@@ -293,11 +293,25 @@ CASES_P4 = [
     {"name": "err_spec", "expect_error": "spec", "expect_in": "disagree on spec"},
     {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},
     {"name": "err_dtype", "expect_error": "dtype", "expect_in": "bad inputs"},
+    {"name": "err_transport", "expect_error": "transport", "expect_in": "disagree on DILGEN_RING_TRANSPORT"},
+]
+
+
+# P = 8 (8 processes on the CI's 2 cores: two small cases): every rank's keys reach every
+# other rank (w = N, compacted with stride 4); causal zigzag GQA over the all-gather
+CASES_P8 = [
+    {"name": "p8_compacted", "spec": {"segment_lengths": [16, 256], "dilation_rates": [1, 4]},
+     "shape": [1, 256]},
+    {"name": "p8_zigzag_causal_gqa_allgather", "spec": {"segment_lengths": [32, 128], "dilation_rates": [1, 2],
+                                                        "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "shape": [1, 256], "order": "zigzag", "transport": "allgather"},
 ]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("P, cases", [(2, CASES_P2), (4, CASES_P4)], ids=["P2", "P4"])
+@pytest.mark.parametrize("P, cases", [(2, CASES_P2), (4, CASES_P4),
+                                      pytest.param(8, CASES_P8, marks=pytest.mark.slow)],
+                         ids=["P2", "P4", "P8"])
 def test_ring_matches_single_device_reference(P, cases, tmp_path):
     reports = _run_ring(P, cases, tmp_path, timeout_s=360)
     fails = [f for r in reports for f in r["fails"]]

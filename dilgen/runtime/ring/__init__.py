@@ -9,6 +9,7 @@ branch reads in raster order with r | w). Memory per rank is O(N / P).
 
     sharding.py   which rows a rank holds (shard, unshard)
     agreement.py  every rank checks its inputs, and all pass or all fail together
+    faults.py     a rank that fails mid-call makes every rank raise (RingAborted), never wait
     run.py        one call: pieces, schedule, transport, transfers, windows (RingRun)
     executor.py   the forward and backward passes over a RingRun
     op.py         the doors: ring_attention, ring_varlen_attention (torch ops, autograd)
@@ -16,11 +17,11 @@ branch reads in raster order with r | w). Memory per rank is O(N / P).
 Packed rows (cu_seqlens over the whole row) use the same pieces; sequences may span rank
 borders, and each window launches for the sequences with a segment meeting both pieces.
 """
-from .agreement import RingError
+from .faults import RingAborted, RingError
 from .executor import ring_backward, ring_forward
 from .op import ring_attention, ring_varlen_attention
 from .run import RingRun
 from .sharding import shard, unshard
 
-__all__ = ["RingError", "RingRun", "ring_attention", "ring_backward", "ring_forward",
+__all__ = ["RingAborted", "RingError", "RingRun", "ring_attention", "ring_backward", "ring_forward",
            "ring_varlen_attention", "shard", "unshard"]

@@ -1,10 +1,12 @@
 """Checks that every rank of a ring call passes or fails together: the process group fits
-the spec, and one all_gather of a fingerprint (spec, shapes, dtype, order, local errors)
-catches ranks that disagree before any transfer, with the same one-line error everywhere."""
+the spec, and one all_gather of a fingerprint (spec, shapes, dtype, order, transport
+override, local errors) catches ranks that disagree before any transfer, with the same
+one-line error everywhere. The same all_gather hands every rank the call's fault key
+(faults.py) and the smallest free memory of the ranks (the transport cost model's bound)."""
 from __future__ import annotations
 
 import hashlib
-import time
+import os
 from typing import Any, Callable
 
 import torch
@@ -12,35 +14,10 @@ import torch
 from ...schedule import CHUNK_ORDERS
 from ..checks import InputError, check_inputs, check_varlen_inputs
 from ..varlen import packing_from_cu_seqlens
+from .faults import PeerLost, RingError, collective, fault_key, new_key, refuse_closed
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-
-
-class RingError(InputError):
-    """The ranks of a ring call disagree, or the process group does not fit the spec."""
-
-
-def let_go(tensors, timeout_s: float = 2.0) -> None:
-    """Return once no thread of the process group holds a reference to `tensors` (the
-    inputs and outputs of a finished collective), or after timeout_s.
-
-    Why: gloo runs a collective on a worker thread (ProcessGroupGloo::runLoop), which
-    drops its Work, and with it its references to the tensors, just after wait() returns
-    on this thread. A tensor made in Python keeps its Python object alive while C++ holds
-    it, so dropping the Work takes the GIL (c10 PyObject preservation:
-    TensorImpl::decref_pyobject), once per tensor. If the interpreter is
-    already finalizing by then (the call raised and nothing caught it, or the script ended
-    right after the collective), Python ends that thread with pthread_exit inside the
-    noexcept ~AsyncAllgatherWork: std::terminate, "terminate called without an active
-    exception", SIGABRT (seen in a core: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork ->
-    decref_pyobject -> take_gil -> PyThread_exit_thread). Sleeping here releases the GIL, so
-    the worker finishes now. The tensors' use counts say when: 1 is this thread's own
-    Python reference."""
-    deadline = time.monotonic() + timeout_s
-    while any(getattr(t, "_use_count", lambda: 1)() > 1 for t in tensors):
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.0002)
+_TRANSPORTS = ("auto", "ring", "allgather")
 
 
 def _group_info(spec: dict, group) -> tuple[int, int, Any]:
@@ -58,20 +35,27 @@ def _group_info(spec: dict, group) -> tuple[int, int, Any]:
 
 
 def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
-                 cu: list[int] | None = None) -> torch.Tensor:
+                 cu: list[int] | None = None, free: int = -1) -> torch.Tensor:
+    """The compared fields (_FIELDS), then two that are not: this rank's proposal for the
+    call's fault key, and its free memory (-1: not a GPU, or the transport is forced)."""
     key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
         (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
     def shape(t, i):
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
     vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            _cu_key(cu), int(error is not None)]
+            _cu_key(cu), _transport_code(), int(error is not None), new_key(), free]
     return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
            "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
-           "input error"]
+           "DILGEN_RING_TRANSPORT", "input error"]
+
+
+def _transport_code() -> int:
+    forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
+    return _TRANSPORTS.index(forced) if forced in _TRANSPORTS else len(_TRANSPORTS)
 
 
 def _cu_key(cu: list[int] | None) -> int:
@@ -110,13 +94,16 @@ def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqle
 
 def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
            cu_seqlens=None, max_seqlen=None,
-           local_check: Callable[[int], None] | None = None) -> list[int] | None:
+           local_check: Callable[[int], None] | None = None) -> tuple[list[int] | None, str, int | None]:
     """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
     same error on every rank instead of hanging in a later send. With cu_seqlens (a packed
-    row: q, k, v of 3 dims) every rank must pass the same offsets; returns them.
-    local_check(local rows) raises InputError for what else this rank cannot run (it
-    joins the fingerprint's error bit, so every rank refuses together). Nothing of the
-    collective is left pending when this returns or raises (let_go)."""
+    row: q, k, v of 3 dims) every rank must pass the same offsets. local_check(local rows)
+    raises InputError for what else this rank cannot run (any exception of the checks
+    joins the fingerprint's error bit, so every rank refuses together). Returns the
+    offsets (or None), the call's fault key and the smallest free GPU memory of the ranks
+    (None: not measured). Nothing of the collective is left pending when this returns or
+    raises (faults.let_go). An all_gather that fails (the group was closed by a failure in an
+    earlier call, or a rank died) raises RingAborted (faults.py)."""
     name = spec["name"]
     error = cu = None
     try:
@@ -132,23 +119,30 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
             local_check(n_loc)
     except InputError as exc:
         error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - refused on every rank, never one rank alone
+        error = f"{name}: {type(exc).__name__}: " + " ".join(str(exc).split())
     if cu_seqlens is not None:   # the fingerprint reads packed rows as one batch element
         q, k, v = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
                    for t in (q, k, v))
     device = q.device if isinstance(q, torch.Tensor) and dist.get_backend(group) != "gloo" else torch.device("cpu")
+    free = -1
+    if error is None and q.is_cuda and _transport_code() == 0:
+        free = torch.cuda.mem_get_info(q.device)[0] // 2
     mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device,
-                        cu if cu_seqlens is not None else None)
+                        cu if cu_seqlens is not None else None, free)
     every = [torch.empty_like(mine) for _ in range(P)]
-    dist.all_gather(every, mine, group=group)
-    rows = [x.tolist() for x in every]
-    if dist.get_backend(group) == "gloo":
+    try:
         # nothing left pending, refused or not: the process may end right after the call
-        # (cheap: the worker thread only waits for the GIL). Other backends: not examined.
-        let_go((mine, *every))
-    message = _verdict(name, rows, error, P)
+        # (gloo: faults.let_go, cheap: the worker thread only waits for the GIL)
+        collective(dist, group, lambda: dist.all_gather(every, mine, group=group), (mine, *every))
+    except PeerLost as exc:
+        raise refuse_closed(name, dist, group, P, me, exc) from exc.__cause__
+    rows = [x.tolist() for x in every]
+    key, frees = fault_key(rows[0][-2]), [r[-1] for r in rows if r[-1] >= 0]
+    message = _verdict(name, [r[:-2] for r in rows], error, P)
     if message is not None:
         raise RingError(message)
-    return cu
+    return cu, key, (min(frees) if frees else None)
 
 
 def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str | None:
@@ -167,6 +161,10 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
                 return (f"{name}: the ranks disagree on cu_seqlens (offsets hash by rank: "
                         f"{by_rank}); every rank must pass the same cu_seqlens, the "
                         f"offsets of the sequences over the whole packed row")
+            if label == "DILGEN_RING_TRANSPORT":
+                names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
+                return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "
+                        f"the same value (ring, allgather or auto) on every rank, or none")
             hint = ("every rank must compile the same spec" if f == 0 else
                     "N must be divisible by ring_size, every rank passing N / ring_size rows"
                     if "rows" in label else "every rank must pass tensors of the same shape and dtype")

@@ -5,7 +5,8 @@ its epilogue: lse = log(e^lse_a + e^lse_b), out = (e^lse_a out_a + e^lse_b out_b
 (LongNet Eq. 10 applied to partial key sets). Backward: dQ accumulates locally; the
 partial dK, dV of remote keys go back to their owner along the reversed schedule and are
 added there in fp32. Each remote step's keys are posted one step ahead, so the transfer
-overlaps the kernels of the step before."""
+overlaps the kernels of the step before. Each pass runs inside a faults.Guard: a rank that
+raises in it makes every rank raise RingAborted, never wait (run.at says where it was)."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,23 @@ import torch
 
 from ..backward import backward_inputs
 from ..launch import ensure_descriptor_allocator, poison
+from .faults import Guard
 from .run import RingRun, _uncompact_add
 
 
 def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of my rows."""
+    with Guard(run, "forward"):
+        return _forward(run, q, k, v)
+
+
+def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
+    """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel home."""
+    with Guard(run, "backward"):
+        return _backward(run, q, k, v, out, lse, grad_out, grad_lse)
+
+
+def _forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     attn, plan = run.attn, run.attn.plan
     cfg = plan["config"]
     B, H, n_loc = run.B, run.H, run.n_loc
@@ -79,8 +93,10 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 
     if run.transport == "allgather":
         if len(steps) > 1:
+            run.at = ("gather", 0, 0)
             run.gather_keys((k, v))
-        for step in steps:
+        for i, step in enumerate(steps):
+            run.at = ("step", i, step["offset"])
             keys = run.step_keys(step) if step["offset"] else None
             run.run(lambda: compute(step, keys))
         run.gathered = None
@@ -88,6 +104,7 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         return out, lse
     pending = run.post_keys(steps[0], (k, v))
     for i, step in enumerate(steps):
+        run.at = ("step", i, step["offset"])
         keys = pending.wait() if pending is not None else None
         pending = run.post_keys(steps[i + 1], (k, v)) if i + 1 < len(steps) else None
         run.run(lambda: compute(step, keys))
@@ -95,8 +112,7 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
-    """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel home."""
+def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     attn, plan = run.attn, run.attn.plan
     kernels = attn.backward_kernels
     conf = kernels["config"]
@@ -180,18 +196,22 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
             _uncompact_add(run.piece(dk, i), pk, g)
             _uncompact_add(run.piece(dv, i), pv, g)
 
+    run.at = ("preprocess", 0, 0)
     run.run(preprocess)
     steps = run.sched["steps"]
     if run.transport == "allgather":
         by_rank = {}
         if len(steps) > 1:
+            run.at = ("gather", 0, 0)
             run.gather_keys((k, v))
-        for step in steps:
+        for i, step in enumerate(steps):
+            run.at = ("step", i, step["offset"])
             keys = run.step_keys(step) if step["offset"] else None
             partials = run.run(lambda: compute(step, keys))
             if partials is not None and step["ranks"][run.me]["launches"]:
                 by_rank[(run.me - step["offset"]) % run.P] = partials
         if len(steps) > 1:
+            run.at = ("reduce", 0, 0)
             run.scatter_partials(by_rank, dk, dv)
         run.gathered = None
         attn.launches += 1
@@ -199,11 +219,13 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     pending = run.post_keys(steps[0], (k, v))
     returning = None
     for i, step in enumerate(steps):
+        run.at = ("step", i, step["offset"])
         keys = pending.wait() if pending is not None else None
         pending = run.post_keys(steps[i + 1], (k, v)) if i + 1 < len(steps) else None
         partials = run.run(lambda: compute(step, keys))
         settle(returning)
         returning = run.post_returns(step, partials, k) if step["offset"] else None
+    run.at = ("end", 0, 0)
     settle(returning)
     attn.launches += 1
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

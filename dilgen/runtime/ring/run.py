@@ -1,7 +1,8 @@
 """One ring call (RingRun): the group, the pieces each rank holds, the schedule
 (dilgen.schedule.ring_schedule, the same pure function on every rank), the transport the
 cost model picks, the key transfers of each step and the windows each launch covers.
-executor.py runs the forward and backward passes over it."""
+executor.py runs the forward and backward passes over it. Every transfer goes through
+faults.transfer / faults.collective, so that a peer that stopped raises PeerLost."""
 from __future__ import annotations
 
 import math
@@ -9,12 +10,13 @@ import os
 
 import torch
 
-from ...schedule import choose_transport, ring_schedule, ring_schedule_packed
+from ...schedule import choose_transport, ring_schedule, ring_schedule_packed, step_flops
 from ..checks import InputError, check_positions
 from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
-from .agreement import _agree, _group_info, let_go
+from .agreement import _agree, _group_info
+from .faults import Guard, collective, remember, transfer
 
 
 def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -42,13 +44,13 @@ class _Exchange:
     """Posted P2P transfers of one step (batch_isend_irecv) and their buffers."""
 
     def __init__(self, dist, ops, recv, keep):
-        self.works = dist.batch_isend_irecv(ops) if ops else []
+        self.works = transfer(dist.batch_isend_irecv, ops) if ops else []
         self.recv = recv
         self._keep = keep
 
     def wait(self):
         for w in self.works:
-            w.wait()
+            transfer(w.wait)
         self.works = []
         return self.recv
 
@@ -92,9 +94,15 @@ class RingRun:
         self.attn, self.group, self.order = attn, group, order
         self.P, self.me, self.dist = _group_info(spec, group)
         self.packed = cu_seqlens is not None
-        cu = _agree(spec, q, k, v, order, group, self.P, self.me, self.dist,
-                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                    local_check=lambda n_loc: _check_geometry(attn, n_loc, self.P, order))
+        cu, self.fault_key, self.free_bytes = _agree(
+            spec, q, k, v, order, group, self.P, self.me, self.dist, cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen, local_check=lambda n_loc: _check_geometry(attn, n_loc, self.P, order))
+        remember(self.dist, group, self.fault_key)
+        with Guard(self, "call", "setup"):      # past the agreement, no rank fails alone
+            self._setup(q, k, v, cu)
+
+    def _setup(self, q, k, v, cu) -> None:
+        attn, group, order = self.attn, self.group, self.order
         if self.packed:         # (N/P, heads, D) rows: one batch element of the kernels' views
             q, k, v = (t.unsqueeze(0) for t in (q, k, v))
         B, n_loc = q.shape[0], q.shape[1]
@@ -144,23 +152,16 @@ class RingRun:
         forced = _forced_transport()
         if forced != "auto":
             return forced
-        D, H = self.D, self.H
-        bytes_per_row = 2 * self.B * self.Hkv * D * q.element_size()
+        bytes_per_row = 2 * self.B * self.Hkv * self.D * q.element_size()
         rate = 3e14 if q.is_cuda else 1e9          # nominal kernel rate, FLOP/s
-        comp = []
-        for st in self.sched["steps"]:
-            flops = 0.0
-            for qi, ki, bits in st["ranks"][self.me]["launches"]:
-                n_q = self.pieces[self.me][qi][1]
-                for br in self.attn.plan["branches"]:
-                    if bits >> br["index"] & 1:
-                        flops += 4 * self.B * H * D * n_q * min(br["w"], n_q) / br["r"] ** 2
-            comp.append(flops / rate)
-        free = None
-        if q.is_cuda:
-            free = torch.cuda.mem_get_info(q.device)[0] // 2
+        # the same on every rank: the slowest rank's FLOPs per step, the smallest free memory
+        flops = self.sched.setdefault("_step_flops", {})
+        key = (self.B, self.H, self.D)
+        if key not in flops:
+            flops[key] = step_flops(self.attn.plan["ring"], self.sched, self.B, self.H, self.D)
         return choose_transport(self.attn.plan["ring"], self.sched, bytes_per_row=bytes_per_row,
-                                step_compute_s=comp, free_bytes=free)
+                                step_compute_s=[f / rate for f in flops[key]],
+                                free_bytes=self.free_bytes)
 
     # all-gather transport ---------------------------------------------------------------
     def gather_stride(self) -> int:
@@ -184,9 +185,8 @@ class RingRun:
             local = torch.cat([_compact(self.piece(x, i), g) for i in range(len(self.pieces[self.me]))], dim=1)
             local = local.contiguous()
             every = [torch.empty_like(local) for _ in range(self.P)]
-            self.dist.all_gather(every, local, group=self.group)
-            if self.dist.get_backend(self.group) == "gloo":
-                let_go((local, *every))       # nothing pending if the process ends next
+            collective(self.dist, self.group, lambda: self.dist.all_gather(every, local, group=self.group),
+                       (local, *every))
             per_tensor.append(every)
         out = []
         for rank in range(self.P):
@@ -213,11 +213,12 @@ class RingRun:
             mine = torch.empty_like(stacked[self.me])
             if self.dist.get_backend(self.group) == "gloo":     # gloo has no reduce_scatter
                 total = torch.stack(stacked)
-                self.dist.all_reduce(total, group=self.group)
-                let_go((total,))              # nothing pending if the process ends next
+                collective(self.dist, self.group, lambda: self.dist.all_reduce(total, group=self.group),
+                           (total,))
                 mine = total[self.me]
             else:
-                self.dist.reduce_scatter(mine, stacked, group=self.group)
+                collective(self.dist, self.group,
+                           lambda: self.dist.reduce_scatter(mine, stacked, group=self.group), ())
             row = 0
             for i, (_, ln) in enumerate(self.pieces[self.me]):
                 _uncompact_add(self.piece(dst, i), mine.narrow(1, row, ln // g), g)

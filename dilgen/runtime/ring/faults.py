@@ -1,0 +1,248 @@
+"""A ring call's errors, and what every rank sees when one rank fails in the middle of it.
+
+Before any transfer the agreement (agreement.py) makes the ranks refuse a call together
+(RingError; the group stays usable). After it, the ranks exchange keys step by step, and
+a rank that raises there (a kernel launch, an allocation) would leave its peers waiting in
+a posted transfer until the process group's timeout. Instead, `Guard` (one per pass):
+
+  1. records the failure (rank, step, error) in the default group's store, under the key
+     of the call that every rank took from the agreement (`RingRun.fault_key`);
+  2. closes this rank's connections of the group (gloo: a receive that no rank sends,
+     waited with a 1 ms timeout, makes gloo close every pair of the group's context,
+     gloo/transport/tcp/unbound_buffer.cc), so that each peer's pending or next transfer
+     with this rank raises at once ("Connection closed by peer");
+  3. raises RingAborted.
+
+A peer whose transfer raises (PeerLost) closes its own connections in turn, so the
+closing spreads along the ring, and raises RingAborted naming the rank that failed (from
+the store). A rank that exchanges nothing more with a stopped rank in this call returns
+its rows; its next ring call on the group is refused by the agreement, with the same
+record. The group is then unusable (docs/ring.md, "When a rank fails during a call"). The
+normal path runs none of this: Python try blocks and one attribute per step (`run.at`).
+Other backends than gloo: the record and RingAborted on the failing rank only (NCCL peers
+wait until the group's timeout).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from datetime import timedelta
+
+import torch
+
+from ..checks import InputError
+
+_KEY = "dilgen_ring_fault/"
+_CLOSE_TAG = 0x5D11_6E00        # a tag no transfer uses: the closing receive never matches
+_UNUSABLE = ("the process group is no longer usable: destroy it and create a new one (or "
+             "restart the job) to go on")
+_last_key: dict[str, str] = {}  # group name -> fault key of its last agreed call (this process)
+
+
+class RingError(InputError):
+    """The ranks of a ring call disagree, or the process group does not fit the spec."""
+
+
+class RingAborted(RingError):
+    """A rank failed (or died) in the middle of a ring call; every rank raises this, and the
+    process group is no longer usable."""
+
+
+class PeerLost(Exception):
+    """A transfer of a ring call raised (a peer stopped or died); the cause is chained."""
+
+
+def let_go(tensors, timeout_s: float = 2.0) -> None:
+    """Return once no thread of the process group holds a reference to `tensors` (the
+    inputs and outputs of a finished collective), or after timeout_s.
+
+    Why: gloo runs a collective on a worker thread (ProcessGroupGloo::runLoop), which
+    drops its Work, and with it its references to the tensors, just after wait() returns
+    on this thread. A tensor made in Python keeps its Python object alive while C++ holds
+    it, so dropping the Work takes the GIL (c10 PyObject preservation:
+    TensorImpl::decref_pyobject), once per tensor. If the interpreter is
+    already finalizing by then (the call raised and nothing caught it, or the script ended
+    right after the collective), Python ends that thread with pthread_exit inside the
+    noexcept ~AsyncAllgatherWork: std::terminate, "terminate called without an active
+    exception", SIGABRT (seen in a core: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork ->
+    decref_pyobject -> take_gil -> PyThread_exit_thread). Sleeping here releases the GIL, so
+    the worker finishes now. The tensors' use counts say when: 1 is this thread's own
+    Python reference."""
+    deadline = time.monotonic() + timeout_s
+    while any(getattr(t, "_use_count", lambda: 1)() > 1 for t in tensors):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.0002)
+
+
+def transfer(fn, *args):
+    """fn(*args), a posting or a wait of the ring's transfers; its failure raises PeerLost."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise PeerLost(exc) from exc
+
+
+def collective(dist, group, fn, tensors) -> None:
+    """Run a blocking collective of a ring call; on gloo, return (or raise PeerLost) only
+    once no process group thread holds its tensors (let_go): the process may end next."""
+    gloo = dist.get_backend(group) == "gloo"
+    try:
+        fn()
+    except Exception as exc:
+        if gloo:
+            let_go(tensors)
+        raise PeerLost(exc) from exc
+    if gloo:
+        let_go(tensors)
+
+
+def new_key() -> int:
+    """This rank's proposal for the call's fault key (the agreement keeps rank 0's)."""
+    return int.from_bytes(os.urandom(7), "big")
+
+
+def fault_key(proposal: int) -> str:
+    """The store key of a call's failure record, from the proposal the agreement kept."""
+    return f"{_KEY}{proposal:x}"
+
+
+def remember(dist, group, key: str) -> None:
+    """The fault key of this group's last agreed call: a later call refused by a closed
+    group reads the failure from it."""
+    _last_key[_group_name(dist, group)] = key
+
+
+def _group_name(dist, group) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    return getattr(pg, "group_name", "") or str(id(pg))
+
+
+def _store(dist):
+    return dist.distributed_c10d._get_default_store()
+
+
+def _short(exc: BaseException) -> str:
+    """One line of an error: its type and first line, without gloo's [file.cc:line] prefix."""
+    lines = str(exc).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", lines[0]) if lines else ""
+    text = text.split(". This is typically caused")[0]
+    one = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return one if len(one) <= 240 else one[:237] + "..."
+
+
+def close_group(dist, group, P: int, me: int) -> None:
+    """Close this rank's connections of a gloo group, so that no peer waits on this rank.
+    One receive per tag residue (gloo picks a context by tag), from the first peer whose
+    pair is still open, waited 1 ms: the timeout closes every pair of that context. Other
+    backends: nothing (peers wait until the group's timeout, docs/ring.md)."""
+    try:
+        if dist.get_backend(group) != "gloo":
+            return
+    except Exception:  # noqa: BLE001 - a destroyed group has nothing to close
+        return
+    peers = [r if group is None else dist.get_global_rank(group, r)
+             for r in ((me + d) % P for d in range(1, P))]
+    for tag in range(_CLOSE_TAG, _CLOSE_TAG + 8):
+        for peer in peers:
+            try:
+                work = dist.irecv(torch.empty(1), src=peer, group=group, tag=tag)
+            except Exception:  # noqa: BLE001 - this pair is closed already
+                continue
+            try:
+                work.wait(timeout=timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the timeout that closes the context
+                pass
+            break
+
+
+def _record(dist, key: str, me: int, where: str, error: str) -> None:
+    try:
+        _store(dist).compare_set(key, "", json.dumps({"rank": me, "where": where, "error": error}))
+    except Exception:  # noqa: BLE001 - no store: peers report a lost peer instead
+        pass
+
+
+def _lookup(dist, keys: list[str], wait_s: float) -> dict | None:
+    """The first failure recorded under one of keys, waiting up to wait_s for one (a
+    rank writes its record before it closes its connections, so it is usually there)."""
+    deadline = time.monotonic() + wait_s
+    try:
+        store = _store(dist)
+        while True:
+            for key in keys:
+                if store.check([key]):
+                    return json.loads(store.get(key).decode())
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store is gone (its host died)
+        return None
+
+
+def _where(run, keys: bool = True) -> str:
+    phase, i, offset = run.at
+    kind = f"the ring {run.direction}"
+    if phase == "step":
+        whose = "its own keys" if offset == 0 else f"the keys of rank {(run.me - offset) % run.P}"
+        return f"step {i + 1} of {len(run.sched['steps'])} of {kind}" + (f" ({whose})" if keys else "")
+    return {"gather": f"the key all-gather of {kind}", "reduce": f"the dK, dV reduction of {kind}",
+            "preprocess": f"the preprocess of {kind}", "start": f"{kind}, before its first step",
+            "setup": f"the set-up of {kind} (past the agreement)",
+            "end": f"the end of {kind}"}[phase]
+
+
+class Guard:
+    """One pass of a ring call (direction "forward" or "backward"; "call", phase "setup":
+    RingRun's set-up past the agreement): an exception inside it takes the failure path of
+    the module docstring. The executor sets run.at as the pass goes."""
+
+    def __init__(self, run, direction: str, phase: str = "start"):
+        self.run = run
+        run.direction, run.at = direction, (phase, 0, 0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, tp, exc, tb) -> bool:
+        if exc is None or isinstance(exc, RingAborted):
+            return False
+        run = self.run
+        lost = isinstance(exc, PeerLost)
+        cause = exc.__cause__ if lost else exc
+        name, me, where = run.attn.spec["name"], run.me, _where(run, keys=not lost)
+        if not lost:
+            _record(run.dist, run.fault_key, me, where, _short(cause))
+        close_group(run.dist, run.group, run.P, me)
+        if not isinstance(exc, Exception):
+            return False                # KeyboardInterrupt, SystemExit: as they are
+        if not lost:
+            raise RingAborted(f"{name}: rank {me} (this rank) failed during {where}: "
+                              f"{_short(cause)}; every rank of the ring raises, and "
+                              f"{_UNUSABLE}") from cause
+        rec = _lookup(run.dist, [run.fault_key], wait_s=1.0)
+        if rec is not None:
+            raise RingAborted(f"{name}: rank {rec['rank']} failed during {rec['where']}: "
+                              f"{rec['error']} (see that rank's log); this rank ({me}) stopped "
+                              f"in {where}, and {_UNUSABLE}") from cause
+        raise RingAborted(f"{name}: rank {me} (this rank) lost a peer during {where}: "
+                          f"{_short(cause)}; no rank recorded an error of its own, so a rank "
+                          f"may have died (see the other ranks' logs); {_UNUSABLE}") from cause
+
+
+def refuse_closed(name: str, dist, group, P: int, me: int, exc: PeerLost) -> RingAborted:
+    """The agreement's all_gather failed: the group was closed by a failure in an earlier
+    ring call on it (read from the store), or a rank died. Closes this rank's connections
+    too (its peers may wait in the same all_gather) and returns the error to raise."""
+    close_group(dist, group, P, me)
+    last = _last_key.get(_group_name(dist, group))
+    rec = _lookup(dist, [last], wait_s=1.0) if last else None
+    cause = _short(exc.__cause__)
+    if rec is not None:
+        return RingAborted(f"{name}: ring call refused: an earlier ring call on this group "
+                           f"failed (rank {rec['rank']}, {rec['where']}: {rec['error']}); "
+                           f"{_UNUSABLE}")
+    return RingAborted(f"{name}: ring call refused: the agreement's all_gather failed ({cause}): "
+                       f"an earlier ring call failed, or a rank may have died; {_UNUSABLE}")

@@ -1,0 +1,162 @@
+"""The ring when a rank fails in the middle of a call (gloo, P = 4, CPU): every rank raises
+RingAborted naming the rank that failed, where and why, within seconds, and every process
+ends cleanly (tests/ring_worker.py's FAULTS, injected by a hook in the worker process).
+And the ring over two "nodes" on one machine: torchrun --nnodes 2, launched twice."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import ring_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+P = 4
+SECONDS = 20          # each rank raises within this after its call began (group timeout: 60 s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(names: str, tmp_path, timeout_s: float = 180) -> list[tuple[int, str]]:
+    """ring_worker.fault_main on P processes started as torchrun starts them, the store
+    hosted here as torchrun's agent hosts it (so that it outlives any rank); (exit code,
+    stderr) per rank. A rank still running after timeout_s fails the test (a hang)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    procs = []
+    for rank in range(P):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
+                   TORCHELASTIC_USE_AGENT_STORE="True")
+        procs.append(subprocess.Popen([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail(f"fault cases {names} did not finish in {timeout_s:.0f} s (a hang?)")
+        results.append((p.returncode, err))
+    del store
+    return results
+
+
+def _reports(tmp_path) -> list[dict]:
+    return [json.loads((tmp_path / f"fault{r}.json").read_text()) for r in range(P)]
+
+
+def _check_case(reports, name: str, extra: str = "") -> None:
+    """Every rank raised RingAborted (one line) in time; the failing rank names itself, the
+    others name it, where it failed and its error."""
+    _, fail, direction, step, _, _ = ring_worker.FAULTS[name]
+    at = "the set-up of the ring call" if direction == "setup" else f"step {step + 1} of "
+    for rank, rep in enumerate(reports):
+        e = rep[name]
+        where = f"{name} rank {rank}: {e}{extra}"
+        assert e["type"] == "RingAborted" and "\n" not in e["error"], where
+        assert e["seconds"] < SECONDS, where
+        assert f"injected fault on rank {fail}, {direction} step index {step}" in e["error"], where
+        assert "the process group is no longer usable" in e["error"], where
+        if rank == fail:
+            assert e["raised_in"] == direction.replace("setup", "forward"), where
+            assert e["error"].startswith(f"fault_{name}: rank {fail} (this rank) failed during {at}"), where
+            continue
+        if direction == "backward":
+            assert e["raised_in"] == "backward", where
+        assert f"rank {fail} failed during {at}" in e["error"], where
+
+
+@pytest.mark.timeout(400)
+def test_rank_failing_mid_call_makes_every_rank_raise(tmp_path):
+    """Rank f raises in its set-up past the agreement, or inside the kernels of one step:
+    forward and backward, both transports, an explicit group each. A rank whose rest of
+    the call needs nothing more from a stopped rank returns its rows and raises at its
+    next ring call on the group (here: the backward). Last, on the default group (torch
+    ops), uncaught: the failing rank ends by its error in the forward, the others by the
+    backward's refused agreement; exit 1, the RingAborted's traceback last, no abort at
+    exit."""
+    cases = ["setup", "fwd_ring", "bwd_ring", "bwd_allgather", "fwd_allgather_uncaught"]
+    results = _launch(",".join(cases), tmp_path)
+    reports = _reports(tmp_path)
+    stderr = "".join(f"\n-- rank {r} exit {rc}:\n{err[-3000:]}" for r, (rc, err) in enumerate(results))
+    for name in cases[:-1]:
+        _check_case(reports, name, stderr)
+    for rank, (rc, err) in enumerate(results):
+        assert "terminate called" not in err, f"rank {rank} aborted at exit:{stderr}"
+        assert rc == 1, f"rank {rank} exited {rc}:{stderr}"
+        last = err.strip().splitlines()[-1]
+        assert "RingAborted: fault_fwd_allgather_uncaught: " in last, last
+        e = reports[rank]["fwd_allgather_uncaught"]
+        assert e["seconds"] < SECONDS, e
+        if rank == 3:
+            assert e["raised_in"] == "forward" and "rank 3 (this rank) failed during step 1 of" in last
+        else:
+            assert e["raised_in"] == "backward", e
+            assert "ring call refused: an earlier ring call on this group failed (rank 3, step 1 of" in last
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_makes_every_rank_raise(tmp_path):
+    """Rank 2 is killed (SIGKILL) inside a forward step on the default group: the others
+    raise RingAborted (a lost peer, no record: it may have died) within seconds and exit 0
+    after catching it."""
+    results = _launch("fwd_kill", tmp_path)
+    stderr = "".join(f"\n-- rank {r} exit {rc}:\n{err[-3000:]}" for r, (rc, err) in enumerate(results))
+    for rank, (rc, err) in enumerate(results):
+        assert "terminate called" not in err, f"rank {rank} aborted at exit:{stderr}"
+        assert rc == (-9 if rank == 2 else 0), f"rank {rank} exited {rc}:{stderr}"
+        if rank == 2:
+            continue
+        e = json.loads((tmp_path / f"fault{rank}.json").read_text())["fwd_kill"]
+        assert e["type"] == "RingAborted" and e["seconds"] < SECONDS, e
+        # in the forward; or, when its forward needed nothing more from rank 2, refused by
+        # the backward's agreement
+        lost = rf"fault_fwd_kill: rank {rank} \(this rank\) lost a peer during step \d of \d of the ring forward"
+        refused = "fault_fwd_kill: ring call refused: the agreement's all_gather failed"
+        assert re.match(lost if e["raised_in"] == "forward" else refused, e["error"]), e
+        assert "a rank may have died" in e["error"], e
+
+
+@pytest.mark.timeout(400)
+def test_ring_over_two_nodes_on_one_machine():
+    """torchrun --nnodes 2 --nproc-per-node 2, started twice (node ranks 0 and 1) on one
+    machine: P = 4 over gloo, ranks 1 and 2 on different "nodes", w = 64 over 16 rows per
+    rank spans all four (examples/ring_torchrun.py --check exits 1 past 1e-4)."""
+    for attempt in (1, 2):
+        port = _free_port()
+        cmd = lambda i: ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),  # noqa: E731
+                         "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-backend", "static",
+                         str(ROOT / "examples" / "ring_torchrun.py"), "--cpu", "--tokens", "64", "--check"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        nodes = [subprocess.Popen(cmd(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in (0, 1)]
+        outs = []
+        for p in nodes:
+            try:
+                outs.append(p.communicate(timeout=300)[0])
+            except subprocess.TimeoutExpired:
+                for other in nodes:
+                    other.kill()
+                pytest.fail("torchrun --nnodes 2 did not finish in 300 s (a hang?)")
+        if attempt == 1 and any("EADDRINUSE" in o or "address already in use" in o for o in outs):
+            continue                        # the port was taken before node 0 listened on it
+        for i, (p, out) in enumerate(zip(nodes, outs)):
+            assert p.returncode == 0, f"node {i} exited {p.returncode}:\n{out[-4000:]}"
+        errors = {int(m[0]): float(m[1]) for m in
+                  re.findall(r"rank (\d): relative error against float64 (\S+)", "".join(outs))}
+        assert sorted(errors) == [0, 1, 2, 3] and max(errors.values()) < 1e-4, errors
+        return
