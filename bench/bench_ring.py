@@ -30,10 +30,11 @@ import toolkit as tk  # noqa: E402
 GPU = dict(ws=[2048, 8192, 32768, 131072, 524288, 1048576], rs=[1, 2, 4, 8, 16, 32], H=16, D=128,
            tokens=262144, small=(8192, 2, 64))          # small: (N, H, D) of the fp64 check
 DRY = dict(ws=[8, 32, 128], rs=[1, 2, 4], H=2, D=16, tokens=64, small=(128, 2, 16))
-ORDERS = ("raster", "segment", "sequence", "causal_gqa")        # causal_gqa: --predict-only
+ORDERS = ("raster", "segment", "sequence", "causal_gqa")        # causal_gqa: H_kv = H/4, causal, zigzag chunks
 MODEL = dict(rate_flop_s=3e14, bwd_over_fwd=3.06, one_gpu_bytes_per_token=45568, gpu_memory_gib=139.8,
              link_gbytes_s=358.0, allgather_gbytes_s=342.0, step_latency_us=30.0)     # --predict-only, H200
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
+chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "contiguous"  # noqa: E731 - causal: balanced
 
 
 def hilbert_for(order: str, n: int):
@@ -45,7 +46,7 @@ def hilbert_for(order: str, n: int):
 def make_spec(geo, order: str, n: int, P: int, H=None, D=None, name=None):
     import dilgen
     H, gqa = H or geo["H"], order == "causal_gqa"
-    return dilgen.Spec(name=name or f"ring_{order}_p{P}", num_heads=H, num_kv_heads=H // 4 if gqa else H,
+    return dilgen.Spec(name=name or f"ring_{order}_p{P}", num_heads=H, num_kv_heads=max(H // 4, 1) if gqa else H,
                        head_dim=D or geo["D"], dtype="bfloat16", segment_lengths=geo["ws"], causal=gqa,
                        dilation_rates=geo["rs"], ring_size=P, hilbert=hilbert_for(order, n))
 
@@ -53,7 +54,7 @@ def make_spec(geo, order: str, n: int, P: int, H=None, D=None, name=None):
 def my_rows(x, P, rank, spec, dim=1):
     """Rank `rank`'s rows of a full tensor (Hilbert sequence scope: its run of the curve)."""
     from dilgen.runtime.ring import shard
-    return x if P == 1 else shard(x, P, rank, spec=spec, dim=dim)
+    return x if P == 1 else shard(x, P, rank, chunks(spec), spec=spec, dim=dim)
 
 
 class Rank:
@@ -64,8 +65,7 @@ class Rank:
         self.geo = DRY if args.dry_run_cpu else GPU
 
     def reduce(self, vals, op=None):
-        t = self.torch.tensor(vals, device=self.dev, dtype=self.torch.float64)
-        self.dist.all_reduce(t, **({"op": op} if op else {}))
+        self.dist.all_reduce(t := self.torch.tensor(vals, device=self.dev).double(), **({"op": op} if op else {}))
         return t.tolist()
 
     def wall_ms(self, fn, reps, barrier=True):
@@ -89,10 +89,10 @@ class Rank:
         n, h, d = self.geo["small"]
         spec = make_spec(self.geo, order, n, P, H=h, D=d, name=f"ring_err_{order}_p{P}")
         gen = torch.Generator().manual_seed(7)
-        q, k, v = (torch.randn(1, n, h, d, generator=gen) for _ in range(3))
+        q, k, v = (torch.randn(1, n, x, d, generator=gen) for x in (h, spec.num_kv_heads, spec.num_kv_heads))
         with torch.no_grad():
             out = dilgen.compile(spec)(*[my_rows(t, P, self.rank, spec).to(torch.bfloat16).to(self.dev)
-                                         for t in (q, k, v)])
+                                         for t in (q, k, v)], chunk_order=chunks(spec))
         ref = my_rows(reference_attention(q, k, v, spec), P, self.rank, spec)
         num, den = self.reduce([(out.double().cpu() - ref).norm().item() ** 2, ref.norm().item() ** 2])
         return math.sqrt(num / den)
@@ -104,21 +104,21 @@ class Rank:
         def fwd_bwd():
             for t in leaves:
                 t.grad = None
-            kernel(*leaves).backward(g)
-        return self.torch.no_grad()(lambda: kernel(q, k, v)), fwd_bwd, leaves
+            kernel(*leaves, chunk_order=chunks(kernel.spec)).backward(g)
+        return self.torch.no_grad()(lambda: kernel(q, k, v, chunk_order=chunks(kernel.spec))), fwd_bwd, leaves
 
     def run(self, order) -> dict:
         import dilgen
         torch, P, rank, a, geo = self.torch, self.P, self.rank, self.args, self.geo
         N = (T := a.tokens_per_gpu or geo["tokens"]) * P
-        row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": None if order == "raster" else order,
+        row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": hilbert_for(order, N) and order,
                "hilbert_spec": hilbert_for(order, N), "order": order}
         spec, one = make_spec(geo, order, N, P), make_spec(geo, order, N, 1, name=f"ring_{order}_one")
         row["bf16_rel_error_vs_fp64"] = self.bf16_error(order)
         # the single-device kernel on the full N (the same tensors on every rank): its rows, T_1(N)
         g = torch.Generator(device=self.dev).manual_seed(1234)
-        full = [torch.randn(1, N, geo["H"], geo["D"], device=self.dev, dtype=torch.bfloat16, generator=g)
-                for _ in range(4)]
+        full = [torch.randn(1, N, h, geo["D"], device=self.dev, dtype=torch.bfloat16, generator=g)
+                for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads)]
         ref = None
         if P > 1:
             single = dilgen.compile(one)
@@ -138,7 +138,7 @@ class Rank:
         fwd, fwd_bwd, leaves = self.steps(kernel, *mine)
         fwd_bwd()
         if ref is not None:
-            sq = [v for x, y in zip([kernel(*mine[:3]).detach()] + [t.grad for t in leaves], ref)
+            sq = [v for x, y in zip([fwd()] + [t.grad for t in leaves], ref)
                   for v in ((x.double() - y.double()).norm().item() ** 2, y.double().norm().item() ** 2)]
             rel = lambda s: [math.sqrt(s[i] / max(s[i + 1], 1e-300)) for i in range(0, 8, 2)]  # noqa: E731
             worst, names = self.reduce(rel(sq), self.dist.ReduceOp.MAX), ("out", "dq", "dk", "dv")
@@ -224,7 +224,7 @@ def worker(rank, P, port, args, out_path):
             row = me.run(order)
         except Exception as e:  # noqa: BLE001 - record, go on with the next order
             row = {"gpus": P, "tokens_per_gpu": args.tokens_per_gpu or me.geo["tokens"], "order": order,
-                   "hilbert": None if order == "raster" else order, "error": tk.short_err(e, 600)}
+                   "hilbert": hilbert_for(order, 4) and order, "error": tk.short_err(e, 600)}
             if os.environ.get("BENCH_TRACEBACK") or rank == 0:
                 row["traceback"] = traceback.format_exc()[-3000:]
             tk.cleanup(dev)
@@ -312,12 +312,12 @@ def report(rows):
 def plot(result, path):
     """TFLOP/s per GPU (weak scaling) and strong-scaling efficiency against P, per order."""
     rows = [r for r in result["rows"] if "fwd_bwd_ms" in r]
-    style, gpus = {"raster": "o-", "segment": "s--", "sequence": "^:"}, sorted({r["gpus"] for r in rows})
+    style, gpus = dict(raster="o-", segment="s--", sequence="^:", causal_gqa="d-."), sorted({r["gpus"] for r in rows})
 
     def draw(ax):
         for order in ORDERS:
             rs = sorted((r for r in rows if r.get("order") == order), key=lambda r: r["gpus"])
-            label = "raster" if order == "raster" else f"Hilbert {order}"
+            label = {"raster": "raster", "causal_gqa": "causal GQA, zigzag"}.get(order, f"Hilbert {order}")
             for a_, xy in zip(ax, ([(r["gpus"], r[f]) for r in rs if r.get(f)]
                                    for f in ("useful_tflops_per_gpu_fwd_bwd", "strong_scaling_eff"))):
                 a_.plot(*zip(*xy), style[order], label=label) if xy else None
@@ -345,7 +345,7 @@ def parse_args(argv=None):
     add = ap.add_argument
     add("--gpus", type=int, nargs="+", default=[1, 2, 4], help="GPU counts (default 1 2 4)")
     add("--tokens-per-gpu", type=int, default=None, help="default 262144 (dry run: 64)")
-    add("--orders", default=",".join(ORDERS[:3]), help="subset of raster,segment,sequence (+ causal_gqa: model)")
+    add("--orders", default=",".join(ORDERS[:3]), help="subset of raster,segment,sequence,causal_gqa")
     add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
         "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
     add("--no-allgather", action="store_true", help="skip LongNet's all-gather transport")
@@ -353,7 +353,7 @@ def parse_args(argv=None):
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
     add("--predict-only", action="store_true", help="no run: the cost model's predictions on H200s (predict())")
     a = ap.parse_args(argv)
-    a.orders = tk.pick(a.orders, ORDERS[:3 + a.predict_only], "--orders")
+    a.orders = tk.pick(a.orders, ORDERS, "--orders")
     if a.max_tokens is not None and not a.max_tokens:
         a.max_tokens = [1 << 20, 3 << 19, 2 << 20]
     a.reps = a.reps or (1 if a.dry_run_cpu else 4)
