@@ -335,6 +335,9 @@ class Plan:
     lane_order: tuple[int, ...] = ()
     gap_lane: int | None = None
     dkdv_first_writes: bool = False
+    # the model's index of this call's head 0 (Spec.head_base): head h keeps the offsets
+    # (h + head_base) mod r; pointers still index heads 0 .. num_heads - 1 of the tensors
+    head_base: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -352,6 +355,7 @@ class Plan:
             **({"lane_order": list(self.lane_order)} if self.lane_order else {}),
             **({} if self.gap_lane is None else {"gap_lane": self.gap_lane}),
             **({"dkdv_first_writes": True} if self.dkdv_first_writes else {}),
+            **({"head_base": self.head_base} if self.head_base else {}),
         }
 
     def key(self) -> str:

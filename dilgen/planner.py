@@ -319,4 +319,4 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
         branches=tuple(branches), config=config, ring=_ring(spec, branches),
         tables=tuple(tables), row_order=_row_order(spec), lane_order=lane_order,
-        gap_lane=gap_lane, dkdv_first_writes=dkdv_first_writes)
+        gap_lane=gap_lane, dkdv_first_writes=dkdv_first_writes, head_base=spec.head_base)

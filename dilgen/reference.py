@@ -19,6 +19,8 @@ Two optional fields (issue 16, torchscale's LongNet), absent = SPEC's defaults:
 - ``head_offsets``: "mod" (default) — head h keeps the lanes t with t mod r == h mod r;
   "block" — the heads are cut into r contiguous blocks of ceil(H / r) heads and block g
   keeps t mod r == g, i.e. head h keeps t mod r == floor(h / ceil(H / r)).
+- ``head_base`` (0 when absent): head h of the call is head head_base + h of the model
+  (heads split over devices), so under "mod" it keeps t mod r == (head_base + h) mod r.
 - ``short_segments``: "exact" (default) — no padding; "zero_pad" — torchscale's padding:
   branch (w, r) cuts the sequence into segments of w' = min(w, N) positions (the same
   segments as "exact") and pads every segment with zero rows to P = ceil(w' / r) * r
@@ -172,8 +174,9 @@ def _segment_grid(w: int, branch: int, grids):
 def _offset_fn(spec):
     """head -> its offset in a branch of rate r, per ``spec.head_offsets``."""
     mode = _attr(spec, "head_offsets", "mod") or "mod"
+    base = int(_attr(spec, "head_base", 0) or 0)
     if mode == "mod":
-        return lambda head, r: head % r
+        return lambda head, r: (head + base) % r
     if mode == "block":
         nh = _attr(spec, "num_heads", None)
         if nh is None:

@@ -154,6 +154,7 @@ class Spec:
     softmax_scale: float | None = None
     head_offsets: str = "mod"
     short_segments: str = "exact"
+    head_base: int = 0
     source: str = field(default="<spec>", compare=False, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Spec":
@@ -213,6 +214,7 @@ class Spec:
             # files) of every spec written before them stay the same
             **({} if self.head_offsets == "mod" else {"head_offsets": self.head_offsets}),
             **({} if self.short_segments == "exact" else {"short_segments": self.short_segments}),
+            **({"head_base": self.head_base} if self.head_base else {}),
         }
 
     def key(self) -> str:
@@ -236,7 +238,7 @@ Spec.__signature__ = inspect.signature(Spec.__init__).replace(
 _REQUIRED = ("name", "num_heads", "head_dim", "segment_lengths", "dilation_rates")
 _ALLOWED = ("name", "num_heads", "num_kv_heads", "head_dim", "dtype", "segment_lengths",
             "dilation_rates", "causal", "hilbert", "ring_size", "softmax_scale", "head_offsets",
-            "short_segments")
+            "short_segments", "head_base")
 
 
 def _check_field_names(data: dict, source: str, extra: tuple = ()) -> None:
@@ -323,6 +325,17 @@ def _validate(raw: dict, src: str) -> dict:
         raise _fail(src, "short_segments", short_segments,
                     'must be "exact" (no padding) or "zero_pad" (torchscale: zero keys pad each segment)')
 
+    # head_base (tensor parallelism over heads, dilgen's head-parallel ring transport): head
+    # h of this call is head head_base + h of the model, and keeps that head's offsets
+    head_base = _int(src, "head_base", raw["head_base"], lo=0, hi=1 << 20)
+    if head_base % (num_heads // num_kv):
+        raise _fail(src, "head_base", head_base,
+                    f"must be a multiple of the GQA group size num_heads / num_kv_heads = "
+                    f"{num_heads // num_kv}, so that every kv head keeps its whole group")
+    if head_base and head_offsets != "mod":
+        raise _fail(src, "head_base", head_base,
+                    f'cannot be > 0 with head_offsets "{head_offsets}" (its blocks follow '
+                    f'num_heads); use head_offsets "mod"')
     hilbert = _validate_hilbert(raw["hilbert"], segs, src)
     if short_segments == "zero_pad" and hilbert is not None:
         raise _fail(src, "short_segments", short_segments,
@@ -336,7 +349,7 @@ def _validate(raw: dict, src: str) -> dict:
     return dict(name=name, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
                 dtype=dtype, segment_lengths=segs, dilation_rates=rates, causal=causal,
                 hilbert=hilbert, ring_size=ring, softmax_scale=scale, head_offsets=head_offsets,
-                short_segments=short_segments)
+                short_segments=short_segments, head_base=head_base)
 
 
 def _grid(src: str, path: str, value: Any) -> tuple[int, int]:
