@@ -135,8 +135,9 @@ class Kernel:
         self.fixed_target = target
         self.tuning = tuning
         self._compiled: dict = {}
-        from .runtime.registry import register_kernel
+        from .runtime.registry import register_kernel, set_twin_factory
         self._op_key = register_kernel(self)   # torch.compile: the module resolves when the op runs
+        set_twin_factory(_twin)                # a ring spec's single-device twins (ring.heads)
 
     def __repr__(self) -> str:
         return f"<dilgen.Kernel {self.spec.name} key={self.spec.key()[:12]}>"
@@ -246,6 +247,11 @@ def dilated_attention(q, k, v, spec: Spec | dict, *, return_lse: bool = False, g
     spec = as_spec(spec, "dilated_attention's spec")
     return _kernel_for(spec)(q, k, v, return_lse=return_lse, group=group, cu_seqlens=cu_seqlens,
                              max_seqlen=max_seqlen)
+
+
+def _twin(spec_json: dict, device):
+    """The module of a spec the ring derives from its own (runtime.registry.twin)."""
+    return _kernel_for(as_spec(spec_json, "a ring's single-device twin")).compiled_for(device).attention
 
 
 #: The architecture `dilgen compile` targets unless told otherwise.

@@ -191,12 +191,25 @@ def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -
             "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
 
 
+# Kernel rates of the cost model, fitted on 4 x H200 (torch 2.11, Triton 3.6) from
+# bench/results/ring_profile-2026-11-27-p4.json: useful forward TFLOP/s of a ring window
+# (fused kernel on a window's rows; kernel time per rank over its share of the FLOPs,
+# raster 326, causal GQA 303), of the single-device kernels a "local" or "heads" call
+# runs (fused raster 336; lane kernels, which Hilbert segment and causal specs take on one
+# device: 533 and 562), and the backward over the forward of each (3.0, 3.05-3.15, causal
+# lanes 4.0).
+RATES = dict(window_tflops=320.0, twin_fused_tflops=336.0, twin_lanes_tflops=545.0,
+             window_bwd=3.0, twin_bwd=3.1, twin_causal_bwd=4.0)
+
+
 def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int) -> list[float]:
-    """Per step, the attention FLOPs of the rank with the most: a launch of a query piece of
-    n_q rows keeps, per branch (w, r) of its mask, 4·B·H·D·n_q·min(w, n_q)/r² (causal: half
-    of it against its own piece's keys). The slowest rank sets a step's time, and every
-    rank computes the same list, so that every rank picks the same transport."""
-    w_r = [(br["index"], br["w"], br["r"]) for br in ring["branches"]]
+    """Per step, the FLOPs the kernels of the rank with the most run: a launch of a query
+    piece of n_q rows runs, per branch (w, r) of its mask, 4·B·H·D·n_q·min(w, n_q)/r² (causal:
+    half of it against its own piece's keys). A branch read through a curve table (not
+    raster) keeps rows, not lattice classes, so every row of a tile runs (x r) against every
+    lane of its segment (min(w, N) / r keys, not only the window's). The slowest rank sets a
+    step's time, and every rank computes the same list."""
+    n = schedule["n"]
     out = []
     for st in schedule["steps"]:
         worst = 0.0
@@ -206,11 +219,55 @@ def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int
                 n_q = schedule["pieces"][j][qi][1]
                 # causal: a piece against its own keys keeps half (later pieces: none, dropped)
                 part = 0.5 if ring["causal"] and st["offset"] == 0 and qi == ki else 1.0
-                flops += part * sum(4 * batch * heads * head_dim * n_q * min(w, n_q) / r ** 2
-                                    for i, w, r in w_r if bits >> i & 1)
+                for br in ring["branches"]:
+                    if bits >> br["index"] & 1:
+                        w, r = br["w"], br["r"]
+                        keys = min(w, n_q) / r if br["raster"] else min(w, n)
+                        flops += part * 4 * batch * heads * head_dim * n_q * keys / r
             worst = max(worst, flops)
         out.append(worst)
     return out
+
+
+def useful_flops(ring: dict, n: int, batch: int, heads: int, head_dim: int) -> float:
+    """Σ_i 4·B·H·(N/w_i)·(min(w_i, N)/r_i)²·D, halved when causal (the work of one device)."""
+    total = sum(4 * batch * heads * head_dim * (n / min(br["w"], n)) * (min(br["w"], n) / br["r"]) ** 2
+                for br in ring["branches"])
+    return total / 2 if ring["causal"] else total
+
+
+def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int,
+                    head_dim: int, itemsize: int, lanes: bool, heads_ok: bool,
+                    local_ok: bool) -> dict:
+    """The cost model's {transport: {"fwd_s", "fwd_bwd_s"}} of one call (every rank gets the
+    same): "ring" and "allgather" run the window kernels (step_flops at RATES' window rate,
+    transfers by transport_times); "heads" runs the single-device kernels on H/P heads of
+    the whole sequence (useful_flops / P at the fused or the lanes rate) plus its
+    all-to-alls ((P-1)/P of the rank's q, k, v, out forward; q, k, v, out, dO in and dq, dk,
+    dv out backward); "local" (every branch inside a rank) the single-device kernels alone.
+    heads_ok / local_ok: whether those can run this call."""
+    P, n = ring["ring_size"], schedule["n"]
+    lat = ring["step_latency_us"] * 1e-6
+    comp = [f / (RATES["window_tflops"] * 1e12) for f in step_flops(ring, schedule, batch, heads, head_dim)]
+    kv_row = 2 * batch * kv_heads * head_dim * itemsize
+    ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp)
+    bwd = [c * RATES["window_bwd"] for c in comp]   # keys again; fp32 dK, dV home: 3x the bytes
+    ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd)
+    costs = {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
+             "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
+    rate = RATES["twin_lanes_tflops" if lanes else "twin_fused_tflops"] * 1e12
+    twin_f = useful_flops(ring, n, batch, heads, head_dim) / P / rate
+    twin_b = twin_f * RATES["twin_causal_bwd" if ring["causal"] and lanes else "twin_bwd"]
+    if heads_ok and P > 1:
+        row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
+        a2a = ring.get("alltoall_gbytes_s", ring["allgather_gbytes_s"]) * 1e9
+        fwd_bytes = row * (2 * heads + 2 * kv_heads)
+        bwd_bytes = row * (3 * heads + 2 * kv_heads + heads + 2 * kv_heads)
+        costs["heads"] = {"fwd_s": twin_f + fwd_bytes / a2a + 4 * lat,
+                          "fwd_bwd_s": twin_f + twin_b + (fwd_bytes + bwd_bytes) / a2a + 13 * lat}
+    if local_ok:
+        costs["local"] = {"fwd_s": twin_f, "fwd_bwd_s": twin_f + twin_b}
+    return costs
 
 
 def transport_times(ring: dict, schedule: dict, *, bytes_per_row: int,
@@ -247,3 +304,13 @@ def choose_transport(ring: dict, schedule: dict, *, bytes_per_row: int,
     if free_bytes is not None and sum(per_step) > free_bytes:
         return "ring"
     return "allgather" if gather_t < ring_t else "ring"
+
+
+def pick_transport(costs: dict, gather_bytes: int | None = None, free_bytes: int | None = None) -> str:
+    """The transport of transport_costs with the least fwd+bwd time: "local" whenever it can
+    run (no transfer at all); "allgather" only where its gathered rows fit in free_bytes."""
+    if "local" in costs:
+        return "local"
+    fits = free_bytes is None or gather_bytes is None or gather_bytes <= free_bytes
+    names = [t for t in costs if t != "allgather" or fits]
+    return min(names, key=lambda t: (costs[t]["fwd_bwd_s"], t))

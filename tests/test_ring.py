@@ -274,6 +274,22 @@ CASES_P2 = [
                                             "num_heads": 4, "num_kv_heads": 2, "causal": True},
      "shape": [1, 128], "tuning": {"bwd_tma": True, "fold_scale": True}},
 ]
+# the head-parallel transport (all-to-all to head shards, single-device kernels with
+# head_base) and the local one (every segment inside a rank): batch 2, zigzag causal GQA,
+# Hilbert segment; the cost model picks "local" when nothing crosses a rank
+CASES_P2 += [
+    {"name": "heads_raster_b2", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 4], "num_heads": 4},
+     "shape": [2, 64], "transport": "heads", "expect_transport": "heads"},
+    {"name": "heads_zigzag_causal_gqa", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 2],
+                                                 "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "shape": [1, 64], "order": "zigzag", "transport": "heads"},
+    {"name": "heads_hilbert_segment", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
+                                               "hilbert": {"scope": "segment"}},
+     "shape": [1, 64], "transport": "heads"},
+    {"name": "auto_local_hilbert_segment", "spec": {"segment_lengths": [16, 32], "dilation_rates": [1, 2],
+                                                    "hilbert": {"scope": "segment"}},
+     "shape": [1, 64], "transport": "auto", "expect_transport": "local"},
+]
 CASES_P4 = [
     {"name": "p4_mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
                                        "causal": True}, "shape": [1, 128]},
@@ -289,6 +305,12 @@ CASES_P4 = [
     {"name": "p4_zigzag_mqa", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
                                        "num_heads": 4, "num_kv_heads": 1, "causal": True},
      "shape": [1, 128], "order": "zigzag"},
+    {"name": "p4_heads_hilbert_sequence", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
+                                                   "num_heads": 4, "hilbert": {"scope": "sequence", "grid": [8, 16]}},
+     "shape": [1, 128], "transport": "heads"},
+    {"name": "p4_auto_heads_hilbert_segment", "spec": {"segment_lengths": [16, 128], "dilation_rates": [2, 8],
+                                                       "num_heads": 4, "hilbert": {"scope": "segment"}},
+     "shape": [1, 128], "transport": "auto", "expect_transport": "heads"},
     {"name": "err_world", "expect_error": "ring_size", "expect_in": "ring_size"},
     {"name": "err_spec", "expect_error": "spec", "expect_in": "disagree on spec"},
     {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},

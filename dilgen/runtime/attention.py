@@ -51,6 +51,7 @@ class GeneratedAttention:
         self._device_tensors: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self.launches = 0
+        self.last_ring_transport = None            # ring specs: the transport of the last call
         # the op registry key: same spec, target and tiles = the same function and kernels
         tiles = hashlib.sha256(json.dumps(plan["config"], sort_keys=True).encode()).hexdigest()[:8]
         self.op_key = f"{spec['name']}@{plan['target']}:{plan['spec_key'][:16]}:{tiles}"

@@ -94,3 +94,33 @@ def constant_key(make_key, obj) -> str:
     guarded on the identity of `obj`: another object is traced again. dilgen.dilated_attention
     finds (or makes) the kernel of a spec with it."""
     return make_key(obj)
+
+
+# -- single-device twins of a ring spec (the ring's "local" and "heads" transports) ----------
+_TWIN_FACTORY = None
+
+
+def set_twin_factory(factory) -> None:
+    """`factory(spec_json, device) -> GeneratedAttention`: how the runtime gets the module of
+    a spec it derives from a ring spec (dilgen.compiler sets it; the runtime never plans)."""
+    global _TWIN_FACTORY
+    _TWIN_FACTORY = factory
+
+
+def twins_available() -> bool:
+    return _TWIN_FACTORY is not None
+
+
+def twin(attn, device, **changes):
+    """The module of attn's spec with `changes` (e.g. ring_size=1, num_heads=H/P,
+    head_base=...), made once per attn, changes and device; None when no factory is set (a
+    generated module imported without dilgen's compiler: the ring windows run instead)."""
+    if _TWIN_FACTORY is None:
+        return None
+    cache = attn.__dict__.setdefault("_twins", {})
+    key = (tuple(sorted(changes.items())), str(device))
+    hit = cache.get(key)
+    if hit is None:
+        spec = {**attn.spec, **changes}
+        hit = cache[key] = _TWIN_FACTORY(spec, device)
+    return hit

@@ -17,7 +17,7 @@ from ..varlen import packing_from_cu_seqlens
 from .faults import PeerLost, RingError, collective, fault_key, new_key, refuse_closed
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-_TRANSPORTS = ("auto", "ring", "allgather")
+_TRANSPORTS = ("auto", "ring", "allgather", "heads")
 
 
 def _group_info(spec: dict, group) -> tuple[int, int, Any]:

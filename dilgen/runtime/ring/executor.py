@@ -16,18 +16,23 @@ import torch
 from ..backward import backward_inputs
 from ..launch import ensure_descriptor_allocator, poison
 from .faults import Guard
+from .heads import twin_backward, twin_forward
 from .run import RingRun, _uncompact_add
 
 
 def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of my rows."""
     with Guard(run, "forward"):
+        if run.transport in ("heads", "local"):
+            return twin_forward(run, q, k, v)
         return _forward(run, q, k, v)
 
 
 def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel home."""
     with Guard(run, "backward"):
+        if run.transport in ("heads", "local"):
+            return twin_backward(run, q, k, v, out, lse, grad_out, grad_lse)
         return _backward(run, q, k, v, out, lse, grad_out, grad_lse)
 
 

@@ -10,13 +10,15 @@ import os
 
 import torch
 
-from ...schedule import choose_transport, ring_schedule, ring_schedule_packed, step_flops
+from ...schedule import pick_transport, ring_schedule, ring_schedule_packed, transport_costs
 from ..checks import InputError, check_positions
 from ..interpreter import interpreting
+from ..registry import twins_available
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
 from .faults import Guard, collective, remember, transfer
+from .heads import heads_possible, heads_refusal, local_possible
 
 
 def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -55,11 +57,15 @@ class _Exchange:
         return self.recv
 
 
-def _check_geometry(attn, n_loc: int, P: int, order: str) -> None:
+def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
     """What this rank's call cannot run besides its inputs (before the agreement, so that
     every rank refuses together, never one rank alone after the others began to send)."""
     name = attn.spec["name"]
-    _forced_transport()
+    if _forced_transport() == "heads":
+        why = heads_refusal(attn, P, packed)
+        if why is not None:
+            raise InputError(f"{name}: DILGEN_RING_TRANSPORT=heads cannot run this call: {why}; "
+                             f"use ring, allgather or auto")
     check_positions(attn.spec, n_loc * P, ranks=P)
     if order == "zigzag" and (n_loc * P) % (2 * P):
         raise InputError(f"{name}: {n_loc} local rows cannot be cut into the two zigzag halves; "
@@ -76,10 +82,10 @@ def _check_geometry(attn, n_loc: int, P: int, order: str) -> None:
 
 
 def _forced_transport() -> str:
-    """DILGEN_RING_TRANSPORT: ring, allgather or auto."""
+    """DILGEN_RING_TRANSPORT: ring, allgather, heads or auto."""
     forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
-    if forced not in ("ring", "allgather", "auto"):
-        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather or auto")
+    if forced not in ("ring", "allgather", "heads", "auto"):
+        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather, heads or auto")
     return forced
 
 
@@ -96,7 +102,7 @@ class RingRun:
         self.packed = cu_seqlens is not None
         cu, self.fault_key, self.free_bytes = _agree(
             spec, q, k, v, order, group, self.P, self.me, self.dist, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, local_check=lambda n_loc: _check_geometry(attn, n_loc, self.P, order))
+            max_seqlen=max_seqlen, local_check=lambda n_loc: _check_geometry(attn, n_loc, self.P, order, self.packed))
         remember(self.dist, group, self.fault_key)
         with Guard(self, "call", "setup"):      # past the agreement, no rank fails alone
             self._setup(q, k, v, cu)
@@ -142,26 +148,40 @@ class RingRun:
                                         dtype=torch.int32, device=q.device)
             self._windows = {}
         self.lattice = plan["query"]["lattice"]
-        self.transport = self._transport(q)
+        self.transport = attn.last_ring_transport = self._transport(q)
         self.gathered = None
 
     def _transport(self, q) -> str:
-        """"ring" (P2P steps overlapped with kernels) or "allgather" (LongNet §3.1: every
-        rank gathers the sparse rows first), by the IR's cost model unless
-        DILGEN_RING_TRANSPORT says otherwise."""
+        """"local" (every branch inside a rank: the single-device kernels on my rows), else the
+        cheapest by the cost model (schedule.transport_costs) of "ring" (P2P steps overlapped
+        with the window kernels), "allgather" (LongNet §3.1: every rank gathers the sparse
+        rows first) and "heads" (all-to-all to head shards, the single-device kernels);
+        DILGEN_RING_TRANSPORT overrides the model (ring, allgather or heads)."""
         forced = _forced_transport()
         if forced != "auto":
             return forced
-        bytes_per_row = 2 * self.B * self.Hkv * self.D * q.element_size()
-        rate = 3e14 if q.is_cuda else 1e9          # nominal kernel rate, FLOP/s
-        # the same on every rank: the slowest rank's FLOPs per step, the smallest free memory
-        flops = self.sched.setdefault("_step_flops", {})
-        key = (self.B, self.H, self.D)
-        if key not in flops:
-            flops[key] = step_flops(self.attn.plan["ring"], self.sched, self.B, self.H, self.D)
-        return choose_transport(self.attn.plan["ring"], self.sched, bytes_per_row=bytes_per_row,
-                                step_compute_s=[f / rate for f in flops[key]],
-                                free_bytes=self.free_bytes)
+        costs = self.costs(q)
+        return pick_transport(costs, self.gather_bytes(q), self.free_bytes)
+
+    def costs(self, q) -> dict:
+        """The cost model's {transport: {fwd_s, fwd_bwd_s}} of this call (the same on every
+        rank: the schedule, shapes and dtype are agreed), kept per shape."""
+        cache = self.sched.setdefault("_costs", {})
+        key = (self.B, self.H, self.Hkv, self.D, q.element_size())
+        if key not in cache:
+            plan = self.attn.plan
+            twins = twins_available()
+            lanes = plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
+            cache[key] = transport_costs(
+                plan["ring"], self.sched, batch=self.B, heads=self.H, kv_heads=self.Hkv, head_dim=self.D,
+                itemsize=q.element_size(), lanes=lanes, heads_ok=twins and heads_possible(self) is None,
+                local_ok=twins and local_possible(self))
+        return cache[key]
+
+    def gather_bytes(self, q) -> int:
+        """Bytes of the all-gather transport's gathered key rows on one rank."""
+        g = self.gather_stride()
+        return (self.N // g) * 2 * self.B * self.Hkv * self.D * q.element_size()
 
     # all-gather transport ---------------------------------------------------------------
     def gather_stride(self) -> int:
