@@ -30,25 +30,44 @@ import toolkit as tk  # noqa: E402
 GPU = dict(ws=[2048, 8192, 32768, 131072, 524288, 1048576], rs=[1, 2, 4, 8, 16, 32], H=16, D=128,
            tokens=262144, small=(8192, 2, 64))          # small: (N, H, D) of the fp64 check
 DRY = dict(ws=[8, 32, 128], rs=[1, 2, 4], H=2, D=16, tokens=64, small=(128, 2, 16))
-ORDERS = ("raster", "segment", "sequence", "causal_gqa")        # causal_gqa: H_kv = H/4, causal, zigzag chunks
-MODEL = dict(rate_flop_s=3e14, bwd_over_fwd=3.06, one_gpu_bytes_per_token=45568, gpu_memory_gib=139.8,
-             link_gbytes_s=358.0, allgather_gbytes_s=342.0, step_latency_us=30.0)     # --predict-only, H200
+LONG = dict(ws=[2048, 8192, 32768, 131072, 524288, 2097152, 8388608], rs=[1, 2, 4, 8, 16, 32, 64])  # --long
+# causal_gqa: H_kv = H/4, causal, zigzag chunks; local: Hilbert segment tiles that all lie inside a rank
+ORDERS = ("raster", "segment", "sequence", "causal_gqa", "local")
+TRANSPORTS = ("auto", "ring", "allgather", "heads")      # DILGEN_RING_TRANSPORT per row (auto: the model's)
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
 chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "contiguous"  # noqa: E731 - causal: balanced
 
 
+def predicted(attn, spec, n: int, transport: str) -> dict:
+    """The cost model's ms for this call (dilgen.runtime.ring.run.call_costs; one device: the
+    single-device kernels' rate of dilgen.schedule.RATES) and every transport's fwd+bwd."""
+    from dilgen import schedule as S
+    if spec.ring_size == 1:
+        ring = {"causal": spec.causal, "branches": [{"w": w, "r": r} for w, r in spec.branches()]}
+        f, b = S.single_device_times(ring, n, 1, spec.num_heads, spec.head_dim,
+                                     lanes=spec.causal or (spec.hilbert is not None and spec.hilbert.scope == "segment"))
+        return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
+    from dilgen.runtime.ring.run import call_costs
+    sched = S.ring_schedule(attn.plan["ring"], n, chunks(spec))
+    costs = call_costs(attn, sched, 1, spec.num_heads, spec.num_kv_heads, spec.head_dim, 2)
+    mine = costs.get(transport, {"fwd_s": math.nan, "fwd_bwd_s": math.nan})
+    return {"predicted_fwd_ms": mine["fwd_s"] * 1e3, "predicted_fwd_bwd_ms": mine["fwd_bwd_s"] * 1e3,
+            "predicted_fwd_bwd_ms_by_transport": {t: c["fwd_bwd_s"] * 1e3 for t, c in costs.items()},
+            "remote_steps": len(sched["steps"]) - 1, "bytes_fraction": sched["bytes_fraction"]}
+
+
 def hilbert_for(order: str, n: int):
     rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)     # as square as possible
-    return None if order in ("raster", "causal_gqa") else {"scope": "segment"} if order == "segment" else \
+    return None if order in ("raster", "causal_gqa") else {"scope": "segment"} if order in ("segment", "local") else \
         {"scope": "sequence", "grid": [rows, n // rows]}
 
 
 def make_spec(geo, order: str, n: int, P: int, H=None, D=None, name=None):
     import dilgen
-    H, gqa = H or geo["H"], order == "causal_gqa"
+    H, gqa, k = H or geo["H"], order == "causal_gqa", 4 if order == "local" else len(geo["ws"])
     return dilgen.Spec(name=name or f"ring_{order}_p{P}", num_heads=H, num_kv_heads=max(H // 4, 1) if gqa else H,
-                       head_dim=D or geo["D"], dtype="bfloat16", segment_lengths=geo["ws"], causal=gqa,
-                       dilation_rates=geo["rs"], ring_size=P, hilbert=hilbert_for(order, n))
+                       head_dim=D or geo["D"], dtype="bfloat16", segment_lengths=geo["ws"][:k], causal=gqa,
+                       dilation_rates=geo["rs"][:k], ring_size=P, hilbert=hilbert_for(order, n))
 
 
 def my_rows(x, P, rank, spec, dim=1):
@@ -62,7 +81,7 @@ class Rank:
     def __init__(self, rank, P, args, dist, dev):
         import torch
         self.torch, self.rank, self.P, self.args, self.dist, self.dev = torch, rank, P, args, dist, dev
-        self.geo = DRY if args.dry_run_cpu else GPU
+        self.geo = args.geo
 
     def reduce(self, vals, op=None):
         self.dist.all_reduce(t := self.torch.tensor(vals, device=self.dev).double(), **({"op": op} if op else {}))
@@ -133,43 +152,59 @@ class Rank:
         mine = [my_rows(t, P, rank, spec).clone() for t in full]
         del full
         tk.cleanup(self.dev)
-        # the ring on this rank's rows
-        kernel = dilgen.compile(spec)
-        fwd, fwd_bwd, leaves = self.steps(kernel, *mine)
-        fwd_bwd()
-        if ref is not None:
-            sq = [v for x, y in zip([fwd()] + [t.grad for t in leaves], ref)
-                  for v in ((x.double() - y.double()).norm().item() ** 2, y.double().norm().item() ** 2)]
-            rel = lambda s: [math.sqrt(s[i] / max(s[i + 1], 1e-300)) for i in range(0, 8, 2)]  # noqa: E731
-            worst, names = self.reduce(rel(sq), self.dist.ReduceOp.MAX), ("out", "dq", "dk", "dv")
-            row["check_rel_err_vs_single_device"] = dict(zip(names, rel(self.reduce(sq))))
-            row["check_worst_rank_rel_err"] = dict(zip(names, worst))
-            row["check_passed"] = bool(worst[0] < BOUND_OUT and max(worst[1:]) < BOUND_GRAD)
-            del ref
-        for tr in ["ring"] + (["allgather"] if P > 1 and order == "raster" and not a.no_allgather else []):
+        kernel, rows = dilgen.compile(spec), []
+        for tr in self.transports(spec):       # the ring on this rank's rows, by each transport
             os.environ["DILGEN_RING_TRANSPORT"] = tr
-            key = "" if tr == "ring" else "allgather_"
+            r = dict(row, forced_transport=tr)
+            fwd, fwd_bwd, leaves = self.steps(kernel, *mine)
+            fwd_bwd()
+            attn = kernel.compiled_for(self.dev).attention
+            r["transport"] = attn.last_ring_transport if P > 1 else "single"
+            if any(x["transport"] == r["transport"] for x in rows):
+                continue                        # "auto" already ran this one
+            if ref is not None:
+                self.check(r, fwd, leaves, ref)
             if self.dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.dev)
-            row[f"{key}fwd_ms"] = self.wall_ms(fwd, a.reps)
-            row[f"{key}fwd_bwd_ms"] = self.wall_ms(fwd_bwd, max(1, a.reps // 2))
+            r["fwd_ms"] = self.wall_ms(fwd, a.reps)
+            r["fwd_bwd_ms"] = self.wall_ms(fwd_bwd, max(1, a.reps // 2))
             if self.dev.type == "cuda":
-                row[f"{key}peak_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30
+                r["peak_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30
+            r.update(predicted(attn, spec, N, r["transport"]))
+            if P == 1:
+                r["single_device_fwd_ms"], r["single_device_fwd_bwd_ms"] = r["fwd_ms"], r["fwd_bwd_ms"]
+            del leaves, fwd, fwd_bwd
+            rows.append(r)
         os.environ["DILGEN_RING_TRANSPORT"] = "auto"
-        if P == 1:
-            row["single_device_fwd_ms"], row["single_device_fwd_bwd_ms"] = row["fwd_ms"], row["fwd_bwd_ms"]
-        else:
-            from dilgen.schedule import ring_schedule       # pure: the planned ring at this N
-            sched = ring_schedule(kernel.compiled_for(self.dev).attention.plan["ring"], N)
-            row["remote_steps"], row["bytes_fraction"] = len(sched["steps"]) - 1, sched["bytes_fraction"]
-        del leaves, mine, fwd, fwd_bwd
+        del mine
         tk.cleanup(self.dev)
         if order == "raster" and self.dev.type == "cuda":
             if P == 1 and not a.no_flash:
-                self.flash_step(row, T)
+                self.flash_step(rows[0], T)
             if a.max_tokens:
-                self.longest(row, kernel, T)
-        return row
+                self.longest(rows[0], kernel, T)
+        return rows
+
+    def transports(self, spec) -> list[str]:
+        """--transports that can run the spec at this P (all-gather: raster only, its rows must fit)."""
+        P, H, Hk = self.P, spec.num_heads, spec.num_kv_heads
+        return ["auto"] if P == 1 else [t for t in self.args.transports
+                                        if (t != "heads" or not (H % P or Hk % P))
+                                        and (t != "allgather" or self.order_of(spec) == "raster")]
+
+    @staticmethod
+    def order_of(spec):
+        return "causal_gqa" if spec.causal else "raster" if spec.hilbert is None else spec.hilbert.scope
+
+    def check(self, r, fwd, leaves, ref):
+        """Every rank's rows of out, dq, dk, dv against the single-device kernel's same rows."""
+        sq = [v for x, y in zip([fwd()] + [t.grad for t in leaves], ref)
+              for v in ((x.double() - y.double()).norm().item() ** 2, y.double().norm().item() ** 2)]
+        rel = lambda s: [math.sqrt(s[i] / max(s[i + 1], 1e-300)) for i in range(0, 8, 2)]  # noqa: E731
+        worst, names = self.reduce(rel(sq), self.dist.ReduceOp.MAX), ("out", "dq", "dk", "dv")
+        r["check_rel_err_vs_single_device"] = dict(zip(names, rel(self.reduce(sq))))
+        r["check_worst_rank_rel_err"] = dict(zip(names, worst))
+        r["check_passed"] = bool(worst[0] < BOUND_OUT and max(worst[1:]) < BOUND_GRAD)
 
     def flash_step(self, row, T):
         """Dense ring of flash attention: one step = flash over T queries against T keys."""
@@ -221,20 +256,23 @@ def worker(rank, P, port, args, out_path):
     for order in args.orders:
         t0 = time.time()
         try:
-            row = me.run(order)
+            got = me.run(order)
         except Exception as e:  # noqa: BLE001 - record, go on with the next order
-            row = {"gpus": P, "tokens_per_gpu": args.tokens_per_gpu or me.geo["tokens"], "order": order,
-                   "hilbert": hilbert_for(order, 4) and order, "error": tk.short_err(e, 600)}
+            got = [{"gpus": P, "tokens_per_gpu": args.tokens_per_gpu or me.geo["tokens"], "order": order,
+                    "hilbert": hilbert_for(order, 4) and order, "error": tk.short_err(e, 600)}]
             if os.environ.get("BENCH_TRACEBACK") or rank == 0:
-                row["traceback"] = traceback.format_exc()[-3000:]
+                got[0]["traceback"] = traceback.format_exc()[-3000:]
             tk.cleanup(dev)
-        row["wall_s"] = round(time.time() - t0, 1)
-        rows.append(row)
+        for row in got:
+            row["wall_s"] = round(time.time() - t0, 1)
+            rows.append(row)
+            if rank == 0:
+                eff = row.get("single_device_fwd_bwd_ms", 0) / P / row.get("fwd_bwd_ms", 1)    # strong scaling
+                tk.log(f"    P={P} {order:10s} {row.get('transport', '?'):9s} " + (row.get("error") or
+                       f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd {row['fwd_bwd_ms']:.1f} ms (model "
+                       f"{row.get('predicted_fwd_bwd_ms', 0):.1f}), strong eff {eff:.2f}") + f"  ({row['wall_s']:.0f} s)")
         if rank == 0:
             tk.write_json_atomic(out_path, rows)
-            eff = row.get("single_device_fwd_bwd_ms", 0) / P / row.get("fwd_bwd_ms", 1)    # strong scaling
-            tk.log(f"    P={P} {order:8s} " + (row.get("error") or f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd "
-                   f"{row['fwd_bwd_ms']:.1f} ms, strong eff {eff:.2f}") + f"  ({row['wall_s']:.0f} s)")
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001
@@ -247,12 +285,16 @@ def finish(rows, geo):
     1-GPU row of the same order; modelled dense flash ring."""
     flash = next((b for b in rows if b["gpus"] == 1 and "flash_step_fwd_ms" in b), None)
     for r, kind in ((r, kind) for r in rows if "fwd_bwd_ms" in r for kind in ("fwd", "fwd_bwd")):
-        r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(geo, B=1, N=r["N"]), r.get("order") == "causal_gqa",
-                                                             kind == "fwd_bwd") / r["gpus"] / r[f"{kind}_ms"] / 1e9
+        k = 4 if r.get("order") == "local" else len(geo["ws"])
+        r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(geo, B=1, N=r["N"], ws=geo["ws"][:k], rs=geo["rs"][:k]),
+                                                             r.get("order") == "causal_gqa", kind == "fwd_bwd") \
+            / r["gpus"] / r[f"{kind}_ms"] / 1e9
+        if r.get("predicted_fwd_bwd_ms"):
+            r["model_error_fwd_bwd"] = r["predicted_fwd_bwd_ms"] / r["fwd_bwd_ms"] - 1
         s = r.get(f"single_device_{kind}_ms")       # strong_scaling_eff: fwd+bwd's (the last kind)
         r[f"strong_scaling_eff_{kind}"] = r["strong_scaling_eff"] = s / (r["gpus"] * r[f"{kind}_ms"]) if s else None
     for r in rows:
-        base = next((b for b in rows if b["gpus"] == 1 and b.get("order") == r.get("order") and "fwd_bwd_ms" in b
+        base = next((b for b in rows if b["gpus"] == 1 and b.get("order") == r.get("order") and "useful_tflops_per_gpu_fwd" in b
                      and b.get("tokens_per_gpu") == r.get("tokens_per_gpu")), None)
         for kind in ("fwd", "fwd_bwd"):
             if base and "fwd_bwd_ms" in r:
@@ -262,31 +304,30 @@ def finish(rows, geo):
 
 
 def predict(args) -> list[dict]:
-    """--predict-only (no run): per problem and P (causal_gqa: H_kv = H / 4, zigzag), the transport dilgen's cost
-    model picks and its time: the forward as schedule.transport_times models it (the runtime's kernel rate, the ring
-    IR's 4 x H200 link rates), the backward as bwd_over_fwd (1 x H200 at 256K: 284.6 / 70.2 ms - 1) x its compute
-    moving 3x its bytes (keys; fp32 dK, dV home). GiB per GPU: bf16 q, k, v, out, dO, dq, dk, dv, fp32 dq, dk, dv, lse,
-    delta per token, 2 steps of received keys and fp32 partials (all-gather: all); P = 1: ring-2026-11-24.json's."""
+    """--predict-only (no run): per problem and P, the transport dilgen's cost model picks and every transport's
+    fwd+bwd ms (dilgen.schedule.transport_costs with its fitted rates; P = 1: the single-device rate)."""
+    import types
     from dilgen import planner, schedule as S, targets
-    M, T, rows, up = MODEL, args.tokens_per_gpu or GPU["tokens"], [], 1 + MODEL["bwd_over_fwd"]
+    geo, T, rows = args.geo, args.tokens_per_gpu or args.geo["tokens"], []
     for order, P in ((o, p) for o in args.orders for p in args.gpus):
-        spec = make_spec(GPU, order, T * P, max(P, 2))
-        H, Hk, D, rate = spec.num_heads, spec.num_kv_heads, spec.head_dim, M["rate_flop_s"]
-        ring = {**planner.plan(spec, targets.get_target("sm90")).ring.to_json(), **M, "ring_size": P}
-        sched = S.ring_schedule(ring, T * P, ("contiguous", "zigzag")[spec.causal])
-        comp = [x / rate for x in S.step_flops(ring, sched, 1, H, D)]
-        f, b = (S.transport_times(ring, sched, bytes_per_row=4 * Hk * D * n, step_compute_s=[c * x for c in comp])
-                for n, x in ((1, 1), (3, up - 1)))
-        base = T * ((H + 2 * Hk) * D * 8 + 4 * H * D + 8 * H)
-        tr = P > 1 and S.choose_transport(ring, sched, bytes_per_row=4 * Hk * D, step_compute_s=comp,
-                                          free_bytes=(M["gpu_memory_gib"] * 2**30 - base) // 2)
-        i, one = int(tr == "allgather"), tk.useful_flops(dict(GPU, B=1, N=T * P), spec.causal) / rate
-        mem = T * M["one_gpu_bytes_per_token"] if P == 1 else base + [6 * max(f[2], default=0), 3 * sum(f[2])][i]
-        rows.append(dict(gpus=P, order=order, tokens_per_gpu=T, N=T * P, transport=tr or None, fwd_ms=1e3 * f[i],
-                         fwd_bwd_ms=1e3 * (f[i] + b[i]), allgather_fwd_bwd_ms=1e3 * (f[1] + b[1]) if tr else None,
-                         single_device_fwd_ms=1e3 * one, single_device_fwd_bwd_ms=1e3 * one * up,
-                         remote_steps=len(sched["steps"]) - 1, memory_per_gpu_gib=mem / 2**30))
+        spec = make_spec(geo, order, T * P, P)
+        dilgen_kernel(spec)         # a Kernel made in the process: the "heads" and "local" twins can be built
+        attn = types.SimpleNamespace(spec=spec.to_json(), plan=planner.plan(spec, targets.get_target("sm90")).to_json())
+        got = predicted(attn, spec, T * P, "single")
+        if P > 1:
+            costs = got["predicted_fwd_bwd_ms_by_transport"]
+            tr = min(costs, key=lambda t: (costs[t], t)) if "local" not in costs else "local"
+            got = dict(predicted(attn, spec, T * P, tr), transport=tr)
+        one = predicted(attn, make_spec(geo, order, T * P, 1), T * P, "single")
+        rows.append(dict(gpus=P, order=order, tokens_per_gpu=T, N=T * P, **got, fwd_ms=got["predicted_fwd_ms"],
+                         fwd_bwd_ms=got["predicted_fwd_bwd_ms"], single_device_fwd_ms=one["predicted_fwd_ms"],
+                         single_device_fwd_bwd_ms=one["predicted_fwd_bwd_ms"]))
     return rows
+
+
+def dilgen_kernel(spec):
+    import dilgen
+    return dilgen.Kernel(spec)
 
 
 def report(rows):
@@ -296,35 +337,33 @@ def report(rows):
         chk = r.get("check_worst_rank_rel_err")
         body.append([r["gpus"], r.get("order"), k(r["tokens_per_gpu"]), "—", "failed: " + r.get("error", "?")[:200]]
                     + [""] * 9 if "fwd_bwd_ms" not in r else
-                    [r["gpus"], r["order"] + f" ({r.get('transport')})" * bool(r.get("transport")),
+                    [r["gpus"], r["order"], f"{r.get('transport')}{' (auto)' * (r.get('forced_transport') == 'auto')}",
                      k(r["tokens_per_gpu"]), k(r["N"]), f"{r['fwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}",
-                     tk.fmt(r.get("single_device_fwd_bwd_ms"), ".1f"),
+                     tk.fmt(r.get("predicted_fwd_bwd_ms"), ".1f"), tk.fmt(r.get("single_device_fwd_bwd_ms"), ".1f"),
                      f"{r['useful_tflops_per_gpu_fwd_bwd']:.0f}", tk.fmt(r.get("efficiency_fwd_bwd"), ".0%"),
-                     tk.fmt(r.get("strong_scaling_eff"), ".0%"), tk.fmt(r.get("allgather_fwd_bwd_ms"), ".1f"),
+                     tk.fmt(r.get("strong_scaling_eff"), ".0%"),
                      "—" if not chk else "/".join(f"{chk[x]:.1e}" for x in ("out", "dq", "dk", "dv")),
                      tk.fmt(r.get("bf16_rel_error_vs_fp64"), ".1e"),
                      tk.fmt(r.get("peak_gib", r.get("memory_per_gpu_gib")), ".1f")])
-    tk.log(tk.markdown_table(["GPUs", "order", "tokens/GPU", "N", "fwd ms", "fwd+bwd ms", "1-GPU fwd+bwd ms (same N)",
-                              "TFLOP/s per GPU", "weak eff", "strong eff", "all-gather fwd+bwd ms",
+    tk.log(tk.markdown_table(["GPUs", "order", "transport", "tokens/GPU", "N", "fwd ms", "fwd+bwd ms", "model fwd+bwd ms",
+                              "1-GPU fwd+bwd ms (same N)", "TFLOP/s per GPU", "weak eff", "strong eff",
                               "rows vs 1 GPU out/dq/dk/dv", "bf16 vs fp64", "GiB per GPU"], body))
 
 
 def plot(result, path):
     """TFLOP/s per GPU (weak scaling) and strong-scaling efficiency against P, per order."""
-    rows = [r for r in result["rows"] if "fwd_bwd_ms" in r]
-    style, gpus = dict(raster="o-", segment="s--", sequence="^:", causal_gqa="d-."), sorted({r["gpus"] for r in rows})
+    rows = [r for r in result["rows"] if "fwd_bwd_ms" in r and r.get("forced_transport", "auto") == "auto"]
+    style = dict(raster="o-", segment="s--", sequence="^:", causal_gqa="d-.", local="v-")
+    gpus = sorted({r["gpus"] for r in rows})
 
     def draw(ax):
         for order in ORDERS:
             rs = sorted((r for r in rows if r.get("order") == order), key=lambda r: r["gpus"])
-            label = {"raster": "raster", "causal_gqa": "causal GQA, zigzag"}.get(order, f"Hilbert {order}")
+            label = {"raster": "raster", "causal_gqa": "causal GQA, zigzag", "local": "Hilbert, segments in a rank"
+                     }.get(order, f"Hilbert {order}")
             for a_, xy in zip(ax, ([(r["gpus"], r[f]) for r in rs if r.get(f)]
                                    for f in ("useful_tflops_per_gpu_fwd_bwd", "strong_scaling_eff"))):
                 a_.plot(*zip(*xy), style[order], label=label) if xy else None
-        ag = [(r["gpus"], r["useful_tflops_per_gpu_fwd_bwd"] * r["fwd_bwd_ms"] / r["allgather_fwd_bwd_ms"])
-              for r in sorted(rows, key=lambda r: r["gpus"]) if r.get("allgather_fwd_bwd_ms")]
-        if ag:                  # the same work in the all-gather's time
-            ax[0].plot(*zip(*ag), "x-.", color="gray", label="raster, all-gather (LongNet)")
         t = rows[0]["tokens_per_gpu"]
         ax[0].set(xlabel="GPUs", ylabel="useful TFLOP/s per GPU (fwd+bwd)", xticks=gpus, ylim=(0, None),
                   title=f"weak scaling, {f'{t // 1024}K' if t >= 1024 else t} tokens per GPU")
@@ -345,10 +384,13 @@ def parse_args(argv=None):
     add = ap.add_argument
     add("--gpus", type=int, nargs="+", default=[1, 2, 4], help="GPU counts (default 1 2 4)")
     add("--tokens-per-gpu", type=int, default=None, help="default 262144 (dry run: 64)")
-    add("--orders", default=",".join(ORDERS[:3]), help="subset of raster,segment,sequence,causal_gqa")
+    add("--orders", default=",".join(ORDERS[:3]), help="subset of " + ",".join(ORDERS))
+    add("--transports", default=",".join(TRANSPORTS), help="DILGEN_RING_TRANSPORT values, a row each (P > 1; "
+        "all-gather: raster only)")
+    add("--long", action="store_true", help="segments up to 8M (w 2M and 8M cross ranks at 2M tokens per GPU): "
+        "weak scaling; default tokens per GPU 2M")
     add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
         "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
-    add("--no-allgather", action="store_true", help="skip LongNet's all-gather transport")
     add("--no-flash", action="store_true", help="skip the dense flash ring model")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
     add("--predict-only", action="store_true", help="no run: the cost model's predictions on H200s (predict())")
@@ -357,6 +399,8 @@ def parse_args(argv=None):
     if a.max_tokens is not None and not a.max_tokens:
         a.max_tokens = [1 << 20, 3 << 19, 2 << 20]
     a.reps = a.reps or (1 if a.dry_run_cpu else 4)
+    a.transports = tk.pick(a.transports, TRANSPORTS, "--transports")
+    a.geo = DRY if a.dry_run_cpu else dict(GPU, **LONG, tokens=2 << 20) if a.long else GPU
     return a
 
 
@@ -367,7 +411,7 @@ def main(argv=None):
         return 0
     import torch
     import torch.multiprocessing as mp
-    dry, geo, gpus, model = args.dry_run_cpu, DRY if args.dry_run_cpu else GPU, args.gpus, args.predict_only
+    dry, geo, gpus, model = args.dry_run_cpu, args.geo, args.gpus, args.predict_only
     if not model and tk.no_gpu(dry, "bench_ring.py", "--dry-run-cpu (gloo)"):
         return 2
     if not dry and not model and [p for p in gpus if p > torch.cuda.device_count()]:
@@ -381,11 +425,11 @@ def main(argv=None):
                   "efficiency_*: weak scaling, useful TFLOP/s per GPU against the 1-GPU row of the same order",
                   "check_*: every rank's rows of out, dq, dk, dv against the single-device kernel's same rows",
                   "useful FLOPs: sum_i 4*B*H*(N/w_i)*(w_i/r_i)^2*D (w_i capped at N), x3.5 fwd+bwd, / P per GPU"]
-        + [" ".join(predict.__doc__.split())] * model} | ({"model": MODEL} if model else {}))
+        + [" ".join(predict.__doc__.split())] * model})
     if model or not dry:
         head["device"] = "model only, no run" if model else f"{len(gpus) and max(gpus)} x {head['device']}"
-    res = tk.Results(tk.result_path(args.out, "ring_predictions" if model else "ring", dry), head,
-                     key=("gpus", "order", "tokens_per_gpu"), append=args.append, lists=())
+    res = tk.Results(tk.result_path(args.out, ("ring_predictions" if model else "ring") + "_long" * args.long, dry), head,
+                     key=("gpus", "order", "tokens_per_gpu", "forced_transport"), append=args.append, lists=())
     failed = False
     res.rows.extend(predict(args) if model else [])
     with tempfile.TemporaryDirectory() as tmp:

@@ -196,19 +196,22 @@ def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -
 # (fused kernel on a window's rows; kernel time per rank over its share of the FLOPs,
 # raster 326, causal GQA 303), of the single-device kernels a "local" or "heads" call
 # runs (fused raster 336; lane kernels, which Hilbert segment and causal specs take on one
-# device: 533 and 562), and the backward over the forward of each (3.0, 3.05-3.15, causal
-# lanes 4.0).
+# device: 533 and 562), and the backward over the forward of each (raster windows 3.0;
+# windows through a curve table 1.39, their forward wasting rows the backward's dK/dV
+# does not; single device 3.05-3.15, causal lanes 4.0).
 RATES = dict(window_tflops=320.0, twin_fused_tflops=336.0, twin_lanes_tflops=545.0,
-             window_bwd=3.0, twin_bwd=3.1, twin_causal_bwd=4.0)
+             window_bwd=3.0, table_window_bwd=1.39, twin_bwd=3.1, twin_causal_bwd=4.0)
 
 
-def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int) -> list[float]:
+def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int,
+               part: str = "all") -> list[float]:
     """Per step, the FLOPs the kernels of the rank with the most run: a launch of a query
     piece of n_q rows runs, per branch (w, r) of its mask, 4·B·H·D·n_q·min(w, n_q)/r² (causal:
     half of it against its own piece's keys). A branch read through a curve table (not
     raster) keeps rows, not lattice classes, so every row of a tile runs (x r) against every
-    lane of its segment (min(w, N) / r keys, not only the window's). The slowest rank sets a
-    step's time, and every rank computes the same list."""
+    lane of its segment (min(w, N) / r keys, not only the window's). part: "raster" or
+    "table" counts only those branches. The slowest rank sets a step's time, and every rank
+    computes the same list."""
     n = schedule["n"]
     out = []
     for st in schedule["steps"]:
@@ -218,12 +221,12 @@ def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int
             for qi, ki, bits in rank["launches"]:
                 n_q = schedule["pieces"][j][qi][1]
                 # causal: a piece against its own keys keeps half (later pieces: none, dropped)
-                part = 0.5 if ring["causal"] and st["offset"] == 0 and qi == ki else 1.0
+                half = 0.5 if ring["causal"] and st["offset"] == 0 and qi == ki else 1.0
                 for br in ring["branches"]:
-                    if bits >> br["index"] & 1:
+                    if bits >> br["index"] & 1 and part in ("all", "raster" if br["raster"] else "table"):
                         w, r = br["w"], br["r"]
                         keys = min(w, n_q) / r if br["raster"] else min(w, n)
-                        flops += part * 4 * batch * heads * head_dim * n_q * keys / r
+                        flops += half * 4 * batch * heads * head_dim * n_q * keys / r
             worst = max(worst, flops)
         out.append(worst)
     return out
@@ -234,6 +237,15 @@ def useful_flops(ring: dict, n: int, batch: int, heads: int, head_dim: int) -> f
     total = sum(4 * batch * heads * head_dim * (n / min(br["w"], n)) * (min(br["w"], n) / br["r"]) ** 2
                 for br in ring["branches"])
     return total / 2 if ring["causal"] else total
+
+
+def single_device_times(ring: dict, n: int, batch: int, heads: int, head_dim: int,
+                        lanes: bool) -> tuple[float, float]:
+    """(forward s, backward s) of the single-device kernels on the whole problem: useful_flops
+    at RATES' fused rate, or the lanes rate (lanes: causal or Hilbert segment specs)."""
+    fwd = useful_flops(ring, n, batch, heads, head_dim) / (
+        RATES["twin_lanes_tflops" if lanes else "twin_fused_tflops"] * 1e12)
+    return fwd, fwd * RATES["twin_causal_bwd" if ring["causal"] and lanes else "twin_bwd"]
 
 
 def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int,
@@ -248,16 +260,18 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
     heads_ok / local_ok: whether those can run this call."""
     P, n = ring["ring_size"], schedule["n"]
     lat = ring["step_latency_us"] * 1e-6
-    comp = [f / (RATES["window_tflops"] * 1e12) for f in step_flops(ring, schedule, batch, heads, head_dim)]
+    rate = RATES["window_tflops"] * 1e12
+    raster, table = (step_flops(ring, schedule, batch, heads, head_dim, part) for part in ("raster", "table"))
+    comp = [(a + b) / rate for a, b in zip(raster, table)]
     kv_row = 2 * batch * kv_heads * head_dim * itemsize
     ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp)
-    bwd = [c * RATES["window_bwd"] for c in comp]   # keys again; fp32 dK, dV home: 3x the bytes
+    # backward: the dK/dV kernels walk kept lanes only, so table windows cost less over their
+    # forward; keys travel again and fp32 dK, dV go home: 3x the bytes
+    bwd = [(a * RATES["window_bwd"] + b * RATES["table_window_bwd"]) / rate for a, b in zip(raster, table)]
     ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd)
     costs = {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
              "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
-    rate = RATES["twin_lanes_tflops" if lanes else "twin_fused_tflops"] * 1e12
-    twin_f = useful_flops(ring, n, batch, heads, head_dim) / P / rate
-    twin_b = twin_f * RATES["twin_causal_bwd" if ring["causal"] and lanes else "twin_bwd"]
+    twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes))
     if heads_ok and P > 1:
         row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
         a2a = ring.get("alltoall_gbytes_s", ring["allgather_gbytes_s"]) * 1e9

@@ -5,6 +5,8 @@ one-line error everywhere. The same all_gather hands every rank the call's fault
 (faults.py) and the smallest free memory of the ranks (the transport cost model's bound)."""
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import os
 from typing import Any, Callable
@@ -51,6 +53,19 @@ def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
            "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
            "DILGEN_RING_TRANSPORT", "input error"]
+
+
+_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    """torch.cuda.stream(a stream kept per device) on CUDA, else a no-op context."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = _STREAMS.get(device.index)
+    if stream is None:
+        stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+    return torch.cuda.stream(stream)
 
 
 def _transport_code() -> int:
@@ -128,16 +143,20 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     free = -1
     if error is None and q.is_cuda and _transport_code() == 0:
         free = torch.cuda.mem_get_info(q.device)[0] // 2
-    mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error, device,
-                        cu if cu_seqlens is not None else None, free)
-    every = [torch.empty_like(mine) for _ in range(P)]
-    try:
-        # nothing left pending, refused or not: the process may end right after the call
-        # (gloo: faults.let_go, cheap: the worker thread only waits for the GIL)
-        collective(dist, group, lambda: dist.all_gather(every, mine, group=group), (mine, *every))
-    except PeerLost as exc:
-        raise refuse_closed(name, dist, group, P, me, exc) from exc.__cause__
-    rows = [x.tolist() for x in every]
+    # On a GPU the fingerprint travels on a stream of its own: a collective on the compute
+    # stream would wait for every kernel queued before it (the forward's, when the backward
+    # agrees), and reading it back would leave the GPU idle until the host queued more
+    with _side_stream(device):
+        mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error,
+                            device, cu if cu_seqlens is not None else None, free)
+        every = [torch.empty_like(mine) for _ in range(P)]
+        try:
+            # nothing left pending, refused or not: the process may end right after the call
+            # (gloo: faults.let_go, cheap: the worker thread only waits for the GIL)
+            collective(dist, group, lambda: dist.all_gather(every, mine, group=group), (mine, *every))
+        except PeerLost as exc:
+            raise refuse_closed(name, dist, group, P, me, exc) from exc.__cause__
+        rows = [x.tolist() for x in every]
     key, frees = fault_key(rows[0][-2]), [r[-1] for r in rows if r[-1] >= 0]
     message = _verdict(name, [r[:-2] for r in rows], error, P)
     if message is not None:

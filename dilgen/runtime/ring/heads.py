@@ -37,15 +37,10 @@ def heads_refusal(attn, P: int, packed: bool) -> str | None:
     return None
 
 
-def heads_possible(run) -> str | None:
-    return heads_refusal(run.attn, run.P, run.packed)
-
-
-def local_possible(run) -> bool:
+def local_possible(attn, sched: dict, packed: bool) -> bool:
     """Every branch stays inside the pieces (no remote step)."""
-    sched = run.sched
-    return (not run.packed and len(sched["steps"]) == 1
-            and len(sched["local_only"]) == len(run.attn.plan["branches"]))
+    return (not packed and len(sched["steps"]) == 1
+            and len(sched["local_only"]) == len(attn.plan["branches"]) and twins_available())
 
 
 def _twin(run, device):

@@ -13,12 +13,11 @@ import torch
 from ...schedule import pick_transport, ring_schedule, ring_schedule_packed, transport_costs
 from ..checks import InputError, check_positions
 from ..interpreter import interpreting
-from ..registry import twins_available
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
 from .faults import Guard, collective, remember, transfer
-from .heads import heads_possible, heads_refusal, local_possible
+from .heads import heads_refusal, local_possible
 
 
 def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -87,6 +86,18 @@ def _forced_transport() -> str:
     if forced not in ("ring", "allgather", "heads", "auto"):
         raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather, heads or auto")
     return forced
+
+
+def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_dim: int,
+               itemsize: int, packed: bool = False) -> dict:
+    """schedule.transport_costs of a call of `attn` over `sched` (ring_schedule of its N and
+    chunk order): what the runtime decides by, and what bench_ring prints beside each row."""
+    plan = attn.plan
+    lanes = plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
+    return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
+                           head_dim=head_dim, itemsize=itemsize, lanes=lanes,
+                           heads_ok=heads_refusal(attn, plan["ring"]["ring_size"], packed) is None,
+                           local_ok=local_possible(attn, sched, packed))
 
 
 class RingRun:
@@ -169,13 +180,7 @@ class RingRun:
         cache = self.sched.setdefault("_costs", {})
         key = (self.B, self.H, self.Hkv, self.D, q.element_size())
         if key not in cache:
-            plan = self.attn.plan
-            twins = twins_available()
-            lanes = plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
-            cache[key] = transport_costs(
-                plan["ring"], self.sched, batch=self.B, heads=self.H, kv_heads=self.Hkv, head_dim=self.D,
-                itemsize=q.element_size(), lanes=lanes, heads_ok=twins and heads_possible(self) is None,
-                local_ok=twins and local_possible(self))
+            cache[key] = call_costs(self.attn, self.sched, *key, packed=self.packed)
         return cache[key]
 
     def gather_bytes(self, q) -> int:
