@@ -160,6 +160,9 @@ class Rank:
             fwd_bwd()
             attn = kernel.compiled_for(self.dev).attention
             r["transport"] = attn.last_ring_transport if P > 1 else "single"
+            if r["transport"] == "heads":
+                from dilgen.runtime.ring.heads import MAX_CHUNKS
+                r["head_chunks"] = max(c for c in range(1, MAX_CHUNKS + 1) if (spec.num_kv_heads // P) % c == 0)
             if any(x["transport"] == r["transport"] for x in rows):
                 continue                        # "auto" already ran this one
             if ref is not None:

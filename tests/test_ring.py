@@ -89,6 +89,33 @@ def test_transport_cost_model_prefers_overlap_when_compute_dominates():
     assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, free_bytes=10) == "ring"
 
 
+def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
+    """The cost model at a bench_ring size (bf16, D 128) and its pick."""
+    import types
+    spec = dilgen.Spec(name="costs", num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype="bfloat16",
+                       segment_lengths=w, dilation_rates=r, causal=causal, ring_size=P, hilbert=hilbert)
+    dilgen.Kernel(spec)          # a Kernel in the process: the single-device twins can be built
+    attn = types.SimpleNamespace(spec=spec.to_json(), plan=plan(spec, get_target("sm90")).to_json())
+    from dilgen.runtime.ring.run import call_costs
+    sched = schedule.ring_schedule(attn.plan["ring"], T * P, "zigzag" if causal else "contiguous")
+    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2)
+    return costs, schedule.pick_transport(costs)
+
+
+def test_cost_model_picks_per_pattern():
+    ws, rs = [2048, 8192, 32768, 131072, 524288, 1048576], [1, 2, 4, 8, 16, 32]
+    # every segment inside a rank: no transfer at all, the single-device kernels on its rows
+    assert _costs(4, 262144, ws[:4], rs[:4], hilbert={"scope": "segment"})[1] == "local"
+    # Hilbert tiles spanning ranks: a ring window walks whole segments of rows it mostly
+    # does not keep (measured 0.04 strong scaling at P = 4); head shards run the lanes
+    costs, pick = _costs(4, 262144, ws, rs, hilbert={"scope": "segment"})
+    assert pick == "heads" and costs["ring"]["fwd_bwd_s"] > 10 * costs["heads"]["fwd_bwd_s"]
+    # GQA with fewer kv heads than ranks cannot take head shards
+    assert "heads" not in _costs(4, 262144, ws, rs, heads=(16, 2))[0]
+    # tiny problems: latency decides, one collective beats the steps
+    assert _costs(4, 256, [16, 1024], [1, 4])[1] == "allgather"
+
+
 def test_packed_schedule_launches_only_sequences_that_meet():
     ring = _ring_json(2, [8, 16], [1, 2])
     # no sequence crosses the border at 16: the local step only
@@ -286,6 +313,12 @@ CASES_P2 += [
     {"name": "heads_hilbert_segment", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
                                                "hilbert": {"scope": "segment"}},
      "shape": [1, 64], "transport": "heads"},
+    # 4 chunks of heads pipelined (each its own head_base), and 2 with GQA zigzag and lse
+    {"name": "heads_four_chunks", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 4], "num_heads": 8},
+     "shape": [1, 64], "transport": "heads"},
+    {"name": "heads_two_chunks_gqa_zigzag", "spec": {"segment_lengths": [16, 64], "dilation_rates": [2, 4],
+                                                     "num_heads": 8, "num_kv_heads": 4, "causal": True},
+     "shape": [1, 64], "order": "zigzag", "transport": "heads"},
     {"name": "auto_local_hilbert_segment", "spec": {"segment_lengths": [16, 32], "dilation_rates": [1, 2],
                                                     "hilbert": {"scope": "segment"}},
      "shape": [1, 64], "transport": "auto", "expect_transport": "local"},

@@ -43,8 +43,22 @@ def local_possible(attn, sched: dict, packed: bool) -> bool:
             and len(sched["local_only"]) == len(attn.plan["branches"]) and twins_available())
 
 
-def _twin(run, device):
-    hit = run.__dict__.get("_twin_attn")
+# the head-parallel call runs in up to MAX_CHUNKS chunks of its heads, so that the
+# all-to-all of chunk c + 1 (and the return of chunk c - 1) overlaps chunk c's kernels
+MAX_CHUNKS = 4
+
+
+def chunks_of(run) -> int:
+    """Chunks of a rank's H/P heads (each a whole number of kv heads), at most MAX_CHUNKS."""
+    hkp = run.Hkv // run.P
+    return max(c for c in range(1, MAX_CHUNKS + 1) if hkp % c == 0)
+
+
+def _twin(run, device, chunk: int = 0, chunks: int = 1):
+    """The single-device module of the call: the spec itself (local), or heads
+    [p H/P + chunk H/(P C), ...) of the model (Spec.head_base) on the whole sequence."""
+    cache = run.__dict__.setdefault("_twin_attn", {})
+    hit = cache.get((chunk, chunks))
     if hit is None:
         spec = run.attn.spec
         # Hilbert scope "sequence": the ring's rows are curve positions, on which the
@@ -53,63 +67,80 @@ def _twin(run, device):
         if run.transport == "local":
             hit = twin(run.attn, device, ring_size=1, **curve)
         else:
-            hp, hkp = run.H // run.P, run.Hkv // run.P
-            hit = twin(run.attn, device, ring_size=1, num_heads=hp, num_kv_heads=hkp,
-                       head_base=spec.get("head_base", 0) + run.me * hp,
-                       name=f"{spec['name']}_heads{run.me}of{run.P}"[:100], **curve)
-        run._twin_attn = hit
+            hc, hkc = run.H // run.P // chunks, run.Hkv // run.P // chunks
+            base = spec.get("head_base", 0) + run.me * (run.H // run.P) + chunk * hc
+            hit = twin(run.attn, device, ring_size=1, num_heads=hc, num_kv_heads=hkc, head_base=base,
+                       name=f"{spec['name']}_heads{base}to{base + hc}"[:100], **curve)
+        cache[(chunk, chunks)] = hit
     return hit
 
 
 # -- sequence shards <-> head shards -------------------------------------------------------
-def _swap(run, sends: list, recvs: list) -> None:
-    """All-to-all as one batch of point-to-point transfers (NCCL and gloo alike): sends[d]
-    goes to rank d, recvs[s] comes from rank s; my own part is a copy."""
-    dist, ops = run.dist, []
-    for d in range(run.P):
-        if d == run.me:
-            recvs[d].copy_(sends[d])
-            continue
-        ops.append(dist.P2POp(dist.isend, sends[d], run.peer(d), run.group))
-        ops.append(dist.P2POp(dist.irecv, recvs[d], run.peer(d), run.group))
-    for w in transfer(dist.batch_isend_irecv, ops):
-        transfer(w.wait)
+# A rank's heads are P blocks of H/P (block d goes to rank d), each cut in C chunks; chunk c
+# of every block travels in one exchange. Head-sharded rows are (N, B, heads, X) in
+# sequence order, so that each source rank's piece lands in place (zigzag pieces too).
+class _Posted:
+    """Point-to-point transfers of one exchange, posted (batch_isend_irecv); wait() makes the
+    current stream wait for them (NCCL) or returns once they are done (gloo)."""
+
+    def __init__(self, run, sends: list, recvs: list, keep=()):
+        dist, ops = run.dist, []
+        for d in range(run.P):
+            if d == run.me:
+                recvs[d].copy_(sends[d])
+                continue
+            ops.append(dist.P2POp(dist.isend, sends[d], run.peer(d), run.group))
+            ops.append(dist.P2POp(dist.irecv, recvs[d], run.peer(d), run.group))
+        self.works = transfer(dist.batch_isend_irecv, ops) if ops else []
+        self.keep = (sends, recvs, keep)
+
+    def wait(self):
+        for w in self.works:
+            transfer(w.wait)
+        self.works = []
 
 
-def _to_heads(run, x: torch.Tensor) -> torch.Tensor:
-    """My rows (B, n_loc, heads, D) -> every row of my heads, (N, B, heads/P, D)."""
-    P, B, D = run.P, x.shape[0], x.shape[3]
-    hp = x.shape[2] // P
-    out = torch.empty((run.N, B, hp, D), dtype=x.dtype, device=x.device)
+def _blocks(x: torch.Tensor, P: int, C: int, c: int) -> torch.Tensor:
+    """(B, n, heads, X) -> chunk c of every rank's block of heads, (B, n, P, heads/(P C), X)."""
+    B, n, h, X = x.shape
+    return x.reshape(B, n, P, C, h // (P * C), X)[:, :, :, c]
+
+
+def _post_to_heads(run, x: torch.Tensor, C: int, c: int):
+    """Post the exchange of chunk c of x (B, n_loc, heads, X): returns (the head-sharded
+    rows (N, B, heads/(P C), X) once waited, the posted transfers)."""
+    P, B, X = run.P, x.shape[0], x.shape[3]
+    hc = x.shape[2] // (P * C)
+    out = torch.empty((run.N, B, hc, X), dtype=x.dtype, device=x.device)
+    posted = []
     for i, (_, ln) in enumerate(run.pieces[run.me]):
-        mine = run.piece(x, i).reshape(B, ln, P, hp, D).permute(2, 1, 0, 3, 4).contiguous()
-        sends = list(mine.unbind(0))                               # to rank d: its heads
-        _swap(run, sends, [out.narrow(0, *run.pieces[s][i]) for s in range(P)])
-    return out
+        mine = _blocks(run.piece(x, i), P, C, c).permute(2, 1, 0, 3, 4).contiguous()   # (P, ln, B, hc, X)
+        posted.append(_Posted(run, list(mine.unbind(0)),
+                              [out.narrow(0, *run.pieces[s][i]) for s in range(P)], mine))
+    return out, posted
 
 
-def _from_heads(run, y: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of _to_heads: (N, B, heads/P, D) of my heads -> my rows (B, n_loc, heads, D)."""
-    P, B, D = run.P, y.shape[1], y.shape[3]
-    hp = y.shape[2]
-    out = torch.empty((B, run.n_loc, heads, D), dtype=y.dtype, device=y.device)
+def _post_from_heads(run, y: torch.Tensor, dst: torch.Tensor, C: int, c: int):
+    """Post the return of y (N, B, hc, X), chunk c of my heads, into dst (B, n_loc, heads, X);
+    returns the work whose finish() copies the received rows into place."""
+    P = run.P
+    posted, landed = [], []
     for i, (_, ln) in enumerate(run.pieces[run.me]):
-        recv = torch.empty((P, ln, B, hp, D), dtype=y.dtype, device=y.device)
-        _swap(run, [y.narrow(0, *run.pieces[d][i]) for d in range(P)], list(recv.unbind(0)))
-        run.piece(out, i).copy_(recv.permute(2, 1, 0, 3, 4).reshape(B, ln, heads, D))
-    return out
+        recv = torch.empty((P, ln, *y.shape[1:]), dtype=y.dtype, device=y.device)
+        posted.append(_Posted(run, [y.narrow(0, *run.pieces[d][i]) for d in range(P)], list(recv.unbind(0)), y))
+        landed.append((i, recv))
+
+    def finish():
+        for p in posted:
+            p.wait()
+        for i, recv in landed:       # (P, ln, B, hc, X) -> my rows of chunk c of every block
+            _blocks(run.piece(dst, i), P, C, c).copy_(recv.permute(2, 1, 0, 3, 4))
+    return finish
 
 
-def _lse_to_heads(run, lse: torch.Tensor) -> torch.Tensor:
-    """(B, H, n_loc) of my rows -> (B, H/P, N) of my heads (the same all-to-all on rows)."""
-    t = _to_heads(run, lse.permute(0, 2, 1).unsqueeze(-1))        # (N, B, H/P, 1)
-    return t.squeeze(-1).permute(1, 2, 0)
-
-
-def _lse_from_heads(run, lse_h: torch.Tensor) -> torch.Tensor:
-    """(B, H/P, N) of my heads -> (B, H, n_loc) of my rows."""
-    t = _from_heads(run, lse_h.permute(2, 0, 1).unsqueeze(-1).contiguous(), run.H)
-    return t.squeeze(-1).permute(0, 2, 1)
+def _wait_all(posted) -> None:
+    for p in posted:
+        p.wait()
 
 
 def _bnhd(x: torch.Tensor) -> torch.Tensor:
@@ -121,31 +152,61 @@ def _nbhd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 0, 2, 3) if x.shape[0] == 1 else x.permute(1, 0, 2, 3).contiguous()
 
 
+def _rows(lse: torch.Tensor) -> torch.Tensor:
+    """lse-like (B, heads, n) -> (B, n, heads, 1), the layout the exchanges take."""
+    return lse.permute(0, 2, 1).unsqueeze(-1)
+
+
+def _pipeline(run, inputs, compute, outputs):
+    """Chunk by chunk: post chunk c + 1's exchange, wait chunk c's, run its kernels
+    (compute(c, head-sharded inputs) -> head-sharded results) and post their return into
+    `outputs` (local tensors, (B, n_loc, heads, X) views). Every return is waited at the end."""
+    C = chunks_of(run)
+    run.at = ("exchange", 0, 0)
+    post = lambda c: [_post_to_heads(run, x, C, c) for x in inputs]  # noqa: E731
+    pending, finishes = post(0), []
+    for c in range(C):
+        nxt = post(c + 1) if c + 1 < C else None
+        for _, posted in pending:
+            _wait_all(posted)
+        run.at = ("kernels", c, 0)
+        results = compute(c, C, [t for t, _ in pending])
+        run.at = ("return", c, 0)
+        finishes += [_post_from_heads(run, y, dst, C, c) for y, dst in zip(results, outputs)]
+        pending = nxt
+    for finish in finishes:
+        finish()
+
+
 # -- the passes -----------------------------------------------------------------------------
 def twin_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of my rows by the "local" or "heads" transport."""
-    attn = _twin(run, q.device)
     if run.transport == "local":
-        return forward_raw(attn, q, k, v)
-    run.at = ("exchange", 0, 0)
-    qh, kh, vh = (_bnhd(_to_heads(run, x)) for x in (q, k, v))
-    run.at = ("kernels", 0, 0)
-    out_h, lse_h = forward_raw(attn, qh, kh, vh)
-    run.at = ("return", 0, 0)
-    return _from_heads(run, _nbhd(out_h), run.H), _lse_from_heads(run, lse_h)
+        return forward_raw(_twin(run, q.device), q, k, v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
+    lse_rows = torch.empty((run.B, run.n_loc, run.H, 1), dtype=torch.float32, device=q.device)
+
+    def compute(c, C, got):
+        out_h, lse_h = forward_raw(_twin(run, q.device, c, C), *(_bnhd(t) for t in got))
+        return _nbhd(out_h), lse_h.permute(2, 0, 1).unsqueeze(-1).contiguous()
+    _pipeline(run, (q, k, v), compute, (out, lse_rows))
+    lse.copy_(lse_rows.squeeze(-1).permute(0, 2, 1))
+    return out, lse
 
 
 def twin_backward(run, q, k, v, out, lse, grad_out, grad_lse):
     """(dq, dk, dv) of my rows by the "local" or "heads" transport."""
-    attn = _twin(run, q.device)
     if run.transport == "local":
-        return backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse)
-    run.at = ("exchange", 0, 0)
-    qh, kh, vh, oh, gh = (_bnhd(_to_heads(run, x)) for x in (q, k, v, out, grad_out))
-    lse_h = _lse_to_heads(run, lse)
-    glse_h = None if grad_lse is None else _lse_to_heads(run, grad_lse)
-    run.at = ("kernels", 0, 0)
-    dq, dk, dv = backward_raw(attn, qh, kh, vh, oh, lse_h, gh, glse_h)
-    run.at = ("return", 0, 0)
-    return (_from_heads(run, _nbhd(dq), run.H), _from_heads(run, _nbhd(dk), run.Hkv),
-            _from_heads(run, _nbhd(dv), run.Hkv))
+        return backward_raw(_twin(run, q.device), q, k, v, out, lse, grad_out, grad_lse)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    inputs = (q, k, v, out, grad_out, _rows(lse)) + (() if grad_lse is None else (_rows(grad_lse),))
+
+    def compute(c, C, got):
+        qh, kh, vh, oh, gh = (_bnhd(t) for t in got[:5])
+        lse_h = got[5].squeeze(-1).permute(1, 2, 0)
+        glse_h = got[6].squeeze(-1).permute(1, 2, 0) if len(got) > 6 else None
+        grads = backward_raw(_twin(run, q.device, c, C), qh, kh, vh, oh, lse_h, gh, glse_h)
+        return [_nbhd(g.to(t.dtype)) for g, t in zip(grads, (q, k, v))]
+    _pipeline(run, inputs, compute, (dq, dk, dv))
+    return dq, dk, dv
