@@ -14,7 +14,6 @@ import math
 import os
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -435,24 +434,24 @@ def main(argv=None):
                      key=("gpus", "order", "tokens_per_gpu", "forced_transport"), append=args.append, lists=())
     failed = False
     res.rows.extend(predict(args) if model else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, P in enumerate([] if model else gpus):
-            tk.log(f"[{i + 1}/{len(gpus)}] {P} {'process' if dry else 'GPU'}(s), "
-                   f"{args.tokens_per_gpu or geo['tokens']} tokens each, orders {args.orders} ...")
-            path, t0 = Path(tmp) / f"ring_{P}.json", time.time()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            try:
-                mp.start_processes(worker, args=(P, port, args, str(path)), nprocs=P, join=True, start_method="spawn")
-            except Exception as e:  # noqa: BLE001 - a crashed rank: keep what rank 0 wrote
-                tk.log(f"  P={P}: {tk.short_err(e, 300)}")
-                failed = True
-            for r in json.loads(path.read_text()) if path.exists() else [{"gpus": P, "error": "no result"}]:
-                r.setdefault("tokens_per_gpu", args.tokens_per_gpu or geo["tokens"])
-                res.add(r)
-                failed |= "error" in r or r.get("check_passed") is False
-            tk.log(f"  {P}: {time.time() - t0:.0f} s")
+    for i, P in enumerate([] if model else gpus):
+        tk.log(f"[{i + 1}/{len(gpus)}] {P} {'process' if dry else 'GPU'}(s), "
+               f"{args.tokens_per_gpu or geo['tokens']} tokens each, orders {args.orders} ...")
+        path, t0 = Path(args.out) / f"ring_{P}.partial.json", time.time()    # kept if the run is cut short
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            mp.start_processes(worker, args=(P, port, args, str(path)), nprocs=P, join=True, start_method="spawn")
+        except Exception as e:  # noqa: BLE001 - a crashed rank: keep what rank 0 wrote
+            tk.log(f"  P={P}: {tk.short_err(e, 300)}")
+            failed = True
+        for r in json.loads(path.read_text()) if path.exists() else [{"gpus": P, "error": "no result"}]:
+            r.setdefault("tokens_per_gpu", args.tokens_per_gpu or geo["tokens"])
+            res.add(r)
+            failed |= "error" in r or r.get("check_passed") is False
+        path.unlink(missing_ok=True)
+        tk.log(f"  {P}: {time.time() - t0:.0f} s")
     rows = res.all_rows()
     finish(rows, geo)
     res.save()

@@ -282,8 +282,11 @@ class RingIR:
     causal: bool = False
     branches: tuple[RingBranch, ...] = ()
     one_kv_head_per_query_head: bool = True
-    link_gbytes_s: float = 358.0        # NVLink ring step, 4 x H200 (issue 5)
-    allgather_gbytes_s: float = 342.0   # all-gather receive rate, same machine
+    # link rates measured on 4 x H200 at 1 GiB per rank (bench/results/ring_profile-2026-11-27-p4.json):
+    # a P2P ring shift, an all-gather's received bytes, an all-to-all's sent bytes
+    link_gbytes_s: float = 357.0
+    allgather_gbytes_s: float = 338.0
+    alltoall_gbytes_s: float = 334.0
     step_latency_us: float = 30.0
     # Hilbert scope "sequence": the rows the ranks hold are runs of the curve over a
     # rows x cols image (dilgen.runtime.ring.shard orders them), and the schedule works
@@ -298,6 +301,7 @@ class RingIR:
                 "one_kv_head_per_query_head": self.one_kv_head_per_query_head,
                 "link_gbytes_s": self.link_gbytes_s,
                 "allgather_gbytes_s": self.allgather_gbytes_s,
+                "alltoall_gbytes_s": self.alltoall_gbytes_s,
                 "step_latency_us": self.step_latency_us,
                 "curve": None if self.curve is None else list(self.curve)}
 

@@ -191,16 +191,21 @@ def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -
             "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
 
 
-# Kernel rates of the cost model, fitted on 4 x H200 (torch 2.11, Triton 3.6) from
-# bench/results/ring_profile-2026-11-27-p4.json: useful forward TFLOP/s of a ring window
-# (fused kernel on a window's rows; kernel time per rank over its share of the FLOPs,
-# raster 326, causal GQA 303), of the single-device kernels a "local" or "heads" call
-# runs (fused raster 336; lane kernels, which Hilbert segment and causal specs take on one
-# device: 533 and 562), and the backward over the forward of each (raster windows 3.0;
-# windows through a curve table 1.39, their forward wasting rows the backward's dK/dV
-# does not; single device 3.05-3.15, causal lanes 4.0).
-RATES = dict(window_tflops=320.0, twin_fused_tflops=336.0, twin_lanes_tflops=545.0,
-             window_bwd=3.0, table_window_bwd=1.39, twin_bwd=3.1, twin_causal_bwd=4.0)
+# Rates of the cost model, fitted on 4 x H200 (torch 2.11, Triton 3.6) from
+# bench/results/ring_profile-2026-11-27-p4.json (kernel times per rank over useful_flops)
+# and ring-2026-11-27.json: useful forward TFLOP/s of a ring window (the fused kernel on a
+# window's rows: raster 298, causal GQA 278) and of the single-device kernels a "local" or
+# "heads" call runs (fused raster 308; the lane kernels, which Hilbert segment and causal
+# specs take on one device, 475-512); backward over forward (raster windows 3.0, causal
+# windows 3.2, windows through a curve table 1.39 (their forward runs rows the dK/dV
+# kernels skip), single device 3.05-3.15, causal lanes 4.0); what a ring call costs over
+# the model's per-step kernels (idle steps, merges, fills: 1.04); and the
+# head-parallel call's kernels on H/(P C) heads beside its all-to-alls (1.10 fused, 1.06
+# lanes; the all-to-alls themselves are counted whole: chunking hid little of them).
+RATES = dict(window_tflops=298.0, twin_fused_tflops=308.0, twin_lanes_tflops=490.0,
+             window_bwd=3.0, causal_window_bwd=3.2, table_window_bwd=1.39, twin_bwd=3.1,
+             twin_causal_bwd=4.0, ring_overhead=1.04, heads_fused_slowdown=1.10,
+             heads_lanes_slowdown=1.06)
 
 
 def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int,
@@ -260,25 +265,27 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
     heads_ok / local_ok: whether those can run this call."""
     P, n = ring["ring_size"], schedule["n"]
     lat = ring["step_latency_us"] * 1e-6
-    rate = RATES["window_tflops"] * 1e12
+    rate = RATES["window_tflops"] * 1e12 / RATES["ring_overhead"]
     raster, table = (step_flops(ring, schedule, batch, heads, head_dim, part) for part in ("raster", "table"))
     comp = [(a + b) / rate for a, b in zip(raster, table)]
     kv_row = 2 * batch * kv_heads * head_dim * itemsize
     ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp)
     # backward: the dK/dV kernels walk kept lanes only, so table windows cost less over their
     # forward; keys travel again and fp32 dK, dV go home: 3x the bytes
-    bwd = [(a * RATES["window_bwd"] + b * RATES["table_window_bwd"]) / rate for a, b in zip(raster, table)]
+    up = RATES["causal_window_bwd" if ring["causal"] else "window_bwd"]
+    bwd = [(a * up + b * RATES["table_window_bwd"]) / rate for a, b in zip(raster, table)]
     ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd)
     costs = {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
              "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
     twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes))
     if heads_ok and P > 1:
         row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
-        a2a = ring.get("alltoall_gbytes_s", ring["allgather_gbytes_s"]) * 1e9
+        a2a = ring["alltoall_gbytes_s"] * 1e9
         fwd_bytes = row * (2 * heads + 2 * kv_heads)
         bwd_bytes = row * (3 * heads + 2 * kv_heads + heads + 2 * kv_heads)
-        costs["heads"] = {"fwd_s": twin_f + fwd_bytes / a2a + 4 * lat,
-                          "fwd_bwd_s": twin_f + twin_b + (fwd_bytes + bwd_bytes) / a2a + 13 * lat}
+        slow = RATES["heads_lanes_slowdown" if lanes else "heads_fused_slowdown"]
+        costs["heads"] = {"fwd_s": slow * twin_f + fwd_bytes / a2a + 4 * lat,
+                          "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 13 * lat}
     if local_ok:
         costs["local"] = {"fwd_s": twin_f, "fwd_bwd_s": twin_f + twin_b}
     return costs
