@@ -38,21 +38,9 @@ chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "conti
 
 
 def predicted(attn, spec, n: int, transport: str) -> dict:
-    """The cost model's ms for this call (dilgen.runtime.ring.run.call_costs; one device: the
-    single-device kernels' rate of dilgen.schedule.RATES) and every transport's fwd+bwd."""
-    from dilgen import schedule as S
-    if spec.ring_size == 1:
-        ring = {"causal": spec.causal, "branches": [{"w": w, "r": r} for w, r in spec.branches()]}
-        f, b = S.single_device_times(ring, n, 1, spec.num_heads, spec.head_dim,
-                                     lanes=spec.causal or (spec.hilbert is not None and spec.hilbert.scope == "segment"))
-        return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
-    from dilgen.runtime.ring.run import call_costs
-    sched = S.ring_schedule(attn.plan["ring"], n, chunks(spec))
-    costs = call_costs(attn, sched, 1, spec.num_heads, spec.num_kv_heads, spec.head_dim, 2)
-    mine = costs.get(transport, {"fwd_s": math.nan, "fwd_bwd_s": math.nan})
-    return {"predicted_fwd_ms": mine["fwd_s"] * 1e3, "predicted_fwd_bwd_ms": mine["fwd_bwd_s"] * 1e3,
-            "predicted_fwd_bwd_ms_by_transport": {t: c["fwd_bwd_s"] * 1e3 for t, c in costs.items()},
-            "remote_steps": len(sched["steps"]) - 1, "bytes_fraction": sched["bytes_fraction"]}
+    """The cost model's ms of this call and of every transport (dilgen.runtime.ring.run.predicted_ms)."""
+    from dilgen.runtime.ring.run import predicted_ms
+    return predicted_ms(attn, n, transport, chunks(spec))
 
 
 def hilbert_for(order: str, n: int):
@@ -160,18 +148,15 @@ class Rank:
             attn = kernel.compiled_for(self.dev).attention
             r["transport"] = attn.last_ring_transport if P > 1 else "single"
             if r["transport"] == "heads":
-                from dilgen.runtime.ring.heads import MAX_CHUNKS
-                r["head_chunks"] = max(c for c in range(1, MAX_CHUNKS + 1) if (spec.num_kv_heads // P) % c == 0)
+                from dilgen.runtime.ring.heads import chunks_for
+                r["head_chunks"] = chunks_for(spec.num_kv_heads // P)
             if any(x["transport"] == r["transport"] for x in rows):
                 continue                        # "auto" already ran this one
             if ref is not None:
                 self.check(r, fwd, leaves, ref)
-            if self.dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.dev)
-            r["fwd_ms"] = self.wall_ms(fwd, a.reps)
-            r["fwd_bwd_ms"] = self.wall_ms(fwd_bwd, max(1, a.reps // 2))
-            if self.dev.type == "cuda":
-                r["peak_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30
+            cuda = self.dev.type == "cuda" and torch.cuda.reset_peak_memory_stats(self.dev) is None
+            r["fwd_ms"], r["fwd_bwd_ms"] = self.wall_ms(fwd, a.reps), self.wall_ms(fwd_bwd, max(1, a.reps // 2))
+            r["peak_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30 if cuda else None
             r.update(predicted(attn, spec, N, r["transport"]))
             if P == 1:
                 r["single_device_fwd_ms"], r["single_device_fwd_bwd_ms"] = r["fwd_ms"], r["fwd_bwd_ms"]
@@ -180,11 +165,8 @@ class Rank:
         os.environ["DILGEN_RING_TRANSPORT"] = "auto"
         del mine
         tk.cleanup(self.dev)
-        if order == "raster" and self.dev.type == "cuda":
-            if P == 1 and not a.no_flash:
-                self.flash_step(rows[0], T)
-            if a.max_tokens:
-                self.longest(rows[0], kernel, T)
+        if order == "raster" and self.dev.type == "cuda" and a.max_tokens:
+            self.longest(rows[0], kernel, T)
         return rows
 
     def transports(self, spec) -> list[str]:
@@ -192,11 +174,7 @@ class Rank:
         P, H, Hk = self.P, spec.num_heads, spec.num_kv_heads
         return ["auto"] if P == 1 else [t for t in self.args.transports
                                         if (t != "heads" or not (H % P or Hk % P))
-                                        and (t != "allgather" or self.order_of(spec) == "raster")]
-
-    @staticmethod
-    def order_of(spec):
-        return "causal_gqa" if spec.causal else "raster" if spec.hilbert is None else spec.hilbert.scope
+                                        and (t != "allgather" or not (spec.causal or spec.hilbert))]
 
     def check(self, r, fwd, leaves, ref):
         """Every rank's rows of out, dq, dk, dv against the single-device kernel's same rows."""
@@ -207,18 +185,6 @@ class Rank:
         r["check_rel_err_vs_single_device"] = dict(zip(names, rel(self.reduce(sq))))
         r["check_worst_rank_rel_err"] = dict(zip(names, worst))
         r["check_passed"] = bool(worst[0] < BOUND_OUT and max(worst[1:]) < BOUND_GRAD)
-
-    def flash_step(self, row, T):
-        """Dense ring of flash attention: one step = flash over T queries against T keys."""
-        torch, geo, F = self.torch, self.geo, self.torch.nn.functional
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        qd, kd, vd, gd = (torch.randn(1, geo["H"], T, geo["D"], device=self.dev, dtype=torch.bfloat16)
-                          for _ in range(4))
-        sd = [t.clone().requires_grad_(True) for t in (qd, kd, vd)]
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            row["flash_step_fwd_ms"] = self.wall_ms(torch.no_grad()(lambda: F.scaled_dot_product_attention(
-                qd, kd, vd)), 2)
-            row["flash_step_fwd_bwd_ms"] = self.wall_ms(lambda: F.scaled_dot_product_attention(*sd).backward(gd), 1)
 
     def longest(self, row, kernel, T):
         """Grow tokens per GPU while the measured peak, scaled, fits; every rank agrees first."""
@@ -284,8 +250,7 @@ def worker(rank, P, port, args, out_path):
 
 def finish(rows, geo):
     """Useful TFLOP/s per GPU, strong scaling (T_1(N) / (P T_P(N))), weak-scaling efficiency against the
-    1-GPU row of the same order; modelled dense flash ring."""
-    flash = next((b for b in rows if b["gpus"] == 1 and "flash_step_fwd_ms" in b), None)
+    1-GPU row of the same order."""
     for r, kind in ((r, kind) for r in rows if "fwd_bwd_ms" in r for kind in ("fwd", "fwd_bwd")):
         k = 4 if r.get("order") == "local" else len(geo["ws"])
         r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(geo, B=1, N=r["N"], ws=geo["ws"][:k], rs=geo["rs"][:k]),
@@ -301,35 +266,25 @@ def finish(rows, geo):
         for kind in ("fwd", "fwd_bwd"):
             if base and "fwd_bwd_ms" in r:
                 r[f"efficiency_{kind}"] = r[f"useful_tflops_per_gpu_{kind}"] / base[f"useful_tflops_per_gpu_{kind}"]
-            if flash and r.get("order") == "raster":
-                r[f"dense_ring_flash_{kind}_ms_modelled"] = flash[f"flash_step_{kind}_ms"] * r["gpus"]
 
 
 def predict(args) -> list[dict]:
-    """--predict-only (no run): per problem and P, the transport dilgen's cost model picks and every transport's
-    fwd+bwd ms (dilgen.schedule.transport_costs with its fitted rates; P = 1: the single-device rate)."""
+    """--predict-only (no run): per problem and P, the transport the cost model picks, every transport's ms."""
     import types
-    from dilgen import planner, schedule as S, targets
+    from dilgen import Kernel, planner, schedule, targets
     geo, T, rows = args.geo, args.tokens_per_gpu or args.geo["tokens"], []
     for order, P in ((o, p) for o in args.orders for p in args.gpus):
-        spec = make_spec(geo, order, T * P, P)
-        dilgen_kernel(spec)         # a Kernel made in the process: the "heads" and "local" twins can be built
-        attn = types.SimpleNamespace(spec=spec.to_json(), plan=planner.plan(spec, targets.get_target("sm90")).to_json())
-        got = predicted(attn, spec, T * P, "single")
+        one, spec = (make_spec(geo, order, T * P, x) for x in (1, P))
+        Kernel(spec)                # a Kernel made in the process: the "heads" and "local" twins can be built
+        attn, attn1 = (types.SimpleNamespace(spec=x.to_json(), plan=planner.plan(x, targets.get_target("sm90")).to_json())
+                       for x in (spec, one))
+        got = alone = predicted(attn1, one, T * P, "single")
         if P > 1:
-            costs = got["predicted_fwd_bwd_ms_by_transport"]
-            tr = min(costs, key=lambda t: (costs[t], t)) if "local" not in costs else "local"
-            got = dict(predicted(attn, spec, T * P, tr), transport=tr)
-        one = predicted(attn, make_spec(geo, order, T * P, 1), T * P, "single")
-        rows.append(dict(gpus=P, order=order, tokens_per_gpu=T, N=T * P, **got, fwd_ms=got["predicted_fwd_ms"],
-                         fwd_bwd_ms=got["predicted_fwd_bwd_ms"], single_device_fwd_ms=one["predicted_fwd_ms"],
-                         single_device_fwd_bwd_ms=one["predicted_fwd_bwd_ms"]))
+            costs = {t: {"fwd_bwd_s": ms} for t, ms in predicted(attn, spec, T * P, "ring")["predicted_fwd_bwd_ms_by_transport"].items()}
+            got = dict(predicted(attn, spec, T * P, tr := schedule.pick_transport(costs)), transport=tr)
+        rows.append(dict(gpus=P, order=order, tokens_per_gpu=T, N=T * P, **got, fwd_ms=got["predicted_fwd_ms"], fwd_bwd_ms=got[
+            "predicted_fwd_bwd_ms"], **{f"single_device_{k}_ms": alone[f"predicted_{k}_ms"] for k in ("fwd", "fwd_bwd")}))
     return rows
-
-
-def dilgen_kernel(spec):
-    import dilgen
-    return dilgen.Kernel(spec)
 
 
 def report(rows):
@@ -361,8 +316,7 @@ def plot(result, path):
     def draw(ax):
         for order in ORDERS:
             rs = sorted((r for r in rows if r.get("order") == order), key=lambda r: r["gpus"])
-            label = {"raster": "raster", "causal_gqa": "causal GQA, zigzag", "local": "Hilbert, segments in a rank"
-                     }.get(order, f"Hilbert {order}")
+            label = dict(raster="raster", causal_gqa="causal GQA, zigzag", local="Hilbert, in a rank").get(order, order)
             for a_, xy in zip(ax, ([(r["gpus"], r[f]) for r in rs if r.get(f)]
                                    for f in ("useful_tflops_per_gpu_fwd_bwd", "strong_scaling_eff"))):
                 a_.plot(*zip(*xy), style[order], label=label) if xy else None
@@ -393,7 +347,6 @@ def parse_args(argv=None):
         "weak scaling; default tokens per GPU 2M")
     add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
         "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
-    add("--no-flash", action="store_true", help="skip the dense flash ring model")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
     add("--predict-only", action="store_true", help="no run: the cost model's predictions on H200s (predict())")
     a = ap.parse_args(argv)

@@ -48,10 +48,13 @@ def local_possible(attn, sched: dict, packed: bool) -> bool:
 MAX_CHUNKS = 4
 
 
+def chunks_for(kv_heads_per_rank: int) -> int:
+    """Chunks of a rank's heads (each a whole number of kv heads), at most MAX_CHUNKS."""
+    return max(c for c in range(1, MAX_CHUNKS + 1) if kv_heads_per_rank % c == 0)
+
+
 def chunks_of(run) -> int:
-    """Chunks of a rank's H/P heads (each a whole number of kv heads), at most MAX_CHUNKS."""
-    hkp = run.Hkv // run.P
-    return max(c for c in range(1, MAX_CHUNKS + 1) if hkp % c == 0)
+    return chunks_for(run.Hkv // run.P)
 
 
 def _twin(run, device, chunk: int = 0, chunks: int = 1):

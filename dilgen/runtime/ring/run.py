@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from ...schedule import pick_transport, ring_schedule, ring_schedule_packed, transport_costs
+from ...schedule import (pick_transport, ring_schedule, ring_schedule_packed, single_device_times,
+                         transport_costs)
 from ..checks import InputError, check_positions
 from ..interpreter import interpreting
 from ..tables import table_tensors
@@ -98,6 +99,27 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
                            head_dim=head_dim, itemsize=itemsize, lanes=lanes,
                            heads_ok=heads_refusal(attn, plan["ring"]["ring_size"], packed) is None,
                            local_ok=local_possible(attn, sched, packed))
+
+
+def predicted_ms(attn, n: int, transport: str, order: str = "contiguous") -> dict:
+    """What the cost model says of a call of `attn` (a GeneratedAttention, or anything with
+    its .spec and .plan JSON) on n tokens, batch 1, by `transport` ("single" for a ring_size 1
+    spec): predicted_fwd_ms, predicted_fwd_bwd_ms (NaN where that transport cannot run), and
+    for a ring every transport's fwd+bwd ms, the remote steps and the schedule's key bytes."""
+    spec, plan = attn.spec, attn.plan
+    heads, kv, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    item = 4 if spec["dtype"] == "float32" else 2
+    if plan["ring"]["ring_size"] == 1:
+        ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
+        lanes = plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
+        f, b = single_device_times(ring, n, 1, heads, d, lanes)
+        return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
+    sched = ring_schedule(plan["ring"], n, order)
+    costs = call_costs(attn, sched, 1, heads, kv, d, item)
+    mine = costs.get(transport, {"fwd_s": math.nan, "fwd_bwd_s": math.nan})
+    return {"predicted_fwd_ms": mine["fwd_s"] * 1e3, "predicted_fwd_bwd_ms": mine["fwd_bwd_s"] * 1e3,
+            "predicted_fwd_bwd_ms_by_transport": {t: c["fwd_bwd_s"] * 1e3 for t, c in costs.items()},
+            "remote_steps": len(sched["steps"]) - 1, "bytes_fraction": sched["bytes_fraction"]}
 
 
 class RingRun:
