@@ -80,7 +80,8 @@ def _prepared(module, query, key, scaling, causal):
     """(Kernel, its GeneratedAttention for query's device), kept on the module: a decode
     step pays one tuple comparison."""
     pattern = getattr(module.config, "dilgen_spec", None)
-    sig = (id(pattern), query.dtype, query.device, causal, scaling, query.shape[1], key.shape[1],
+    # repr, not id: a config.dilgen_spec changed in place after a call makes a new kernel
+    sig = (repr(pattern), query.dtype, query.device, causal, scaling, query.shape[1], key.shape[1],
            query.shape[3])
     hit = module.__dict__.get("_dilgen_kernel")
     if hit is not None and hit[0] == sig:
@@ -104,18 +105,96 @@ def _prepared(module, query, key, scaling, causal):
     return prepared
 
 
-def _refuse_unsupported(dropout, sliding_window, softcap, kwargs) -> None:
+#: config fields that turn on a sliding window or chunked attention (full_attention clears them)
+_LOCAL_FIELDS = {"sliding_window": None, "use_sliding_window": False, "attention_chunk_size": None}
+#: attention-dropout fields of the configs, the first present is named in the advice
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout",
+                   "dropout_rate", "dropout")
+#: keyword arguments that change the attention's math: dilgen does not implement them
+_REFUSED_KWARGS = ("position_bias", "sinks", "s_aux", "indices", "block_indices", "alibi", "attn_bias",
+                   "head_mask", "layer_head_mask", "relative_position_bias", "attention_bias")
+#: keyword arguments transformers passes that dilgen reads or that do not change the math
+_KNOWN_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                 "cache_position", "output_attentions", "use_cache", "past_key_values", "cache",
+                 "position_embeddings", "is_causal", "layer_idx", "token_type_ids")
+_FIX = "call dilgen.integrations.transformers.full_attention(config) before building the model"
+
+
+def full_attention(config):
+    """Turn a config's sliding-window or chunked layers into full attention, which dilgen's
+    pattern then replaces: every layer_types entry "full_attention", sliding_window and
+    attention_chunk_size None, use_sliding_window False (text and sub-configs too). Returns
+    the config."""
+    for cfg in [config] + [getattr(config, name) for name in ("text_config", "decoder", "encoder")
+                           if hasattr(config, name) and getattr(config, name) is not None]:
+        types = getattr(cfg, "layer_types", None)
+        for field, off in _LOCAL_FIELDS.items():
+            # with layer_types the window stays: such models build its mask for no layer then
+            if getattr(cfg, field, None) not in (None, False, 0) and not (
+                    isinstance(types, (list, tuple)) and field == "sliding_window"):
+                setattr(cfg, field, off)
+        if isinstance(types, (list, tuple)):
+            cfg.layer_types = ["full_attention"] * len(types)
+    return config
+
+
+class LocalMask:
+    """What dilgen_mask returns for a sliding-window or chunked mask (local_size): a layer
+    that takes it is refused (dilgen's pattern would drop the window)."""
+
+    def __init__(self, size: int, model: str):
+        self.size, self.model = size, model
+
+
+def _dropout_field(config) -> str:
+    return next((f for f in _DROPOUT_FIELDS if getattr(config, f, None)), "attention_dropout")
+
+
+def _refuse_unsupported(module, dropout, sliding_window, softcap, kwargs) -> None:
     if dropout:
-        raise ValueError(f"attn_implementation='dilgen' has no attention dropout (got "
-                         f"{dropout}): set config.attention_dropout = 0.0")
+        raise ValueError(f"attn_implementation='dilgen' has no attention dropout (got {dropout}): call "
+                         f"model.eval(), or set config.{_dropout_field(module.config)} = 0.0 for training")
     if sliding_window is not None:
-        raise ValueError("attn_implementation='dilgen' replaces the attention pattern; a "
-                         "sliding window does not combine with it: set config.sliding_window = None")
+        raise ValueError(f"attn_implementation='dilgen' replaces the attention pattern; this layer has a "
+                         f"sliding window of {sliding_window} tokens: {_FIX}")
     if softcap is not None:
         raise ValueError("attn_implementation='dilgen' has no logit soft-capping: use 'eager' "
                          "or 'sdpa' for this model")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attn_implementation='dilgen' has no attention sinks (s_aux)")
+    for name in _REFUSED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation='dilgen' does not implement the attention argument "
+                             f"{name!r} this model passes (a bias, sinks or a sparse index set): use "
+                             f"'eager' or 'sdpa' for this model")
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and name not in _KNOWN_KWARGS:
+            raise ValueError(f"attn_implementation='dilgen' does not know the attention argument "
+                             f"{name!r} (a tensor) this model passes, so it cannot honour it: use "
+                             f"'eager' or 'sdpa' for this model")
+    if getattr(module, "is_cross_attention", False) or (getattr(module, "is_decoder", False)
+                                                       and not getattr(module, "is_causal", True)):
+        raise ValueError("attn_implementation='dilgen' computes self-attention over one sequence; this "
+                         "is cross-attention (decoder queries over encoder keys), which dilated "
+                         "segments do not define: use 'eager' or 'sdpa' for this model")
+
+
+_ROUTED: dict[str, bool] = {}
+
+
+def routes_attention(model_class) -> bool:
+    """Whether a transformers model class computes attention through AttentionInterface (its
+    modeling module looks attention functions up in ALL_ATTENTION_FUNCTIONS), so that
+    attn_implementation='dilgen' is what runs; Bloom, XGLM, Falcon, MPT ... compute their own."""
+    module = getattr(model_class, "__module__", "")
+    hit = _ROUTED.get(module)
+    if hit is None:
+        import inspect
+        import sys
+        try:
+            hit = "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[module])
+        except (KeyError, OSError, TypeError):
+            hit = True            # no source to read (a compiled or dynamic module): trust it
+        _ROUTED[module] = hit
+    return hit
 
 
 def valid_runs(mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -137,8 +216,10 @@ def valid_runs(mask: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def _packed_offsets(kwargs, batch: int, rows: int):
-    """(cu_seqlens int32, longest) of packed rows (batch 1), or None: transformers' packing
-    collators pass cu_seq_lens_q / max_length_q, or position_ids that restart at 0."""
+    """(cu_seqlens int32 over the batch's rows laid end to end, longest) of packed rows, or
+    None: transformers' packing collators pass cu_seq_lens_q / max_length_q (batch 1), or
+    position_ids that restart at 0 inside a row (any batch: every row start is a sequence
+    start too)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
@@ -151,15 +232,14 @@ def _packed_offsets(kwargs, batch: int, rows: int):
         longest = kwargs.get("max_length_q")
         return cu.to(torch.int32), None if longest is None else int(longest)
     pos = kwargs.get("position_ids")
-    if pos is None or batch != 1 or rows < 2:
+    if pos is None or rows < 2 or pos.shape[-1] != rows:
         return None
-    pos = pos.reshape(-1)
-    starts = (pos == 0).nonzero().view(-1)
-    if starts.numel() < 2 and (starts.numel() == 0 or int(starts[0]) == 0):
-        return None                                   # one sequence from position 0 (or an offset)
-    if int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    cu = torch.cat([starts, starts.new_full((1,), rows)]).to(torch.int32)
+    restart = (pos.reshape(-1, rows) == 0).expand(batch, rows).clone()
+    if not bool(restart[:, 1:].any()):
+        return None                                   # one sequence per row (from 0 or an offset)
+    restart[:, 0] = True
+    starts = restart.reshape(-1).nonzero().view(-1)
+    cu = torch.cat([starts, starts.new_full((1,), batch * rows)]).to(torch.int32)
     return cu, None
 
 
@@ -174,7 +254,8 @@ def _prefill(kernel: Kernel, q, k, v, mask, kwargs):
             raise ValueError("attn_implementation='dilgen': packed rows come without padding "
                              "(drop the attention_mask or the packing)")
         cu, longest = packed
-        return kernel(q[0], k[0], v[0], cu_seqlens=cu, max_seqlen=longest).unsqueeze(0)
+        rows = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))       # the rows end to end
+        return kernel(*rows, cu_seqlens=cu, max_seqlen=longest).view(B, T, *q.shape[2:])
     if mask is None:
         return kernel(q, k, v)
     first, end = valid_runs(mask)
@@ -222,11 +303,15 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
     """transformers' attention interface: query (B, H, T, D), key and value (B, H_kv, S, D)
     (the cache included), attention_mask the 2-D mask of `dilgen_mask` or None. Returns
     (out (B, T, H, D), None)."""
-    _refuse_unsupported(dropout, sliding_window, softcap, kwargs)
+    _refuse_unsupported(module, dropout, sliding_window, softcap, kwargs)
+    if isinstance(attention_mask, LocalMask):
+        raise ValueError(f"attn_implementation='dilgen' replaces the attention pattern; this layer of "
+                         f"{attention_mask.model} takes sliding-window or chunked attention over "
+                         f"{attention_mask.size} tokens: {_FIX}")
     if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(f"attn_implementation='dilgen' takes a 2-D padding mask (B, keys); got "
-                         f"a {attention_mask.dim()}-D mask: build the model with "
-                         f"attn_implementation='dilgen' so transformers makes masks for it")
+        raise ValueError(f"attn_implementation='dilgen' applies its own pattern and takes a 2-D "
+                         f"padding mask (B, keys) or none; got a {attention_mask.dim()}-D mask (a "
+                         f"custom mask passed to the model?): pass attention_mask as (B, tokens) of 0/1")
     causal = module.is_causal if is_causal is None else is_causal
     kernel, attention = _prepared(module, query, key, scaling, causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, T, heads, D) views
@@ -245,7 +330,11 @@ def dilgen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
     """transformers' mask interface: the keys of each item that hold a token, as a 2-D
     bool (B, kv_length), or None when every key does (the common case, no tensor made).
     Keys past the written ones (a static cache) and padding are False; dilgen's own
-    pattern (segments, dilation, causality) is applied by the kernels."""
+    pattern (segments, dilation, causality) is applied by the kernels. A sliding-window or
+    chunked mask (local_size) is refused: dilgen would drop it."""
+    if kwargs.get("local_size") is not None:
+        # models build this mask whether or not a layer takes it: refused where one does
+        return LocalMask(kwargs["local_size"], str(getattr(kwargs.get("config"), "model_type", "the model")))
     written = q_offset + q_length - kv_offset
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:].bool()
@@ -265,10 +354,34 @@ def dilgen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
     return attention_mask
 
 
+def _checked_implementation(check):
+    """PreTrainedModel._check_and_adjust_attn_implementation, wrapped: a model whose config
+    holds dilgen_spec and names no attention comes back with dilgen (a saved dilgen model,
+    from_pretrained(dir)); "dilgen" on a model that computes its own attention is refused."""
+    if getattr(check, "_dilgen", False):
+        return check
+
+    def checked(self, attn_implementation, *args, **kwargs):
+        config = getattr(self, "config", None)
+        if attn_implementation is None and getattr(config, "dilgen_spec", None) is not None:
+            attn_implementation = NAME
+        if attn_implementation == NAME and not routes_attention(type(self)):
+            raise ValueError(f"{type(self).__name__} computes attention in its own code, not through "
+                             f"transformers' AttentionInterface, so attn_implementation='dilgen' would "
+                             f"never run (nor its causal mask): use 'eager' or 'sdpa' for this model")
+        return check(self, attn_implementation, *args, **kwargs)
+    checked._dilgen = True
+    return checked
+
+
 def register() -> None:
-    """Register "dilgen" with transformers' attention and mask interfaces (done on import)."""
+    """Register "dilgen" with transformers' attention and mask interfaces (done on import),
+    and check model builds (_checked_implementation)."""
     AttentionInterface.register(NAME, dilgen_attention_forward)
     AttentionMaskInterface.register(NAME, dilgen_mask)
+    from transformers import PreTrainedModel
+    PreTrainedModel._check_and_adjust_attn_implementation = _checked_implementation(
+        PreTrainedModel._check_and_adjust_attn_implementation)
 
 
 register()

@@ -1,0 +1,173 @@
+"""attn_implementation="dilgen" at the edges of the transformers model zoo (issue 40): every
+case either computes the dilated attention exactly or is refused by name in one line, and
+every refusal's advice, followed, works. Tiny models built from configs (nothing
+downloaded), Triton's interpreter on the CPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import dilgen.integrations.transformers as hf  # noqa: E402
+
+from conftest import rel_error  # noqa: E402
+
+PATTERN = {"segment_lengths": [8, 16], "dilation_rates": [1, 2]}
+SMALL = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
+
+
+def _build(config_cls, fields=None, how="from_config", **extra):
+    config = config_cls(**{**SMALL, **(fields or {})})
+    for key, value in extra.items():
+        setattr(config, key, value)
+    config.dilgen_spec = dict(PATTERN)
+    torch.manual_seed(0)
+    return config, AutoModelForCausalLM.from_config(config, attn_implementation="dilgen").eval()
+
+
+def _ids(b, n, seed=0):
+    return torch.randint(3, 61, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _one_line(info):
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+# -- sliding windows and chunked attention: refused, and full_attention(config) is the fix ---
+LOCAL = [
+    ("mistral", "MistralConfig", dict(sliding_window=8)),
+    ("qwen2_moe", "Qwen2MoeConfig", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                         num_experts=2, num_experts_per_tok=1)),
+    ("phimoe", "PhimoeConfig", dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1)),
+    ("cohere2", "Cohere2Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+]
+
+
+@pytest.mark.parametrize("name, cls, fields", LOCAL, ids=[c[0] for c in LOCAL])
+def test_sliding_windows_are_refused_and_full_attention_fixes_them(name, cls, fields):
+    config_cls = getattr(transformers, cls)
+    config, model = _build(config_cls, fields)
+    with pytest.raises(ValueError, match="full_attention") as info:
+        model(_ids(1, 24))
+    assert "sliding" in _one_line(info)
+    # the advice, followed
+    config = hf.full_attention(config_cls(**{**SMALL, **fields}))
+    config.dilgen_spec = dict(PATTERN)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="dilgen").eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(_ids(1, 24)).logits).all()
+
+
+# -- packed rows with batch > 1: each document alone ----------------------------------------
+def test_packed_rows_with_batch_two_keep_documents_apart():
+    _, model = _build(transformers.LlamaConfig)
+    ids = _ids(2, 30, 1)
+    lens = [[12, 18], [7, 9, 14]]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens])
+    with torch.no_grad():
+        got = model(ids, position_ids=pos).logits
+        for b, row in enumerate(lens):
+            a = 0
+            for n in row:
+                alone = model(ids[b:b + 1, a:a + n]).logits[0]
+                assert rel_error(got[b, a:a + n], alone) < 1e-4
+                a += n
+
+
+# -- models that compute their own attention: refused when built ----------------------------
+@pytest.mark.parametrize("cls", ["BloomConfig", "XGLMConfig"])
+def test_models_that_never_call_the_interface_are_refused(cls):
+    config = getattr(transformers, cls)(vocab_size=61, hidden_size=32, n_layer=1, num_layers=1, n_head=2,
+                                        attention_heads=2, d_model=32, ffn_dim=64)
+    config.dilgen_spec = dict(PATTERN)
+    with pytest.raises(ValueError, match="computes attention in its own code") as info:
+        AutoModelForCausalLM.from_config(config, attn_implementation="dilgen")
+    _one_line(info)
+
+
+# -- arguments dilgen does not implement, cross-attention: refused by name -----------------
+def test_t5_position_bias_is_refused_by_name():
+    config = transformers.T5Config(vocab_size=61, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0)
+    config.dilgen_spec = dict(PATTERN)
+    model = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="dilgen").eval()
+    with pytest.raises(ValueError, match="'position_bias'") as info:
+        model(input_ids=_ids(1, 16), decoder_input_ids=_ids(1, 16))
+    _one_line(info)
+
+
+def test_cross_attention_is_refused():
+    config = transformers.BartConfig(vocab_size=61, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+                                     attention_dropout=0.0)
+    config.dilgen_spec = dict(PATTERN)
+    model = transformers.BartForConditionalGeneration._from_config(config, attn_implementation="dilgen").eval()
+    with pytest.raises(ValueError, match="cross-attention") as info:
+        model(input_ids=_ids(1, 16), decoder_input_ids=_ids(1, 16))   # equal lengths: no shape tells
+    _one_line(info)
+
+
+def test_unknown_tensor_arguments_and_sinks_are_refused_by_name():
+    _, model = _build(transformers.LlamaConfig)
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    for name in ("sinks", "indices", "block_indices", "my_bias"):
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            hf.dilgen_attention_forward(attn, q, k, k, None, **{name: torch.zeros(4)})
+
+
+# -- the dropout advice names the model's own field -----------------------------------------
+@pytest.mark.parametrize("cls, field", [("GPT2Config", "attn_pdrop"), ("LlamaConfig", "attention_dropout")])
+def test_dropout_advice_names_the_config_field(cls, field):
+    config_cls = getattr(transformers, cls)
+    fields = dict(SMALL) if cls == "LlamaConfig" else dict(vocab_size=61, n_embd=32, n_layer=1, n_head=2,
+                                                              n_positions=64)
+    config = config_cls(**{**fields, field: 0.1})
+    config.dilgen_spec = dict(PATTERN)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="dilgen").train()
+    with pytest.raises(ValueError, match=f"config.{field} = 0.0"):
+        model(_ids(1, 16))
+    setattr(model.config, field, 0.0)                   # the advice, followed
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.0
+        if hasattr(module, "attn_dropout") and isinstance(module.attn_dropout, torch.nn.Dropout):
+            module.attn_dropout.p = 0.0
+    model(_ids(1, 16)).logits.sum().backward()
+
+
+# -- a pattern changed in place, a saved model loaded back ---------------------------------
+def test_changing_the_pattern_in_place_takes_effect():
+    _, model = _build(transformers.LlamaConfig)
+    ids = _ids(1, 24, 2)
+    with torch.no_grad():
+        model(ids)
+        model.config.dilgen_spec["dilation_rates"][1] = 4       # in place, after a call
+        got = model(ids).logits
+    config, fresh = _build(transformers.LlamaConfig)           # the same weights (seed), built with r = 4
+    fresh.config.dilgen_spec = {"segment_lengths": [8, 16], "dilation_rates": [1, 4]}
+    with torch.no_grad():
+        want = fresh(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_a_saved_dilgen_model_comes_back_with_dilgen(tmp_path):
+    _, model = _build(transformers.LlamaConfig)
+    ids = _ids(1, 24, 3)
+    model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.config._attn_implementation == "dilgen"
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")   # asked for: given
+    assert sdpa.config._attn_implementation == "sdpa"
