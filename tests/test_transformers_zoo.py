@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import dilgen.integrations.transformers as hf  # noqa: E402
+import dilgen  # noqa: E402,F401
 
 from conftest import rel_error  # noqa: E402
 
@@ -47,6 +48,7 @@ LOCAL = [
                                          num_experts=2, num_experts_per_tok=1)),
     ("phimoe", "PhimoeConfig", dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1)),
     ("cohere2", "Cohere2Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ("llama4_chunked", "Llama4TextConfig", dict(attention_chunk_size=8, intermediate_size_mlp=96, num_local_experts=2)),
 ]
 
 
@@ -56,7 +58,7 @@ def test_sliding_windows_are_refused_and_full_attention_fixes_them(name, cls, fi
     config, model = _build(config_cls, fields)
     with pytest.raises(ValueError, match="full_attention") as info:
         model(_ids(1, 24))
-    assert "sliding" in _one_line(info)
+    assert "sliding-window or chunked" in _one_line(info) or "sliding window" in str(info.value)
     # the advice, followed
     config = hf.full_attention(config_cls(**{**SMALL, **fields}))
     config.dilgen_spec = dict(PATTERN)
@@ -83,10 +85,11 @@ def test_packed_rows_with_batch_two_keep_documents_apart():
 
 
 # -- models that compute their own attention: refused when built ----------------------------
-@pytest.mark.parametrize("cls", ["BloomConfig", "XGLMConfig"])
+@pytest.mark.parametrize("cls", ["BloomConfig", "XGLMConfig", "FalconConfig", "MptConfig"])
 def test_models_that_never_call_the_interface_are_refused(cls):
     config = getattr(transformers, cls)(vocab_size=61, hidden_size=32, n_layer=1, num_layers=1, n_head=2,
-                                        attention_heads=2, d_model=32, ffn_dim=64)
+                                        attention_heads=2, d_model=32, ffn_dim=64, num_hidden_layers=1,
+                                        num_attention_heads=2, n_layers=1, n_heads=2)
     config.dilgen_spec = dict(PATTERN)
     with pytest.raises(ValueError, match="computes attention in its own code") as info:
         AutoModelForCausalLM.from_config(config, attn_implementation="dilgen")
@@ -171,3 +174,69 @@ def test_a_saved_dilgen_model_comes_back_with_dilgen(tmp_path):
         assert torch.equal(back(ids).logits, model(ids).logits)
     sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")   # asked for: given
     assert sdpa.config._attn_implementation == "sdpa"
+
+
+# -- MLA (v_head_dim != qk head_dim), a static cache with a left-padded batch ---------------
+def test_mla_value_head_dim_differs_from_the_query_head_dim():
+    from dilgen.reference import differentiable_reference
+    config, model = _build(transformers.LlamaConfig)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, h, 24, 24, generator=g) for h in (4, 2))
+    v = torch.randn(1, 2, 24, 16, generator=g)
+    out, _ = hf.dilgen_attention_forward(attn, q, k, v, None, scaling=0.3, is_causal=True)
+    spec = dilgen.Spec(name="mla_ref", num_heads=4, num_kv_heads=2, head_dim=24, dtype="float32", causal=True,
+                          softmax_scale=0.3, **PATTERN)
+    want, _ = differentiable_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), spec)
+    assert out.shape == (1, 24, 4, 16) and rel_error(out, want) < 1e-4
+
+
+def _greedy_by_full_forwards(model, ids, mask, steps):
+    for _ in range(steps):
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids
+
+
+def test_static_cache_generate_with_left_padding_equals_full_forwards():
+    _, model = _build(transformers.LlamaConfig)
+    ids = _ids(2, 13, 6)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         cache_implementation="static")
+    assert torch.equal(out, _greedy_by_full_forwards(model, ids, mask, 3))
+
+
+# -- the zoo: decoder architectures that route attention through AttentionInterface ---------
+ZOO = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt_neox", "gpt2", "cohere",
+       "starcoder2", "granite", "smollm3", "mixtral", "opt", "phi", "stablelm", "glm", "qwen2_moe"]
+TINY = dict(SMALL, num_hidden_layers=1, bos_token_id=1, eos_token_id=2, n_embd=64, n_layer=1, n_head=4, n_positions=256,
+            attention_dropout=0.0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, hidden_dropout=0.0)
+
+
+@pytest.mark.parametrize("model_type", ZOO)
+def test_zoo_is_exact_or_refused_by_name(model_type):
+    """Each architecture's logits with dilgen equal the same weights with SPEC §2's attention in
+    float64 (test_transformers' dilgen_reference), or the call is one ValueError line."""
+    import test_transformers  # noqa: F401 - registers the "dilgen_reference" attention
+    config = transformers.AutoConfig.for_model(model_type, **TINY)
+    config.dilgen_spec = dict(PATTERN)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="dilgen").eval()
+    ids = _ids(1, 24, 7)
+    try:
+        with torch.no_grad():
+            got = model(ids).logits
+    except ValueError as exc:
+        assert "\n" not in str(exc) and "attn_implementation='dilgen'" in str(exc)
+        return
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="dilgen_reference").eval()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert rel_error(got, want) < 1e-4

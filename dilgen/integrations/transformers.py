@@ -289,12 +289,16 @@ def _decode(attention, q, k, v, mask):
     if all(a == 0 for a in first):
         seqlens = torch.tensor(end, dtype=torch.int32).to(q.device)
         return attention.decode(q, k, v, seqlens)
-    # left padding: item b's keys start at first[b]; its own view of the cache
-    outs = []
+    # left padding: item b's keys start at first[b]; its own view of the cache. A prompt
+    # written into a static cache brings its padding rows among the T queries: only the last
+    # e - a are tokens (the others get 0, as padded rows do in a padded prefill)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for b, (a, e) in enumerate(zip(first, end)):
-        n = torch.tensor([e - a], dtype=torch.int32).to(q.device)
-        outs.append(attention.decode(q[b:b + 1], k[b:b + 1, a:], v[b:b + 1, a:], n))
-    return torch.cat(outs)
+        m = min(T, e - a)
+        if m > 0:
+            n = torch.tensor([e - a], dtype=torch.int32).to(q.device)
+            out[b:b + 1, T - m:] = attention.decode(q[b:b + 1, T - m:], k[b:b + 1, a:], v[b:b + 1, a:], n)
+    return out
 
 
 def dilgen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -313,6 +317,13 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
                          f"padding mask (B, keys) or none; got a {attention_mask.dim()}-D mask (a "
                          f"custom mask passed to the model?): pass attention_mask as (B, tokens) of 0/1")
     causal = module.is_causal if is_causal is None else is_causal
+    dq, dv = query.shape[-1], value.shape[-1]
+    if dq != dv:
+        # MLA (v_head_dim != qk head_dim): zero columns change neither q.k nor the kept
+        # columns of the output, so both are padded to the larger and out is cut back
+        scaling = dq ** -0.5 if scaling is None else scaling
+        width = max(dq, dv)
+        query, key, value = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     kernel, attention = _prepared(module, query, key, scaling, causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, T, heads, D) views
     if k.shape[1] == q.shape[1]:
@@ -322,7 +333,7 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
                          "needs a causal model")
     else:
         out = _decode(attention, q, k, v, attention_mask)
-    return out, None
+    return (out if dq == dv else out[..., :dv]), None
 
 
 def dilgen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
