@@ -287,10 +287,21 @@ def check_error(case: dict, rank: int, P: int, dev) -> list[str]:
         fields_dtype = torch.float32
     spec = dilgen.Spec(name=f"ring_err_{kind}", **fields)
     q, k, v = (torch.randn(1, n_loc, 2, 16, dtype=fields_dtype, device=dev) for _ in range(3))
+    order = "contiguous"
+    if rank == 1 and kind == "none_q":          # bad arguments on one rank, the default group
+        q = None
+    if rank == 1 and kind == "meta":
+        q, k, v = (t.to("meta") for t in (q, k, v))
+    if rank == 1 and kind == "order_none":
+        order = None
     try:
+        if kind == "skipped_backward":          # rank 1 skips the backward and calls again
+            leaves = [t.requires_grad_(True) for t in (q, k, v)]
+            out = dilgen.compile(spec)(*leaves)
+            out.sum().backward() if rank == 0 else dilgen.compile(spec)(*leaves)
         # "transport": rank 0 forces the all-gather, the others the ring (a hang if it ran)
         with transport(("allgather" if rank == 0 else "ring") if kind == "transport" else "auto"):
-            dilgen.compile(spec)(q, k, v)
+            dilgen.compile(spec)(q, k, v, chunk_order=order)
     except RingError as exc:
         msg = str(exc)
         if "\n" in msg or case["expect_in"] not in msg:

@@ -349,6 +349,12 @@ CASES_P4 = [
     {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},
     {"name": "err_dtype", "expect_error": "dtype", "expect_in": "bad inputs"},
     {"name": "err_transport", "expect_error": "transport", "expect_in": "disagree on DILGEN_RING_TRANSPORT"},
+    # issue 44: one rank's bad argument on the default group (q None, meta tensors, chunk_order
+    # None) and a rank that skipped a backward: every rank refuses, none waits
+    {"name": "err_none_q", "expect_error": "none_q", "expect_in": "bad inputs"},
+    {"name": "err_meta", "expect_error": "meta", "expect_in": "bad inputs"},
+    {"name": "err_order_none", "expect_error": "order_none", "expect_in": "bad inputs"},
+    {"name": "err_skipped_backward", "expect_error": "skipped_backward", "expect_in": "different ring calls"},
 ]
 
 

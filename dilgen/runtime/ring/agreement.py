@@ -37,7 +37,7 @@ def _group_info(spec: dict, group) -> tuple[int, int, Any]:
 
 
 def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
-                 cu: list[int] | None = None, free: int = -1) -> torch.Tensor:
+                 cu: list[int] | None = None, free: int = -1, kind: str = "forward") -> torch.Tensor:
     """The compared fields (_FIELDS), then two that are not: this rank's proposal for the
     call's fault key, and its free memory (-1: not a GPU, or the transport is forced)."""
     key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
@@ -46,13 +46,15 @@ def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
     vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            _cu_key(cu), _transport_code(), int(error is not None), new_key(), free]
+            _cu_key(cu), _transport_code(), CALLS.index(kind), int(error is not None), new_key(), free]
     return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
            "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
-           "DILGEN_RING_TRANSPORT", "input error"]
+           "DILGEN_RING_TRANSPORT", "call", "input error"]
+#: the passes a ring call agrees on: a rank in a forward never pairs with one in a backward
+CALLS = ("forward", "backward")
 
 
 _STREAMS: dict = {}
@@ -108,8 +110,8 @@ def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqle
 
 
 def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
-           cu_seqlens=None, max_seqlen=None,
-           local_check: Callable[[int], None] | None = None) -> tuple[list[int] | None, str, int | None]:
+           cu_seqlens=None, max_seqlen=None, local_check: Callable[[int], None] | None = None,
+           kind: str = "forward") -> tuple[list[int] | None, str, int | None]:
     """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
     same error on every rank instead of hanging in a later send. With cu_seqlens (a packed
     row: q, k, v of 3 dims) every rank must pass the same offsets. local_check(local rows)
@@ -139,7 +141,12 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     if cu_seqlens is not None:   # the fingerprint reads packed rows as one batch element
         q, k, v = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
                    for t in (q, k, v))
-    device = q.device if isinstance(q, torch.Tensor) and dist.get_backend(group) != "gloo" else torch.device("cpu")
+    if dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
+    elif isinstance(q, torch.Tensor) and q.is_cuda:
+        device = q.device
+    else:       # q is not a CUDA tensor: the fingerprint still travels where the peers' do
+        device = torch.device("cuda", torch.cuda.current_device())
     free = -1
     if error is None and q.is_cuda and _transport_code() == 0:
         free = torch.cuda.mem_get_info(q.device)[0] // 2
@@ -148,7 +155,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     # agrees), and reading it back would leave the GPU idle until the host queued more
     with _side_stream(device):
         mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error,
-                            device, cu if cu_seqlens is not None else None, free)
+                            device, cu if cu_seqlens is not None else None, free, kind)
         every = [torch.empty_like(mine) for _ in range(P)]
         try:
             # nothing left pending, refused or not: the process may end right after the call
@@ -180,10 +187,15 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
                 return (f"{name}: the ranks disagree on cu_seqlens (offsets hash by rank: "
                         f"{by_rank}); every rank must pass the same cu_seqlens, the "
                         f"offsets of the sequences over the whole packed row")
+            if label == "call":
+                calls = ", ".join(f"rank {r}: {CALLS[x]}" for r, x in enumerate(values))
+                return (f"{name}: the ranks are in different ring calls ({calls}); every rank must "
+                        f"run the same forward and backward calls in the same order (did one rank "
+                        f"skip a backward?)")
             if label == "DILGEN_RING_TRANSPORT":
                 names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "
-                        f"the same value (ring, allgather or auto) on every rank, or none")
+                        f"the same value (ring, allgather, heads or auto) on every rank, or none")
             hint = ("every rank must compile the same spec" if f == 0 else
                     "N must be divisible by ring_size, every rank passing N / ring_size rows"
                     if "rows" in label else "every rank must pass tensors of the same shape and dtype")

@@ -46,7 +46,7 @@ def ring_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                        grad_lse: Optional[Tensor], key: str, chunk_order: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel to their owners."""
     attn = attention_for(key, q.device)
-    run = RingRun(attn, q, k, v, None, chunk_order)
+    run = RingRun(attn, q, k, v, None, chunk_order, kind="backward")
     return ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
 
 
@@ -84,14 +84,26 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.run, q, k, v, out, lse, grad_out, grad_lse)
+        run = ctx.run
+        run.agree(*(t[0] if run.packed else t for t in (q, k, v)), kind="backward")
+        dq, dk, dv = ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
         return dq, dk, dv, None
+
+
+def _op_takes(q, k, v, chunk_order) -> bool:
+    """Arguments the ring op's schema takes and that reach its agreement: tensors on a CUDA
+    or CPU device and a string. Anything else would fail (or, meta tensors, "run" on the
+    fake kernel) on this rank alone, before the agreement, while the others wait for it."""
+    return isinstance(chunk_order, str) and all(
+        isinstance(t, torch.Tensor) and t.device.type in ("cuda", "cpu") for t in (q, k, v))
 
 
 def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
                    chunk_order: str = "contiguous"):
     """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
     rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring")."""
+    if group is None and not _op_takes(q, k, v, chunk_order):
+        RingRun(attn, q, k, v, None, chunk_order)     # refused on every rank by the agreement
     if group is None:
         # the default group: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so that a
         # ring model also traces under torch.compile as one graph

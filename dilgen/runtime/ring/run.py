@@ -125,7 +125,8 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous") -> dic
 class RingRun:
     """One ring call's geometry: group, pieces, schedule, kernels and launch helpers."""
 
-    def __init__(self, attn, q, k, v, group, order: str, cu_seqlens=None, max_seqlen=None):
+    def __init__(self, attn, q, k, v, group, order: str, cu_seqlens=None, max_seqlen=None,
+                 kind: str = "forward"):
         """cu_seqlens: a packed row: q (N/P, H, D), k, v (N/P, H_kv, D) hold the rank's rows
         and cu_seqlens the offsets of the sequences over the whole row, the same on every
         rank; ring_forward / ring_backward then take (1, N/P, heads, D) views of them."""
@@ -133,12 +134,22 @@ class RingRun:
         self.attn, self.group, self.order = attn, group, order
         self.P, self.me, self.dist = _group_info(spec, group)
         self.packed = cu_seqlens is not None
-        cu, self.fault_key, self.free_bytes = _agree(
-            spec, q, k, v, order, group, self.P, self.me, self.dist, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, local_check=lambda n_loc: _check_geometry(attn, n_loc, self.P, order, self.packed))
-        remember(self.dist, group, self.fault_key)
+        self._agreed = (cu_seqlens, max_seqlen)
+        cu = self.agree(q, k, v, kind)
         with Guard(self, "call", "setup"):      # past the agreement, no rank fails alone
             self._setup(q, k, v, cu)
+
+    def agree(self, q, k, v, kind: str = "forward"):
+        """Every rank checks its inputs and the call (agreement._agree): all run it, or all
+        raise the same RingError. The backward of a call agrees again (kind "backward"), so
+        a rank that skipped it, or is in another call, is refused with the others."""
+        cu_seqlens, max_seqlen = self._agreed
+        cu, self.fault_key, self.free_bytes = _agree(
+            self.attn.spec, q, k, v, self.order, self.group, self.P, self.me, self.dist,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kind=kind,
+            local_check=lambda n_loc: _check_geometry(self.attn, n_loc, self.P, self.order, self.packed))
+        remember(self.dist, self.group, self.fault_key)
+        return cu
 
     def _setup(self, q, k, v, cu) -> None:
         attn, group, order = self.attn, self.group, self.order
