@@ -12,6 +12,7 @@ import json
 import keyword
 import math
 import re
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -431,21 +432,51 @@ def load_spec(path: str | Path, *, source: str | None = None) -> Spec:
     path = Path(path)
     src = _printable(path.name if source is None else source)
     try:
-        text = path.read_text(encoding="utf-8")
+        # a FIFO would block the open, a device (/dev/zero, also through a link) never ends
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError(f"{_printable(path)}: not a regular file (a spec is a JSON file of at "
+                            f"most {MAX_SPEC_BYTES // 2**20} MiB)")
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"{_printable(path)}: larger than {MAX_SPEC_BYTES // 2**20} MiB: not a spec")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise SpecError(f"{_printable(path)}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{_printable(path)}: cannot read the spec: {_printable(exc)}") from None
     text = text.removeprefix("\ufeff")
     try:
-        data = json.loads(text, parse_int=_parse_int)
+        data = json.loads(text, parse_int=_parse_int, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{src}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise SpecError(f"{src}: not valid JSON: nested too deeply") from None
+    except _DuplicateKey as exc:
+        raise SpecError(f"{src}: {_key_name(exc.args[0])} is written twice in one object (the last "
+                        f"would win silently): keep one") from None
     except ValueError as exc:
         raise SpecError(f"{src}: not valid JSON: {_short(str(exc), 80)}") from None
     return spec_from_dict(data, source=src)
+
+
+#: the largest spec file read (a spec is a few hundred bytes; a grids list stays far below)
+MAX_SPEC_BYTES = 1 << 20
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs) -> dict:
+    """json object hook: a key written twice is refused (the last one would win silently)."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
 
 
 def _parse_int(text: str) -> Any:
