@@ -249,3 +249,22 @@ def test_nn_layer_under_fullgraph(fresh_dynamo):
     eager = first(layer(x))
     compiled = first(torch.compile(layer, backend="aot_eager", fullgraph=True)(x))
     assert torch.allclose(compiled, eager, atol=1e-5)
+
+
+@pytest.mark.parametrize("cu, what", [([0, 40, 90], "past the rows"), ([0, -30, 64], "negative"),
+                                      ([0, 2**31 - 1, 64], "huge"), ([0, 20, 50], "short of the rows"),
+                                      ([0, 40, 30, 64], "unsorted"), ([5, 30, 64], "not from 0"),
+                                      ([0, 50, 64], "longer than max_seqlen")])
+def test_traced_packed_offsets_are_checked_on_the_device(fresh_dynamo, cu, what):
+    """Issue 44: under torch.compile the offsets are not read on the host; bad ones fail a
+    device-side assert, and the kernels never read past the rows (a segfault before)."""
+    spec = dilgen.Spec(name="traced_cu", num_heads=2, head_dim=16, dtype="float32",
+                       segment_lengths=[8, 16], dilation_rates=[1, 2])
+    kernel = dilgen.compile(spec)
+    q, k, v = (torch.randn(64, 2, 16) for _ in range(3))
+    fn = torch.compile(lambda a, b, c, o: kernel(a, b, c, cu_seqlens=o, max_seqlen=40),
+                       backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="cu_seqlens must be non-decreasing offsets"):
+        fn(q, k, v, torch.tensor(cu, dtype=torch.int32))
+    good = fn(q, k, v, torch.tensor([0, 24, 64], dtype=torch.int32))
+    assert torch.equal(good, kernel(q, k, v, cu_seqlens=torch.tensor([0, 24, 64], dtype=torch.int32)))

@@ -9,6 +9,24 @@ from .registry import kernel_spec
 from .ring.op import ring_attention_fwd
 
 
+def _traced_offsets(name: str, cu, total: int, max_seqlen: int):
+    """(starts, lengths) of traced cu_seqlens, checked on the device with no host sync: offsets
+    that are not 0 = cu[0] <= cu[1] <= ... <= cu[-1] = total with no sequence past max_seqlen
+    fail a device-side assert (torch._assert_async); and whatever they hold, the kernels only
+    see sequences clamped inside the rows (starts in [0, total], ends <= total, lengths <=
+    max_seqlen), so nothing is read or written out of bounds before the assert reports."""
+    import torch
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise InputError(f"{name}: cu_seqlens must be a 1-D int32 tensor of B + 1 >= 2 offsets")
+    steps = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == total) & (steps >= 0).all() & (steps <= max_seqlen).all()
+    torch._assert_async(ok, f"{name}: cu_seqlens must be non-decreasing offsets from 0 to the {total} "
+                            f"packed rows, no sequence longer than max_seqlen = {max_seqlen}")
+    starts = cu[:-1].clamp(0, total)
+    ends = cu[1:].clamp(0, total)
+    return starts, (ends - starts).clamp(0, max_seqlen)
+
+
 def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen=None):
     """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
@@ -28,8 +46,8 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
                 f"eagerly, not as a torch.ops op: call the kernel outside torch.compile")
         if group is not None:
             raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
-        out, lse = attention_varlen_fwd(q, k, v, cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1],
-                                        int(max_seqlen), True, [], key)
+        starts, lens = _traced_offsets(spec["name"], cu_seqlens, q.shape[0], int(max_seqlen))
+        out, lse = attention_varlen_fwd(q, k, v, starts, lens, int(max_seqlen), True, [], key)
         return (out, lse) if return_lse else out
     if spec["ring_size"] > 1:
         if group is not None:
