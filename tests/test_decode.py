@@ -219,3 +219,22 @@ def test_split_choice_fills_the_gpu_and_keeps_programs_big(monkeypatch):
     assert [dec.choose_split(cfg, B * 8, torch.device("cuda")) for B in (1, 8, 16, 64)] == [256, 512, 1024, 2048]
     assert dec.choose_split(cfg, 8, torch.device("cpu")) == 2048       # interpreter: no halving
     assert dec.num_chunks([2048, 100, 5], 64) == [32, 34, 35]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("w, r", [(2**20, 1), (2**31 - 1, 3)])
+def test_decode_work_follows_the_cache_not_w(w, r):
+    """Issue 44: one token over a 50-row cache with w = 2**20 (268 s before) or w = 2**31 - 1,
+    r = 3 (2.8 GB of scratch before): the chunks cover the cache's lanes, and the answer is
+    the causal forward's last row against float64."""
+    from dilgen.runtime.decode import cache_lanes
+    spec = dilgen.Spec(name=f"decode_huge_w{r}", num_heads=2, head_dim=16, dtype="float32", causal=True,
+                       segment_lengths=[w, 8], dilation_rates=[r, 2])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 50, 2, 16, generator=g) for _ in range(3))
+    kernel = dilgen.compile(spec)
+    attn = kernel.compiled_for(torch.device("cpu")).attention
+    assert cache_lanes(attn.plan, attn.decode_kernels["config"], 50) == [-(-64 // r), 4]
+    out = kernel.decode(q[:, -1:], k, v, torch.tensor([50], dtype=torch.int32))
+    want = reference_attention(q, k, v, spec)[:, -1:]
+    assert (out.double() - want).norm() / want.norm() < 1e-5

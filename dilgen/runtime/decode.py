@@ -134,16 +134,29 @@ def num_chunks(lanes: list[int], split: int) -> list[int]:
     return ends
 
 
-def choose_split(config: dict, rows: int, device: torch.device) -> int:
+def cache_lanes(plan: dict, config: dict, n_max: int) -> list[int]:
+    """The key lanes per branch (chunk order: raster branches, then Hilbert) a query over a
+    cache of n_max rows can keep: a raster branch's ceil(min(w, n) / r) with n the power of
+    two at or above n_max (so that the chunks follow the cache, not w, and a growing cache
+    changes them log2-many times); a Hilbert branch walks curve indices [0, w)."""
+    cap = 1 << max(n_max - 1, 0).bit_length()
+    raster = [b for b in plan["branches"] if b.get("order") is None]
+    return [-(-min(b["w"], cap) // b["r"]) if i < len(raster) else n
+            for i, (b, n) in enumerate(zip(raster + [b for b in plan["branches"] if b.get("order") is not None],
+                                           config["lanes"]))]
+
+
+def choose_split(config: dict, rows: int, device: torch.device, lanes: list[int] | None = None) -> int:
     """The planner's split, halved while the split kernel would have fewer than
     PROGRAMS_PER_SM programs per SM, down to MIN_SPLIT_BLOCKS key blocks (GPU only: the
     interpreter runs programs one by one, so fewer is faster there)."""
     split, block = config["split"], config["block_n"]
+    lanes = config["lanes"] if lanes is None else lanes
     if device.type != "cuda":
         return split
     want = PROGRAMS_PER_SM * _sm_count(device)
     floor = min(split, MIN_SPLIT_BLOCKS * block)
-    while split // 2 >= floor and rows * num_chunks(config["lanes"], split)[-1] < want:
+    while split // 2 >= floor and rows * num_chunks(lanes, split)[-1] < want:
         split //= 2
     return split
 
@@ -221,12 +234,14 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
     if split is not None and split < 1:
         raise InputError(f"{spec['name']}: decode: split = {split}: must be >= 1")
     chunks = attention.__dict__.setdefault("_decode_chunks", {})
-    hit = chunks.get((B * T * Hkv, device, split))
+    key = (B * T * Hkv, device, split, (k_cache.shape[1] - 1).bit_length())
+    hit = chunks.get(key)
     if hit is None:
         if len(chunks) > 64:
             chunks.clear()
-        s = choose_split(cfg, B * T * Hkv, device) if split is None else split
-        hit = chunks[(B * T * Hkv, device, split)] = (s, num_chunks(cfg["lanes"], s))
+        lanes = cache_lanes(plan, cfg, k_cache.shape[1])
+        s = choose_split(cfg, B * T * Hkv, device, lanes) if split is None else split
+        hit = chunks[key] = (s, num_chunks(lanes, s))
     split, ends = hit
     C = ends[-1]
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=device)
