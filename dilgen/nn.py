@@ -16,6 +16,11 @@ from .compiler import compile as compile_spec
 from .spec import Spec
 
 
+def _positive_int(label: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label} = {value!r}: must be an int >= 1")
+
+
 class DilatedAttention(nn.Module):
     """Dilated attention of one spec; q (B, N, H, D), k and v (B, N, H_kv, D)."""
 
@@ -50,6 +55,12 @@ class MultiheadDilatedAttention(nn.Module):
         if not batch_first:
             raise ValueError("MultiheadDilatedAttention supports batch_first=True only: "
                              "pass (B, N, embed_dim) tensors")
+        _positive_int("embed_dim", embed_dim)
+        _positive_int("num_heads", num_heads)
+        for label, seq in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+            if not isinstance(seq, (list, tuple)):
+                raise ValueError(f"{label} must be a list with one entry per branch, got "
+                                 f"{type(seq).__name__} {seq!r}")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim = {embed_dim} must be divisible by num_heads = {num_heads}")
         if dropout:
@@ -83,6 +94,13 @@ class MultiheadDilatedAttention(nn.Module):
                              "materialises the (N, N) weights")
         key = query if key is None else key
         value = key if value is None else value
+        for label, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{label} must be (B, N, embed_dim = {self.embed_dim}), got {got}")
+            if x.dtype != self.q_proj.weight.dtype:
+                raise ValueError(f"{label} has dtype {x.dtype} but the layer's parameters are "
+                                 f"{self.q_proj.weight.dtype}: pass {label}.to({self.q_proj.weight.dtype})")
         B, N, _ = query.shape
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)
         k = self.k_proj(key).view(B, N, self.num_kv_heads, self.head_dim)
@@ -156,8 +174,9 @@ class KVCache:
 
     def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device=None) -> None:
-        if batch < 1 or max_len < 1:
-            raise ValueError(f"KVCache: batch = {batch} and max_len = {max_len} must be >= 1")
+        for label, value in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
+                             ("head_dim", head_dim)):
+            _positive_int(f"KVCache: {label}", value)
         self.k = torch.zeros(batch, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=self.k.device)

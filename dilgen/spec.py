@@ -417,8 +417,9 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
         raise SpecError(f"{source}: the spec must be a JSON object, got {type(data).__name__}")
     _check_field_names(data, source)
     raw = dict(data)
-    raw.setdefault("num_kv_heads", raw["num_heads"])
-    if raw["num_kv_heads"] is None:
+    if "num_kv_heads" not in raw:      # defaults to num_heads, whose own check names it
+        raw["num_kv_heads"] = raw["num_heads"]
+    elif raw["num_kv_heads"] is None:
         raise _fail(source, "num_kv_heads", None, "must be an integer (or left out)")
     # Spec.__post_init__ validates every rule on these JSON values (errors name them).
     spec = Spec(**raw, source=source)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilgen.nn import DilatedAttention, LongNetDecoderBlock, MultiheadDilatedAttention
+from dilgen.nn import DilatedAttention, KVCache, LongNetDecoderBlock, MultiheadDilatedAttention
 from dilgen.reference import reference_attention
 
 from conftest import device
@@ -55,3 +55,20 @@ def test_decoder_block_runs_and_is_causal():
 def test_layer_refuses_unsupported_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MultiheadDilatedAttention(32, 4, [16], [1], **kwargs)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: MultiheadDilatedAttention(32, 0, [8], [1]), "num_heads = 0: must be an int >= 1"),
+    (lambda: MultiheadDilatedAttention(32, 2, 8, [1]), "segment_lengths must be a list"),
+    (lambda: MultiheadDilatedAttention(32, 2, None, [1]), "segment_lengths must be a list"),
+    (lambda: MultiheadDilatedAttention(32, 2, [8], [1])(torch.randn(1, 8, 16)), r"query must be \(B, N, embed_dim = 32\)"),
+    (lambda: MultiheadDilatedAttention(32, 2, [8], [1])(torch.randn(8, 32)), r"query must be \(B, N, embed_dim = 32\)"),
+    (lambda: MultiheadDilatedAttention(32, 2, [8], [1])(torch.randn(1, 8, 32, dtype=torch.float64)),
+     "query has dtype torch.float64"),
+    (lambda: KVCache(1, 8.5, 2, 16), "max_len = 8.5: must be an int >= 1"),
+])
+def test_bad_layer_arguments_are_one_line(make, needle):
+    """Issue 44: one ValueError line, never a ZeroDivisionError or a shape error from inside."""
+    with pytest.raises(ValueError, match=needle) as info:
+        make()
+    assert "\n" not in str(info.value)

@@ -50,3 +50,9 @@ def test_a_huge_file_is_read_no_further_than_the_bound(tmp_path):
     path = tmp_path / "big.json"
     path.write_text('{' + GOOD + ', "num_heads": 2}' + " " * (dilgen.spec.MAX_SPEC_BYTES + 1))
     _refused(path, "larger than 1 MiB")
+
+
+def test_a_null_num_heads_is_named_as_itself():
+    with pytest.raises(dilgen.SpecError, match=r"num_heads = null: must be an integer"):
+        dilgen.spec_from_dict({"name": "s", "num_heads": None, "head_dim": 16, "segment_lengths": [8],
+                               "dilation_rates": [1]})
