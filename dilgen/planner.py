@@ -19,7 +19,8 @@ from functools import reduce
 import sympy
 
 from . import ir
-from .spec import Spec, SpecError, default_grid, unsupported_by_kernels
+from .spec import Spec, SpecError, default_grid
+from .support import unsupported_by_kernels
 from .targets import Target
 
 MAX_LATTICE = 64  # beyond this, classes are too thin to fill a tile: use row masks

@@ -24,7 +24,7 @@ import torchscale_model as tm  # noqa: E402
 from dilgen import Spec  # noqa: E402
 from dilgen.compat import torchscale as compat  # noqa: E402
 from dilgen.reference import differentiable_reference, reference_attention  # noqa: E402
-from dilgen.spec import zero_pad_layout_slip  # noqa: E402
+from dilgen.support import zero_pad_layout_slip  # noqa: E402
 
 
 def _spec(H, D, ws, rs, causal=False, **kw):

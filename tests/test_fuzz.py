@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from dilgen import spec as spec_mod
+from dilgen import support as support_mod
 from dilgen.spec import Hilbert, Spec, SpecError, load_spec, spec_from_dict
 
 from conftest import run_cli
@@ -159,6 +160,13 @@ def oracle(data) -> tuple[list[str], dict | None]:
         problems.append("short_segments")
     elif short_segments == "zero_pad" and get("hilbert", None) is not None:
         problems.append("short_segments")        # torchscale's padding: raster segments only
+    head_base = get("head_base", 0)
+    if not (_is_int(head_base) and 0 <= head_base <= 1 << 20):
+        problems.append("head_base")
+    elif nh_ok and _int_ok(kv, MAX_HEADS) and nh % kv == 0 and head_base % (nh // kv):
+        problems.append("head_base")             # a kv head keeps its whole group
+    elif head_base and head_offsets != "mod":
+        problems.append("head_base")
 
     hil = get("hilbert", None)
     hil_canon = None
@@ -205,6 +213,7 @@ def oracle(data) -> tuple[list[str], dict | None]:
         # fields added later (issue 16) are in the canonical form only when not default
         **({} if head_offsets == "mod" else {"head_offsets": head_offsets}),
         **({} if short_segments == "exact" else {"short_segments": short_segments}),
+        **({"head_base": head_base} if head_base else {}),
     }
 
 
@@ -438,7 +447,7 @@ def check_valid(spec: Spec, data: dict, canonical: dict, folder: Path) -> None:
     out = (folder / "out").resolve()
     assert (out / f"{spec.name}.py").resolve().parent == out
     assert spec.name.isidentifier() and not keyword.iskeyword(spec.name)
-    refusal = spec_mod.unsupported_by_kernels(spec)
+    refusal = support_mod.unsupported_by_kernels(spec)
     if refusal is not None:
         # valid, but not in the kernels yet (issue 16): the planner refuses it with this line
         assert_one_line(refusal)
@@ -625,7 +634,7 @@ def test_fuzz_cli_compile(scratch, monkeypatch, data):
         with contextlib.suppress(OSError, ValueError):
             if not candidate.resolve().is_relative_to(out.resolve()) and not candidate.exists():
                 outside.append(candidate)
-    refusal = None if problems else spec_mod.unsupported_by_kernels(spec_from_dict(data, source="spec.json"))
+    refusal = None if problems else support_mod.unsupported_by_kernels(spec_from_dict(data, source="spec.json"))
     rc, stdout, stderr = run_cli(["compile", str(path), "--arch", "interpreter",
                                           "--out", str(out)])
     for candidate in outside:

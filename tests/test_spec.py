@@ -507,7 +507,8 @@ def test_later_fields_leave_earlier_keys_alone(tmp_path):
 
 
 def test_unsupported_by_kernels_names_each_new_value():
-    from dilgen.spec import KERNEL_HEAD_DIMS, unsupported_by_kernels
+    from dilgen.spec import KERNEL_HEAD_DIMS
+    from dilgen.support import unsupported_by_kernels
     base = Spec(name="ok_spec", num_heads=4, head_dim=64, segment_lengths=[16], dilation_rates=[2])
     assert unsupported_by_kernels(base) is None
     for hd in KERNEL_HEAD_DIMS:
@@ -528,7 +529,7 @@ def test_unsupported_by_kernels_names_each_new_value():
 
 
 def test_zero_pad_layout_slip():
-    from dilgen.spec import zero_pad_layout_slip
+    from dilgen.support import zero_pad_layout_slip
     spec = Spec(name="ok_spec", num_heads=4, head_dim=48, segment_lengths=[16, 12],
                 dilation_rates=[2, 8], short_segments="zero_pad", source="ts")
     assert zero_pad_layout_slip(spec, 12) is None        # one segment of min(w, N) = 12 rows

@@ -57,7 +57,8 @@ import torch
 from torch import nn
 from torch.nn import LayerNorm
 
-from ..spec import Spec, unsupported_by_kernels, zero_pad_layout_slip
+from ..spec import Spec
+from ..support import unsupported_by_kernels, zero_pad_layout_slip
 
 __all__ = ["DilatedAttention", "patch", "is_torchscale_dilated_attention", "spec_for"]
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from ..spec import MAX_POSITION, TILE_LANES, layout_slip_message
+from ..spec import MAX_POSITION, TILE_LANES
+from ..support import layout_slip_message
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -83,7 +84,7 @@ def check_positions(spec: dict, n: int, ranks: int = 1) -> None:
 
 def check_zero_pad(spec: dict, n: int) -> None:
     """short_segments "zero_pad" (torchscale's padding): refuse its layout slip
-    (dilgen.spec.zero_pad_layout_slip) for a sequence of n rows (the longest of a batch)."""
+    (dilgen.support.zero_pad_layout_slip) for a sequence of n rows (the longest of a batch)."""
     if spec.get("short_segments") != "zero_pad":
         return
     msg = layout_slip_message(spec["name"], spec["segment_lengths"], spec["dilation_rates"], n)
