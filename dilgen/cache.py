@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -92,6 +93,8 @@ def _writable_root(root: Path, folder: Path, exc: OSError) -> Path:
     this process's temporary cache if the folder cannot be written (one warning), else
     `exc` is raised again (a failure that is not about the folder)."""
     reason = unwritable(folder)
+    if reason is None and getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        reason = "no space left on its device"     # an empty probe file still fits
     if reason is None:
         raise exc
     if _STRICT[0]:
@@ -196,7 +199,12 @@ def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = Fals
             return _store(entry_dir(key, root), key, files, info, replace)
         except OSError as exc:
             fallback = _writable_root(root, entry_dir(key, root).parent, exc)
-    return _store(entry_dir(key, fallback), key, files, info, replace)
+    try:
+        return _store(entry_dir(key, fallback), key, files, info, replace)
+    except OSError as exc:
+        raise CacheError(f"cannot store a kernel in {root} nor in this process's temporary cache "
+                         f"{fallback} ({exc.strerror or exc}); free space there or set "
+                         f"DILGEN_CACHE_DIR to a writable folder") from None
 
 
 def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: bool) -> Path:
