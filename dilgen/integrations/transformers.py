@@ -365,6 +365,15 @@ def dilgen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
     return attention_mask
 
 
+def _composite(config) -> bool:
+    """A model made of models (sub-configs of model types: vision, text ...): its attention
+    runs in its parts' modules, which routes_attention cannot see from the top class."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    return any(c is AutoConfig or getattr(c, "model_type", None) in MODEL_MAPPING_NAMES
+               for c in (getattr(config, "sub_configs", None) or {}).values())
+
+
 def _checked_implementation(check):
     """PreTrainedModel._check_and_adjust_attn_implementation, wrapped: a model whose config
     holds dilgen_spec and names no attention comes back with dilgen (a saved dilgen model,
@@ -376,7 +385,7 @@ def _checked_implementation(check):
         config = getattr(self, "config", None)
         if attn_implementation is None and getattr(config, "dilgen_spec", None) is not None:
             attn_implementation = NAME
-        if attn_implementation == NAME and not routes_attention(type(self)):
+        if attn_implementation == NAME and not _composite(config) and not routes_attention(type(self)):
             raise ValueError(f"{type(self).__name__} computes attention in its own code, not through "
                              f"transformers' AttentionInterface, so attn_implementation='dilgen' would "
                              f"never run (nor its causal mask): use 'eager' or 'sdpa' for this model")
