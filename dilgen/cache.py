@@ -37,11 +37,20 @@ MANIFEST = "manifest.json"
 MODULE = "module.py"
 
 
+def _folder(variable: str, value: str) -> Path:
+    """A folder named by an environment variable, with ~ expanded: one CacheError line when
+    the home it names does not exist (~nosuchuser/x)."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError as exc:       # Path.expanduser: "Could not determine home directory"
+        raise CacheError(f"{variable}={value!r}: {exc}; name an existing user's home or an "
+                         f"absolute folder") from None
+
+
 def cache_dir() -> Path:
     """The cache folder as configured (DILGEN_CACHE_DIR, default ~/.cache/dilgen)."""
     root = os.environ.get("DILGEN_CACHE_DIR")
-    path = Path(root).expanduser() if root else Path.home() / ".cache" / "dilgen"
-    return path
+    return _folder("DILGEN_CACHE_DIR", root) if root else Path.home() / ".cache" / "dilgen"
 
 
 class CacheError(OSError):
@@ -123,7 +132,7 @@ def always_compile() -> bool:
 
 def dump_dir() -> Path | None:
     root = os.environ.get("DILGEN_DUMP_DIR")
-    return Path(root).expanduser() if root else None
+    return _folder("DILGEN_DUMP_DIR", root) if root else None
 
 
 def make_key(**parts: str) -> str:

@@ -52,3 +52,11 @@ def test_full_everywhere_is_one_cache_error(full_disk, monkeypatch):
     with pytest.raises(cache.CacheError, match="nor in this process's temporary cache") as info:
         dilgen.compile(dict(TINY, name="full_everywhere"))(*(torch.randn(1, 32, 2, 16) for _ in range(3)))
     assert "\n" not in str(info.value) and "DILGEN_CACHE_DIR" in str(info.value)
+
+
+@pytest.mark.parametrize("variable", ["DILGEN_CACHE_DIR", "DILGEN_DUMP_DIR"])
+def test_a_home_that_does_not_exist_is_one_line(variable, monkeypatch):
+    monkeypatch.setenv(variable, "~nosuchuser_dilgen/x")
+    with pytest.raises(cache.CacheError, match=f"{variable}=") as info:
+        cache.cache_dir() if variable == "DILGEN_CACHE_DIR" else cache.dump_dir()
+    assert "\n" not in str(info.value)
