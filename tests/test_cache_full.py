@@ -49,7 +49,8 @@ def test_full_everywhere_is_one_cache_error(full_disk, monkeypatch):
     root, real = full_disk
     monkeypatch.setattr(cache, "_store", lambda final, *a, **k: (_ for _ in ()).throw(
         OSError(errno.ENOSPC, "No space left on device", str(final))))
-    with pytest.raises(cache.CacheError, match="nor in this process's temporary cache") as info:
+    with pytest.raises(cache.CacheError, match="nor in this process's temporary cache") as info, \
+            pytest.warns(cache.CacheWarning, match="no space left"):
         dilgen.compile(dict(TINY, name="full_everywhere"))(*(torch.randn(1, 32, 2, 16) for _ in range(3)))
     assert "\n" not in str(info.value) and "DILGEN_CACHE_DIR" in str(info.value)
 
