@@ -191,16 +191,6 @@ def test_mla_value_head_dim_differs_from_the_query_head_dim():
     assert out.shape == (1, 24, 4, 16) and rel_error(out, want) < 1e-4
 
 
-def _greedy_by_full_forwards(model, ids, mask, steps):
-    for _ in range(steps):
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        with torch.no_grad():
-            logits = model(ids, attention_mask=mask, position_ids=pos).logits[:, -1]
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return ids
-
-
 def test_static_cache_generate_with_left_padding_equals_full_forwards():
     _, model = _build(transformers.LlamaConfig)
     ids = _ids(2, 13, 6)
@@ -209,6 +199,7 @@ def test_static_cache_generate_with_left_padding_equals_full_forwards():
     ids[1, :5] = 0
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
                          cache_implementation="static")
+    from test_transformers import _greedy_by_full_forwards
     assert torch.equal(out, _greedy_by_full_forwards(model, ids, mask, 3))
 
 

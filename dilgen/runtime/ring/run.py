@@ -89,14 +89,19 @@ def _forced_transport() -> str:
     return forced
 
 
+def _single_device_lanes(plan: dict) -> bool:
+    """Whether one device runs this spec in the lane kernels (causal, or a curve-table
+    branch): the cost model's single-device rate."""
+    return plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
+
+
 def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_dim: int,
                itemsize: int, packed: bool = False) -> dict:
     """schedule.transport_costs of a call of `attn` over `sched` (ring_schedule of its N and
     chunk order): what the runtime decides by, and what bench_ring prints beside each row."""
     plan = attn.plan
-    lanes = plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
-                           head_dim=head_dim, itemsize=itemsize, lanes=lanes,
+                           head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
                            heads_ok=heads_refusal(attn, plan["ring"]["ring_size"], packed) is None,
                            local_ok=local_possible(attn, sched, packed))
 
@@ -111,8 +116,7 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous") -> dic
     item = 4 if spec["dtype"] == "float32" else 2
     if plan["ring"]["ring_size"] == 1:
         ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
-        lanes = plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
-        f, b = single_device_times(ring, n, 1, heads, d, lanes)
+        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan))
         return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
     sched = ring_schedule(plan["ring"], n, order)
     costs = call_costs(attn, sched, 1, heads, kv, d, item)
