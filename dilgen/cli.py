@@ -273,11 +273,14 @@ def _compile_ahead(compiled, target, seq_lens, jobs):
 
 
 def _progress(items, total: int, label=str):
-    """Yield `items` while showing progress on stdout: a tqdm bar when tqdm is installed
-    (`pip install dilgen[cli]`), else one plain line per item as it starts."""
+    """Yield `items` while showing progress on stdout: a tqdm bar on a terminal when tqdm is
+    installed (`pip install dilgen[cli]`), else (a log, a pipe) one plain line per item as
+    it starts."""
     try:
         from tqdm import tqdm
     except ImportError:
+        tqdm = None
+    if tqdm is None or not sys.stdout.isatty():
         for i, item in enumerate(items, 1):
             print(f"{i}/{total} {label(item)}", flush=True)
             yield item
@@ -298,11 +301,10 @@ def cmd_explain(args) -> int:
         raise SpecError("--cu-seqlens and --seq-len: give one (a packed batch has cu_seqlens[-1] rows)")
     pattern = None
     if args.png:       # checked before the plan is printed: a bad --png argument prints nothing
-        from .explain import default_seq_len, prepare_pattern
+        from .explain import check_png_path, default_seq_len, prepare_pattern
         n = cu[-1] if cu is not None else (args.seq_len or default_seq_len(spec))
         pattern = prepare_pattern(spec, n, heads=args.heads, cu_seqlens=cu)
-        if Path(args.png).is_dir():
-            raise SpecError(f"--png {args.png}: is a folder; give the PNG file to write")
+        check_png_path(args.png)
     print(plan_summary(plan, args.seq_len, cu))
     if cu is not None:
         print("\n".join(packed_summary(plan, cu)))
@@ -329,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("build", help="ahead-of-time: every spec of a folder into the cache")
-    p.add_argument("specs_dir")
+    p.add_argument("specs_dir", help="a folder of spec JSON files (every *.json in it)")
     p.add_argument("--arch", action="append",
                    help=f"target(s), repeatable (default sm90): {ARCH_HELP}")
     p.add_argument("--seq-len", type=int, action="append", default=None,
@@ -339,9 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("explain", help="the plan in words, and a picture of the pattern")
-    p.add_argument("spec")
+    p.add_argument("spec", help="the spec JSON file")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length N for numbers")
-    p.add_argument("--png", default=None, help="write a picture of who attends to whom")
+    p.add_argument("--png", default=None, metavar="FILE.png",
+                   help="write a picture of who attends to whom (into a folder that exists)")
     p.add_argument("--heads", type=int, nargs="*", default=None, help="heads to draw")
     p.add_argument("--cu-seqlens", default=None, metavar="0,N1,N1+N2,...",
                    help="a packed batch (kernel(q, k, v, cu_seqlens=...)): its sequences and tiles")
@@ -360,7 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "jobs", 1) < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1")
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # the reader left (`dilgen compile ... | head`): stop quietly with the status of a
+        # process ended by SIGPIPE; stdout goes to /dev/null so the flush at exit cannot fail
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 128 + 13
     except SpecError as exc:
         print(f"dilgen: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -17,6 +17,7 @@ in the segment times kept rows of J in it (causal: J < I whole, the diagonal cel
 k (k + 1) / 2 per segment). matplotlib is optional (`pip install dilgen[plot]`)."""
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,10 +275,26 @@ def draw_pattern(pattern: Pattern, path: str | Path) -> Path:
            if pattern.zoom else "colour = number of branches that keep the (query, key) pair")
     fig.suptitle(f"{spec.name}: N={n}, branches {branches}{extra}\n{how}", fontsize=10)
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    try:
+        with open(out, "wb") as f:      # the error of a full or unwritable target surfaces here
+            f.write(buf.getvalue())
+    except OSError as exc:
+        raise SpecError(f"--png {path}: could not write the picture ({exc.strerror or exc})") from None
     return out
+
+
+def check_png_path(path: str | Path) -> None:
+    """A --png target dilgen can write: a name ending in .png, in a folder that exists."""
+    out = Path(path)
+    if out.is_dir():
+        raise SpecError(f"--png {path}: is a folder; give the PNG file to write")
+    if out.suffix.lower() != ".png":
+        raise SpecError(f"--png {path}: the picture is a PNG; give a file name ending in .png")
+    if not out.parent.is_dir():
+        raise SpecError(f"--png {path}: folder {str(out.parent)!r} does not exist; create it first")
 
 
 def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[int] | None = None,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,49 +17,8 @@ import pytest
 import dilgen
 from dilgen.spec import load_spec
 
-from conftest import run_cli
-
-LONGNET = {"name": "longnet_t", "num_heads": 16, "num_kv_heads": 16, "head_dim": 128,
-           "dtype": "bfloat16", "segment_lengths": [2048, 4096, 8192],
-           "dilation_rates": [1, 2, 4], "causal": False, "hilbert": None, "ring_size": 1}
-TINY = {"name": "tiny_attn", "num_heads": 2, "head_dim": 16, "dtype": "float32",
-        "segment_lengths": [16, 32], "dilation_rates": [1, 2]}
-TINY_GQA_CAUSAL = {"name": "tiny_gqa_causal", "num_heads": 4, "num_kv_heads": 2,
-                   "head_dim": 16, "dtype": "float32", "causal": True,
-                   "segment_lengths": [8, 24], "dilation_rates": [1, 3]}
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DILGEN_")}
-    env["DILGEN_CACHE_DIR"] = str(tmp_path / "cache")
-    return env
-
-
-def dilgen_cli(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dilgen.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=tmp_path,
-                          env=env or _env(tmp_path), timeout=300)
-
-
-def write_spec(folder: Path, data: dict, filename: str | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / (filename or f"{data['name']}.json")
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path
-
-
-def one_error_line(res: subprocess.CompletedProcess | tuple) -> str:
-    rc, stderr = (res.returncode, res.stderr) if hasattr(res, "returncode") else res
-    assert "Traceback" not in stderr, stderr
-    assert rc == 2, (rc, stderr)
-    lines = stderr.splitlines()
-    assert len(lines) == 1, f"expected one stderr line, got {stderr!r}"
-    assert lines[0].startswith("dilgen: error:"), lines[0]
-    return lines[0]
-
-
-def main_in_process(*argv) -> tuple[int, str, str]:
-    return run_cli(argv)
+from cli_helpers import (LONGNET, TINY, TINY_GQA_CAUSAL, cli_env, dilgen_cli,
+                         main_in_process, one_error_line, write_spec)
 
 
 def header_of(source: str) -> list[str]:
@@ -220,6 +178,18 @@ def test_build_newer_arch_builds_the_sm90_module_without_binaries(tmp_path, cach
     assert not list(cache_dir.rglob("*.cubin"))
 
 
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    """`dilgen compile spec --dump-ir | head -1`: the reader closes the pipe; dilgen stops
+    with SIGPIPE's status (141) and prints nothing on stderr ("Broken pipe" is noise)."""
+    spec_path = write_spec(tmp_path, TINY)
+    proc = subprocess.Popen([sys.executable, "-m", "dilgen.cli", "compile", spec_path, "--dump-ir",
+                             "--out", tmp_path / "out"], cwd=tmp_path, env=cli_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()                       # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and err == "", (proc.returncode, err)
+
+
 def test_dump_ir_is_json_with_affine_key_maps(tmp_path):
     spec_path = write_spec(tmp_path, LONGNET)
     res = dilgen_cli(tmp_path, "compile", spec_path, "--dump-ir", "--out", tmp_path / "out")
@@ -235,287 +205,6 @@ def test_dump_ir_is_json_with_affine_key_maps(tmp_path):
     assert kinds == ["affine"] * 3
     assert exprs == ["j + o + 2048*s", "2*j + o + 4096*s", "4*j + o + 8192*s"]
     assert [(b["w"], b["r"]) for b in branches] == spec.branches()
-
-
-# --------------------------------------------------------------------------- explain
-
-
-def _useful_gflop(data: dict, n: int) -> float:
-    """Useful forward FLOPs of a non-causal, non-Hilbert spec, straight from SPEC §2:
-    4·D per (query, key) pair that some branch keeps, summed over heads and branches."""
-    pairs = 0
-    for h in range(data["num_heads"]):
-        for w, r in zip(data["segment_lengths"], data["dilation_rates"]):
-            for start in range(0, n, w):
-                length = min(w, n - start)
-                kept = len(range(h % r, length, r))
-                pairs += kept * kept
-    return 4 * data["head_dim"] * pairs / 1e9
-
-
-def test_explain_prints_summary_with_gflop(tmp_path):
-    spec_path = write_spec(tmp_path, LONGNET)
-    res = dilgen_cli(tmp_path, "explain", spec_path, "--seq-len", "4096")
-    assert res.returncode == 0, res.stderr
-    out = res.stdout
-    assert "longnet_t" in out
-    lines = [l for l in out.splitlines() if "GFLOP" in l]
-    assert len(lines) == 1, out
-    assert "4096" in lines[0]
-    value = float(re.search(r"([0-9]+(?:\.[0-9]+)?)\s*GFLOP", lines[0]).group(1))
-    assert value == pytest.approx(_useful_gflop(LONGNET, 4096), rel=1e-3)
-
-
-def test_explain_png_draws_the_pattern(tmp_path):
-    """README set-up installs matplotlib (the `test` extra; `dilgen[plot]` alone)."""
-    pytest.importorskip("matplotlib", reason="matplotlib comes with `pip install -e .[test]`")
-    spec_path = write_spec(tmp_path, TINY)
-    png = tmp_path / "pattern.png"
-    rc, out, err = main_in_process("explain", spec_path, "--seq-len", "64", "--png", png)
-    assert rc == 0, err
-    assert f"wrote {png}" in out
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
-
-
-LONGNET_BASE = Path(__file__).resolve().parents[1] / "examples" / "specs" / "longnet_base.json"
-
-
-def _png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-
-
-def test_explain_png_of_a_long_packed_batch_draws_blocks(tmp_path):
-    """Issue 31: --cu-seqlens 0,3000,10000 --png drew nothing (a 4096-token limit named
-    --seq-len, which the user never passed); any N is drawn as blocks of tokens."""
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "cu.png"
-    rc, out, err = main_in_process("explain", LONGNET_BASE, "--cu-seqlens", "0,3000,10000",
-                                   "--png", png)
-    assert rc == 0, err
-    assert out.rstrip().endswith(f"wrote {png}") and "packed batch: 2 sequence(s)" in out
-    width, height = _png_size(png)
-    assert 800 < width < 2500 and 600 < height < 1600, (width, height)
-
-
-def test_explain_png_limit_names_the_flag_given_before_printing(tmp_path):
-    from dilgen import explain
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "x.png"
-    too_many = explain.MAX_TOKENS + 1
-    for argv, flag in ((("--cu-seqlens", f"0,5,{too_many}"), f"--cu-seqlens 0,5,{too_many}"),
-                       (("--seq-len", str(too_many)), f"--seq-len {too_many}")):
-        rc, out, err = main_in_process("explain", LONGNET_BASE, *argv, "--png", png)
-        line = one_error_line((rc, err))
-        assert line.startswith(f"dilgen: error: {flag}: ") and str(explain.MAX_TOKENS) in line, line
-        assert out == "" and not png.exists()          # validated before the plan is printed
-    rc, out, err = main_in_process("explain", LONGNET_BASE, "--heads", "16", "--png", png)
-    assert "--heads 16" in one_error_line((rc, err)) and out == ""
-
-
-@pytest.mark.parametrize("data,n,cu", [
-    (dict(TINY), 75, None),
-    (dict(TINY_GQA_CAUSAL), 70, None),
-    (dict(TINY_GQA_CAUSAL, head_offsets="block", short_segments="zero_pad"), 48, None),
-    (dict(TINY, segment_lengths=[16, 32], hilbert={"scope": "segment"}, causal=True), 61, None),
-    (dict(TINY, hilbert={"scope": "sequence", "grid": [6, 9]}), 54, None),
-    (dict(TINY_GQA_CAUSAL), 66, [0, 20, 20, 53, 66]),
-], ids=["tiny", "causal_gqa", "torchscale_layout", "hilbert_segment_causal", "hilbert_sequence",
-        "packed"])
-def test_explain_cells_count_the_reference_pairs(data, n, cu):
-    """The picture's cells (any block size) sum the pairs of dilgen.reference's mask."""
-    import torch
-    from dilgen import explain
-    from dilgen.reference import reference_mask_counts
-    spec = dilgen.Spec(**data)
-    for head in range(spec.num_heads):
-        ref = torch.zeros(n, n, dtype=torch.int64)
-        for a, b in zip(cu or [0], cu[1:] if cu else [n]):
-            if b > a:
-                ref[a:b, a:b] = reference_mask_counts(b - a, spec, head)
-        ref = ref.double().numpy()
-        rows = list(explain.branch_rows(spec, n, head, cu))
-        assert (explain.window_counts(rows, n, spec.causal) == ref).all()
-        for block in (1, 4, 7, n):
-            cells = -(-n // block)
-            padded = torch.zeros(cells * block, cells * block, dtype=torch.float64)
-            padded[:n, :n] = torch.from_numpy(ref)
-            want = padded.reshape(cells, block, cells, block).sum(dim=(1, 3)).numpy()
-            assert (explain.cell_counts(rows, n, block, spec.causal) == want).all(), (head, block)
-
-
-def test_explain_default_png_shows_every_branch(tmp_path):
-    """Issue 31: the default picture of longnet_base (w 2048/4096/8192, r 1/2/4) showed two
-    squares and no dilation. Now: N = two of the longest segments in blocks (each branch's
-    segments and its 1/r^2 share of pairs), and the first tokens one cell per token (each
-    branch's lattice, at the head's offsets)."""
-    pytest.importorskip("matplotlib")
-    import numpy as np
-    from dilgen import explain
-    spec = load_spec(LONGNET_BASE)
-    assert explain.default_seq_len(spec) == 16384
-    pattern = explain.prepare_pattern(spec, explain.default_seq_len(spec))
-    assert pattern.heads == [0, 1, 15] and pattern.cells <= 512 < pattern.n
-    z = pattern.zoom
-    assert 16 <= z <= 512 and z % 4 == 0
-    i = np.arange(z)[:, None]
-    j = np.arange(z)[None, :]
-    for head in pattern.heads:
-        counts = pattern.zoom_counts(head)
-        # one more branch on each lattice: r = 1 everywhere, + r = 2, + r = 4 at the head's offsets
-        want = 1 + ((i % 2 == head % 2) & (j % 2 == head % 2)) + ((i % 4 == head % 4) & (j % 4 == head % 4))
-        assert (counts == want).all(), head
-        mean = pattern.overview(head)
-        b = pattern.block
-        cell = lambda q, k: mean[q // b, k // b]      # the cell of token pair (q, k)
-        assert cell(0, 0) == pytest.approx(1 + 1 / 4 + 1 / 16)
-        assert cell(3000, 100) == pytest.approx(1 / 4 + 1 / 16)     # branches 1 and 2 only
-        assert cell(6000, 100) == pytest.approx(1 / 16)             # branch 2 only
-        assert cell(9000, 100) == 0                                 # different segments
-    png = explain.draw_pattern(pattern, tmp_path / "default.png")
-    width, height = _png_size(png)
-    assert width < 2500 and height < 1600, (width, height)
-    rc, out, err = main_in_process("explain", LONGNET_BASE, "--png", tmp_path / "cli.png")
-    assert rc == 0 and (tmp_path / "cli.png").stat().st_size > 10_000, err
-
-
-def test_explain_png_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)    # `import matplotlib` fails
-    spec_path = write_spec(tmp_path, TINY)
-    png = tmp_path / "pattern.png"
-    rc, out, err = main_in_process("explain", spec_path, "--png", png)
-    line = one_error_line((rc, err))
-    assert "matplotlib" in line and "dilgen[plot]" in line, line
-    assert not png.exists()
-
-
-def test_explain_bad_arguments(tmp_path):
-    spec_path = write_spec(tmp_path, TINY)
-    rc, out, err = main_in_process("explain", spec_path, "--seq-len", "0")
-    assert "--seq-len" in one_error_line((rc, err))
-    rc, out, err = main_in_process("explain", spec_path, "--seq-len", "many")
-    assert "--seq-len" in one_error_line((rc, err))
-    bad = write_spec(tmp_path, dict(TINY, head_dim=12), "bad.json")
-    rc, out, err = main_in_process("explain", bad)
-    assert "head_dim" in one_error_line((rc, err))
-
-
-# --------------------------------------------------------------------------- build
-
-
-def test_build_progress_then_nothing_to_do(tmp_path):
-    specs = tmp_path / "specs"
-    write_spec(specs, TINY)
-    write_spec(specs, TINY_GQA_CAUSAL)
-    env = _env(tmp_path)
-    first = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter", env=env)
-    assert first.returncode == 0, first.stderr
-    assert "Traceback" not in first.stderr
-    assert re.search(r"\[#+-*\]", first.stdout), "no progress bar"
-    assert "2/2" in first.stdout
-    assert "nothing to do" not in first.stdout
-    assert "built 2" in first.stdout
-    assert any((tmp_path / "cache").rglob("*.py")), "nothing was written to the kernel cache"
-
-    second = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter", env=env)
-    assert second.returncode == 0, second.stderr
-    assert "nothing to do" in second.stdout
-
-    # change one spec: exactly that one is built again
-    write_spec(specs, dict(TINY, causal=True))
-    third = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter", env=env)
-    assert third.returncode == 0, third.stderr
-    assert "nothing to do" not in third.stdout
-    assert "built 1 of 2" in third.stdout
-
-
-def test_build_progress_without_tqdm_prints_plain_lines(tmp_path, cache_dir, monkeypatch):
-    """tqdm is optional (`pip install dilgen[cli]`): without it, `dilgen build` prints one
-    plain line per kernel as it starts, and the same summary."""
-    monkeypatch.setitem(sys.modules, "tqdm", None)          # `from tqdm import tqdm` fails
-    with pytest.raises(ImportError):
-        from tqdm import tqdm  # noqa: F401
-    specs = tmp_path / "specs"
-    write_spec(specs, dict(TINY, name="plain_a"))
-    write_spec(specs, dict(TINY_GQA_CAUSAL, name="plain_b"))
-    rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
-    assert rc == 0, err
-    assert out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
-                                    "2/2 plain_b [interpreter]"], out
-    assert "built 2 of 2" in out and not re.search(r"\[#+-*\]", out), out
-    from dilgen import compiler
-    monkeypatch.setattr(compiler, "_MODULES", {})          # as a second process would start
-    rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
-    assert rc == 0 and out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
-                                                "2/2 plain_b [interpreter]"], out
-    assert "nothing to do" in out
-
-
-def test_build_refuses_a_folder_with_a_bad_spec_before_building(tmp_path):
-    specs = tmp_path / "specs"
-    write_spec(specs, TINY)
-    write_spec(specs, dict(TINY, name="zz_bad", num_kv_heads=3))
-    res = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter")
-    line = one_error_line(res)
-    assert "num_kv_heads" in line and "zz_bad.json" in line
-    assert not any((tmp_path / "cache").rglob("*.py")), "built something before refusing"
-
-
-def test_errors_name_the_spec_file_as_the_user_can_open_it(tmp_path, monkeypatch):
-    """Issue 31: `dilgen build baddir` names baddir/neg.json, not neg.json (the user never
-    typed that name); compile and explain name the file as given too."""
-    monkeypatch.chdir(tmp_path)
-    write_spec(tmp_path / "baddir", TINY)
-    write_spec(tmp_path / "baddir", dict(TINY, num_heads=-1), "neg.json")
-    for argv, shown in ((("build", "baddir"), "baddir/neg.json"),
-                        (("build", "baddir/"), "baddir/neg.json"),
-                        (("compile", "baddir/neg.json"), "baddir/neg.json"),
-                        (("explain", "./baddir/neg.json"), "baddir/neg.json")):
-        rc, out, err = main_in_process(*argv, "--arch", "interpreter")
-        line = one_error_line((rc, err))
-        assert line.startswith(f"dilgen: error: {shown}: num_heads = -1: must be >= 1"), line
-        assert (Path(shown)).is_file()
-
-
-@pytest.mark.parametrize("where", ["file", "proc"])
-def test_build_refuses_an_unwritable_cache_in_one_line(tmp_path, monkeypatch, where):
-    """Issue 35: `dilgen build` fills the cache, so an unwritable one is refused in one
-    line naming it and DILGEN_CACHE_DIR (a run-time compile falls back instead)."""
-    from dilgen import cache
-    monkeypatch.setattr(cache, "_FALLBACK", {})
-    bad = tmp_path / "afile" if where == "file" else Path(f"/proc/self/dilgen-{os.getpid()}")
-    if where == "file":
-        bad.write_text("")
-    monkeypatch.setenv("DILGEN_CACHE_DIR", str(bad))
-    write_spec(tmp_path / "specs", TINY)
-    rc, out, err = main_in_process("build", tmp_path / "specs", "--arch", "interpreter")
-    line = one_error_line((rc, err))
-    assert line.startswith(f"dilgen: error: the kernel cache {bad} is not writable ("), line
-    assert "DILGEN_CACHE_DIR" in line and cache._FALLBACK == {}
-    assert out == ""
-
-
-def test_compile_out_onto_a_file_is_refused(tmp_path, monkeypatch):
-    """Issue 35: `--out afile` (an existing file) names the file and what --out takes,
-    instead of `[Errno 17] File exists: 'afile'`; so does a file above the folder."""
-    monkeypatch.chdir(tmp_path)
-    spec_path = write_spec(tmp_path, TINY)
-    Path("afile").write_text("keep\n")
-    for out_arg, shown in (("afile", "--out afile is a file"),
-                           ("afile/sub", "--out afile/sub: afile is a file")):
-        rc, out, err = main_in_process("compile", spec_path, "--out", out_arg)
-        line = one_error_line((rc, err))
-        assert line.startswith(f"dilgen: error: {shown}; --out takes a folder"), line
-    assert Path("afile").read_text() == "keep\n"
-
-
-def test_build_bad_folder(tmp_path):
-    rc, out, err = main_in_process("build", tmp_path / "missing")
-    assert "missing" in one_error_line((rc, err))
-    (tmp_path / "empty").mkdir()
-    rc, out, err = main_in_process("build", tmp_path / "empty")
-    assert "empty" in one_error_line((rc, err))
 
 
 # --------------------------------------------------------------------------- errors
@@ -604,7 +293,7 @@ IMPORT_SCRIPT = textwrap.dedent("""
 def test_generated_module_imports_and_runs_in_fresh_process(tmp_path):
     pkg = "genpkg"
     out_dir = tmp_path / pkg
-    env = _env(tmp_path)
+    env = cli_env(tmp_path)
     jobs = []
     for data in (TINY, TINY_GQA_CAUSAL):
         spec_path = write_spec(tmp_path / "specs", data)

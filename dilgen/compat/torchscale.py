@@ -52,6 +52,7 @@ and GigaPath's slide encoder for the tests.
 from __future__ import annotations
 
 import ast
+import math
 
 import torch
 from torch import nn
@@ -77,11 +78,22 @@ def _as_list(value, field: str) -> list:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise ValueError(f"{PREFIX}: args.{field} = {value!r}: not a list of integers") from None
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{PREFIX}: args.{field} = {value!r}: not a list of integers")
-    return [int(x) for x in value]
+    return [_whole(x, value, field) for x in value]
+
+
+def _whole(x, value, field: str) -> int:
+    """One entry of a segment or dilation list: an int, or a float holding a whole number
+    (8.0); never truncated (8.7), never a bool, a string or a nested list."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    if isinstance(x, float) and math.isfinite(x) and x == int(x):
+        return int(x)
+    raise ValueError(f"{PREFIX}: args.{field} = {value!r}: entry {x!r} is not a whole number; "
+                     f"give a list of integers such as [2048, 4096]")
 
 
 def spec_for(args, num_heads: int, head_dim: int, *, causal: bool = False,
@@ -214,6 +226,8 @@ class DilatedAttention(nn.Module):
         if self.training and self.dropout > 0:
             raise _unsupported(f"attention dropout while training (dropout = {self.dropout})",
                                "set the attention dropout to 0 (or call model.eval())")
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"{PREFIX}: is_causal = {is_causal!r}: pass True or False")
         key = query if key is None else key
         value = key if value is None else value
         B, N, E = query.shape
@@ -274,6 +288,9 @@ def patch(model: nn.Module, *, verbose: bool = True) -> list[str]:
     """Replace, in place, every torchscale DilatedAttention inside `model` by dilgen's,
     keeping its weights (device, dtype, train/eval mode); return the dotted names of the
     replaced modules (and print them unless verbose=False). A second call finds none."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{PREFIX}: patch(model) takes a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     if is_torchscale_dilated_attention(model):
         raise TypeError(f"{PREFIX}: patch(model) replaces modules inside a model; for a lone "
                         f"DilatedAttention use DilatedAttention.from_torchscale(module)")

@@ -1,0 +1,152 @@
+"""`dilgen build` (SPEC §4): ahead of time, every spec of a folder into the kernel cache:
+its progress, what it rebuilds, and the folders and caches it refuses in one line."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import (TINY, TINY_GQA_CAUSAL, cli_env, dilgen_cli,
+                         main_in_process, one_error_line, write_spec)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def test_build_progress_then_nothing_to_do(tmp_path):
+    specs = tmp_path / "specs"
+    write_spec(specs, TINY)
+    write_spec(specs, TINY_GQA_CAUSAL)
+    env = cli_env(tmp_path)
+    first = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "Traceback" not in first.stderr
+    # a pipe or a log, not a terminal: one plain line per kernel, no bar frames
+    assert not re.search(r"\[#+-*\]", first.stdout), first.stdout
+    assert "\r" not in first.stdout and "2/2 " in first.stdout, first.stdout
+    assert "nothing to do" not in first.stdout
+    assert "built 2" in first.stdout
+    assert any((tmp_path / "cache").rglob("*.py")), "nothing was written to the kernel cache"
+
+    second = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter", env=env)
+    assert second.returncode == 0, second.stderr
+    assert "nothing to do" in second.stdout
+
+    # change one spec: exactly that one is built again
+    write_spec(specs, dict(TINY, causal=True))
+    third = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter", env=env)
+    assert third.returncode == 0, third.stderr
+    assert "nothing to do" not in third.stdout
+    assert "built 1 of 2" in third.stdout
+
+
+def test_build_progress_bar_on_a_terminal(tmp_path, cache_dir):
+    """On a terminal (stdout.isatty()) with tqdm installed, `dilgen build` draws a bar."""
+    import contextlib
+    import io
+
+    from dilgen.cli import main
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    specs = tmp_path / "specs"
+    write_spec(specs, dict(TINY, name="bar_a"))
+    out = Terminal()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(["build", str(specs), "--arch", "interpreter"])
+    assert rc == 0 and re.search(r"\[#+-*\]", out.getvalue()), out.getvalue()
+
+
+def test_build_progress_without_tqdm_prints_plain_lines(tmp_path, cache_dir, monkeypatch):
+    """tqdm is optional (`pip install dilgen[cli]`): without it, `dilgen build` prints one
+    plain line per kernel as it starts, and the same summary."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)          # `from tqdm import tqdm` fails
+    with pytest.raises(ImportError):
+        from tqdm import tqdm  # noqa: F401
+    specs = tmp_path / "specs"
+    write_spec(specs, dict(TINY, name="plain_a"))
+    write_spec(specs, dict(TINY_GQA_CAUSAL, name="plain_b"))
+    rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
+    assert rc == 0, err
+    assert out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
+                                    "2/2 plain_b [interpreter]"], out
+    assert "built 2 of 2" in out and not re.search(r"\[#+-*\]", out), out
+    from dilgen import compiler
+    monkeypatch.setattr(compiler, "_MODULES", {})          # as a second process would start
+    rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
+    assert rc == 0 and out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
+                                                "2/2 plain_b [interpreter]"], out
+    assert "nothing to do" in out
+
+
+def test_build_refuses_a_folder_with_a_bad_spec_before_building(tmp_path):
+    specs = tmp_path / "specs"
+    write_spec(specs, TINY)
+    write_spec(specs, dict(TINY, name="zz_bad", num_kv_heads=3))
+    res = dilgen_cli(tmp_path, "build", specs, "--arch", "interpreter")
+    line = one_error_line(res)
+    assert "num_kv_heads" in line and "zz_bad.json" in line
+    assert not any((tmp_path / "cache").rglob("*.py")), "built something before refusing"
+
+
+def test_errors_name_the_spec_file_as_the_user_can_open_it(tmp_path, monkeypatch):
+    """Issue 31: `dilgen build baddir` names baddir/neg.json, not neg.json (the user never
+    typed that name); compile and explain name the file as given too."""
+    monkeypatch.chdir(tmp_path)
+    write_spec(tmp_path / "baddir", TINY)
+    write_spec(tmp_path / "baddir", dict(TINY, num_heads=-1), "neg.json")
+    for argv, shown in ((("build", "baddir"), "baddir/neg.json"),
+                        (("build", "baddir/"), "baddir/neg.json"),
+                        (("compile", "baddir/neg.json"), "baddir/neg.json"),
+                        (("explain", "./baddir/neg.json"), "baddir/neg.json")):
+        rc, out, err = main_in_process(*argv, "--arch", "interpreter")
+        line = one_error_line((rc, err))
+        assert line.startswith(f"dilgen: error: {shown}: num_heads = -1: must be >= 1"), line
+        assert (Path(shown)).is_file()
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_build_refuses_an_unwritable_cache_in_one_line(tmp_path, monkeypatch, where):
+    """Issue 35: `dilgen build` fills the cache, so an unwritable one is refused in one
+    line naming it and DILGEN_CACHE_DIR (a run-time compile falls back instead)."""
+    from dilgen import cache
+    monkeypatch.setattr(cache, "_FALLBACK", {})
+    bad = tmp_path / "afile" if where == "file" else Path(f"/proc/self/dilgen-{os.getpid()}")
+    if where == "file":
+        bad.write_text("")
+    monkeypatch.setenv("DILGEN_CACHE_DIR", str(bad))
+    write_spec(tmp_path / "specs", TINY)
+    rc, out, err = main_in_process("build", tmp_path / "specs", "--arch", "interpreter")
+    line = one_error_line((rc, err))
+    assert line.startswith(f"dilgen: error: the kernel cache {bad} is not writable ("), line
+    assert "DILGEN_CACHE_DIR" in line and cache._FALLBACK == {}
+    assert out == ""
+
+
+def test_compile_out_onto_a_file_is_refused(tmp_path, monkeypatch):
+    """Issue 35: `--out afile` (an existing file) names the file and what --out takes,
+    instead of `[Errno 17] File exists: 'afile'`; so does a file above the folder."""
+    monkeypatch.chdir(tmp_path)
+    spec_path = write_spec(tmp_path, TINY)
+    Path("afile").write_text("keep\n")
+    for out_arg, shown in (("afile", "--out afile is a file"),
+                           ("afile/sub", "--out afile/sub: afile is a file")):
+        rc, out, err = main_in_process("compile", spec_path, "--out", out_arg)
+        line = one_error_line((rc, err))
+        assert line.startswith(f"dilgen: error: {shown}; --out takes a folder"), line
+    assert Path("afile").read_text() == "keep\n"
+
+
+def test_build_bad_folder(tmp_path):
+    rc, out, err = main_in_process("build", tmp_path / "missing")
+    assert "missing" in one_error_line((rc, err))
+    (tmp_path / "empty").mkdir()
+    rc, out, err = main_in_process("build", tmp_path / "empty")
+    assert "empty" in one_error_line((rc, err))
+
+
