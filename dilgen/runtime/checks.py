@@ -44,6 +44,10 @@ def check_tensors(name: str, labelled, dims: int, rule: str, context: str = "") 
     for label, t in labelled:
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise InputError(f"{name}: {label} is a nested tensor; pack its sequences into rows "
+                             f"(total, heads, head_dim) and pass cu_seqlens (for a jagged one: "
+                             f"{label}.values() and {label}.offsets().int())")
         if t.dim() != dims:
             raise InputError(f"{name}: {context}{label} {rule}, got shape {tuple(t.shape)}")
 
@@ -98,3 +102,18 @@ def check_varlen_inputs(spec: dict, q: Any, k: Any, v: Any) -> int:
                   "must have 3 dims (total, heads, head_dim)", "with cu_seqlens, ")
     check_inputs(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     return q.shape[0]
+
+
+def check_max_seqlen(name: str, max_seqlen: Any) -> int:
+    """max_seqlen of a packed call: a whole number >= 0 (an int, a numpy or torch integer)."""
+    import operator
+    try:
+        if isinstance(max_seqlen, bool):
+            raise TypeError
+        value = operator.index(max_seqlen)
+    except TypeError:
+        raise InputError(f"{name}: max_seqlen = {max_seqlen!r}: pass an int, the number of rows of "
+                         f"the longest sequence (or omit it outside torch.compile)") from None
+    if value < 0:
+        raise InputError(f"{name}: max_seqlen = {value}: must be >= 0 (the longest sequence's rows)")
+    return value

@@ -3,8 +3,10 @@ building anything (files, hashes) at trace time, through the same torch ops an e
 call takes (op.py, ring/op.py). Eager calls go through GeneratedAttention (attention.py)."""
 from __future__ import annotations
 
-from .checks import InputError, check_inputs
-from .op import attention_fwd, attention_varlen_fwd
+import torch
+
+from .checks import InputError, check_inputs, check_max_seqlen
+from .op import attention_fwd, attention_varlen_fwd, refused
 from .registry import kernel_spec
 from .ring.op import ring_attention_fwd
 
@@ -15,7 +17,6 @@ def _traced_offsets(name: str, cu, total: int, max_seqlen: int):
     fail a device-side assert (torch._assert_async); and whatever they hold, the kernels only
     see sequences clamped inside the rows (starts in [0, total], ends <= total, lengths <=
     max_seqlen), so nothing is read or written out of bounds before the assert reports."""
-    import torch
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
         raise InputError(f"{name}: cu_seqlens must be a 1-D int32 tensor of B + 1 >= 2 offsets")
     steps = cu[1:] - cu[:-1]
@@ -31,7 +32,19 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen=None):
     """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
     in `kernel._op_key`; or that key itself), without building anything at trace time:
-    for torch.compile."""
+    for torch.compile. A call the checks refuse becomes torch.ops.dilgen.refused, which
+    raises the InputError when the graph runs (so it is not wrapped in dynamo's message)."""
+    try:
+        return _traced_call(kernel, q, k, v, return_lse=return_lse, group=group,
+                            chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    except InputError as exc:
+        if not isinstance(q, torch.Tensor) or q.dim() < 2:
+            raise
+        out, lse = refused(q, str(exc))
+        return (out, lse) if return_lse else out
+
+
+def _traced_call(kernel, q, k, v, *, return_lse, group, chunk_order, cu_seqlens, max_seqlen):
     key = kernel if isinstance(kernel, str) else kernel._op_key
     spec = kernel_spec(key)
     if cu_seqlens is not None:
@@ -46,8 +59,9 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
                 f"eagerly, not as a torch.ops op: call the kernel outside torch.compile")
         if group is not None:
             raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
-        starts, lens = _traced_offsets(spec["name"], cu_seqlens, q.shape[0], int(max_seqlen))
-        out, lse = attention_varlen_fwd(q, k, v, starts, lens, int(max_seqlen), True, [], key)
+        longest = check_max_seqlen(spec["name"], max_seqlen)
+        starts, lens = _traced_offsets(spec["name"], cu_seqlens, q.shape[0], longest)
+        out, lse = attention_varlen_fwd(q, k, v, starts, lens, longest, True, [], key)
         return (out, lse) if return_lse else out
     if spec["ring_size"] > 1:
         if group is not None:

@@ -4,6 +4,7 @@ opaque node and autograd one function.
     torch.ops.dilgen.attention_fwd(q, k, v, key) -> (out, lse)
     torch.ops.dilgen.attention_bwd(q, k, v, out, lse, grad_out, grad_lse, key) -> (dq, dk, dv)
     torch.ops.dilgen.attention_varlen_fwd / _bwd: the same over a packing (varlen.Packing)
+    torch.ops.dilgen.refused(q, message) -> (out, lse): raises InputError(message) when run
 
 `key` names a registered GeneratedAttention or dilgen.Kernel (registry.py). The work is
 done by forward.forward_raw and backward.backward_raw; the fake implementations give
@@ -86,6 +87,21 @@ def _backward(ctx, grad_out, grad_lse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "dilgen: the gradient of dilated attention's backward (double backward: "
+        "torch.autograd.grad(..., create_graph=True) through a dilgen call, then backward "
+        "again) is not implemented; compute second derivatives through dilgen.reference")
+
+
+def _keep_nothing(ctx, inputs, output) -> None:
+    pass
+
+
+# the backward ops are differentiable only in name: their gradient refuses in one line
+attention_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
+
+
 # -- variable-length batches (varlen.py): packed or padded rows ---------------------------------
 def varlen_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, packing) -> tuple[Tensor, Tensor]:
     """(out (rows, H, D), lse (H, rows)) through torch.ops.dilgen.attention_varlen_fwd."""
@@ -152,3 +168,24 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 
 attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+attention_varlen_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
+
+
+# -- a call refused while torch.compile traced it -----------------------------------------------
+@torch.library.custom_op("dilgen::refused", mutates_args=())
+def refused(q: Tensor, message: str) -> tuple[Tensor, Tensor]:
+    """Raise the InputError that checking the traced call found. Raised while tracing, it
+    would reach the user wrapped in dynamo's many-line "Observed exception"; raised from the
+    compiled graph, it arrives as itself, its one line last in the traceback."""
+    from .checks import InputError
+    raise InputError(message)
+
+
+@refused.register_fake
+def _refused_fake(q, message):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else tuple(q.shape[:-1])[::-1]
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+refused.register_autograd(lambda ctx, grad_out, grad_lse: (None, None),
+                          setup_context=_keep_nothing)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import InputError
+from .checks import InputError, check_max_seqlen
 from .tables import _tables_cpu
 
 
@@ -109,7 +109,7 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
     lengths = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     longest = max(lengths)
     if max_seqlen is not None:
-        if int(max_seqlen) < longest:
+        if check_max_seqlen(name, max_seqlen) < longest:
             raise _fail(name, f"max_seqlen = {max_seqlen} but sequence {lengths.index(longest)} has "
                               f"{longest} rows; pass max_seqlen >= the longest sequence (or omit it)")
     return _bucketed(cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1], lengths, True)
@@ -128,6 +128,9 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
     if tuple(m.shape) != (batch, seq_len):
         raise _fail(name, f"key_padding_mask has shape {tuple(m.shape)}; the input is "
                           f"(B, N) = ({batch}, {seq_len})")
+    if m.device.type == "meta":
+        raise _fail(name, "key_padding_mask is on the meta device (it has no values); pass the "
+                          f"mask on {device}")
     m = m.to(device)
     valid = (~m).sum(dim=1, dtype=torch.int32)
     first = torch.where(valid > 0, (~m).int().argmax(dim=1), 0).to(torch.int32)

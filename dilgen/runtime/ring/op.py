@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-from ..op import _attention_bwd_fake, _attention_fwd_fake
+from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward
 from ..registry import attention_for, op_key, register
 from .executor import ring_backward, ring_forward
 from .run import RingRun
@@ -70,6 +71,7 @@ def _ring_backward(ctx, grad_out, grad_lse):
 
 
 ring_attention_fwd.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+ring_attention_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
 
 
 class _RingFunction(torch.autograd.Function):
@@ -82,6 +84,7 @@ class _RingFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable      # a second derivative refuses (torch's one-line error)
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         run = ctx.run
