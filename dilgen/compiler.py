@@ -66,10 +66,16 @@ def _dump(spec: Spec, plan: Plan, source: str) -> None:
     if root is None:
         return
     folder = root / f"{spec.name}-{plan.target}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "0-spec.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
-    (folder / "1-plan.json").write_text(plan.dumps() + "\n")
-    (folder / "2-source.py").write_text(source)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "0-spec.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+        (folder / "1-plan.json").write_text(plan.dumps() + "\n")
+        (folder / "2-source.py").write_text(source)
+    except OSError as exc:         # asked for and not written: say so, in one line
+        where = exc.filename if isinstance(exc.filename, str) else str(folder)
+        raise cache.CacheError(f"DILGEN_DUMP_DIR={os.environ.get('DILGEN_DUMP_DIR')}: cannot write "
+                               f"{where} ({exc.strerror or exc}); name a writable folder or unset "
+                               f"it") from None
 
 
 def _import_module(path: Path, name: str) -> ModuleType:

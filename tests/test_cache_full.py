@@ -61,3 +61,27 @@ def test_a_home_that_does_not_exist_is_one_line(variable, monkeypatch):
     with pytest.raises(cache.CacheError, match=f"{variable}=") as info:
         cache.cache_dir() if variable == "DILGEN_CACHE_DIR" else cache.dump_dir()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["writes", "a_file", "proc", "full"])
+def test_dump_dir_writes_every_stage_or_says_why_not(where, tmp_path, cache_dir):
+    """DILGEN_DUMP_DIR gets the spec, the plan and the source of each compile; a dump that
+    cannot be written (a file, a path under /proc, a full device) is one CacheError line."""
+    dump = {"writes": tmp_path / "dump", "a_file": tmp_path / "file",
+            "proc": "/proc/dilgen_dump", "full": tmp_path / "full"}[where]
+    if where == "a_file":
+        dump.write_text("not a folder")
+    if where == "full":
+        (dump / f"dump_{where}-interpreter").mkdir(parents=True)
+        (dump / f"dump_{where}-interpreter" / "0-spec.json").symlink_to("/dev/full")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DILGEN_DUMP_DIR", str(dump))
+        spec = dilgen.Spec(**TINY, name=f"dump_{where}")
+        if where == "writes":
+            compiler.build(spec, dilgen.targets.get_target("interpreter"))
+            stages = sorted(p.name for p in (dump / f"dump_{where}-interpreter").iterdir())
+            assert stages == ["0-spec.json", "1-plan.json", "2-source.py"]
+            return
+        with pytest.raises(cache.CacheError, match="DILGEN_DUMP_DIR=") as info:
+            compiler.build(spec, dilgen.targets.get_target("interpreter"))
+    assert "\n" not in str(info.value) and "cannot write" in str(info.value), info.value
