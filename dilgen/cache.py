@@ -232,7 +232,10 @@ def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: 
         elif os.path.lexists(final):
             _remove(final, keep_folder=True)   # a file or a link where the folder should be
         else:
-            _publish(final, blobs)
+            try:
+                _publish(final, blobs)
+            except FileNotFoundError:    # the cache folder was deleted meanwhile: again
+                final.parent.mkdir(parents=True, exist_ok=True)
         rewrite = False
     raise OSError(f"{final}: could not store a sound cache entry (concurrent writers of "
                   f"different bytes for one key?)")

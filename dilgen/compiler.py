@@ -6,8 +6,9 @@ the generated module for it, compiling and caching it on first use.
 """
 from __future__ import annotations
 
-import importlib.util
+import builtins
 import json
+import linecache
 import os
 import sys
 import tempfile
@@ -78,12 +79,18 @@ def _dump(spec: Spec, plan: Plan, source: str) -> None:
                                f"it") from None
 
 
-def _import_module(path: Path, name: str) -> ModuleType:
-    mod_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(mod_spec)
+def _import_module(path: Path, name: str, source: str) -> ModuleType:
+    """Run `source` (the text of the cache entry's module.py at `path`) as module `name`.
+    The text goes to linecache under `path`, where inspect (and so Triton's @jit) reads a
+    kernel's source: once the entry has been verified and read, the import never needs
+    the file again, so a cache folder deleted meanwhile cannot break it."""
+    filename = str(path)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = ModuleType(name)
+    module.__file__ = filename
     sys.modules[name] = module
     try:
-        mod_spec.loader.exec_module(module)
+        exec(builtins.compile(source, filename, "exec"), module.__dict__)
     except BaseException:
         sys.modules.pop(name, None)
         raise
@@ -92,6 +99,18 @@ def _import_module(path: Path, name: str) -> ModuleType:
 
 _MODULES: dict[str, CompiledModule] = {}
 _MODULES_LOCK = threading.Lock()
+
+
+def _cached_source(spec: Spec, target: Target, plan: Plan, key: str) -> tuple[Path | None, str | None]:
+    """(entry folder, module text) of a sound cache entry, or (None, None). An entry that
+    vanishes between its check and its read (the cache folder deleted) is a miss."""
+    folder = cache.load(key)
+    if folder is None:
+        return None, None
+    try:
+        return folder, (folder / cache.MODULE).read_text()
+    except FileNotFoundError:
+        return None, None
 
 
 def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledModule:
@@ -105,11 +124,9 @@ def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledMod
         if hit is not None and not cache.always_compile():
             return hit
         plan = planner.plan(spec, target, tuning)                          # stage: plan
-        folder = cache.load(key)                                           # stage: cache
-        cache_hit = folder is not None
-        if cache_hit:
-            source = (folder / cache.MODULE).read_text()
-        else:
+        folder, source = _cached_source(spec, target, plan, key)            # stage: cache/emit
+        cache_hit = source is not None
+        if source is None:
             source = codegen.emit(plan)                                    # stage: emit
             codegen.check_syntax(source, f"{spec.name}.py")
             info = {"spec": spec.to_json(), "target": target.name, "generator": __version__,
@@ -117,8 +134,8 @@ def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledMod
             folder = cache.store(key, {cache.MODULE: source.encode(),
                                        "plan.json": (plan.dumps() + "\n").encode()}, info)
         _dump(spec, plan, source)
-        module = _import_module(folder / cache.MODULE,
-                                f"dilgen_generated.{spec.name}_{target.name}_{key[:12]}")
+        module = _import_module(folder / cache.MODULE,                     # stage: import
+                                f"dilgen_generated.{spec.name}_{target.name}_{key[:12]}", source)
         compiled = CompiledModule(spec, target, plan, source, folder / cache.MODULE, module,
                                   cache_hit)
         _MODULES[key] = compiled
