@@ -16,12 +16,27 @@ _os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 from .spec import Hilbert, Spec, SpecError, load_spec, spec_from_dict  # noqa: E402
 
 
-def __getattr__(name):  # torch/triton-heavy pieces load on first use
-    if name in ("compile", "dilated_attention", "Kernel", "build", "write_module"):
-        from . import compiler
-        return getattr(compiler, name)
+# names that load torch/triton-heavy modules on first use: name -> (module, attribute)
+_LAZY = {
+    **{n: ("compiler", n) for n in ("compile", "dilated_attention", "Kernel", "build", "write_module")},
+    "InputError": ("runtime.checks", "InputError"),          # a call's arguments do not fit
+    "CacheError": ("cache", "CacheError"),
+    "CacheWarning": ("cache", "CacheWarning"),
+    "RingAborted": ("runtime.ring.faults", "RingAborted"),   # a rank of the ring failed
+}
+_SUBMODULES = ("aot", "cache", "compat", "integrations", "nn", "reference", "runtime", "targets")
+
+
+def __getattr__(name):
+    import importlib
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
+    if name in _SUBMODULES:              # `import dilgen; dilgen.runtime.ring.shard(...)`
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dilgen' has no attribute {name!r}")
 
 
 __all__ = ["Spec", "Hilbert", "SpecError", "load_spec", "spec_from_dict", "compile",
-           "dilated_attention", "Kernel", "__version__"]
+           "dilated_attention", "Kernel", "InputError", "CacheError", "CacheWarning",
+           "RingAborted", "__version__"]

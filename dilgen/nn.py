@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .compiler import compile as compile_spec
-from .spec import Spec
+from .spec import Spec, SpecError
 
 
 def _positive_int(label: str, value) -> None:
@@ -73,9 +73,16 @@ class MultiheadDilatedAttention(nn.Module):
                       torch.float32: "float32"}.get(param_dtype)
         if dtype_name is None:
             raise ValueError(f"dtype {param_dtype} is not supported: use float16, bfloat16 or float32")
-        self.spec = Spec(name=name, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, dtype=dtype_name, segment_lengths=list(segment_lengths),
-                         dilation_rates=list(dilation_rates), causal=causal, hilbert=hilbert)
+        try:
+            self.spec = Spec(name=name, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, dtype=dtype_name, segment_lengths=list(segment_lengths),
+                             dilation_rates=list(dilation_rates), causal=causal, hilbert=hilbert)
+        except SpecError as exc:
+            if "head_dim" not in str(exc):
+                raise
+            raise SpecError(f"embed_dim = {embed_dim} / num_heads = {num_heads} gives head_dim = "
+                            f"{head_dim}, which the kernels do not take ({exc}); choose embed_dim "
+                            f"and num_heads whose quotient is a multiple of 8 up to 256") from None
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.batch_first = True
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **factory)

@@ -147,7 +147,8 @@ def test_compat_refuses_the_layout_slip_in_one_line():
     with pytest.raises(ValueError) as exc:
         layer(x, x, x)
     msg = str(exc.value)
-    assert "\n" not in msg and msg.startswith("dilgen.compat.torchscale: ") and "slip" in msg
+    assert "\n" not in msg and msg.startswith("dilgen.compat.torchscale args: ") and "slip" in msg
+    assert msg.count("dilgen.compat.torchscale") == 1, msg
     assert "N = 40" in msg and "dilation_rates[1] = 8" in msg
 
 

@@ -122,3 +122,13 @@ def test_compiled_call_raises_the_input_error_itself(kernel, backend):
     assert _one_line(exc).startswith("hostile: q has shape (1, 16, 3, 16)")
     good = torch.randn(1, 16, 2, 16, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(attend(good), kernel(good, good, good), rtol=0, atol=0)
+
+
+def test_package_hands_on_its_errors_and_runtime():
+    """`import dilgen` is enough for dilgen.runtime, dilgen.nn and the error classes."""
+    import subprocess
+    code = ("import dilgen; assert dilgen.InputError is dilgen.runtime.checks.InputError; "
+            "assert callable(dilgen.runtime.ring.shard) and dilgen.nn.KVCache and dilgen.RingAborted; "
+            "assert issubclass(dilgen.CacheError, Exception)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr

@@ -66,6 +66,7 @@ def test_layer_refuses_unsupported_options(kwargs, match):
     (lambda: MultiheadDilatedAttention(32, 2, [8], [1])(torch.randn(1, 8, 32, dtype=torch.float64)),
      "query has dtype torch.float64"),
     (lambda: KVCache(1, 8.5, 2, 16), "max_len = 8.5: must be an int >= 1"),
+    (lambda: MultiheadDilatedAttention(1200, 4, [8], [1]), "embed_dim = 1200 / num_heads = 4 gives head_dim = 300"),
 ])
 def test_bad_layer_arguments_are_one_line(make, needle):
     """Issue 44: one ValueError line, never a ZeroDivisionError or a shape error from inside."""

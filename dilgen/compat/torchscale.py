@@ -240,8 +240,8 @@ class DilatedAttention(nn.Module):
         mask = _key_padding(key_padding_mask, B, N)
         longest = N if mask is None else int((~mask).sum(1).max())
         slip = zero_pad_layout_slip(self.spec, longest)
-        if slip:
-            raise ValueError(f"{PREFIX}: {slip}")
+        if slip:                    # it names its source: "dilgen.compat.torchscale args: ..."
+            raise ValueError(slip)
         q = self.q_proj(query).view(B, N, H, D)
         k = self.k_proj(key).view(B, N, H, D)
         v = self.v_proj(value).view(B, N, H, D)
