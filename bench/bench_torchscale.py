@@ -24,7 +24,7 @@ import toolkit as tk  # noqa: E402
 
 PASSES = ("fwd", "fwd+bwd")
 METHODS = ("torchscale", "dilgen", "no_attention")
-SMOKE = dict(tiles=[100, 300], layers=2, embed=64, heads=4, segments=[16, 32, 64], ratios=[1, 2, 4])
+SMOKE = dict(tiles=[40, 72], layers=1, embed=32, heads=2, segments=[16, 32], ratios=[1, 2])
 
 
 def parse_args(argv=None):

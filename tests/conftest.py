@@ -9,6 +9,14 @@ import pytest
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per CPU core when the kernels run in Triton's interpreter (each
+    worker keeps one core busy); none (this process alone) with a GPU, whose memory the
+    GPU-only tests need whole."""
+    import torch
+    return 0 if torch.cuda.is_available() else max(1, os.cpu_count() or 1)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """Point DILGEN_CACHE_DIR (and Triton's cache) at a temp dir for the whole session."""
