@@ -61,153 +61,77 @@ def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
     return _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing)
 
 
+class _Rows:
+    """Where a backward's rows are: (B, N) and the strides the kernels take; for a packing,
+    program b is sequence b (it moves the row pointers itself, batch strides are 0)."""
+
+    def __init__(self, attn, q, k, v, out, lse, grad_out, packing, class_order):
+        plan, dev = attn.plan, q.device
+        fixed = packing is None
+        lead = (lambda t: (t.stride(0), t.stride(1), t.stride(2))) if fixed else \
+               (lambda t: (0, t.stride(0), t.stride(1)))
+        self.q, self.k, self.v, self.do, self.o = (lead(t) for t in (q, k, v, grad_out, out))
+        self.l = (lse.stride(0), lse.stride(1)) if fixed else (0, lse.stride(0))
+        self.varlen = not fixed
+        if fixed:
+            self.B, self.N = q.shape[0], q.shape[1]
+            self.rows = self.N         # positions per batch element for the preprocess
+            self.tables = attn._launch_tensors(self.N, dev)[1]
+            self.groups = [((class_order, class_order), self.B, self.N)]
+            self.covers_all, self.pre_b = True, self.B
+        else:
+            self.B, self.N = packing.num_seqs, packing.max_len
+            self.rows = q.shape[0]
+            self.tables = packed_tables(plan, packing, self.rows, dev)
+            self.groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups(plan["num_heads"])]
+            # the preprocess sees every row as one batch element: it needs no sequences
+            self.covers_all, self.pre_b = packing.covers_all, 1
+
+
 def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
-    kernels = attn.backward_kernels
-    conf = kernels["config"]
-    plan = attn.plan
-    dev = q.device
-    interpret = dev.type == "cpu"
+    plan, conf = attn.plan, attn.backward_kernels["config"]
     # kept on the device by the module: a tensor made from a host list here would be a
     # blocking copy, which waits for the forward and leaves the GPU idle while the
     # backward's launches are queued
-    class_order = attn._class_order(dev)
-    H = plan["num_heads"]
-    Hkv = plan["num_kv_heads"]
-    group = H // Hkv
+    class_order = attn._class_order(q.device)
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
-    if packing is None:
-        B, N = q.shape[0], q.shape[1]
-        rows = N       # positions per batch element for the preprocess
-        _, tables = attn._launch_tensors(N, dev)
-        groups, varlen, covers_all = [((class_order, class_order), B, N)], False, True
-        q_strides = (q.stride(0), q.stride(1), q.stride(2))
-        k_strides = (k.stride(0), k.stride(1), k.stride(2))
-        v_strides = (v.stride(0), v.stride(1), v.stride(2))
-        do_strides = (grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1))
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        pre_b = B
-    else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
-        B, N = packing.num_seqs, packing.max_len
-        rows = q.shape[0]
-        tables = packed_tables(plan, packing, rows, dev)
-        groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups(H)]
-        varlen, covers_all = True, packing.covers_all
-        q_strides = (0, q.stride(0), q.stride(1))
-        k_strides = (0, k.stride(0), k.stride(1))
-        v_strides = (0, v.stride(0), v.stride(1))
-        do_strides = (0, grad_out.stride(0), grad_out.stride(1))
-        l_strides = (0, lse.stride(0))
-        o_strides = (0, out.stride(0), out.stride(1))
-        pre_b = 1      # the preprocess sees every row as one batch element: it needs no sequences
-
+    at = _Rows(attn, q, k, v, out, lse, grad_out, packing, class_order)
     lanes = lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
-    fused = conf.get("fused_dkdv", False)
-    # dK, dV: the fused launch covers the fused kernel's branches; per-branch launches the rest
-    per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
-                  else plan["branches"])
-    dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
+    dq_writes_all = at.covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
     # otherwise the first dq lane launch writes 0 into the rows its branch does not keep
     # (Plan.gap_lane), and the first per-branch dK, dV launch writes (Plan.dkdv_first_writes):
     # no zero fills, except with padding rows between sequences
-    dq_clears = covers_all and plan.get("gap_lane") is not None
-    dkdv_clears = covers_all and plan.get("dkdv_first_writes", False)
+    dq_clears = at.covers_all and plan.get("gap_lane") is not None
+    dkdv_clears = at.covers_all and plan.get("dkdv_first_writes", False)
     # Launches that add into a gradient (lane dq after the fused dq or another lane branch,
     # per-branch dK, dV) read-add-write it in the inputs' dtype: each adds a float32 partial
     # sum rounded once, and the <= 5 roundings of a row stay far inside SPEC's gradient bounds
     # (bf16 rel 4e-2), while float32 buffers cost a zero fill of twice the bytes and a
     # conversion pass (D causal, H200: 0.9 of 2.9 ms fwd+bwd).
-    dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     poison(dq, delta)
     if not (dq_writes_all or dq_clears):
         dq.zero_()              # no launch writes every row of dq
     # the fused launch writes every row (lane branches add to it), or the first per-branch launch does
-    dkdv_writes_all = (fused and covers_all) or dkdv_clears
-    if dkdv_writes_all:
-        dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
-    else:       # per-branch launches add into zeroed buffers (and padding rows stay 0)
-        dk = torch.zeros(k.shape, dtype=k.dtype, device=dev)
-        dv = torch.zeros(v.shape, dtype=v.dtype, device=dev)
+    dkdv_writes_all = (conf.get("fused_dkdv", False) and at.covers_all) or dkdv_clears
+    make = torch.empty if dkdv_writes_all else torch.zeros   # per-branch launches add into zeros
+    dk = make(k.shape, dtype=k.dtype, device=q.device)
+    dv = make(v.shape, dtype=v.dtype, device=q.device)
     if dkdv_writes_all:
         poison(dk, dv)
-    if B == 0 or N == 0:
+    if at.B == 0 or at.N == 0:
         return dq, dk, dv
-    lattice = plan["query"]["lattice"]
-
-    curve_kernel = attn.curve_kernel is not None
-    launch = {name: ({} if interpret else dict(opts)) for name, opts in conf["launch"].items()}
-    pre = attn._kernel(interpret, source_fn=kernels["preprocess"])
-    dkdv = attn._kernel(interpret, source_fn=kernels["dkdv"])
-    dqk = attn._kernel(interpret, source_fn=kernels["dq"])
-    dk_strides = (0 if varlen else dk.stride(0), dk.stride(-3), dk.stride(-2))
-    dq_strides = (0 if varlen else dq.stride(0), dq.stride(-3), dq.stride(-2))
+    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk)
 
     def launches():
-        pre[(math.ceil(rows / conf["pre_block"]), pre_b * H)](
-            out, grad_out, dlse, delta, rows, *o_strides, *do_strides, *l_strides,
-            has_dlse, **launch["preprocess"])
-        kv_bn = conf["kv_block_n"]
-        for seqs, B, N in groups:   # packed batches: one group per length class
-            if fused:
-                n_kt = math.ceil(math.ceil(N / lattice) / kv_bn)
-                group_kt = lattice_group_tiles(plan, n_kt, kv_bn, 2 * (H // Hkv) * q.shape[-1] * q.element_size())
-                dkdv_fused = attn._kernel(interpret, source_fn=kernels["dkdv_fused"])
-                dkdv_fused[(lattice * n_kt, B * Hkv)](
-                    q, k, v, grad_out, dk, dv, lse, delta,
-                    N, n_kt, group_kt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                    *dk_strides, *l_strides,
-                    interpret, varlen, **launch["dkdv_fused"])
-            accumulate, clear = not dkdv_clears, dkdv_clears
-            for br in per_branch:
-                w, r = br["w"], br["r"]
-                n_seg = math.ceil(N / w)
-                n_o = min(group, r)
-                n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
-                copies, flag = (), ()
-                if curve_kernel:    # the plan has curve_rows branches
-                    curve = uses_curve_rows(plan, br["index"], packing)
-                    copies = ((*copy_rows(attn, interpret, br, tables, q, grad_out, heads=H, group=1),
-                               *copy_rows(attn, interpret, br, tables, lse, delta, heads=H, group=1,
-                                          positions_last=True))
-                              if curve else (q, grad_out, lse, delta))
-                    if plan["causal"]:      # query block lists of a curve's causal mask, per key tile
-                        copies += (attn._block_lists(br, N, (kv_bn, conf["kv_block_m"]), dev, keys_listed=False)
-                                   if curve else (class_order, class_order))
-                    flag = (curve,)
-                dkdv[(n_seg * n_o * n_jt, B * Hkv)](
-                    q, k, v, grad_out, dk, dv, lse, delta, *copies, *tables,
-                    N, n_jt, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                    *dk_strides, *l_strides,
-                    interpret, br["index"], accumulate, clear, varlen, *flag, **launch["dkdv"])
-                accumulate, clear = True, False
-            if has_fused_q:
-                bm = conf["dq_block_m"]
-                num_m_tiles = math.ceil(math.ceil(N / lattice) / bm)
-                group_tiles = lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())
-                dqk[(lattice * num_m_tiles, B * H)](
-                    q, k, v, grad_out, dq, lse, delta, class_order, *tables,
-                    N, num_m_tiles, group_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                    *dq_strides, *l_strides,
-                    interpret, varlen, **launch["dq"])
-            accumulate, clear = has_fused_q or not (dq_writes_all or dq_clears), dq_clears
-            for i in lanes:
-                br = plan["branches"][i]
-                n_seg, n_tiles = lane_grid(br, N, conf["lane_dq_block_m"])
-                dq_lanes = attn._kernel(interpret, source_fn=kernels["dq_lanes"])
-                kv, flag = (), ()
-                if curve_kernel:    # the plan has curve_rows branches
-                    kv, flag = lane_key_args(attn, interpret, br, tables, k, v, packing,
-                                             plan["config"]["lane_dq"], class_order)
-                dq_lanes[lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen)](
-                    q, k, v, *kv, grad_out, dq, lse, delta, *tables,
-                    N, n_tiles, *seqs, *q_strides, *k_strides, *v_strides, *do_strides,
-                    *dq_strides, *l_strides,
-                    interpret, i, accumulate, clear, varlen, *flag, **launch["dq_lanes"])
-                accumulate, clear = True, False
+        run.preprocess(out, dlse, has_dlse)
+        for seqs, B, N in at.groups:   # packed batches: one group per length class
+            run.dkdv(seqs, B, N, dk, dv, dkdv_clears)
+            run.dq(seqs, B, N, dq, has_fused_q, lanes,
+                   accumulate=has_fused_q or not (dq_writes_all or dq_clears), clear=dq_clears)
 
-    if interpret:
+    if run.interpret:
         with interpreting():
             launches()
     else:
@@ -216,3 +140,97 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
         launches()
     attn.launches += 1
     return dq, dk, dv
+
+
+class _Launches:
+    """The backward's launches for one call: the preprocess, dK/dV (fused and per branch),
+    dq (fused and per lane branch), with the call's tensors, strides and tables."""
+
+    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk):
+        self.attn, self.at, self.class_order, self.packing = attn, at, class_order, packing
+        self.plan, self.kernels = attn.plan, attn.backward_kernels
+        self.conf = self.kernels["config"]
+        self.q, self.k, self.v, self.grad_out, self.lse, self.delta = tensors
+        self.interpret = self.q.device.type == "cpu"
+        self.launch = {name: ({} if self.interpret else dict(opts))
+                       for name, opts in self.conf["launch"].items()}
+        self.H, self.Hkv = self.plan["num_heads"], self.plan["num_kv_heads"]
+        self.lattice = self.plan["query"]["lattice"]
+        self.dk_strides = (0 if at.varlen else dk.stride(0), dk.stride(-3), dk.stride(-2))
+        self.dq_strides = (0 if at.varlen else dq.stride(0), dq.stride(-3), dq.stride(-2))
+        self.common = (*at.q, *at.k, *at.v, *at.do)          # q, k, v, dO strides
+
+    def _kernel(self, name: str):
+        return self.attn._kernel(self.interpret, source_fn=self.kernels[name])
+
+    def preprocess(self, out, dlse, has_dlse) -> None:
+        at = self.at
+        self._kernel("preprocess")[(math.ceil(at.rows / self.conf["pre_block"]), at.pre_b * self.H)](
+            out, self.grad_out, dlse, self.delta, at.rows, *at.o, *at.do, *at.l,
+            has_dlse, **self.launch["preprocess"])
+
+    def dkdv(self, seqs, B: int, N: int, dk, dv, clears: bool) -> None:
+        """The fused launch covers the fused kernel's branches; per-branch launches the rest
+        (every branch without the fused launch)."""
+        plan, conf, at, kv_bn = self.plan, self.conf, self.at, self.conf["kv_block_n"]
+        q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
+        fused = conf.get("fused_dkdv", False)
+        if fused:
+            n_kt = math.ceil(math.ceil(N / self.lattice) / kv_bn)
+            group_kt = lattice_group_tiles(plan, n_kt, kv_bn, 2 * (self.H // self.Hkv) * q.shape[-1] * q.element_size())
+            self._kernel("dkdv_fused")[(self.lattice * n_kt, B * self.Hkv)](
+                q, k, v, grad_out, dk, dv, lse, delta,
+                N, n_kt, group_kt, *seqs, *self.common, *self.dk_strides, *at.l,
+                self.interpret, at.varlen, **self.launch["dkdv_fused"])
+        per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
+                      else plan["branches"])
+        dkdv = self._kernel("dkdv")
+        accumulate, clear = not clears, clears
+        for br in per_branch:
+            w, r = br["w"], br["r"]
+            n_seg = math.ceil(N / w)
+            n_o = min(self.H // self.Hkv, r)
+            n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
+            copies, flag = (), ()
+            if self.attn.curve_kernel is not None:    # the plan has curve_rows branches
+                curve = uses_curve_rows(plan, br["index"], self.packing)
+                copies = ((*copy_rows(self.attn, self.interpret, br, at.tables, q, grad_out, heads=self.H, group=1),
+                           *copy_rows(self.attn, self.interpret, br, at.tables, lse, delta, heads=self.H, group=1,
+                                      positions_last=True))
+                          if curve else (q, grad_out, lse, delta))
+                if plan["causal"]:      # query block lists of a curve's causal mask, per key tile
+                    copies += (self.attn._block_lists(br, N, (kv_bn, conf["kv_block_m"]), q.device, keys_listed=False)
+                               if curve else (self.class_order, self.class_order))
+                flag = (curve,)
+            dkdv[(n_seg * n_o * n_jt, B * self.Hkv)](
+                q, k, v, grad_out, dk, dv, lse, delta, *copies, *at.tables,
+                N, n_jt, *seqs, *self.common, *self.dk_strides, *at.l,
+                self.interpret, br["index"], accumulate, clear, at.varlen, *flag, **self.launch["dkdv"])
+            accumulate, clear = True, False
+
+    def dq(self, seqs, B: int, N: int, dq, has_fused_q: bool, lanes, accumulate: bool,
+           clear: bool) -> None:
+        """The fused dq (the forward's query tiling, every fused branch), then one launch per
+        lane branch adding into it."""
+        plan, conf, at = self.plan, self.conf, self.at
+        q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
+        if has_fused_q:
+            bm = conf["dq_block_m"]
+            num_m_tiles = math.ceil(math.ceil(N / self.lattice) / bm)
+            group_tiles = lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())
+            self._kernel("dq")[(self.lattice * num_m_tiles, B * self.H)](
+                q, k, v, grad_out, dq, lse, delta, self.class_order, *at.tables,
+                N, num_m_tiles, group_tiles, *seqs, *self.common, *self.dq_strides, *at.l,
+                self.interpret, at.varlen, **self.launch["dq"])
+        for i in lanes:
+            br = plan["branches"][i]
+            n_seg, n_tiles = lane_grid(br, N, conf["lane_dq_block_m"])
+            kv, flag = (), ()
+            if self.attn.curve_kernel is not None:    # the plan has curve_rows branches
+                kv, flag = lane_key_args(self.attn, self.interpret, br, at.tables, k, v, self.packing,
+                                         plan["config"]["lane_dq"], self.class_order)
+            self._kernel("dq_lanes")[lane_launch_grid(plan, B * self.H, n_seg, n_tiles, at.varlen)](
+                q, k, v, *kv, grad_out, dq, lse, delta, *at.tables,
+                N, n_tiles, *seqs, *self.common, *self.dq_strides, *at.l,
+                self.interpret, i, accumulate, clear, at.varlen, *flag, **self.launch["dq_lanes"])
+            accumulate, clear = True, False
