@@ -101,6 +101,24 @@ _MODULES: dict[str, CompiledModule] = {}
 _MODULES_LOCK = threading.Lock()
 
 
+def _store(key: str, source: str, plan: Plan, info: dict) -> Path:
+    """Store the entry; the module runs from memory either way (_import_module), so an entry
+    that cannot be kept because its folder is deleted again and again while it is written
+    costs only the cache (one warning), never the call. Unwritable and full caches have
+    their own fallback (cache.store) and their own error."""
+    try:
+        return cache.store(key, {cache.MODULE: source.encode(), "plan.json": (plan.dumps() + "\n").encode()},
+                           info)
+    except cache.CacheError:
+        raise
+    except OSError as exc:
+        import warnings
+        warnings.warn(f"dilgen: could not keep a kernel in the cache {cache.cache_dir()} "
+                      f"({exc.strerror or exc}); this process runs it from memory",
+                      cache.CacheWarning, stacklevel=4)
+        return cache.entry_dir(key)
+
+
 def _cached_source(spec: Spec, target: Target, plan: Plan, key: str) -> tuple[Path | None, str | None]:
     """(entry folder, module text) of a sound cache entry, or (None, None). An entry that
     vanishes between its check and its read (the cache folder deleted) is a miss."""
@@ -131,8 +149,7 @@ def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledMod
             codegen.check_syntax(source, f"{spec.name}.py")
             info = {"spec": spec.to_json(), "target": target.name, "generator": __version__,
                     "templates": codegen.template_hash(), **toolchain()}
-            folder = cache.store(key, {cache.MODULE: source.encode(),
-                                       "plan.json": (plan.dumps() + "\n").encode()}, info)
+            folder = _store(key, source, plan, info)
         _dump(spec, plan, source)
         module = _import_module(folder / cache.MODULE,                     # stage: import
                                 f"dilgen_generated.{spec.name}_{target.name}_{key[:12]}", source)

@@ -76,9 +76,57 @@ def kernel_for(module, query: torch.Tensor, key: torch.Tensor, scaling, causal: 
     return _prepared(module, query, key, scaling, causal)[0]
 
 
+class _TracedKernel:
+    """The kernel of a call traced by torch.compile: the registry key of a dilgen.Kernel
+    made while tracing, outside the graph (runtime.registry.constant_key)."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __call__(self, q, k, v, **kwargs):
+        from ..runtime.dispatch import kernel_call
+        return kernel_call(self.key, q, k, v, **kwargs)
+
+
+def _kernel_key(call) -> str:
+    """The registry key of the Kernel of a traced call, from constants only (what
+    torch.compiler.assume_constant_result takes): (model_type, pattern, H, H_kv, D, dtype
+    name, causal, scaling)."""
+    from types import SimpleNamespace
+    model_type, pattern, H, H_kv, D, dtype, causal, scaling = call
+    config = SimpleNamespace(model_type=model_type, dilgen_spec=pattern)
+    return _build(config, H, H_kv, D, getattr(torch, dtype), causal, scaling)._op_key
+
+
+def _build(config, H: int, H_kv: int, D: int, dtype, causal: bool, scaling) -> Kernel:
+    """The dilgen Kernel of config's pattern with these heads, head_dim, dtype, causality
+    and scale (one per spec across modules)."""
+    pattern = _pattern(config)
+    if dtype not in _DTYPES:
+        raise SpecError(f"attn_implementation='dilgen' takes float16, bfloat16 or float32 "
+                        f"activations, got {dtype}")
+    model_type = re.sub(r"[^a-z0-9_]", "_", str(getattr(config, "model_type", "") or "model").lower())
+    fields = {"name": f"hf_{model_type}", **pattern, "num_heads": H, "num_kv_heads": H_kv,
+              "head_dim": D, "dtype": _DTYPES[dtype], "causal": bool(causal)}
+    if scaling is not None:
+        fields["softmax_scale"] = float(scaling)
+    spec = spec_from_dict(fields, source="config.dilgen_spec")
+    kernel = _KERNELS.get(spec.key())
+    if kernel is None:
+        kernel = _KERNELS[spec.key()] = Kernel(spec)
+    return kernel
+
+
 def _prepared(module, query, key, scaling, causal):
     """(Kernel, its GeneratedAttention for query's device), kept on the module: a decode
-    step pays one tuple comparison."""
+    step pays one tuple comparison. Traced by torch.compile: (a _TracedKernel, None)."""
+    if torch.compiler.is_compiling():
+        from ..runtime.registry import constant_key
+        config = module.config
+        call = (str(getattr(config, "model_type", "") or "model"), getattr(config, "dilgen_spec", None),
+                query.shape[1], key.shape[1], query.shape[3], str(query.dtype).removeprefix("torch."),
+                bool(causal), scaling)
+        return _TracedKernel(constant_key(_kernel_key, call)), None
     pattern = getattr(module.config, "dilgen_spec", None)
     # repr, not id: a config.dilgen_spec changed in place after a call makes a new kernel
     sig = (repr(pattern), query.dtype, query.device, causal, scaling, query.shape[1], key.shape[1],
@@ -86,20 +134,8 @@ def _prepared(module, query, key, scaling, causal):
     hit = module.__dict__.get("_dilgen_kernel")
     if hit is not None and hit[0] == sig:
         return hit[1]
-    pattern = _pattern(module.config)
-    if query.dtype not in _DTYPES:
-        raise SpecError(f"attn_implementation='dilgen' takes float16, bfloat16 or float32 "
-                        f"activations, got {query.dtype}")
-    model_type = re.sub(r"[^a-z0-9_]", "_", str(getattr(module.config, "model_type", "") or "model").lower())
-    fields = {"name": f"hf_{model_type}", **pattern, "num_heads": query.shape[1],
-              "num_kv_heads": key.shape[1], "head_dim": query.shape[3],
-              "dtype": _DTYPES[query.dtype], "causal": bool(causal)}
-    if scaling is not None:
-        fields["softmax_scale"] = float(scaling)
-    spec = spec_from_dict(fields, source="config.dilgen_spec")
-    kernel = _KERNELS.get(spec.key())
-    if kernel is None:
-        kernel = _KERNELS[spec.key()] = Kernel(spec)
+    kernel = _build(module.config, query.shape[1], key.shape[1], query.shape[3], query.dtype,
+                    causal, scaling)
     prepared = (kernel, kernel.compiled_for(query.device).attention)
     module.__dict__["_dilgen_kernel"] = (sig, prepared)
     return prepared
@@ -215,6 +251,12 @@ def valid_runs(mask: torch.Tensor) -> tuple[list[int], list[int]]:
     return first, [a + n for a, n in zip(first, count)]
 
 
+_PACKED_UNDER_COMPILE = (
+    "attn_implementation='dilgen' under torch.compile: position_ids restart inside a row "
+    "(packed sequences), which a traced call cannot read on the host; pass cu_seq_lens_q and "
+    "max_length_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) or call eagerly")
+
+
 def _packed_offsets(kwargs, batch: int, rows: int):
     """(cu_seqlens int32 over the batch's rows laid end to end, longest) of packed rows, or
     None: transformers' packing collators pass cu_seq_lens_q / max_length_q (batch 1), or
@@ -234,6 +276,13 @@ def _packed_offsets(kwargs, batch: int, rows: int):
     pos = kwargs.get("position_ids")
     if pos is None or rows < 2 or pos.shape[-1] != rows:
         return None
+    if torch.compiler.is_compiling():
+        # traced: position_ids are not read on the host, so rows are taken as one sequence
+        # each, and the graph checks that on the device when it runs (packed rows under
+        # torch.compile come with cu_seq_lens_q / max_length_q, DataCollatorWithFlattening's
+        # return_flash_attn_kwargs=True)
+        torch._assert_async(~(pos.reshape(-1, rows)[:, 1:] == 0).any(), _PACKED_UNDER_COMPILE)
+        return None
     restart = (pos.reshape(-1, rows) == 0).expand(batch, rows).clone()
     if not bool(restart[:, 1:].any()):
         return None                                   # one sequence per row (from 0 or an offset)
@@ -243,8 +292,33 @@ def _packed_offsets(kwargs, batch: int, rows: int):
     return cu, None
 
 
+def _traced_padded(kernel: Kernel, q, k, v, mask):
+    """A padded batch under torch.compile, read on the device only: row b's pieces (its
+    left padding, its tokens, its right padding) become three packed sequences (cu_seqlens
+    of fixed length 3B + 1, max_seqlen T), so its tokens are computed alone as in the eager
+    padded call; the padding pieces' outputs are zeroed. A row with holes fails a
+    device-side check when the graph runs."""
+    B, T = q.shape[0], q.shape[1]
+    m = mask.bool()
+    count = m.sum(dim=1)
+    first = torch.where(count > 0, m.int().argmax(dim=1), torch.zeros_like(count))
+    pos = torch.arange(T, device=m.device)
+    run = (pos[None, :] >= first[:, None]) & (pos[None, :] < (first + count)[:, None])
+    torch._assert_async((run == m).all(), "attn_implementation='dilgen': an attention_mask row has "
+                                          "padding between tokens (left or right padding only)")
+    base = torch.arange(B, device=m.device) * T
+    cu = torch.cat([torch.stack([base, base + first, base + first + count], dim=1).reshape(-1),
+                    base.new_full((1,), B * T)]).to(torch.int32)
+    rows = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))
+    out = kernel(*rows, cu_seqlens=cu, max_seqlen=T).view(B, T, *q.shape[2:])
+    return out * m[:, :, None, None].to(out.dtype)
+
+
 def _prefill(kernel: Kernel, q, k, v, mask, kwargs):
     B, T = q.shape[0], q.shape[1]
+    if mask is not None and torch.compiler.is_compiling() and "cu_seq_lens_q" not in kwargs:
+        _packed_offsets(kwargs, B, T)                 # the device-side check that rows are not packed
+        return _traced_padded(kernel, q, k, v, mask)
     if mask is not None and bool(mask.all()):
         mask = None
     # padding wins over position_ids that restart (generate() gives padded rows position 0)
@@ -332,6 +406,11 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
         raise ValueError("attn_implementation='dilgen': fewer queries than keys (a KV cache) "
                          "needs a causal model")
     else:
+        if attention is None:
+            raise NotImplementedError(
+                "attn_implementation='dilgen': decoding over a KV cache runs eagerly, not under "
+                "torch.compile (the decode kernel is not a torch op yet); compile the training "
+                "or prefill forward, generate() without torch.compile")
         out = _decode(attention, q, k, v, attention_mask)
     return (out if dq == dv else out[..., :dv]), None
 
@@ -352,8 +431,8 @@ def dilgen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
         short = kv_length - attention_mask.shape[1]      # a static cache longer than the mask
         if short > 0:
             attention_mask = torch.nn.functional.pad(attention_mask, (0, short), value=False)
-        elif written >= kv_length and bool(attention_mask.all()):
-            return None
+        elif written >= kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            return None                                  # (traced: the mask goes to the kernels)
     elif written >= kv_length:
         return None
     else:

@@ -1,0 +1,69 @@
+"""attn_implementation="dilgen" under torch.compile(fullgraph=True) (issue 40): a training
+step (forward and backward) traces as one graph, with no mask, an all-ones mask or a padded
+batch (left and right), and equals the eager model; what a traced call cannot read on the
+host (position_ids that restart inside a row, a mask with holes) fails when the graph runs,
+with the message that says what to pass instead. CPU, Triton's interpreter, aot_eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import dilgen.integrations.transformers  # noqa: E402,F401  (registers "dilgen")
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+B, T, VOCAB = 2, 32, 100
+
+
+def _model():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, intermediate_size=128, vocab_size=VOCAB)
+    config.dilgen_spec = {"segment_lengths": [8, 16], "dilation_rates": [1, 2]}
+    return AutoModelForCausalLM.from_config(config, attn_implementation="dilgen")
+
+
+def _step(model, ids, **kwargs):
+    """Logits, and the gradient of a fixed function of them for every parameter."""
+    model.zero_grad()
+    logits = model(ids, **kwargs).logits
+    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mask", ["none", "ones", "padded"])
+def test_fullgraph_training_step_equals_eager(mask):
+    model = _model()
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
+    kwargs = {}
+    if mask == "ones":
+        kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.long)
+    if mask == "padded":                 # row 0 right-padded by 5, row 1 left-padded by 9
+        pad = torch.ones(B, T, dtype=torch.long)
+        pad[0, -5:] = 0
+        pad[1, :9] = 0
+        kwargs["attention_mask"] = pad
+    want_logits, want_grads = _step(model, ids, **kwargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got_logits, got_grads = _step(compiled, ids, **kwargs)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["packed_position_ids", "mask_with_holes"])
+def test_what_a_traced_call_cannot_read_fails_when_the_graph_runs(case):
+    model = _model()
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(2))
+    if case == "packed_position_ids":    # two documents per row, no mask
+        kwargs = {"position_ids": torch.cat([torch.arange(12), torch.arange(T - 12)]).repeat(B, 1)}
+        says = "cu_seq_lens_q"
+    else:
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[1, 10] = 0
+        kwargs, says = {"attention_mask": mask}, "padding between tokens"
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=says):
+        compiled(ids, **kwargs)
