@@ -67,3 +67,15 @@ def test_what_a_traced_call_cannot_read_fails_when_the_graph_runs(case):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match=says):
         compiled(ids, **kwargs)
+
+
+def test_pattern_changed_in_place_retraces():
+    model = _model()
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    before = compiled(ids).logits
+    model.config.dilgen_spec["segment_lengths"] = [4, 32]
+    after = compiled(ids).logits
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, model(ids).logits, rtol=1e-5, atol=1e-5)
