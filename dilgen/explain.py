@@ -18,6 +18,7 @@ k (k + 1) / 2 per segment). matplotlib is optional (`pip install dilgen[plot]`).
 from __future__ import annotations
 
 import io
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,10 +274,15 @@ def draw_pattern(pattern: Pattern, path: str | Path) -> Path:
            f"bottom: the first {pattern.zoom} tokens (top-left corner), one cell per token, every "
            "branch in its first segment: each branch's dilated lattice at the head's offsets"
            if pattern.zoom else "colour = number of branches that keep the (query, key) pair")
-    fig.suptitle(f"{spec.name}: N={n}, branches {branches}{extra}\n{how}", fontsize=10)
+    # wrapped to the figure's width (about 12 characters an inch at 10 pt), so that a
+    # picture of one or two heads does not cut its title at both edges
+    width = max(40, int(fig.get_figwidth() * 12))
+    title = "\n".join(textwrap.fill(line, width) for line in
+                      f"{spec.name}: N={n}, branches {branches}{extra}\n{how}".split("\n"))
+    fig.suptitle(title, fontsize=10)
     out = Path(path)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     try:
         with open(out, "wb") as f:      # the error of a full or unwritable target surfaces here

@@ -5,10 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torchscale_model as tm  # noqa: E402
 
 from dilgen.compat import torchscale as compat  # noqa: E402
+
+pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
 
 def test_bench_torchscale_smoke(tmp_path, monkeypatch, capsys):

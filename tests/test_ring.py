@@ -19,6 +19,8 @@ from dilgen.targets import get_target
 
 import ring_worker
 
+pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
+
 
 def _ring_json(P, w, r, causal=False, heads=(4, 4), hilbert=None):
     spec = dilgen.Spec(name="sched", num_heads=heads[0], num_kv_heads=heads[1], head_dim=16,

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 import ring_worker
 
+pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 P = 4
 SECONDS = 20          # each rank raises within this after its call began (group timeout: 60 s)
