@@ -79,3 +79,20 @@ def test_pattern_changed_in_place_retraces():
     after = compiled(ids).logits
     assert (after - before).abs().max() > 1e-3
     torch.testing.assert_close(after, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_with_flash_attention_kwargs_under_fullgraph():
+    """Packed rows under compile come as DataCollatorWithFlattening(return_flash_attn_kwargs=
+    True) gives them: cu_seq_lens_q/k and max_length_q/k, batch 1; equal to eager."""
+    model = _model()
+    lengths = [5, 20, 7]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, 5, 25, 32], dtype=torch.int32)
+    kwargs = {"position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+              "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": 20, "max_length_k": 20}
+    want_logits, want_grads = _step(model, ids, **kwargs)
+    torch._dynamo.reset()
+    got_logits, got_grads = _step(torch.compile(model, fullgraph=True, backend="aot_eager"), ids, **kwargs)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -265,7 +265,10 @@ def _packed_offsets(kwargs, batch: int, rows: int):
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
+        if cu_k is not None and cu_k is not cu and torch.compiler.is_compiling():
+            torch._assert_async(cu_k.shape == cu.shape and (cu_k == cu).all(),
+                                "attn_implementation='dilgen': cu_seq_lens_k differs from cu_seq_lens_q")
+        elif cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
             raise ValueError("attn_implementation='dilgen': cu_seq_lens_k differs from "
                              "cu_seq_lens_q; packed self-attention needs one set of offsets")
         if batch != 1:
