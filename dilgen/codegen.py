@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from functools import lru_cache
 from pathlib import Path

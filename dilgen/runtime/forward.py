@@ -47,7 +47,6 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
                    lse.stride(0), lse.stride(1))
         groups, varlen, covers_all = [((class_order, class_order), B, N)], False, True
     else:   # program b is sequence b: it moves the row pointers itself, batch strides are 0
-        from .varlen import packed_tables
         B, N = packing.num_seqs, packing.max_len
         class_order = attn._class_order(q.device)
         out = torch.empty((q.shape[0], H, q.shape[2]), dtype=q.dtype, device=q.device)
