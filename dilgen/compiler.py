@@ -119,7 +119,7 @@ def _store(key: str, source: str, plan: Plan, info: dict) -> Path:
         return cache.entry_dir(key)
 
 
-def _cached_source(spec: Spec, target: Target, plan: Plan, key: str) -> tuple[Path | None, str | None]:
+def _cached_source(key: str) -> tuple[Path | None, str | None]:
     """(entry folder, module text) of a sound cache entry, or (None, None). An entry that
     vanishes between its check and its read (the cache folder deleted) is a miss."""
     folder = cache.load(key)
@@ -142,7 +142,7 @@ def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledMod
         if hit is not None and not cache.always_compile():
             return hit
         plan = planner.plan(spec, target, tuning)                          # stage: plan
-        folder, source = _cached_source(spec, target, plan, key)            # stage: cache/emit
+        folder, source = _cached_source(key)                               # stage: cache
         cache_hit = source is not None
         if source is None:
             source = codegen.emit(plan)                                    # stage: emit

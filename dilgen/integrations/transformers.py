@@ -48,9 +48,8 @@ _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: 
 _KERNELS: dict[tuple, Kernel] = {}
 
 
-def _pattern(config) -> dict:
+def _pattern(pattern) -> dict:
     """config.dilgen_spec, checked: a dict of PATTERN_FIELDS with both lists."""
-    pattern = getattr(config, "dilgen_spec", None)
     example = '{"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]}'
     if pattern is None:
         raise SpecError(f"config.dilgen_spec is missing: attn_implementation='dilgen' needs the "
@@ -90,31 +89,32 @@ class _TracedKernel:
 
 def _kernel_key(call) -> str:
     """The registry key of the Kernel of a traced call, from constants only (what
-    torch.compiler.assume_constant_result takes): (model_type, pattern, H, H_kv, D, dtype
-    name, causal, scaling)."""
-    from types import SimpleNamespace
+    torch.compiler.assume_constant_result takes): _build's arguments, dtype by name."""
     model_type, pattern, H, H_kv, D, dtype, causal, scaling = call
-    config = SimpleNamespace(model_type=model_type, dilgen_spec=pattern)
-    return _build(config, H, H_kv, D, getattr(torch, dtype), causal, scaling)._op_key
+    return _build(model_type, pattern, H, H_kv, D, getattr(torch, dtype), causal, scaling)._op_key
 
 
-def _build(config, H: int, H_kv: int, D: int, dtype, causal: bool, scaling) -> Kernel:
-    """The dilgen Kernel of config's pattern with these heads, head_dim, dtype, causality
-    and scale (one per spec across modules)."""
-    pattern = _pattern(config)
+def _model_type(config) -> str:
+    return str(getattr(config, "model_type", "") or "model")
+
+
+def _build(model_type: str, pattern, H: int, H_kv: int, D: int, dtype, causal: bool, scaling) -> Kernel:
+    """The dilgen Kernel of the pattern (config.dilgen_spec) with these heads, head_dim,
+    dtype, causality and scale (one per spec across modules)."""
+    pattern = _pattern(pattern)
     if dtype not in _DTYPES:
         raise SpecError(f"attn_implementation='dilgen' takes float16, bfloat16 or float32 "
                         f"activations, got {dtype}")
-    model_type = re.sub(r"[^a-z0-9_]", "_", str(getattr(config, "model_type", "") or "model").lower())
+    model_type = re.sub(r"[^a-z0-9_]", "_", model_type.lower())
     fields = {"name": f"hf_{model_type}", **pattern, "num_heads": H, "num_kv_heads": H_kv,
               "head_dim": D, "dtype": _DTYPES[dtype], "causal": bool(causal)}
     if scaling is not None:
         fields["softmax_scale"] = float(scaling)
     spec = spec_from_dict(fields, source="config.dilgen_spec")
-    kernel = _KERNELS.get(spec.key())
-    if kernel is None:
-        kernel = _KERNELS[spec.key()] = Kernel(spec)
-    return kernel
+    key = spec.key()
+    if key not in _KERNELS:
+        _KERNELS[key] = Kernel(spec)
+    return _KERNELS[key]
 
 
 def _prepared(module, query, key, scaling, causal):
@@ -123,9 +123,9 @@ def _prepared(module, query, key, scaling, causal):
     if torch.compiler.is_compiling():
         from ..runtime.registry import constant_key
         config = module.config
-        call = (str(getattr(config, "model_type", "") or "model"), getattr(config, "dilgen_spec", None),
-                query.shape[1], key.shape[1], query.shape[3], str(query.dtype).removeprefix("torch."),
-                bool(causal), scaling)
+        call = (_model_type(config), getattr(config, "dilgen_spec", None), query.shape[1],
+                key.shape[1], query.shape[3], str(query.dtype).removeprefix("torch."), bool(causal),
+                scaling)
         return _TracedKernel(constant_key(_kernel_key, call)), None
     pattern = getattr(module.config, "dilgen_spec", None)
     # repr, not id: a config.dilgen_spec changed in place after a call makes a new kernel
@@ -134,8 +134,8 @@ def _prepared(module, query, key, scaling, causal):
     hit = module.__dict__.get("_dilgen_kernel")
     if hit is not None and hit[0] == sig:
         return hit[1]
-    kernel = _build(module.config, query.shape[1], key.shape[1], query.shape[3], query.dtype,
-                    causal, scaling)
+    kernel = _build(_model_type(module.config), pattern, query.shape[1], key.shape[1],
+                    query.shape[3], query.dtype, causal, scaling)
     prepared = (kernel, kernel.compiled_for(query.device).attention)
     module.__dict__["_dilgen_kernel"] = (sig, prepared)
     return prepared
@@ -233,15 +233,22 @@ def routes_attention(model_class) -> bool:
     return hit
 
 
-def valid_runs(mask: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(first, end) valid key of each row of a 2-D mask (True/1 = a token, False/0 =
-    padding): one contiguous run per row (left or right padding). A row with holes is
-    refused; a row without tokens gets (0, 0). Reads the mask on the host (one sync)."""
+def _runs(mask: torch.Tensor):
+    """On the device: (mask as bool, first token, token count, the mask one run per row
+    would be) of a 2-D mask (True/1 = a token)."""
     m = mask.bool()
     count = m.sum(dim=1)
     first = torch.where(count > 0, m.int().argmax(dim=1), torch.zeros_like(count))
     pos = torch.arange(m.shape[1], device=m.device)
     run = (pos[None, :] >= first[:, None]) & (pos[None, :] < (first + count)[:, None])
+    return m, first, count, run
+
+
+def valid_runs(mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(first, end) valid key of each row of a 2-D mask (True/1 = a token, False/0 =
+    padding): one contiguous run per row (left or right padding). A row with holes is
+    refused; a row without tokens gets (0, 0). Reads the mask on the host (one sync)."""
+    m, first, count, run = _runs(mask)
     if not torch.equal(run, m):
         bad = int((run != m).any(dim=1).nonzero()[0, 0])
         raise ValueError(f"attention_mask row {bad} has padding between tokens: "
@@ -265,12 +272,15 @@ def _packed_offsets(kwargs, batch: int, rows: int):
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and cu_k is not cu and torch.compiler.is_compiling():
-            torch._assert_async(cu_k.shape == cu.shape and (cu_k == cu).all(),
-                                "attn_implementation='dilgen': cu_seq_lens_k differs from cu_seq_lens_q")
-        elif cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
-            raise ValueError("attn_implementation='dilgen': cu_seq_lens_k differs from "
-                             "cu_seq_lens_q; packed self-attention needs one set of offsets")
+        differs = ("attn_implementation='dilgen': cu_seq_lens_k differs from cu_seq_lens_q; "
+                   "packed self-attention needs one set of offsets")
+        if cu_k is not None and cu_k is not cu:
+            if cu_k.shape != cu.shape:
+                raise ValueError(differs)
+            if torch.compiler.is_compiling():       # traced: compared on the device when it runs
+                torch._assert_async((cu_k == cu).all(), differs)
+            elif not torch.equal(cu_k, cu):
+                raise ValueError(differs)
         if batch != 1:
             raise ValueError(f"attn_implementation='dilgen': cu_seq_lens_q packs sequences into "
                              f"one row; got a batch of {batch}")
@@ -302,11 +312,7 @@ def _traced_padded(kernel: Kernel, q, k, v, mask):
     padded call; the padding pieces' outputs are zeroed. A row with holes fails a
     device-side check when the graph runs."""
     B, T = q.shape[0], q.shape[1]
-    m = mask.bool()
-    count = m.sum(dim=1)
-    first = torch.where(count > 0, m.int().argmax(dim=1), torch.zeros_like(count))
-    pos = torch.arange(T, device=m.device)
-    run = (pos[None, :] >= first[:, None]) & (pos[None, :] < (first + count)[:, None])
+    m, first, count, run = _runs(mask)
     torch._assert_async((run == m).all(), "attn_implementation='dilgen': an attention_mask row has "
                                           "padding between tokens (left or right padding only)")
     base = torch.arange(B, device=m.device) * T
