@@ -10,6 +10,7 @@ and roofline-<date>.png; exit status 1 if dilgen failed its check.
   python bench/bench_forward.py --configs A,F --no-causal --quick
   python bench/bench_forward.py --methods dilgen --merge-into bench/results/forward-DATE.json
   python bench/bench_forward.py --check-peers            # the peers' semantics on the CPU
+  python bench/bench_forward.py --host --configs A,C      # host time per call (bench/README.md)
 """
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ class Bench(bench_backward.Bench):
                                     "create_block_mask; Hilbert: create")),
                ("--flex-max-n", dict(type=int, default=1 << 30, help="no flex above this N")),
                ("--matmul-n", dict(type=int, default=8192, help="size of the matmul ceiling (0: skip)")),
-               ("--check-peers", dict(action="store_true", help="only check the peers against float64 on the CPU")))
+               ("--check-peers", dict(action="store_true", help="only check the peers against float64 on the CPU")),
+               ("--host", dict(action="store_true", help="host µs per call of every pass (GPU kept busy), one "
+                                                          "call vs back to back, replay checks: host-<date>.json")))
 
     def check_n(self, cname):
         return self.a.check_n or (2048 if self.a.quick else CHECK_N[cname])
@@ -221,7 +224,195 @@ def check_peers(b: Bench) -> int:
     return 1 if fails else 0
 
 
+# --------------------------------------------------------------------------- --host: the host path
+HOST_SMALL = [(f"N{n // 1024}K_B{b}", b, n) for n in (2048, 4096, 8192) for b in (1, 8)]   # config A's spec
+HOST_PASSES = ("fwd", "fwd_bwd", "packed", "padded", "decode")
+
+
+def host_us(torch, fn, calls: int = 20, rounds: int = 5) -> dict:
+    """Host µs per call with the GPU kept busy: a long sleep kernel is queued first, so the
+    timed calls only enqueue behind it and the wall clock measures the host alone. `busy` is
+    False when the sleep ended before the calls did (a call waited for the GPU: a sync)."""
+    times, busy = [], True
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)                   # ~0.2 s at 2 GHz
+        asleep = torch.cuda.Event()
+        asleep.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        busy &= not asleep.query()
+        torch.cuda.synchronize()
+        times.append((t1 - t0) / calls * 1e6)
+    return {"host_us": sorted(times)[len(times) // 2], "host_us_min": min(times), "gpu_stayed_busy": busy}
+
+
+def one_call_ms(torch, fn, reps: int = 20) -> float:
+    """Median ms of one call, the GPU idle before it (event pair, synchronised each time)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def host_cases(configs, small: bool):
+    """(row name, spec's config, B, N, config) of --host: the configs at full size, config A's
+    spec at small shapes."""
+    for name in configs:
+        c = tk.CONFIGS[name]
+        yield name, name, c["B"], c["N"], c
+    for name, b, n in HOST_SMALL if small else ():
+        yield name, "A", b, n, {**tk.CONFIGS["A"], "B": b, "N": n}
+
+
+def host_calls(torch, dilgen, kernel, causal_kernel, B, N, c, dev):
+    """{pass: fn} of one case: the calls a model makes (dilgen.Kernel, as users call it)."""
+    gen = torch.Generator(dev).manual_seed(B * N)   # not the default one: a failed capture breaks it
+    q, k, v, g = (torch.randn(B, N, c["H"], c["D"], device=dev, dtype=torch.bfloat16, generator=gen)
+                  for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    rows = [t.reshape(B * N, c["H"], c["D"]) for t in (q, k, v)]
+    cu = torch.arange(0, B * N + 1, N // 4, dtype=torch.int32, device=dev)
+    mask = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    mask[:, N - 64:] = True
+    cache_len = torch.full((B,), N, dtype=torch.int32, device=dev)
+    q1 = q[:, -1:].contiguous()
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    heads_first = lambda *ts: [t.transpose(1, 2) for t in ts]   # noqa: E731  (B, H, N, D) views
+    calls = {"fwd": lambda: kernel(q, k, v),
+             "fwd_bwd": lambda: torch.autograd.grad(kernel(qg, kg, vg), (qg, kg, vg), g),
+             "packed": lambda: kernel(*rows, cu_seqlens=cu, max_seqlen=N // 4),
+             "padded": lambda: kernel.padded(q, k, v, mask),
+             "decode": lambda: causal_kernel.decode(q1, k, v, cache_len, validate=False)}
+    peer = {"fwd": lambda: sdpa(*heads_first(q, k, v)),
+            "fwd_bwd": lambda: torch.autograd.grad(sdpa(*heads_first(qg, kg, vg)), (qg, kg, vg), g.transpose(1, 2)),
+            "decode": lambda: sdpa(*heads_first(q1, k, v))}
+    return calls, peer, (q, k, v, g, qg, kg, vg)
+
+
+def host_checks(torch, dilgen, kernel, tensors, dev, graph: bool = False) -> dict:
+    """A replayed call (replay.py) and, with `graph`, a CUDA-graph replay equal a fresh call,
+    bit for bit (forward and backward)."""
+    from dilgen.runtime import set_poison
+    q, k, v, g, qg, kg, vg = tensors
+    attn = kernel.compiled_for(dev).attention
+
+    def step():
+        out, lse = kernel(qg, kg, vg, return_lse=True)
+        return (out, lse, *torch.autograd.grad(out, (qg, kg, vg), g))
+    set_poison(True)     # an unwritten row is NaN in one call and not the other
+    try:
+        attn._replays.clear()
+        fresh = step()
+        recorded = len(attn._replays)
+        again = step()
+    finally:
+        set_poison(False)
+    same = lambda xs: all(torch.equal(a, b) for a, b in zip(fresh, xs))   # noqa: E731
+    chk = {"recipes_recorded": recorded, "replay_equal": same(again),
+           "finite": all(bool(torch.isfinite(t).all()) for t in (fresh[0], *fresh[2:]))}
+    if not graph:
+        return chk
+    try:
+        stream = torch.cuda.Stream()      # warm-up on a side stream, as torch.cuda.graphs asks
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            captured = step()
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+        chk["cuda_graph_equal"] = same(captured)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        chk["cuda_graph_equal"], chk["graph_error"] = False, traceback.format_exc()[-1500:] + tk.short_err(e)
+    return chk
+
+
+def host_bench(a) -> int:
+    """--host: host µs per call of every pass, one call against back to back, dilgen beside
+    cuDNN SDPA on the dense problem; replay and CUDA-graph checks. host-<date>.json."""
+    import torch
+    import dilgen
+    from dilgen.runtime import replay
+    if tk.no_gpu(False, "bench_forward.py --host"):
+        return 2
+    dev = torch.device("cuda")
+    res = tk.Results(tk.result_path(a.out, "host", tag=tk.gpu_tag(torch.cuda.get_device_name())),
+                     tk.header(dev, extra={"notes": [
+                         "host_us: wall µs per call while the GPU runs a long sleep queued first (launch cost only)",
+                         "gpu_stayed_busy false: the call waited for the GPU (a device-to-host sync)",
+                         "one_call_ms: event pair around one call after a synchronise; back_to_back_ms: 10 calls",
+                         "dilgen_op: the same call through the torch custom op with launch replay off (DILGEN_REPLAY=0 "
+                         "path), the host path before replay", "peer: SDPA (cuDNN or flash, torch's choice) on the "
+                         "dense problem of the same shape"]}), key=("config", "pass", "method"))
+    failed = False
+    for name, of, B, N, c in host_cases(a.configs, not a.quick):
+        kernel = dilgen.compile(tk.make_spec(of, c, False, "host"))
+        causal = dilgen.compile(tk.make_spec(of, c, True, "host"))
+        calls, peer, tensors = host_calls(torch, dilgen, kernel, causal, B, N, c, dev)
+        try:
+            chk = host_checks(torch, dilgen, kernel, tensors, dev)
+        except Exception as e:  # noqa: BLE001
+            chk = {"error": tk.short_err(e)}
+        failed |= not (chk.get("replay_equal") and chk.get("finite"))
+        res.add({"config": name, "pass": "check", "method": "dilgen", "B": B, "N": N, **chk})
+        tk.log(f"{name} B={B} N={N}: checks {chk}")
+        methods = [("dilgen", calls), ("peer", peer)]
+        attn = kernel.compiled_for(dev).attention
+        methods.append(("dilgen_op", {"fwd": lambda x=tensors[:3]: torch.ops.dilgen.attention_fwd(*x, attn.op_key)}))
+        for method, fns in methods:
+            for p, fn in fns.items():
+                row = {"config": name, "pass": p, "method": method, "B": B, "N": N}
+                try:
+                    replay.ENABLED = method != "dilgen_op"     # the op's dispatch, no replay
+                    fn()
+                    row.update(host_us(torch, fn))
+                    if p in ("fwd", "decode") and method != "dilgen_op":
+                        row["one_call_ms"] = one_call_ms(torch, fn)
+                        row["back_to_back_ms"] = tk.time_ms(fn, 3, 10, dev)["median"]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = tk.short_err(e)
+                finally:
+                    replay.ENABLED = True
+                res.add(row)
+                tk.log(f"  {name:9s} {p:8s} {method:10s} " + (
+                    f"host {row['host_us']:7.1f} us  busy {row['gpu_stayed_busy']}" +
+                    (f"  one {row['one_call_ms']:.3f} ms  b2b {row['back_to_back_ms']:.3f} ms" if "one_call_ms" in row
+                     else "") if "host_us" in row else row["error"]))
+        del calls, peer, tensors
+        tk.cleanup(dev)
+        res.save()
+    for name, of, B, N, c in host_cases(a.configs, not a.quick):   # last: a failed capture spoils the process
+        kernel = dilgen.compile(tk.make_spec(of, c, False, "host"))
+        tensors = host_calls(torch, dilgen, kernel, kernel, B, N, c, dev)[2]
+        try:
+            chk = host_checks(torch, dilgen, kernel, tensors, dev, graph=True)
+        except Exception as e:  # noqa: BLE001
+            chk = {"cuda_graph_equal": False, "graph_error": tk.short_err(e)}
+        res.add({"config": name, "pass": "cuda_graph", "method": "dilgen", "B": B, "N": N, **chk})
+        tk.log(f"{name} B={B} N={N}: CUDA graph {chk}")
+        res.save()
+    tk.log(f"json: {res.path}")
+    return 1 if failed else 0
+
+
 def main(argv=None):
+    a = Bench.parse(argv)
+    if a.host:
+        tk.quiet()
+        return host_bench(a)
     return bench_backward.main(argv, Bench)
 
 

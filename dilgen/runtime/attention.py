@@ -49,6 +49,7 @@ class GeneratedAttention:
         self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
         self._jitted: dict[Any, Any] = {}
         self._device_tensors: dict[tuple, tuple] = {}
+        self._replays: dict[tuple, Any] = {}        # call signature -> replay.Recipe (GPU)
         self._lock = threading.Lock()
         self.launches = 0
         self.last_ring_transport = None            # ring specs: the transport of the last call

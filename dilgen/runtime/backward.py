@@ -21,6 +21,7 @@ from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
+from .replay import Recorder, enabled, keep, signature
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -95,15 +96,15 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     # backward's launches are queued
     class_order = attn._class_order(q.device)
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
-    at = _Rows(attn, q, k, v, out, lse, grad_out, packing, class_order)
+    covers_all = packing is None or packing.covers_all
     lanes = lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
-    dq_writes_all = at.covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
+    dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
     # otherwise the first dq lane launch writes 0 into the rows its branch does not keep
     # (Plan.gap_lane), and the first per-branch dK, dV launch writes (Plan.dkdv_first_writes):
     # no zero fills, except with padding rows between sequences
-    dq_clears = at.covers_all and plan.get("gap_lane") is not None
-    dkdv_clears = at.covers_all and plan.get("dkdv_first_writes", False)
+    dq_clears = covers_all and plan.get("gap_lane") is not None
+    dkdv_clears = covers_all and plan.get("dkdv_first_writes", False)
     # Launches that add into a gradient (lane dq after the fused dq or another lane branch,
     # per-branch dK, dV) read-add-write it in the inputs' dtype: each adds a float32 partial
     # sum rounded once, and the <= 5 roundings of a row stay far inside SPEC's gradient bounds
@@ -114,15 +115,26 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     if not (dq_writes_all or dq_clears):
         dq.zero_()              # no launch writes every row of dq
     # the fused launch writes every row (lane branches add to it), or the first per-branch launch does
-    dkdv_writes_all = (conf.get("fused_dkdv", False) and at.covers_all) or dkdv_clears
+    dkdv_writes_all = (conf.get("fused_dkdv", False) and covers_all) or dkdv_clears
     make = torch.empty if dkdv_writes_all else torch.zeros   # per-branch launches add into zeros
     dk = make(k.shape, dtype=k.dtype, device=q.device)
     dv = make(v.shape, dtype=v.dtype, device=q.device)
     if dkdv_writes_all:
         poison(dk, dv)
+    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv)
+    replays = packing is None and q.device.type == "cuda" and enabled()
+    if replays:   # a call like an earlier one launches what it launched (replay.py)
+        key = signature("bwd", slots[:6], has_dlse)
+        recipe = attn._replays.get(key)
+        if recipe is not None:
+            recipe.run(slots)
+            attn.launches += 1
+            return dq, dk, dv
+    at = _Rows(attn, q, k, v, out, lse, grad_out, packing, class_order)
     if at.B == 0 or at.N == 0:
         return dq, dk, dv
-    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk)
+    recorder = Recorder() if replays else None
+    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk, recorder)
 
     def launches():
         run.preprocess(out, dlse, has_dlse)
@@ -131,13 +143,16 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
             run.dq(seqs, B, N, dq, has_fused_q, lanes,
                    accumulate=has_fused_q or not (dq_writes_all or dq_clears), clear=dq_clears)
 
+    allocator = bool((plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma"))
     if run.interpret:
         with interpreting():
             launches()
     else:
-        if (plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma"):
+        if allocator:
             ensure_descriptor_allocator()
         launches()
+    if recorder is not None:
+        keep(attn, key, recorder.recipe(slots, attn, allocator))
     attn.launches += 1
     return dq, dk, dv
 
@@ -146,8 +161,9 @@ class _Launches:
     """The backward's launches for one call: the preprocess, dK/dV (fused and per branch),
     dq (fused and per lane branch), with the call's tensors, strides and tables."""
 
-    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk):
+    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk, recorder=None):
         self.attn, self.at, self.class_order, self.packing = attn, at, class_order, packing
+        self.recorder = recorder       # replay.Recorder: launches noted for a replay
         self.plan, self.kernels = attn.plan, attn.backward_kernels
         self.conf = self.kernels["config"]
         self.q, self.k, self.v, self.grad_out, self.lse, self.delta = tensors
@@ -160,14 +176,18 @@ class _Launches:
         self.dq_strides = (0 if at.varlen else dq.stride(0), dq.stride(-3), dq.stride(-2))
         self.common = (*at.q, *at.k, *at.v, *at.do)          # q, k, v, dO strides
 
-    def _kernel(self, name: str):
-        return self.attn._kernel(self.interpret, source_fn=self.kernels[name])
+    def _launch(self, name: str, grid, *args) -> None:
+        kernel = self.attn._kernel(self.interpret, source_fn=self.kernels[name])
+        if self.recorder is not None:
+            self.recorder.launch(kernel, grid, args, self.launch[name])
+        else:
+            kernel[grid](*args, **self.launch[name])
 
     def preprocess(self, out, dlse, has_dlse) -> None:
         at = self.at
-        self._kernel("preprocess")[(math.ceil(at.rows / self.conf["pre_block"]), at.pre_b * self.H)](
+        self._launch("preprocess", (math.ceil(at.rows / self.conf["pre_block"]), at.pre_b * self.H),
             out, self.grad_out, dlse, self.delta, at.rows, *at.o, *at.do, *at.l,
-            has_dlse, **self.launch["preprocess"])
+            has_dlse)
 
     def dkdv(self, seqs, B: int, N: int, dk, dv, clears: bool) -> None:
         """The fused launch covers the fused kernel's branches; per-branch launches the rest
@@ -178,13 +198,12 @@ class _Launches:
         if fused:
             n_kt = math.ceil(math.ceil(N / self.lattice) / kv_bn)
             group_kt = lattice_group_tiles(plan, n_kt, kv_bn, 2 * (self.H // self.Hkv) * q.shape[-1] * q.element_size())
-            self._kernel("dkdv_fused")[(self.lattice * n_kt, B * self.Hkv)](
+            self._launch("dkdv_fused", (self.lattice * n_kt, B * self.Hkv),
                 q, k, v, grad_out, dk, dv, lse, delta,
                 N, n_kt, group_kt, *seqs, *self.common, *self.dk_strides, *at.l,
-                self.interpret, at.varlen, **self.launch["dkdv_fused"])
+                self.interpret, at.varlen)
         per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
                       else plan["branches"])
-        dkdv = self._kernel("dkdv")
         accumulate, clear = not clears, clears
         for br in per_branch:
             w, r = br["w"], br["r"]
@@ -202,10 +221,10 @@ class _Launches:
                     copies += (self.attn._block_lists(br, N, (kv_bn, conf["kv_block_m"]), q.device, keys_listed=False)
                                if curve else (self.class_order, self.class_order))
                 flag = (curve,)
-            dkdv[(n_seg * n_o * n_jt, B * self.Hkv)](
+            self._launch("dkdv", (n_seg * n_o * n_jt, B * self.Hkv),
                 q, k, v, grad_out, dk, dv, lse, delta, *copies, *at.tables,
                 N, n_jt, *seqs, *self.common, *self.dk_strides, *at.l,
-                self.interpret, br["index"], accumulate, clear, at.varlen, *flag, **self.launch["dkdv"])
+                self.interpret, br["index"], accumulate, clear, at.varlen, *flag)
             accumulate, clear = True, False
 
     def dq(self, seqs, B: int, N: int, dq, has_fused_q: bool, lanes, accumulate: bool,
@@ -218,10 +237,10 @@ class _Launches:
             bm = conf["dq_block_m"]
             num_m_tiles = math.ceil(math.ceil(N / self.lattice) / bm)
             group_tiles = lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())
-            self._kernel("dq")[(self.lattice * num_m_tiles, B * self.H)](
+            self._launch("dq", (self.lattice * num_m_tiles, B * self.H),
                 q, k, v, grad_out, dq, lse, delta, self.class_order, *at.tables,
                 N, num_m_tiles, group_tiles, *seqs, *self.common, *self.dq_strides, *at.l,
-                self.interpret, at.varlen, **self.launch["dq"])
+                self.interpret, at.varlen)
         for i in lanes:
             br = plan["branches"][i]
             n_seg, n_tiles = lane_grid(br, N, conf["lane_dq_block_m"])
@@ -229,8 +248,8 @@ class _Launches:
             if self.attn.curve_kernel is not None:    # the plan has curve_rows branches
                 kv, flag = lane_key_args(self.attn, self.interpret, br, at.tables, k, v, self.packing,
                                          plan["config"]["lane_dq"], self.class_order)
-            self._kernel("dq_lanes")[lane_launch_grid(plan, B * self.H, n_seg, n_tiles, at.varlen)](
+            self._launch("dq_lanes", lane_launch_grid(plan, B * self.H, n_seg, n_tiles, at.varlen),
                 q, k, v, *kv, grad_out, dq, lse, delta, *at.tables,
                 N, n_tiles, *seqs, *self.common, *self.dq_strides, *at.l,
-                self.interpret, i, accumulate, clear, at.varlen, *flag, **self.launch["dq_lanes"])
+                self.interpret, i, accumulate, clear, at.varlen, *flag)
             accumulate, clear = True, False

@@ -13,6 +13,7 @@ from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
+from .replay import Recorder, enabled, keep, signature
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -32,6 +33,12 @@ def forward_raw(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
+    replays = packing is None and q.device.type == "cuda" and enabled()
+    if replays:   # a call like an earlier one launches what it launched (replay.py)
+        key = signature("fwd", (q, k, v))
+        recipe = attn._replays.get(key)
+        if recipe is not None:
+            return _replay(attn, recipe, q, k, v)
     plan, cfg = attn.plan, attn.plan["config"]
     H = plan["num_heads"]
     interpret = q.device.type == "cpu"
@@ -94,8 +101,32 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
                               *strides, interpret, i, accumulate, clear, varlen, *flag),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate, clear = True, False
-    if ((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret:
+    allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
+    if allocator:
         ensure_descriptor_allocator()
-    run_launches(launches, interpret)
+    if replays:
+        recorder = Recorder()
+        for kernel, grid, args, opts in launches:
+            recorder.launch(kernel, grid, args, opts)
+        recipe = recorder.recipe((q, k, v, out, lse), attn, allocator)
+        if recipe is not None:
+            recipe.fill = not (writes_all or clears)
+            keep(attn, key, recipe)
+    else:
+        run_launches(launches, interpret)
+    attn.launches += 1
+    return out, lse
+
+
+def _replay(attn, recipe, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """_forward's outputs and launches for a call whose signature was recorded."""
+    B, N, H = q.shape[0], q.shape[1], attn.plan["num_heads"]
+    out = torch.empty((B, N, H, q.shape[3]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    poison(out, lse)
+    if recipe.fill:
+        out.zero_()
+        lse.fill_(float("-inf"))
+    recipe.run((q, k, v, out, lse))
     attn.launches += 1
     return out, lse

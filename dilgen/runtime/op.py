@@ -11,6 +11,12 @@ done by forward.forward_raw and backward.backward_raw; the fake implementations 
 torch.compile the output shapes without launching anything, and `register_autograd`
 wires the backward op in, with the gradient of lse flowing (None or zeros when lse is
 unused). The ring's ops are in ring/op.py.
+
+An eager call of plain tensors skips the op's dispatch (its Python-side autograd and
+redispatch cost more host time than the launches they wrap): `_DilgenAttention` and
+`_DilgenVarlenAttention`
+are the same forward and backward as an autograd.Function. Under torch.compile, for a
+tensor subclass or under a dispatch mode (fake tensors), the op runs.
 """
 from __future__ import annotations
 
@@ -26,11 +32,61 @@ from .varlen import Packing, check_packed_plan
 
 
 def attention_op(attn, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """(out, lse) of a GeneratedAttention through torch.ops.dilgen.attention_fwd."""
+    """(out, lse) of a GeneratedAttention: torch.ops.dilgen.attention_fwd, or eagerly its
+    work without the op's dispatch (module docstring)."""
     key = op_key(attn)
-    if not torch.compiler.is_compiling():
-        register(attn)
-    return attention_fwd(q, k, v, key)
+    if torch.compiler.is_compiling():
+        return attention_fwd(q, k, v, key)
+    register(attn)
+    if not _plain(q, k, v):
+        return attention_fwd(q, k, v, key)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _DilgenAttention.apply(q, k, v, attn)
+    return forward_raw(attn, q, k, v)
+
+
+def _plain(*tensors) -> bool:
+    """Eager tensors the op's dispatch would add nothing to: no subclass, no dispatch mode."""
+    return torch._C._len_torch_dispatch_stack() == 0 and all(type(t) is Tensor for t in tensors)
+
+
+class _Refused(torch.autograd.Function):
+    """The identity on gradients computed with create_graph=True, joined to the graph of
+    `anchors` (the call's inputs and grad_out), whose own gradient (a double backward)
+    refuses in one line."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *anchors):
+        return dq, dk, dv
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _no_double_backward(ctx)
+
+
+def _eager_grads(grads: tuple, *anchors) -> tuple:
+    """Gradients for autograd; under create_graph=True marked so that differentiating them
+    again refuses (the ops' register_autograd of the backward op does the same)."""
+    return _Refused.apply(*grads, *anchors) if torch.is_grad_enabled() else grads
+
+
+class _DilgenAttention(torch.autograd.Function):
+    """attention_fwd and attention_bwd, eagerly (attention_op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn):
+        out, lse = forward_raw(attn, q, k, v)
+        ctx.set_materialize_grads(False)      # as _setup_context
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attn = attn
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            grads = backward_raw(_backward_kernels(ctx.attn), q, k, v, out, lse, grad_out, grad_lse)
+        return (*_eager_grads(grads, q, k, v, grad_out), None)
 
 
 def _backward_kernels(attn):
@@ -104,10 +160,17 @@ attention_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing
 
 # -- variable-length batches (varlen.py): packed or padded rows ---------------------------------
 def varlen_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, packing) -> tuple[Tensor, Tensor]:
-    """(out (rows, H, D), lse (H, rows)) through torch.ops.dilgen.attention_varlen_fwd."""
+    """(out (rows, H, D), lse (H, rows)) through torch.ops.dilgen.attention_varlen_fwd, or
+    eagerly its work without the op's dispatch."""
     key = op_key(attn)
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         register(attn)
+    if not compiling and _plain(q, k, v):
+        check_packed_plan(attn)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _DilgenVarlenAttention.apply(q, k, v, attn, packing)
+        return forward_raw(attn, q, k, v, packing=packing)
     flat = [x for b in packing.buckets for x in b]
     return attention_varlen_fwd(q, k, v, packing.starts, packing.lengths, packing.max_len,
                                 packing.covers_all, flat, key)
@@ -169,6 +232,26 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 attention_varlen_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
+
+
+class _DilgenVarlenAttention(torch.autograd.Function):
+    """attention_varlen_fwd and attention_varlen_bwd, eagerly (varlen_attention_op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn, packing):
+        out, lse = forward_raw(attn, q, k, v, packing=packing)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attn, ctx.packing = attn, packing
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            grads = backward_raw(_backward_kernels(ctx.attn), q, k, v, out, lse, grad_out, grad_lse,
+                                 packing=ctx.packing)
+        return (*_eager_grads(grads, q, k, v, grad_out), None, None)
 
 
 # -- a call refused while torch.compile traced it -----------------------------------------------

@@ -1,0 +1,133 @@
+"""Launch replay: the host path of a repeated call. A call's launches are recorded once per
+argument signature and launched again by the compiled kernels' own launchers, without
+Triton's binder and without rebuilding argument lists (GPU only; the interpreter never
+replays).
+
+Why a replay launches what a fresh call would: Triton specializes a kernel on its
+arguments' dtypes, their 16-byte alignment, integers equal to 1 or divisible by 16, and
+constexpr values. Two calls of one module whose tensors agree in shape, stride, dtype,
+device and alignment (`signature`) pass the same integers, the same device tables and
+fresh buffers (CUDA's caching allocator aligns every block to 512 bytes) to the same
+kernels, so the second call can launch the kernels the first one compiled, its tensors in
+the slots where the first call's were. A recording in which a launch reads a tensor that
+is neither a slot nor one of the module's kept device tables (the per-call copies of
+curve-ordered rows, for example) is not kept: such calls take the full path every time.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from .launch import ensure_descriptor_allocator
+
+ENABLED = os.environ.get("DILGEN_REPLAY", "1") not in ("0", "", "false", "no")   # off: every call records nothing
+_SLOT = object()
+_MAX_RECIPES = 64      # distinct signatures kept per module (a call of a new shape records again)
+
+
+# The GPU calls, one function each (tests/test_host_path.py replaces them on a CPU machine).
+
+def _device() -> int:
+    return torch.cuda.current_device()
+
+
+def _stream(device: int):
+    from triton.runtime.driver import driver
+    return driver.active.get_current_stream(device)
+
+
+def enabled() -> bool:
+    """Whether calls replay (DILGEN_REPLAY=0, or replay.ENABLED = False, turns it off)."""
+    return ENABLED
+
+
+def signature(tag: str, tensors, extra=()) -> tuple:
+    """The key of a call: what Triton's specialization and dilgen's launch arithmetic read
+    from its tensors (shape, stride, dtype, alignment), with the current CUDA device."""
+    return (tag, _device(), extra,
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors])
+
+
+def kept_tensors(attn) -> set[int]:
+    """ids of the device tables a module keeps between calls (GeneratedAttention
+    ._device_tensors: class order, Hilbert tables, block lists)."""
+    ids: set[int] = set()
+    stack = list(attn._device_tensors.values())
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            ids.add(id(x))
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+    return ids
+
+
+class Recorder:
+    """Launches `kernel[grid](*args, **options)` and notes what ran, for a Recipe."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple] = []
+
+    def launch(self, kernel, grid, args: tuple, options: dict) -> None:
+        compiled = kernel[grid](*args, **options)
+        self.ran.append((kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), args))
+
+    def recipe(self, slots: tuple, attn, allocator: bool = False) -> "Recipe | None":
+        """The Recipe of the recorded launches with `slots` (the call's tensors) as holes;
+        None when a launch read a tensor that is neither a slot nor a kept table, or a
+        kernel gave no compiled kernel to launch again."""
+        where = {id(t): i for i, t in enumerate(slots)}
+        kept = kept_tensors(attn)
+        launches = []
+        for kernel, compiled, grid, args in self.ran:
+            if compiled is None or not hasattr(compiled, "packed_metadata"):
+                return None
+            params = getattr(kernel, "params", ())
+            defaults = tuple(p.default for p in params[len(args):])
+            if any(d is inspect.Parameter.empty for d in defaults):
+                return None
+            template, holes = list(args) + list(defaults), []
+            for pos, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    if id(a) in where:
+                        holes.append((pos, where[id(a)]))
+                        template[pos] = _SLOT
+                    elif id(a) not in kept:
+                        return None
+            launches.append((compiled, grid, tuple(template), tuple(holes)))
+        return Recipe(launches, allocator)
+
+
+class Recipe:
+    """Recorded launches: `run(tensors)` launches them again with a call's tensors."""
+
+    def __init__(self, launches: list, allocator: bool) -> None:
+        self.launches = launches
+        self.allocator = allocator      # device-side tensor descriptors need triton's allocator
+        self.fill = False               # the forward's: zero out and -inf lse before launching
+
+    def run(self, tensors: tuple) -> None:
+        from triton import knobs
+        if self.allocator:
+            ensure_descriptor_allocator()
+        stream = _stream(_device())
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        hooked = enter is not None and getattr(enter, "calls", True)
+        for compiled, grid, template, holes in self.launches:
+            args = list(template)
+            for pos, slot in holes:
+                args[pos] = tensors[slot]
+            meta = compiled.launch_metadata(grid, stream, *args) if hooked else None
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                         compiled.packed_metadata, meta, enter, leave, *args)
+
+
+def keep(attn, key: tuple, recipe: Recipe | None) -> None:
+    """Store a call's recipe on its module (bounded: a new shape past the limit starts over)."""
+    if recipe is None:
+        return
+    if len(attn._replays) >= _MAX_RECIPES:
+        attn._replays.clear()
+    attn._replays[key] = recipe

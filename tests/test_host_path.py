@@ -1,0 +1,173 @@
+"""The host path of a call (dilgen/runtime/op.py, replay.py).
+
+Eager calls run the custom ops' work as an autograd.Function: the same numbers, the same
+gradients and the same refusals as the op, which still runs under a dispatch mode (fake
+tensors) and under torch.compile (tests/test_compile.py). On a GPU a call whose signature
+was seen launches the recorded kernels again (replay.py); here the recording and the
+replay run against stand-in kernels; on the GPU `bench/bench_forward.py --host` compares
+replayed calls (and CUDA-graph replays) with fresh ones, bit for bit, poisoned outputs."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import dilgen
+from dilgen.runtime import op, replay
+
+from conftest import device
+
+
+def _kernel(**kw):
+    fields = dict(name="host_path", num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
+                  segment_lengths=[8, 16], dilation_rates=[1, 2])
+    fields.update(kw)
+    return dilgen.compile(dilgen.Spec(**fields))
+
+
+def _qkv(shape, kv_heads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape, generator=gen)
+    kv = shape[:-2] + (kv_heads, shape[-1])
+    k, v = torch.randn(kv, generator=gen), torch.randn(kv, generator=gen)
+    return [t.to(device()).requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_call_equals_the_op(packed, causal):
+    """Outputs, lse and gradients of an eager call are those of the custom op, bit for bit."""
+    kernel = _kernel(causal=causal)
+    attn = kernel.compiled_for(device()).attention
+    shape = (40, 4, 16) if packed else (2, 24, 4, 16)
+    q, k, v = _qkv(shape, 2, seed=3 + causal)
+    gen = torch.Generator().manual_seed(9)
+    g_out = torch.randn(shape, generator=gen).to(device())
+    if packed:
+        from dilgen.runtime.varlen import packing_from_cu_seqlens
+        cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32, device=device())
+        packing = packing_from_cu_seqlens(attn.spec["name"], cu, 40, q.device, None)
+        eager = lambda: op.varlen_attention_op(attn, q, k, v, packing)
+        flat = [x for b in packing.buckets for x in b]
+        via_op = lambda: op.attention_varlen_fwd(q, k, v, packing.starts, packing.lengths, packing.max_len,
+                                                 packing.covers_all, flat, op.op_key(attn))
+    else:
+        eager = lambda: op.attention_op(attn, q, k, v)
+        via_op = lambda: op.attention_fwd(q, k, v, op.op_key(attn))
+    results = []
+    for call in (eager, via_op):
+        out, lse = call()
+        g_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device())
+        finite = torch.isfinite(lse)
+        loss = (out * g_out).sum() + torch.where(finite, lse * g_lse, torch.zeros_like(lse)).sum()
+        grads = torch.autograd.grad(loss, (q, k, v))
+        results.append((out, lse, *grads))
+    assert type(eager()[0].grad_fn).__name__.startswith("_Dilgen")
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_a_dispatch_mode_gets_the_op():
+    """Fake tensors (a dispatch mode) run the op's fake implementation: shapes, no launch."""
+    kernel = _kernel()
+    attn = kernel.compiled_for(torch.device("cpu")).attention
+    before = attn.launches
+    with FakeTensorMode():
+        q = torch.empty(2, 24, 4, 16)
+        k = torch.empty(2, 24, 2, 16)
+        out, lse = attn(q, k, k, return_lse=True)
+    assert out.shape == (2, 24, 4, 16) and lse.shape == (2, 4, 24)
+    assert attn.launches == before
+
+
+# -- replay.py against stand-in kernels ------------------------------------------------------
+class _Compiled:
+    """A compiled kernel's launch interface (triton.compiler.CompiledKernel)."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.launched = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, meta, enter, leave, *args):
+        self.launched.append(((g0, g1, g2), stream, args))
+
+
+class _Jit:
+    """A jitted kernel: `kernel[grid](*args, **options)` compiles once and returns it."""
+
+    def __init__(self, names, defaults):
+        self.params = [type("P", (), {"default": defaults.get(n, inspect.Parameter.empty)})
+                       for n in names]
+        self.compiled = _Compiled()
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.calls.append((grid, args, options))
+            self.compiled.run(*grid, *(1,) * (3 - len(grid)), "s0", None, None, None, None, None, *args)
+            return self.compiled
+        return launch
+
+
+class _Module:
+    def __init__(self, tables):
+        self._device_tensors = {("tables",): (tables[0], [tables[1]])}
+        self._replays = {}
+
+
+@pytest.fixture
+def gpu_calls(monkeypatch):
+    monkeypatch.setattr(replay, "_device", lambda: 0)
+    monkeypatch.setattr(replay, "_stream", lambda dev: "s1")
+
+
+def test_replay_puts_a_calls_tensors_in_the_recorded_slots(gpu_calls):
+    tables = [torch.arange(4), torch.arange(6)]
+    module = _Module(tables)
+    jit = _Jit(["Q", "T", "N", "O", "FLAG", "BLOCK"], {"BLOCK": 64})
+    q, out = torch.randn(3), torch.empty(3)
+    rec = replay.Recorder()
+    rec.launch(jit, (5, 2), (q, tables[1], 17, out, True), {"num_warps": 4})
+    recipe = rec.recipe((q, out), module)
+    assert recipe is not None and jit.calls[0][2] == {"num_warps": 4}
+    q2, out2 = torch.randn(3), torch.empty(3)
+    recipe.run((q2, out2))
+    grid, stream, args = jit.compiled.launched[-1]
+    assert grid == (5, 2, 1) and stream == "s1"
+    assert args[0] is q2 and args[1] is tables[1] and args[2:3] == (17,) and args[3] is out2
+    assert args[4:] == (True, 64)          # the defaults JITFunction.run would bind
+
+
+def test_a_launch_reading_a_per_call_tensor_is_not_replayed(gpu_calls):
+    """A tensor neither a slot nor a kept table (a copy made for this call) would be stale
+    in a replay: the recording is dropped and such calls take the full path."""
+    tables = [torch.arange(4), torch.arange(6)]
+    jit = _Jit(["Q", "C", "O"], {})
+    q, out = torch.randn(3), torch.empty(3)
+    rec = replay.Recorder()
+    rec.launch(jit, (1,), (q, q.clone(), out), {})
+    assert rec.recipe((q, out), _Module(tables)) is None
+
+
+def test_signature_separates_what_specialization_reads(gpu_calls):
+    x = torch.zeros(64)
+    base = replay.signature("fwd", (x[:32],))
+    assert replay.signature("fwd", (x[:32],)) == base
+    assert replay.signature("fwd", (x[1:33],)) != base                  # alignment
+    assert replay.signature("fwd", (x[:32].double(),)) != base          # dtype
+    assert replay.signature("fwd", (x[:64:2],)) != base                 # stride
+    assert replay.signature("bwd", (x[:32],)) != base                   # pass
+    assert replay.signature("fwd", (x[:32],), True) != base             # extra flags
+
+
+def test_recipes_are_bounded(gpu_calls):
+    module = _Module([torch.arange(1), torch.arange(1)])
+    for i in range(replay._MAX_RECIPES + 3):
+        replay.keep(module, ("k", i), replay.Recipe([], False))
+    assert len(module._replays) <= replay._MAX_RECIPES
