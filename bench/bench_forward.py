@@ -315,10 +315,13 @@ def host_checks(torch, dilgen, kernel, tensors, dev, graph: bool = False) -> dic
         fresh = step()
         recorded = len(attn._replays)
         again = step()
+        with torch.no_grad():    # a no-gradient call goes straight to its recipe (GeneratedAttention._replayed)
+            attn._replays.clear()
+            plain = [kernel(q, k, v, return_lse=True) for _ in range(2)]
     finally:
         set_poison(False)
     same = lambda xs: all(torch.equal(a, b) for a, b in zip(fresh, xs))   # noqa: E731
-    chk = {"recipes_recorded": recorded, "replay_equal": same(again),
+    chk = {"recipes_recorded": recorded, "replay_equal": same(again) and all(map(torch.equal, *plain)),
            "finite": all(bool(torch.isfinite(t).all()) for t in (fresh[0], *fresh[2:]))}
     if not graph:
         return chk

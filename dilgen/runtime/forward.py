@@ -38,7 +38,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         key = signature("fwd", (q, k, v))
         recipe = attn._replays.get(key)
         if recipe is not None:
-            return _replay(attn, recipe, q, k, v)
+            return replay_forward(attn, recipe, q, k, v)
     plan, cfg = attn.plan, attn.plan["config"]
     H = plan["num_heads"]
     interpret = q.device.type == "cpu"
@@ -118,7 +118,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _replay(attn, recipe, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_forward(attn, recipe, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """_forward's outputs and launches for a call whose signature was recorded."""
     B, N, H = q.shape[0], q.shape[1], attn.plan["num_heads"]
     out = torch.empty((B, N, H, q.shape[3]), dtype=q.dtype, device=q.device)

@@ -38,16 +38,18 @@ def attention_op(attn, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
     if torch.compiler.is_compiling():
         return attention_fwd(q, k, v, key)
     register(attn)
-    if not _plain(q, k, v):
+    if not plain_eager(q, k, v):
         return attention_fwd(q, k, v, key)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _DilgenAttention.apply(q, k, v, attn)
     return forward_raw(attn, q, k, v)
 
 
-def _plain(*tensors) -> bool:
-    """Eager tensors the op's dispatch would add nothing to: no subclass, no dispatch mode."""
-    return torch._C._len_torch_dispatch_stack() == 0 and all(type(t) is Tensor for t in tensors)
+def plain_eager(*tensors) -> bool:
+    """Eager tensors the op's dispatch would add nothing to: not traced, no subclass, no
+    dispatch mode."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(type(t) is Tensor for t in tensors))
 
 
 class _Refused(torch.autograd.Function):
@@ -166,7 +168,7 @@ def varlen_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, packing) -> tuple
     compiling = torch.compiler.is_compiling()
     if not compiling:
         register(attn)
-    if not compiling and _plain(q, k, v):
+    if not compiling and plain_eager(q, k, v):
         check_packed_plan(attn)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _DilgenVarlenAttention.apply(q, k, v, attn, packing)

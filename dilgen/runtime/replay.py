@@ -45,8 +45,9 @@ def enabled() -> bool:
 
 def signature(tag: str, tensors, extra=()) -> tuple:
     """The key of a call: what Triton's specialization and dilgen's launch arithmetic read
-    from its tensors (shape, stride, dtype, alignment), with the current CUDA device."""
-    return (tag, _device(), extra,
+    from its tensors (shape, stride, dtype, alignment), with the current CUDA device (where
+    Triton launches) and the first tensor's."""
+    return (tag, _device(), tensors[0].get_device(), extra,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors])
 
 
