@@ -99,9 +99,6 @@ class Bench:
     def selected(self, m):
         return m in self.a.methods or m.startswith("dilgen:")
 
-    def spec(self, cname, causal):
-        return tk.make_spec(cname, self.configs[cname], causal, prefix=self.prefix)
-
     def kernel(self, m, spec):
         if (m, spec.name) not in self.kernels:
             from dilgen.compiler import Kernel
@@ -194,7 +191,7 @@ class Bench:
         tk.log("== correctness (B=1, bf16) against the float64 reference (dilgen.reference) ==")
         checked = [m for m in self.methods if m in self.CHECKED and self.selected(m) or m.startswith("dilgen:")]
         for i, (cname, causal) in enumerate(self.variants):
-            cfg, spec = self.configs[cname], self.spec(cname, causal)
+            cfg, spec = self.configs[cname], tk.make_spec(cname, self.configs[cname], causal, prefix=self.prefix)
             n = min(self.check_n(cname), cfg["N"])
             for rec in self.check_case(spec, self.inputs(cfg, self.a.seed + 1000 + i, n=n, b=1), checked):
                 rec.update(config=cname, causal=causal, N=n)
@@ -219,7 +216,6 @@ class Bench:
     def run_method(self, row, m, spec, x, base, say, against="dilgen"):
         """Time one method on inputs x, fail soft; its first call compared with base; returns
         the first call's result for dilgen (the base of the others)."""
-        a, fn = self.a, None
         reason = self.skip_reason(m, self.configs[row["config"]])
         if reason:
             row["errors"][m] = reason
@@ -236,7 +232,7 @@ class Bench:
             del res
             pk = tk.peak_extra_gib(fn, self.dev)
             row[f"{m}_peak_extra_gib"] = None if pk is None else round(pk, 4)
-            t = tk.time_ms(fn, a.warmup, a.reps, self.dev)
+            t = tk.time_ms(fn, self.a.warmup, self.a.reps, self.dev)
             row[f"{m}_ms"], row["timing_ms"][m] = t["median"], t
             row["useful_tflops_by_method"][m] = row["useful_gflop"] / t["median"]
             say(f"    {m:12s} {t['median']:9.3f} ms {row['useful_gflop'] / t['median']:7.1f} useful TFLOP/s  "
@@ -268,7 +264,7 @@ class Bench:
         tk.log(f"\n== timing (median of {a.reps} after {a.warmup} warm-ups; flex skipped after {a.budget_s:.0f} s) ==")
         prog = tk.Progress(len(self.variants))
         for i, (cname, causal) in enumerate(self.variants):
-            cfg, spec = self.configs[cname], self.spec(cname, causal)
+            cfg, spec = self.configs[cname], tk.make_spec(cname, self.configs[cname], causal, prefix=self.prefix)
             row = self.res.add({
                 "config": cname, "causal": causal, "B": cfg["B"], "H": cfg["H"], "N": cfg["N"], "D": cfg["D"],
                 "segment_lengths": cfg["ws"], "dilation_rates": cfg["rs"], "hilbert": cfg.get("hilbert"),

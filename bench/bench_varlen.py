@@ -86,9 +86,7 @@ class Case:
         cfg, dev = b.cfg, b.dev
         self.lengths = b.packs[pack]
         self.T, self.L = sum(self.lengths), max(self.lengths)
-        self.spec = dilgen.Spec(name=f"bench_varlen_{'causal' if causal else 'full'}", num_heads=cfg["H"],
-                                head_dim=cfg["D"], dtype="float32" if b.dry else "bfloat16",
-                                segment_lengths=cfg["ws"], dilation_rates=cfg["rs"], causal=causal)
+        self.spec = tk.make_spec("varlen", cfg, causal, dtype="float32" if b.dry else "bfloat16")   # bench_varlen_*
         self.kernel = dilgen.compile(self.spec)
         offs = [0, *itertools.accumulate(self.lengths)]
         self.bounds = list(zip(offs[:-1], offs[1:]))

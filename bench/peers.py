@@ -34,10 +34,6 @@ def scale_of(spec, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if spec.softmax_scale is None else float(spec.softmax_scale)
 
 
-def hilbert_of(spec) -> dict | None:
-    return None if spec.hilbert is None else spec.hilbert.to_json()
-
-
 def virtual_tables(spec, N: int, device) -> list:
     """Per branch None (raster) or pi_i, int64 (N,) on `device`: virtual -> raster position."""
     hil = spec.hilbert
@@ -68,7 +64,6 @@ def _check_shapes(q, k, v, spec):
 
 # --------------------------------------------------------------------------- per-segment attention
 # (B', H', S, D) q, k, v -> out (B', H', S, D) in the input dtype, lse (B', H', S) float32
-
 def _attn_math(q, k, v, causal: bool, scale: float):
     """Explicit softmax in fp32 (the CPU / fp32 fallback)."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -96,11 +91,14 @@ _attn_cudnn, _attn_flash = _attn_fused(True), _attn_fused(False)
 
 
 # --------------------------------------------------------------------------- gather peers
-
-def _gather(x, start: int, nseg: int, seglen: int, g: int, r: int, heads):
-    """Rows start + s·seglen + g + j·r of x (B, N, Hx, D), heads `heads`, as (B·nseg, Hg, m, D)."""
+def _gather(x, rows, start: int, nseg: int, seglen: int, g: int, r: int, heads):
+    """Rows start + s·seglen + g + j·r of x (B, N, Hx, D) (Hilbert: the raster rows `rows`, nseg·m of
+    them), heads `heads`, as (B·nseg, Hg, m, D)."""
     B, _, Hx, D = x.shape
-    y = x[:, start:start + nseg * seglen].view(B, nseg, seglen, Hx, D)[:, :, g::r]
+    if rows is None:
+        y = x[:, start:start + nseg * seglen].view(B, nseg, seglen, Hx, D)[:, :, g::r]
+    else:
+        y = x.index_select(1, rows).view(B, nseg, -1, Hx, D)
     y = y[:, :, :, heads] if isinstance(heads, slice) else y.index_select(3, heads)
     return y.permute(0, 1, 3, 2, 4).reshape(B * nseg, y.shape[3], y.shape[2], D)
 
@@ -134,36 +132,20 @@ def _dilated_gather(attn, q, k, v, spec):
             for start, nseg, seglen in pieces:
                 if g >= seglen:
                     continue
-                if pi is not None:
-                    _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh, causal, scale)
-                    continue
-                qs, ks, vs = (_gather(x, start, nseg, seglen, g, r, h) for x, h in ((q, qh), (k, kvh), (v, kvh)))
+                rows = None if pi is None else _kept_rows(pi, start, nseg, seglen, g, r).reshape(-1)
+                qs, ks, vs = (_gather(x, rows, start, nseg, seglen, g, r, h) for x, h in ((q, qh), (k, kvh), (v, kvh)))
                 o, l = attn(qs, ks, vs, causal, scale)
                 Hg, m = qs.shape[1], qs.shape[2]
-                o_b[:, start:start + nseg * seglen].view(B, nseg, seglen, H, D)[:, :, g::r, qh].copy_(
-                    o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4))
-                l_b[:, qh, start:start + nseg * seglen].view(B, Hg, nseg, seglen)[:, :, :, g::r].copy_(
-                    l.view(B, nseg, Hg, m).permute(0, 2, 1, 3))
+                o, l = o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4), l.view(B, nseg, Hg, m).permute(0, 2, 1, 3)
+                if rows is None:
+                    o_b[:, start:start + nseg * seglen].view(B, nseg, seglen, H, D)[:, :, g::r, qh].copy_(o)
+                    l_b[:, qh, start:start + nseg * seglen].view(B, Hg, nseg, seglen)[:, :, :, g::r].copy_(l)
+                else:                                     # Hilbert: rows pi(virtual lane positions), sorted
+                    o_b[:, rows, qh] = o.reshape(B, nseg * m, Hg, D)
+                    l_b[:, qh, rows] = l.reshape(B, Hg, nseg * m)
         outs.append(o_b)
         lses.append(l_b)
     return _merge(outs, lses, q.dtype)
-
-
-def _gather_indexed(attn, q, k, v, o_b, l_b, pi, start, nseg, seglen, g, r, qh, kvh, causal, scale):
-    """The Hilbert piece of _dilated_gather: rows pi(virtual lane positions), sorted."""
-    B, _, H, D = q.shape
-    idx = _kept_rows(pi, start, nseg, seglen, g, r)
-    m, flat = idx.shape[1], idx.reshape(-1)
-
-    def take(x, heads):
-        y = x.index_select(1, flat)
-        y = y[:, :, heads] if isinstance(heads, slice) else y.index_select(2, heads)
-        return y.view(B, nseg, m, y.shape[2], D).permute(0, 1, 3, 2, 4).reshape(B * nseg, y.shape[2], m, D)
-    qs = take(q, qh)
-    o, l = attn(qs, take(k, kvh), take(v, kvh), causal, scale)
-    Hg = qs.shape[1]
-    o_b[:, flat, qh] = o.view(B, nseg, Hg, m, D).permute(0, 1, 3, 2, 4).reshape(B, nseg * m, Hg, D)
-    l_b[:, qh, flat] = l.view(B, nseg, Hg, m).permute(0, 2, 1, 3).reshape(B, Hg, nseg * m)
 
 
 def _merge(outs, lses, dtype):
@@ -212,7 +194,6 @@ def lane_floor(spec, B: int, N: int, device, grad: bool = False, seed: int = 0):
 
 
 # --------------------------------------------------------------------------- FlexAttention
-
 def _branch_pair(w: int, r: int, N: int, h, q_idx, kv_idx, inv=None):
     """Does branch (w, r) keep (q_idx, kv_idx) in head h? None: every pair (w >= N, r = 1).
     inv (Hilbert): the rule on virtual positions inv[raster]."""
@@ -321,7 +302,7 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
     Hilbert specs always use "create"."""
     from torch.nn.attention.flex_attention import create_block_mask
     H, causal, branches, device, hil = int(spec.num_heads), bool(spec.causal), branches_of(spec), \
-        torch.device(device), hilbert_of(spec)
+        torch.device(device), None if spec.hilbert is None else spec.hilbert.to_json()
     method = "create" if hil is not None else method
     key = (tuple(branches), causal, H, int(N), str(device), method, json.dumps(hil or {}, sort_keys=True))
     if key in _BLOCK_MASKS:
@@ -372,7 +353,6 @@ def flex(q, k, v, spec, method: str | None = None):
 
 
 # --------------------------------------------------------------------------- FlexAttention on packed rows
-
 def document_mods(branches, causal: bool, lengths, device):
     """mask_mod / score_mod of a packed row: same sequence AND the pattern on in-sequence positions."""
     n = torch.tensor(lengths, dtype=torch.int64)

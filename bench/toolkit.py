@@ -7,6 +7,7 @@ plots, progress lines. Importing it puts this checkout's dilgen on sys.path, imp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -63,11 +64,11 @@ def causal_flags(no_causal: bool = False, causal_only: bool = False) -> list[boo
     return [False] if no_causal else [True] if causal_only else [False, True]
 
 
-def make_spec(name: str, cfg: dict, causal: bool, prefix: str = "bench"):
-    """dilgen.Spec of a config, bf16 (spec name like bench_a_causal)."""
+def make_spec(name: str, cfg: dict, causal: bool, prefix: str = "bench", dtype: str = "bfloat16"):
+    """dilgen.Spec of a config, bf16 unless told (spec name like bench_a_causal)."""
     import dilgen
     return dilgen.Spec(name=f"{prefix}_{name.lower()}_{'causal' if causal else 'full'}", num_heads=cfg["H"],
-                       head_dim=cfg["D"], dtype="bfloat16", segment_lengths=list(cfg["ws"]),
+                       head_dim=cfg["D"], dtype=dtype, segment_lengths=list(cfg["ws"]),
                        dilation_rates=list(cfg["rs"]), causal=causal, hilbert=cfg.get("hilbert"))
 
 
@@ -80,7 +81,6 @@ def useful_flops(cfg: dict, causal: bool, fwd_bwd: bool = False) -> float:
 
 
 # --------------------------------------------------------------------------- small helpers
-
 def log(msg: str = "") -> None:
     print(msg, flush=True)
 
@@ -177,7 +177,6 @@ def parser(doc, *shared, methods=(), **changed):
 
 
 # --------------------------------------------------------------------------- timing
-
 def sync(device) -> None:
     import torch
     if torch.device(device).type == "cuda":
@@ -238,27 +237,22 @@ def cleanup(device="cuda") -> None:
     import torch
     gc.collect()
     if torch.device(device).type == "cuda":
-        try:
+        with contextlib.suppress(Exception):    # a broken context: the next method records it
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001 - a broken context: the next method records it
-            pass
 
 
 # --------------------------------------------------------------------------- header, results
-
 def commit() -> str | None:
     """`git rev-parse --short HEAD` of REPO, + "+dirty" when dilgen/, templates/ or bench/ (its
     results aside) differ from it; without git (a copied tree) $DILGEN_COMMIT, else None."""
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20,
                               check=True).stdout.strip()
-    try:
+    with contextlib.suppress(Exception):        # no git, no repository, a timeout: the fallback
         if (REPO / ".git").exists():
             dirty = git("status", "--porcelain", "--", "dilgen", "templates", "bench", ":(exclude)bench/results")
             return git("rev-parse", "--short", "HEAD") + "+dirty" * bool(dirty)
-    except Exception:  # noqa: BLE001 - no git, no repository, a timeout: the fallback
-        pass
     return os.environ.get("DILGEN_COMMIT") or None
 
 
@@ -279,10 +273,8 @@ def header(device="cuda", dry: bool = False, extra: dict | None = None) -> dict:
                  capability=list(torch.cuda.get_device_capability(idx)), sm_count=props.multi_processor_count,
                  gpu_memory_gib=round(props.total_memory / 2**30, 1),
                  cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
-        try:
+        with contextlib.suppress(Exception):
             h["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001
-            pass
     else:
         h["device"] = f"CPU{' dry run' * dry} ({platform.machine()}){': numbers meaningless' * dry}"
     log(f"device {h['device']}  torch {h['torch']}  triton {h['triton']}  commit {h['commit']}  date {h['date']}")
@@ -354,7 +346,6 @@ class Results:
 
 
 # --------------------------------------------------------------------------- output
-
 def markdown_table(headers, rows) -> str:
     """A GitHub markdown table; cells are str()'d (None -> '—'), '|' escaped."""
     def line(cells):
