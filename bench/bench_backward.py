@@ -376,8 +376,6 @@ def main(argv=None, cls=Bench):
         data = json.loads(Path(a.report_from).read_text())
         report(data, data["rows"], a.report_from, None if a.no_plot else cls.draw)
         return 0
-    if getattr(a, "check_peers", False):
-        return cls.check_peers(a)
     if tk.no_gpu(a.dry_run_cpu, f"bench_{cls.kind}.py"):
         return 2
     b = cls(a)

@@ -5,7 +5,7 @@ short last segments, GQA, Hilbert orderings): gather_cudnn, gather_flash, flex (
 mask on packed rows, document_block_mask); and two reference points, not the same math:
 dense_sdpa and lane_floor. bench/README.md ("What each method computes") says what each one
 computes. Off CUDA (or in fp32) the gather peers use an fp32 softmax and flex runs eagerly;
-`bench_forward.py --check-peers` checks every peer against dilgen.reference (float64).
+tests/test_bench_peers.py checks every peer against dilgen.reference (float64).
 """
 from __future__ import annotations
 

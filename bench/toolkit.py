@@ -183,7 +183,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda") -> dict:
+def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda", alone: bool = False) -> dict:
     """{median, min, max, n, times} ms of `reps` calls after `warmup`: CUDA events around each call,
     recorded back to back, one synchronisation at the end (as triton's do_bench); CPU: wall clock."""
     import torch
@@ -193,6 +193,8 @@ def time_ms(fn, warmup: int = 3, reps: int = 10, device="cuda") -> dict:
     sync(device)
     marks = []
     for _ in range(reps):
+        if alone:   # one call, the GPU idle before it (a model's host time is not hidden)
+            sync(device)
         s = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
         s.record() if cuda else None
         fn()
