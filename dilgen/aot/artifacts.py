@@ -65,7 +65,11 @@ def store(key: str, cubin: bytes, meta_json: str, *, kernel: str, role: str, arc
                  "env": json.loads(env_key())}
     files = {CUBIN: cubin, METADATA: meta_json.encode(),
              SPECJSON: (json.dumps(described, indent=1) + "\n").encode()}
-    return cache.store(key, files, info, replace=True)
+    folder = cache.store(key, files, info, replace=True)
+    found = _BUILDS.get(str(cache.cache_dir()))
+    if found is not None:             # the index of other_triton_builds, if read already
+        _note(found, module_sha, kernel, triton.__version__)
+    return folder
 
 
 def load_entry(key: str, kernel: str | None = None) -> Path | None:
@@ -115,21 +119,41 @@ def load_compiled(folder: Path, jit_fn, sp):
     return CompiledKernel(src, group, folder.name)
 
 
+# cache folder -> {(module sha256, kernel): Triton versions of its AOT entries}: read once
+# per process (a fallback asks for every kernel specialization that has no artifact, and
+# reading every manifest of a large cache each time cost seconds a rank on a warm start)
+_BUILDS: dict[str, dict[tuple[str, str], set[str]]] = {}
+
+
+def _builds(root: Path) -> dict[tuple[str, str], set[str]]:
+    """The Triton versions of every AOT entry under `root`, by (module sha256, kernel):
+    the cache's manifests read on the first call, then kept (store() adds what this
+    process writes). Unreadable manifests are skipped."""
+    found = _BUILDS.get(str(root))
+    if found is not None:
+        return found
+    found = {}
+    if root.is_dir():
+        for manifest in root.glob(f"*/*/{cache.MANIFEST}"):
+            try:
+                info = json.loads(manifest.read_bytes())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and info.get("kind") == "aot-kernel":
+                _note(found, info.get("module_sha256"), info.get("kernel"), info.get("triton"))
+    _BUILDS[str(root)] = found
+    return found
+
+
+def _note(found: dict, module_sha, kernel, triton_version) -> None:
+    found.setdefault((str(module_sha), str(kernel)), set()).add(str(triton_version))
+
+
 def other_triton_builds(module_sha: str, kernel: str) -> list[str]:
     """Triton versions of cached AOT entries of this module's `kernel` built by a Triton
     other than this one (their keys include the Triton version, so this runtime can never
-    use them). Reads the manifests of the cache once; unreadable ones are skipped."""
+    use them). The cache's manifests are read once per process (_builds); entries another
+    process writes later are not seen (they only change a warning's words)."""
     import triton
-    found = set()
-    root = cache.cache_dir()
-    if not root.is_dir():
-        return []
-    for manifest in root.glob(f"*/*/{cache.MANIFEST}"):
-        try:
-            info = json.loads(manifest.read_bytes())
-        except (OSError, ValueError):
-            continue
-        if (isinstance(info, dict) and info.get("kind") == "aot-kernel" and info.get("kernel") == kernel
-                and info.get("module_sha256") == module_sha and info.get("triton") != triton.__version__):
-            found.add(str(info.get("triton")))
-    return sorted(found)
+    versions = _builds(cache.cache_dir()).get((module_sha, kernel), ())
+    return sorted(v for v in versions if v != triton.__version__)
