@@ -31,12 +31,19 @@ def toolchain() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton.__version__}
 
 
-def cache_key(spec: Spec, target: Target, tuning: dict | None = None) -> str:
-    """generator version + spec key + target + toolchain versions + template hash
-    (+ the tuned block configuration, which the source bakes in)."""
-    return cache.make_key(generator=__version__, spec=spec.key(), target=target.key(),
-                          templates=codegen.template_hash(),
-                          tuning=json.dumps(tuning or {}, sort_keys=True), **toolchain())
+def _key_fields(spec: Spec, target: Target, tuning: dict | None) -> dict:
+    return dict(generator=__version__, spec=spec.key(), target=target.key(),
+                templates=codegen.template_hash(), tuning=json.dumps(tuning or {}, sort_keys=True),
+                **toolchain())
+
+
+def cache_key(spec: Spec, target: Target, tuning: dict | None = None, plan: Plan | None = None) -> str:
+    """generator version + spec key + target + toolchain versions + template hash + the
+    plan's key (+ the tuned block configuration, which the source bakes in). The plan is in
+    the key because the module embeds it: a planner that plans differently (a new field
+    the runtime reads) must not load a module planned by an older one."""
+    plan = plan if plan is not None else planner.plan(spec, target, tuning)
+    return cache.make_key(**_key_fields(spec, target, tuning), plan=plan.key())
 
 
 def tuned_config(spec: Spec, target: Target) -> dict | None:
@@ -136,12 +143,13 @@ def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledMod
     explicit `tuning`, an autotune winner stored in the cache is used if there is one."""
     if tuning is None:
         tuning = tuned_config(spec, target)
-    key = cache_key(spec, target, tuning)
+    fields = _key_fields(spec, target, tuning)
     with _MODULES_LOCK:
-        hit = _MODULES.get(key)
+        hit = _MODULES.get(cache.make_key(**fields))    # this process built it: no planning again
         if hit is not None and not cache.always_compile():
             return hit
         plan = planner.plan(spec, target, tuning)                          # stage: plan
+        key = cache.make_key(**fields, plan=plan.key())
         folder, source = _cached_source(key)                               # stage: cache
         cache_hit = source is not None
         if source is None:
@@ -155,7 +163,7 @@ def build(spec: Spec, target: Target, tuning: dict | None = None) -> CompiledMod
                                 f"dilgen_generated.{spec.name}_{target.name}_{key[:12]}", source)
         compiled = CompiledModule(spec, target, plan, source, folder / cache.MODULE, module,
                                   cache_hit)
-        _MODULES[key] = compiled
+        _MODULES[cache.make_key(**fields)] = compiled
         return compiled
 
 

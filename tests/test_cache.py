@@ -312,15 +312,20 @@ def test_stale_temporary_folders_are_swept(cache_dir):
 # --------------------------------------------------------------------------- (c) versions
 
 
-@pytest.mark.parametrize("what", ["dilgen", "triton", "torch", "templates"])
+@pytest.mark.parametrize("what", ["dilgen", "triton", "torch", "templates", "plan"])
 def test_changed_versions_miss_the_old_entry(built, monkeypatch, what):
+    """... and a planner that plans differently: the module embeds its plan, and a runtime
+    reading a field an older planner did not write failed (KeyError) on the old entry."""
     import torch
     import triton
-    from dilgen import codegen, compiler
+    from dilgen import codegen, compiler, ir
     from dilgen.targets import INTERPRETER
     key, folder, source = built
     with pytest.MonkeyPatch.context() as mp:
-        if what == "dilgen":
+        if what == "plan":
+            key_of = ir.Plan.key
+            mp.setattr(ir.Plan, "key", lambda plan: key_of(plan)[::-1])
+        elif what == "dilgen":
             mp.setattr(compiler, "__version__", "999.0.0")
         elif what == "triton":
             mp.setattr(triton, "__version__", "0.0.1")
@@ -336,7 +341,8 @@ def test_changed_versions_miss_the_old_entry(built, monkeypatch, what):
         assert compiled.path == cache.entry_dir(new_key) / cache.MODULE
         manifest = json.loads((cache.entry_dir(new_key) / cache.MANIFEST).read_text())
         expected = {"dilgen": ("generator", "999.0.0"), "triton": ("triton", "0.0.1"),
-                    "torch": ("torch", "0.0.1"), "templates": ("templates", "0" * 16)}[what]
+                    "torch": ("torch", "0.0.1"), "templates": ("templates", "0" * 16),
+                    "plan": ("torch", torch.__version__)}[what]     # the plan is in the key alone
         assert manifest[expected[0]] == expected[1]
     assert cache.load(key) == folder, "the old entry must stay for the old toolchain"
     assert sorted(e.name for e in _entries(cache.cache_dir())) == sorted([key, new_key])
