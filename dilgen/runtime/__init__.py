@@ -3,7 +3,7 @@ it never plans or emits. One job per module, and a call's path goes down this li
 
     attention.py   GeneratedAttention, a generated module's `attention`: checks and routes a call
     dispatch.py    a dilgen.Kernel's call under torch.compile (by registry key)
-    op.py          torch custom ops and autograd: fixed-length and packed forward/backward
+    op.py          torch custom ops and autograd: fixed-length and packed forward/backward, decode
     ring/          the ring over P ranks (schedule execution, transfers, its own ops)
     decode.py      incremental decoding over a KV cache
     forward.py     the forward launches (fused lattice kernel, lane kernels)
@@ -12,6 +12,7 @@ it never plans or emits. One job per module, and a call's path goes down this li
     curve_rows.py  compact curve-ordered rows and causal block lists of Hilbert branches
     registry.py    the string keys torch ops hold, and the objects behind them
     launch.py      a kernel from generated source (JIT, AOT binary, interpreter, RepeatLauncher)
+    replay.py      a call's launches recorded once per signature and launched again (GPU)
     interpreter.py Triton's interpreter inside a process that also compiles for the GPU
     grids.py       launch grids (shared with dilgen.aot's launch model)
     tables.py      Hilbert permutation tables on a device

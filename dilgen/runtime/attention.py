@@ -20,6 +20,7 @@ import torch
 from .checks import InputError, check_inputs, check_varlen_inputs
 from .curve_rows import block_lists
 from .decode import decode
+from .dispatch import traced_decode
 from .forward import forward_raw, replay_forward
 from .launch import make_kernel
 from .op import attention_op, plain_eager, varlen_attention_op
@@ -77,7 +78,11 @@ class GeneratedAttention:
         a length past N_max makes the kernels read rows beyond the cache (other memory, or
         an illegal-address fault) and one below T reads rows before the item: the output is
         then unspecified (finite garbage, usually), with no InputError. For loops that track the
-        lengths themselves (nn.KVCache, the transformers integration)."""
+        lengths themselves (nn.KVCache, the transformers integration). Under torch.compile the
+        call is torch.ops.dilgen.decode and the lengths are checked on the device (a failed
+        check is a device-side assert when the graph runs)."""
+        if torch.compiler.is_compiling():    # torch.ops.dilgen.decode, lengths checked on the device
+            return traced_decode(self.spec, self.op_key, q, k_cache, v_cache, cache_seqlens, return_lse)
         return decode(self, q, k_cache, v_cache, cache_seqlens, return_lse=return_lse,
                       validate=validate)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from .checks import InputError, check_inputs, check_max_seqlen
-from .op import attention_fwd, attention_varlen_fwd, refused
+from .decode import check_decode_inputs
+from .op import attention_fwd, attention_varlen_fwd, decode_op, refused
 from .registry import kernel_spec
 from .ring.op import ring_attention_fwd
 
@@ -76,4 +77,24 @@ def _traced_call(kernel, q, k, v, *, return_lse, group, chunk_order, cu_seqlens,
         raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
     check_inputs(spec, q, k, v)
     out, lse = attention_fwd(q, k, v, key)
+    return (out, lse) if return_lse else out
+
+
+def traced_decode(spec: dict, key: str, q, k_cache, v_cache, cache_seqlens, return_lse: bool = False):
+    """`decode(q, k_cache, v_cache, cache_seqlens)` while torch.compile traces it: the shapes
+    checked now, the lengths on the device (T <= cache_seqlens[b] <= N_max, else a device-side
+    assert when the graph runs, with no host sync), then torch.ops.dilgen.decode. A spec that
+    cannot decode raises its InputError when the graph runs."""
+    try:
+        _, T, n_max = check_decode_inputs(spec, q, k_cache, v_cache, cache_seqlens, validate=False)
+    except InputError as exc:
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise
+        out, lse = refused(q, str(exc))
+        return (out, lse) if return_lse else out
+    torch._assert_async(((cache_seqlens >= T) & (cache_seqlens <= n_max)).all(),
+                        f"{spec['name']}: decode: every cache_seqlens[b] must lie in [T, N_max] = "
+                        f"[{T}, {n_max}] (the cache holds the new tokens' keys and values; it has "
+                        f"{n_max} rows)")
+    out, lse = decode_op(q, k_cache, v_cache, cache_seqlens, key)
     return (out, lse) if return_lse else out

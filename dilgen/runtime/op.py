@@ -4,6 +4,7 @@ opaque node and autograd one function.
     torch.ops.dilgen.attention_fwd(q, k, v, key) -> (out, lse)
     torch.ops.dilgen.attention_bwd(q, k, v, out, lse, grad_out, grad_lse, key) -> (dq, dk, dv)
     torch.ops.dilgen.attention_varlen_fwd / _bwd: the same over a packing (varlen.Packing)
+    torch.ops.dilgen.decode(q, k_cache, v_cache, cache_seqlens, key) -> (out, lse)
     torch.ops.dilgen.refused(q, message) -> (out, lse): raises InputError(message) when run
 
 `key` names a registered GeneratedAttention or dilgen.Kernel (registry.py). The work is
@@ -254,6 +255,21 @@ class _DilgenVarlenAttention(torch.autograd.Function):
             grads = backward_raw(_backward_kernels(ctx.attn), q, k, v, out, lse, grad_out, grad_lse,
                                  packing=ctx.packing)
         return (*_eager_grads(grads, q, k, v, grad_out), None, None)
+
+
+# -- incremental decoding (decode.py) -------------------------------------------------------
+@torch.library.custom_op("dilgen::decode", mutates_args=())
+def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, key: str) -> tuple[Tensor, Tensor]:
+    """out (B, T, H, D), lse (B, H, T) float32 of GeneratedAttention.decode, unvalidated (the
+    traced caller checks the lengths on the device: dispatch.traced_decode)."""
+    return attention_for(key, q.device).decode(q, k_cache, v_cache, cache_seqlens, return_lse=True,
+                                               validate=False)
+
+
+@decode_op.register_fake
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, key):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 # -- a call refused while torch.compile traced it -----------------------------------------------
