@@ -214,10 +214,8 @@ class Kernel:
         validate=False: see GeneratedAttention.decode."""
         import torch
         if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
-            from .runtime.dispatch import traced_decode
-            from .runtime.registry import kernel_spec
-            return traced_decode(kernel_spec(self._op_key), self._op_key, q, k_cache, v_cache,
-                                 cache_seqlens, return_lse)
+            from .runtime.dispatch import kernel_decode
+            return kernel_decode(self, q, k_cache, v_cache, cache_seqlens, return_lse)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention.decode(
             q, k_cache, v_cache, cache_seqlens, return_lse=return_lse, validate=validate)

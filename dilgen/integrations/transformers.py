@@ -89,9 +89,8 @@ class _TracedKernel:
         return kernel_call(self.key, q, k, v, **kwargs)
 
     def decode(self, q, k_cache, v_cache, cache_seqlens):
-        from ..runtime.dispatch import traced_decode
-        from ..runtime.registry import kernel_spec
-        return traced_decode(kernel_spec(self.key), self.key, q, k_cache, v_cache, cache_seqlens)
+        from ..runtime.dispatch import kernel_decode
+        return kernel_decode(self.key, q, k_cache, v_cache, cache_seqlens)
 
 
 def _kernel_key(call) -> str:

@@ -23,9 +23,9 @@ from .decode import decode
 from .dispatch import traced_decode
 from .forward import forward_raw, replay_forward
 from .launch import make_kernel
-from .op import attention_op, plain_eager, varlen_attention_op
+from .op import attention_op, needs_grad, plain_eager, varlen_attention_op
 from .registry import made
-from .replay import signature
+from .replay import lookup, signature
 from .ring.op import ring_attention, ring_varlen_attention
 from .tables import table_tensors
 from .varlen import packing_from_cu_seqlens, packing_from_padding_mask
@@ -166,10 +166,9 @@ class GeneratedAttention:
         further checks or dispatch: plain CUDA tensors needing no gradient, not traced. The
         recorded call passed check_inputs, which reads only what the signature holds. None
         for any other call."""
-        if not (self._replays and plain_eager(q, k, v) and q.is_cuda) or (torch.is_grad_enabled() and (
-                q.requires_grad or k.requires_grad or v.requires_grad)):
+        if not (self._replays and plain_eager(q, k, v) and q.is_cuda) or needs_grad(q, k, v):
             return None
-        recipe = self._replays.get(signature("fwd", (q, k, v)))
+        recipe = lookup(self, signature("fwd", (q, k, v)))[0]
         return None if recipe is None else replay_forward(self, recipe, q, k, v)
 
     # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------

@@ -21,7 +21,7 @@ from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
-from .replay import Recorder, enabled, keep, signature
+from .replay import Recorder, enabled, keep, lookup, signature
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -122,10 +122,10 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     if dkdv_writes_all:
         poison(dk, dv)
     slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv)
-    replays = packing is None and q.device.type == "cuda" and enabled()
-    if replays:   # a call like an earlier one launches what it launched (replay.py)
-        key = signature("bwd", slots[:6], has_dlse)
-        recipe = attn._replays.get(key)
+    record = False
+    if packing is None and q.device.type == "cuda" and enabled():
+        key = signature("bwd", slots[:6], has_dlse)   # a call like an earlier one: its launches
+        recipe, record = lookup(attn, key)
         if recipe is not None:
             recipe.run(slots)
             attn.launches += 1
@@ -133,7 +133,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     at = _Rows(attn, q, k, v, out, lse, grad_out, packing, class_order)
     if at.B == 0 or at.N == 0:
         return dq, dk, dv
-    recorder = Recorder() if replays else None
+    recorder = Recorder() if record else None
     run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk, recorder)
 
     def launches():

@@ -98,3 +98,10 @@ def traced_decode(spec: dict, key: str, q, k_cache, v_cache, cache_seqlens, retu
                         f"{n_max} rows)")
     out, lse = decode_op(q, k_cache, v_cache, cache_seqlens, key)
     return (out, lse) if return_lse else out
+
+
+def kernel_decode(kernel, q, k_cache, v_cache, cache_seqlens, return_lse: bool = False):
+    """`kernel.decode(...)` for a dilgen.Kernel registered with register_kernel (or its key)
+    while torch.compile traces it: traced_decode by the kernel's registry key."""
+    key = kernel if isinstance(kernel, str) else kernel._op_key
+    return traced_decode(kernel_spec(key), key, q, k_cache, v_cache, cache_seqlens, return_lse)

@@ -13,7 +13,7 @@ from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
-from .replay import Recorder, enabled, keep, signature
+from .replay import Recorder, enabled, keep, lookup, signature
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -33,10 +33,10 @@ def forward_raw(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
-    replays = packing is None and q.device.type == "cuda" and enabled()
-    if replays:   # a call like an earlier one launches what it launched (replay.py)
-        key = signature("fwd", (q, k, v))
-        recipe = attn._replays.get(key)
+    record = False
+    if packing is None and q.device.type == "cuda" and enabled():
+        key = signature("fwd", (q, k, v))   # a call like an earlier one launches what it launched
+        recipe, record = lookup(attn, key)
         if recipe is not None:
             return replay_forward(attn, recipe, q, k, v)
     plan, cfg = attn.plan, attn.plan["config"]
@@ -104,14 +104,14 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
     allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
     if allocator:
         ensure_descriptor_allocator()
-    if replays:
+    if record:
         recorder = Recorder()
         for kernel, grid, args, opts in launches:
             recorder.launch(kernel, grid, args, opts)
         recipe = recorder.recipe((q, k, v, out, lse), attn, allocator)
         if recipe is not None:
             recipe.fill = not (writes_all or clears)
-            keep(attn, key, recipe)
+        keep(attn, key, recipe)
     else:
         run_launches(launches, interpret)
     attn.launches += 1

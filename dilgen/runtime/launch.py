@@ -116,11 +116,19 @@ class RepeatLauncher:
     def launch(self, kernel, grid, args: tuple) -> None:
         """Launch a compiled kernel of this function (one that an earlier `run` returned
         for arguments of the same classes) on the current stream."""
-        from triton import knobs
         from triton.runtime.driver import driver
-        args = args + self._defaults[len(args):]
         stream = driver.active.get_current_stream(driver.active.get_current_device())
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *args), knobs.runtime.launch_enter_hook,
-                   knobs.runtime.launch_exit_hook, *args)
+        launch_compiled(kernel, tuple(grid) + (1,) * (3 - len(grid)), stream,
+                        args + self._defaults[len(args):])
+
+
+def launch_compiled(kernel, grid: tuple, stream, args: tuple) -> None:
+    """What JITFunction.run does with a compiled kernel: its launcher on `stream` with the
+    3-D `grid` and every parameter's value (`args`, defaults included); the launch hooks
+    get their metadata only when one is set (a profiler's)."""
+    from triton import knobs
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    hooked = enter is not None and getattr(enter, "calls", True)   # HookChain: its calls
+    meta = kernel.launch_metadata(grid, stream, *args) if hooked else None
+    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+               meta, enter, leave, *args)

@@ -15,9 +15,8 @@ unused). The ring's ops are in ring/op.py.
 
 An eager call of plain tensors skips the op's dispatch (its Python-side autograd and
 redispatch cost more host time than the launches they wrap): `_DilgenAttention` and
-`_DilgenVarlenAttention`
-are the same forward and backward as an autograd.Function. Under torch.compile, for a
-tensor subclass or under a dispatch mode (fake tensors), the op runs.
+`_DilgenVarlenAttention` are the same forward and backward as autograd.Functions. Under
+torch.compile, for a tensor subclass or under a dispatch mode (fake tensors), the op runs.
 """
 from __future__ import annotations
 
@@ -35,15 +34,13 @@ from .varlen import Packing, check_packed_plan
 def attention_op(attn, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """(out, lse) of a GeneratedAttention: torch.ops.dilgen.attention_fwd, or eagerly its
     work without the op's dispatch (module docstring)."""
-    key = op_key(attn)
-    if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, key)
-    register(attn)
-    if not plain_eager(q, k, v):
-        return attention_fwd(q, k, v, key)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _DilgenAttention.apply(q, k, v, attn)
-    return forward_raw(attn, q, k, v)
+    if not torch.compiler.is_compiling():
+        register(attn)
+        if plain_eager(q, k, v):
+            if needs_grad(q, k, v):
+                return _DilgenAttention.apply(q, k, v, attn)
+            return forward_raw(attn, q, k, v)
+    return attention_fwd(q, k, v, op_key(attn))
 
 
 def plain_eager(*tensors) -> bool:
@@ -51,6 +48,11 @@ def plain_eager(*tensors) -> bool:
     dispatch mode."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and all(type(t) is Tensor for t in tensors))
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call of these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class _Refused(torch.autograd.Function):
@@ -165,18 +167,16 @@ attention_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing
 def varlen_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, packing) -> tuple[Tensor, Tensor]:
     """(out (rows, H, D), lse (H, rows)) through torch.ops.dilgen.attention_varlen_fwd, or
     eagerly its work without the op's dispatch."""
-    key = op_key(attn)
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
+    if not torch.compiler.is_compiling():
         register(attn)
-    if not compiling and plain_eager(q, k, v):
-        check_packed_plan(attn)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _DilgenVarlenAttention.apply(q, k, v, attn, packing)
-        return forward_raw(attn, q, k, v, packing=packing)
+        if plain_eager(q, k, v):
+            check_packed_plan(attn)
+            if needs_grad(q, k, v):
+                return _DilgenVarlenAttention.apply(q, k, v, attn, packing)
+            return forward_raw(attn, q, k, v, packing=packing)
     flat = [x for b in packing.buckets for x in b]
     return attention_varlen_fwd(q, k, v, packing.starts, packing.lengths, packing.max_len,
-                                packing.covers_all, flat, key)
+                                packing.covers_all, flat, op_key(attn))
 
 
 def _packing(seq_starts, seq_lens, max_seqlen, covers_all, buckets=()):

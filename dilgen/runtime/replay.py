@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .launch import ensure_descriptor_allocator
+from .launch import ensure_descriptor_allocator, launch_compiled
 
 ENABLED = os.environ.get("DILGEN_REPLAY", "1") not in ("0", "", "false", "no")   # off: every call records nothing
 _SLOT = object()
@@ -110,25 +110,30 @@ class Recipe:
         self.fill = False               # the forward's: zero out and -inf lse before launching
 
     def run(self, tensors: tuple) -> None:
-        from triton import knobs
         if self.allocator:
             ensure_descriptor_allocator()
         stream = _stream(_device())
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        hooked = enter is not None and getattr(enter, "calls", True)
         for compiled, grid, template, holes in self.launches:
             args = list(template)
             for pos, slot in holes:
                 args[pos] = tensors[slot]
-            meta = compiled.launch_metadata(grid, stream, *args) if hooked else None
-            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                         compiled.packed_metadata, meta, enter, leave, *args)
+            launch_compiled(compiled, grid, stream, tuple(args))
+
+
+_NEVER = object()      # a signature whose recording could not be kept: its calls never record again
+
+
+def lookup(attn, key: tuple) -> tuple[Recipe | None, bool]:
+    """(the recipe of `key` or None, whether this call should record one)."""
+    hit = attn._replays.get(key)
+    if hit is _NEVER:
+        return None, False
+    return hit, hit is None
 
 
 def keep(attn, key: tuple, recipe: Recipe | None) -> None:
-    """Store a call's recipe on its module (bounded: a new shape past the limit starts over)."""
-    if recipe is None:
-        return
+    """Store a call's recipe on its module, or that its signature cannot replay (bounded: a
+    new shape past the limit starts over)."""
     if len(attn._replays) >= _MAX_RECIPES:
         attn._replays.clear()
-    attn._replays[key] = recipe
+    attn._replays[key] = _NEVER if recipe is None else recipe
