@@ -29,7 +29,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 import warnings
 from pathlib import Path
 
@@ -230,7 +229,7 @@ def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: 
         if final.is_dir() and not final.is_symlink():
             _repair(final, blobs)
         elif os.path.lexists(final):
-            _remove(final, keep_folder=True)   # a file or a link where the folder should be
+            _discard(final, folder=False)   # a file or a link where the folder should be
         else:
             try:
                 _publish(final, blobs)
@@ -270,8 +269,7 @@ def _repair(final: Path, blobs: dict[str, bytes]) -> None:
             os.chmod(tmp, 0o644)
             os.replace(tmp, final / name)
         except OSError:
-            if (final / name).is_dir():
-                _remove(final / name)    # a folder where the file should be
+            _discard(final / name, folder=True)   # a folder where the file should be
             return
         finally:
             if os.path.lexists(tmp):
@@ -298,22 +296,24 @@ def _sweep(folder: Path) -> None:
             pass
 
 
-def _remove(folder: Path, keep_folder: bool = False) -> None:
-    """Move a bad entry (or a file in its place) aside under a unique name, then delete it
-    (never leaves a half-deleted entry in place). keep_folder: the caller found a file or a
-    link there; if a concurrent writer has meanwhile published a real folder, leave it (and
-    put it back if it was moved aside in that instant), since readers may hold its path."""
-    if not os.path.lexists(folder) or keep_folder and folder.is_dir() and not folder.is_symlink():
-        return
-    trash = folder.with_name(f".trash-{folder.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def _discard(path: Path, *, folder: bool) -> None:
+    """Delete `path` if it is a folder (folder=True) or if it is anything else (a file or a
+    link: folder=False), and leave it where it is otherwise, in one atomic step: it is renamed
+    onto an empty placeholder of the kind asked for, and rename(2) refuses to put a file onto
+    a folder (EISDIR) or a folder onto a file (ENOTDIR). So the sound file or folder that a
+    concurrent writer has just put at `path` is never moved away from under a reader that
+    holds its path (a check, then a move, would leave that window open)."""
     try:
-        os.replace(folder, trash)
+        if folder:
+            trash = Path(tempfile.mkdtemp(prefix=f".trash-{path.name[:16]}-", dir=path.parent))
+        else:
+            fd, name = tempfile.mkstemp(prefix=f".trash-{path.name[:16]}-", dir=path.parent)
+            os.close(fd)
+            trash = Path(name)
     except OSError:
-        return
-    if keep_folder and trash.is_dir() and not trash.is_symlink():
-        with contextlib.suppress(OSError):
-            os.rename(trash, folder)     # fails only if yet another writer published one
-            return
+        return                           # the parent went away: the caller starts over
+    with contextlib.suppress(OSError):
+        os.rename(path, trash)           # fails (nothing moved) if `path` is not of that kind
     if trash.is_dir() and not trash.is_symlink():
         shutil.rmtree(trash, ignore_errors=True)
     else:

@@ -228,6 +228,27 @@ def test_eight_processes_repairing_a_damaged_entry_never_read_a_bad_file(tmp_pat
         assert cache.load(key) == entries[0]
 
 
+@pytest.mark.parametrize("kind", ["file", "folder", "link"])
+@pytest.mark.parametrize("folder", [True, False])
+def test_discard_removes_only_the_kind_it_is_asked_to(tmp_path, kind, folder):
+    """The repair deletes a folder where a file should be (and a file where the entry's folder
+    should be) in one rename that fails on the other kind, so a sound file or folder that a
+    concurrent writer has just put there stays for the readers that hold its path."""
+    path = tmp_path / "module.py"
+    if kind == "file":
+        path.write_bytes(b"sound")
+    elif kind == "folder":
+        path.mkdir()
+        (path / "junk").write_bytes(b"x")
+    else:
+        path.symlink_to(tmp_path / "elsewhere")
+    cache._discard(path, folder=folder)
+    assert os.path.lexists(path) == (folder != (kind == "folder"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".trash")] == []
+    if kind == "file" and folder:
+        assert path.read_bytes() == b"sound"
+
+
 # --------------------------------------------------------------------------- (b) damage
 
 
