@@ -413,6 +413,8 @@ FAULTS = {
     # the default group (torch ops), left uncaught: every rank ends by the error (exit 1)
     "fwd_allgather_uncaught": ("allgather", 3, "forward", 0, "raise", "default"),
     "fwd_kill": ("ring", 2, "forward", 1, "kill", "default"),
+    # rank 0 killed when it hosts the store (started without torchrun)
+    "host_kill": ("ring", 0, "forward", 1, "kill", "default"),
 }
 
 

@@ -31,17 +31,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(names: str, tmp_path, timeout_s: float = 180) -> list[tuple[int, str]]:
+def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True) -> list[tuple[int, str]]:
     """ring_worker.fault_main on P processes started as torchrun starts them, the store
-    hosted here as torchrun's agent hosts it (so that it outlives any rank); (exit code,
-    stderr) per rank. A rank still running after timeout_s fails the test (a hang)."""
+    hosted here as torchrun's agent hosts it (so that it outlives any rank), or by rank 0
+    (agent=False: started without torchrun); (exit code, stderr) per rank. A rank still
+    running after timeout_s fails the test (a hang)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+                          timeout=timedelta(seconds=60)) if agent else None
+    port = store.port if agent else _free_port()
     procs = []
     for rank in range(P):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
-                   TORCHELASTIC_USE_AGENT_STORE="True")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}))
         procs.append(subprocess.Popen([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     results = []
@@ -136,6 +138,20 @@ def test_killed_rank_makes_every_rank_raise(tmp_path):
         refused = "fault_fwd_kill: ring call refused: the agreement's all_gather failed"
         assert re.match(lost if e["raised_in"] == "forward" else refused, e["error"]), e
         assert "a rank may have died" in e["error"], e
+
+
+@pytest.mark.timeout(300)
+def test_store_host_killed_leaves_one_line(tmp_path):
+    """Started without torchrun, rank 0 hosts the store; it is killed inside a forward step.
+    The others raise RingAborted within seconds and print no C++ backtrace of the store
+    client that cannot reach its host (c10d's TCPStore warning)."""
+    results = _launch("host_kill", tmp_path, agent=False)
+    stderr = "".join(f"\n-- rank {r} exit {rc}:\n{err[-3000:]}" for r, (rc, err) in enumerate(results))
+    for rank, (rc, err) in enumerate(results[1:], start=1):
+        assert rc == 0, f"rank {rank} exited {rc}:{stderr}"
+        assert "frame #" not in err and "TCPStore" not in err, f"rank {rank}:{stderr}"
+        e = json.loads((tmp_path / f"fault{rank}.json").read_text())["host_kill"]
+        assert e["type"] == "RingAborted" and "\n" not in e["error"] and e["seconds"] < SECONDS, e
 
 
 @pytest.mark.timeout(400)

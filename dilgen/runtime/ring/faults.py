@@ -24,9 +24,12 @@ wait until the group's timeout).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -158,9 +161,47 @@ def close_group(dist, group, P: int, me: int) -> None:
             break
 
 
+_STORE_NOISE = re.compile(r"^.*(?:TCPStore|socket)\.cpp:\d+\].*\n(?:(?:Exception raised from |frame #|<omitting "
+                          r"python frames>).*\n|\n)*", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def _quiet_store():
+    """Read or write the store with its C++ client's failure log held back. When the store's
+    host has gone (rank 0 started without torchrun, and it ended), each read fails and
+    c10d's TCPStore logs a warning with a 20-line C++ backtrace to stderr (c10 logging, not
+    the exception: TORCH_CPP_LOG_LEVEL is read only when the process starts). The exception
+    is caught and the failure reported in RingAborted's one line, so while the store is used
+    file descriptor 2 goes to a temporary file, and whatever else was written there in that
+    time is written back, without those warnings."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    try:
+        saved, held = os.dup(2), tempfile.TemporaryFile()
+    except OSError:                       # no stderr, or no room for a file: as it is
+        saved = held = None
+    if held is None:
+        yield
+        return
+    with held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = _STORE_NOISE.sub("", held.read().decode(errors="replace"))
+            if rest:
+                os.write(2, rest.encode())
+
+
 def _record(dist, key: str, me: int, where: str, error: str) -> None:
     try:
-        _store(dist).compare_set(key, "", json.dumps({"rank": me, "where": where, "error": error}))
+        with _quiet_store():
+            _store(dist).compare_set(key, "", json.dumps({"rank": me, "where": where, "error": error}))
     except Exception:  # noqa: BLE001 - no store: peers report a lost peer instead
         pass
 
@@ -171,15 +212,20 @@ def _lookup(dist, keys: list[str], wait_s: float) -> dict | None:
     deadline = time.monotonic() + wait_s
     try:
         store = _store(dist)
-        while True:
-            for key in keys:
-                if store.check([key]):
-                    return json.loads(store.get(key).decode())
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.02)
+        with _quiet_store():
+            return _poll(store, keys, deadline)
     except Exception:  # noqa: BLE001 - the store is gone (its host died)
         return None
+
+
+def _poll(store, keys: list[str], deadline: float) -> dict | None:
+    while True:
+        for key in keys:
+            if store.check([key]):
+                return json.loads(store.get(key).decode())
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
 
 
 def _where(run, keys: bool = True) -> str:
