@@ -179,6 +179,8 @@ def test_packed_sequences_equal_each_sequence_alone(models, how):
 
 
 def _greedy_by_full_forwards(model, ids, mask, steps):
+    """Greedy tokens from full forwards of `model` (the float64 reference model: what the
+    dilated model means), one more token per forward."""
     ids, mask = ids.clone(), mask.clone()
     for _ in range(steps):
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -205,7 +207,7 @@ def test_one_left_padded_prompt_is_padding_not_packing(models):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_generate_runs_the_decode_kernel_and_equals_full_forwards(models, batch, monkeypatch):
-    model, _ = models
+    model, ref = models
     ids = _tokens(batch, 21, 5)
     mask = torch.ones_like(ids)
     if batch == 2:
@@ -220,5 +222,5 @@ def test_generate_runs_the_decode_kernel_and_equals_full_forwards(models, batch,
                          do_sample=False, use_cache=True)
     assert len(decodes) >= (steps - 1) * model.config.num_hidden_layers
     monkeypatch.setattr(GeneratedAttention, "decode", real)
-    want = _greedy_by_full_forwards(model, ids, mask, steps)
+    want = _greedy_by_full_forwards(ref, ids, mask, steps)
     assert torch.equal(out, want)

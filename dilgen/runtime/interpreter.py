@@ -5,7 +5,10 @@ compiles). `interpreting()` wraps one launch; see its docstring for what it patc
 puts back."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
+import os
 import threading
 from typing import Any
 
@@ -64,16 +67,92 @@ class interpreting:
 
         JITFunction.__call__ = call
         self._language = [(obj, dict(vars(obj))) for obj in language_namespaces()]
+        self._saved_device_call = InterpretedFunction.__call__
+        InterpretedFunction.__call__ = _device_call
+        self._saved_np_dtype = interpreter._get_np_dtype
+        interpreter._get_np_dtype = _np_dtype_table(interpreter)
+        builder = interpreter.interpreter_builder
+        self._saved_options = builder.options
+        check = overflow_checks()
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=check,
+                                              debug=check or builder.options.debug)
         return self
 
     def __exit__(self, *exc):
         self._cls.__call__ = self._saved
+        self._interp.InterpretedFunction.__call__ = self._saved_device_call
+        self._interp._get_np_dtype = self._saved_np_dtype
+        self._interp.interpreter_builder.options = self._saved_options
         if self._saved_patch is not None:
             self._interp._patch_lang_tensor = self._saved_patch
         for obj, saved in self._language:
             restore_namespace(obj, saved)
         _INTERPRET_LOCK.release()
         return False
+
+
+def overflow_checks() -> bool:
+    """Whether the interpreter checks every 32-bit integer add, sub and mul for overflow, and
+    runs device asserts (DILGEN_INTERPRET_OVERFLOW_CHECK=1: Triton's options sanitize_overflow
+    and debug). Off by default. Triton's interpreter computes that check for every integer op
+    (again in int64, compared with the bounds: half the interpreter's time in dilgen's
+    kernels) and then drops it, since its device_assert does nothing unless debug is on; the
+    compiled kernels wrap, as numpy's int32 does (row offsets past 2**31 are tested on the
+    GPU, tests/test_row_offsets.py)."""
+    return os.environ.get("DILGEN_INTERPRET_OVERFLOW_CHECK", "") not in ("", "0")
+
+
+def _device_call(fn_self, *args, **kwargs):
+    """InterpretedFunction.__call__ (a @jit helper called from a kernel) without patching the
+    language again when it is patched already. Triton's version patches triton.language's
+    builtins on every helper call (inspect.getmembers over the modules: a quarter of the
+    interpreter's time in the tests) and keeps no record to undo it; the launch that runs the
+    kernel has patched the classes (tensor, dtype) and the module of the kernel's own globals,
+    and a module a helper patched stays patched until `interpreting` puts it back. So a helper
+    patches only when one of the language modules in its globals still holds Triton's own
+    builtins (tl.program_id is one)."""
+    from triton.runtime import interpreter
+    import triton.language as tl
+    fn = fn_self.fn
+    langs = _LANGS.get(fn)
+    if langs is None:
+        langs = _LANGS[fn] = tuple(v for v in fn.__globals__.values() if v is tl or v is tl.core)
+    if not langs or any(tl.core.is_builtin(lang.program_id) for lang in langs):
+        interpreter._patch_lang(fn)
+    rewritten = fn_self.rewrite()
+    try:
+        return rewritten(*args, **kwargs)
+    except Exception as e:
+        raise interpreter.InterpreterError(repr(e)) from e
+
+
+_LANGS: dict = {}     # a helper's function -> the language modules among its globals
+
+
+def _np_dtype_table(interpreter):
+    """interpreter._get_np_dtype with its table made once (Triton builds the 19-entry dict
+    on every call: 5% of the interpreter's time); the same answers."""
+    import numpy as np
+    import triton.language as tl
+    names = ["int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
+             "uint32", "int64", "uint64", "bfloat16", "float8e5", "float8e5b16", "float8e4nv",
+             "float8e4b8", "float8e4b15"]
+    probe = [getattr(tl, n) for n in names if hasattr(tl, n)]
+    table = {}
+    for t in probe:
+        with contextlib.suppress(KeyError):      # a type this Triton's table lacks
+            table[t] = interpreter._get_np_dtype(t)
+    u64 = np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return u64
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+            if isinstance(tt_dtype, tl.pointer_type):
+                return u64
+        return table[tt_dtype]
+    return np_dtype
 
 
 def language_namespaces() -> list:
