@@ -238,7 +238,7 @@ def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float) -> list[dic
                                  nprocs=P, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=5):
+            while not ctx.join(timeout=0.2):
                 if time.monotonic() > deadline:
                     for p in ctx.processes:
                         p.kill()

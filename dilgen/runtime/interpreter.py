@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 import os
 import threading
-from typing import Any
 
 _INTERPRET_LOCK = threading.RLock()
 
@@ -57,13 +56,12 @@ class interpreting:
                 scope.set_attr(tensor, "__index__", scalar_index)
 
             interpreter._patch_lang_tensor = patch_lang_tensor
-        cache: dict[int, Any] = {}
-
         def call(fn_self, *args, **kwargs):
-            wrapped = cache.get(id(fn_self))
-            if wrapped is None:
-                wrapped = cache[id(fn_self)] = InterpretedFunction(fn_self.fn)
-            return wrapped(*args, **kwargs)
+            # by id: a JITFunction's hash walks its globals, patched here (a lambda is refused)
+            kept = _INTERPRETED.get(id(fn_self))
+            if kept is None:         # made once per process: it parses and rewrites the source
+                kept = _INTERPRETED[id(fn_self)] = (fn_self, InterpretedFunction(fn_self.fn))
+            return kept[1](*args, **kwargs)
 
         JITFunction.__call__ = call
         self._language = [(obj, dict(vars(obj))) for obj in language_namespaces()]
@@ -127,6 +125,7 @@ def _device_call(fn_self, *args, **kwargs):
 
 
 _LANGS: dict = {}     # a helper's function -> the language modules among its globals
+_INTERPRETED: dict = {}   # id of a JITFunction (tl.max, ...) -> (it, its InterpretedFunction)
 
 
 def _np_dtype_table(interpreter):
