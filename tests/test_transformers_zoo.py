@@ -199,8 +199,11 @@ def test_static_cache_generate_with_left_padding_equals_full_forwards():
     ids[1, :5] = 0
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
                          cache_implementation="static")
-    from test_transformers import _greedy_by_full_forwards
-    assert torch.equal(out, _greedy_by_full_forwards(model, ids, mask, 3))
+    from test_transformers import _greedy_by_full_forwards      # (registers dilgen_reference)
+    _, ref = _build(transformers.LlamaConfig)                    # the same weights (seed 0)
+    ref = ref.double()
+    ref.set_attn_implementation("dilgen_reference")
+    assert torch.equal(out, _greedy_by_full_forwards(ref, ids, mask, 3))
 
 
 # -- the zoo: decoder architectures that route attention through AttentionInterface ---------
