@@ -103,12 +103,12 @@ def overflow_checks() -> bool:
 def _device_call(fn_self, *args, **kwargs):
     """InterpretedFunction.__call__ (a @jit helper called from a kernel) without patching the
     language again when it is patched already. Triton's version patches triton.language's
-    builtins on every helper call (inspect.getmembers over the modules: a quarter of the
-    interpreter's time in the tests) and keeps no record to undo it; the launch that runs the
-    kernel has patched the classes (tensor, dtype) and the module of the kernel's own globals,
-    and a module a helper patched stays patched until `interpreting` puts it back. So a helper
-    patches only when one of the language modules in its globals still holds Triton's own
-    builtins (tl.program_id is one)."""
+    builtins on every helper call (inspect.getmembers over the modules: with the dtype table
+    below, 10-15 % of a kernel test's time) and keeps no record to undo it; the launch that
+    runs the kernel has patched the classes (tensor, dtype) and the module of the kernel's own
+    globals, and a module a helper patched stays patched until `interpreting` puts it back. So
+    a helper patches only when one of the language modules in its globals still holds
+    Triton's own builtins (tl.program_id is one)."""
     from triton.runtime import interpreter
     import triton.language as tl
     fn = fn_self.fn
@@ -130,7 +130,7 @@ _INTERPRETED: dict = {}   # id of a JITFunction (tl.max, ...) -> (it, its Interp
 
 def _np_dtype_table(interpreter):
     """interpreter._get_np_dtype with its table made once (Triton builds the 19-entry dict
-    on every call: 5% of the interpreter's time); the same answers."""
+    on every call); the same answers."""
     import numpy as np
     import triton.language as tl
     names = ["int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",

@@ -161,8 +161,10 @@ def close_group(dist, group, P: int, me: int) -> None:
             break
 
 
-_STORE_NOISE = re.compile(r"^.*(?:TCPStore|socket)\.cpp:\d+\].*\n(?:(?:Exception raised from |frame #|<omitting "
-                          r"python frames>).*\n|\n)*", re.MULTILINE)
+# a c10d warning line of the store client, then its C++ backtrace ("frame #..") and blank lines
+_STORE_NOISE = re.compile(r"^.*(?:TCPStore|socket)\.cpp:\d+\].*\n"
+                          r"(?:(?:Exception raised from |frame #|<omitting python frames>).*\n|\n)*",
+                          re.MULTILINE)
 
 
 @contextlib.contextmanager
