@@ -68,7 +68,7 @@ class interpreting:
         self._saved_device_call = InterpretedFunction.__call__
         InterpretedFunction.__call__ = _device_call
         self._saved_np_dtype = interpreter._get_np_dtype
-        interpreter._get_np_dtype = _np_dtype_table(interpreter)
+        interpreter._get_np_dtype = _np_dtype_table(self._saved_np_dtype)
         builder = interpreter.interpreter_builder
         self._saved_options = builder.options
         check = overflow_checks()
@@ -126,11 +126,15 @@ def _device_call(fn_self, *args, **kwargs):
 
 _LANGS: dict = {}     # a helper's function -> the language modules among its globals
 _INTERPRETED: dict = {}   # id of a JITFunction (tl.max, ...) -> (it, its InterpretedFunction)
+_NP_DTYPE: dict = {}      # id of Triton's _get_np_dtype -> (it, the table-backed one)
 
 
-def _np_dtype_table(interpreter):
-    """interpreter._get_np_dtype with its table made once (Triton builds the 19-entry dict
-    on every call); the same answers."""
+def _np_dtype_table(get_np_dtype):
+    """Triton's interpreter._get_np_dtype with its table made once per process (Triton builds
+    the 19-entry dict on every call); the same answers."""
+    made = _NP_DTYPE.get(id(get_np_dtype))
+    if made is not None and made[0] is get_np_dtype:
+        return made[1]
     import numpy as np
     import triton.language as tl
     names = ["int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
@@ -140,7 +144,7 @@ def _np_dtype_table(interpreter):
     table = {}
     for t in probe:
         with contextlib.suppress(KeyError):      # a type this Triton's table lacks
-            table[t] = interpreter._get_np_dtype(t)
+            table[t] = get_np_dtype(t)
     u64 = np.dtype(np.uint64)
 
     def np_dtype(tt_dtype):
@@ -151,6 +155,7 @@ def _np_dtype_table(interpreter):
             if isinstance(tt_dtype, tl.pointer_type):
                 return u64
         return table[tt_dtype]
+    _NP_DTYPE[id(get_np_dtype)] = (get_np_dtype, np_dtype)
     return np_dtype
 
 

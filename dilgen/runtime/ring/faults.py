@@ -178,11 +178,13 @@ def _quiet_store():
     time is written back, without those warnings."""
     with contextlib.suppress(Exception):
         sys.stderr.flush()
-    try:
-        saved, held = os.dup(2), tempfile.TemporaryFile()
-    except OSError:                       # no stderr, or no room for a file: as it is
-        saved = held = None
-    if held is None:
+    held = saved = None
+    with contextlib.suppress(OSError):
+        held = tempfile.TemporaryFile()
+        saved = os.dup(2)
+    if saved is None:                     # no room for a file, or no stderr: as it is
+        if held is not None:
+            held.close()
         yield
         return
     with held:
