@@ -47,6 +47,7 @@ def train(impl: str, n: int, data, dev, reps: int) -> dict:
     loss_c, logits_c, grads_c = step(compiled, ids)
     torch.cuda.synchronize()
     row["first_compiled_s"] = round(time.perf_counter() - t0, 1)
+    row["compile_times"] = torch._dynamo.utils.compile_times(repr="str")[-4000:]
     row["loss_eager"], row["loss_compiled"] = loss_e.item(), loss_c.item()
     row["logits_rel"] = rel(logits_c, logits_e)
     row["grads_rel_max"] = max(rel(g, w) for g, w in zip(grads_c, grads_e))
@@ -103,6 +104,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(tk.RESULTS))
     ap.add_argument("--contexts", default="4096,8192")
     ap.add_argument("--impls", default="dilgen,sdpa")
+    ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     tk.quiet()
@@ -113,8 +115,8 @@ def main() -> int:
            "model": bt.MODEL, "dilgen_spec": bt.PATTERN, "rows": []}
     path = tk.result_path(a.out, "hf_compiled", tag=tk.gpu_tag(torch.cuda.get_device_name()))
     data = bt.corpus()
-    jobs = [(train, (impl, int(n), data, dev, a.reps)) for n in a.contexts.split(",") for impl in a.impls.split(",")]
-    jobs += [(generate, (impl, 1024, 64, dev)) for impl in a.impls.split(",")]
+    jobs = [(train, (impl, int(n), data, dev, a.reps)) for n in filter(None, a.contexts.split(",")) for impl in a.impls.split(",")]
+    jobs += [] if a.no_generate else [(generate, (impl, 1024, 64, dev)) for impl in a.impls.split(",")]
     for fn, args in jobs:
         try:
             row = fn(*args)
