@@ -3,7 +3,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-O=/tmp/s2; rm -rf $O; mkdir -p $O
+O=/tmp/s2; rm -rf $O; mkdir -p $O/gen $O/train
 L=${LEFT:-540}
 CUDA_VISIBLE_DEVICES=0 timeout $L python3 bench/bench_forward.py --host --configs A,C,F --quick --out $O > $O/host.txt 2>&1 &
 CUDA_VISIBLE_DEVICES=1 timeout $L python3 -m pytest -o addopts="" -q -p no:cacheprovider --tb=long tests/test_compile.py tests/test_decode_compile.py tests/test_transformers_compile.py > $O/pytest_compile.txt 2>&1 &
