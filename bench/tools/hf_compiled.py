@@ -71,7 +71,7 @@ def generate(impl: str, prompt: int, new: int, dev) -> dict:
     def run(**kw):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model.generate(ids, **steps, **kw)
+        out = model.generate(ids, **{**steps, **kw})
         torch.cuda.synchronize()
         return out, time.perf_counter() - t0
 
