@@ -288,12 +288,15 @@ def dilated_attention(q, k, v, spec: Spec | dict, *, return_lse: bool = False, g
     loops). It runs through the custom op dilgen::attention_fwd, so it traces under
     torch.compile(fullgraph=True): the kernel of `spec` is found (or made) once while
     tracing, outside the graph (runtime.registry.constant_key), and a call with another spec
-    object is traced again."""
+    with different fields is traced again."""
     import torch
     if torch.compiler.is_compiling():
         from .runtime.dispatch import kernel_call
         from .runtime.registry import constant_key
-        return kernel_call(constant_key(_op_key_for, spec), q, k, v, return_lse=return_lse,
+        # the spec goes out of the graph as its JSON (constants): torch 2.11's dynamo cannot
+        # hand a frozen dataclass to a function it calls outside the graph
+        fields = spec.to_json() if isinstance(spec, Spec) else spec
+        return kernel_call(constant_key(_op_key_for, fields), q, k, v, return_lse=return_lse,
                            group=group, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     spec = as_spec(spec, "dilated_attention's spec")
     return _kernel_for(spec)(q, k, v, return_lse=return_lse, group=group, cu_seqlens=cu_seqlens,

@@ -195,7 +195,7 @@ def _one_call(spec):
 def test_one_call_form_under_fullgraph(fresh_dynamo):
     """dilgen.dilated_attention traces as one graph, before any eager call of the spec
     (its kernel is made while tracing, outside the graph), with gradients; the same spec
-    object does not retrace, another one (even an equal spec) does, and stays right."""
+    object does not retrace, a different one does, and stays right."""
     from dilgen import compiler
     spec = _spec("tc_one_call")
     assert spec.key() not in compiler._KERNELS            # cold: nothing made eagerly yet
