@@ -215,10 +215,11 @@ def _refusal(attention) -> str | None:
 
 
 def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = False,
-           validate: bool = True, split: int | None = None):
+           validate: bool = True, split: int | None = None, keep_scratch: bool = True):
     """See the module docstring and GeneratedAttention.decode (what validate=False leaves
     unchecked). `split` (kept keys per program) overrides the runtime's choice (tests,
-    benchmarks)."""
+    benchmarks). keep_scratch=False allocates the partials afresh (torch.ops.dilgen.decode:
+    inductor's CUDA graphs refuse a tensor of their pool kept alive past the graph's outputs)."""
     spec, plan = attention.spec, attention.plan
     refusal = attention.__dict__.get("_decode_refusal", False)
     if refusal is False:
@@ -245,7 +246,7 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
     split, ends = hit
     C = ends[-1]
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=device)
-    if interpret:
+    if interpret or not keep_scratch:
         lse = torch.empty((B, H, T), dtype=torch.float32, device=device)
         out_p = torch.empty((B * T * H, C, D), dtype=torch.float32, device=device)
         lse_p = torch.empty((B * T * H, C), dtype=torch.float32, device=device)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .backward import backward_raw
+from .decode import decode
 from .forward import forward_raw
 from .registry import attention_for, op_key, register
 from .varlen import Packing, check_packed_plan
@@ -262,8 +263,8 @@ class _DilgenVarlenAttention(torch.autograd.Function):
 def decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, key: str) -> tuple[Tensor, Tensor]:
     """out (B, T, H, D), lse (B, H, T) float32 of GeneratedAttention.decode, unvalidated (the
     traced caller checks the lengths on the device: dispatch.traced_decode)."""
-    return attention_for(key, q.device).decode(q, k_cache, v_cache, cache_seqlens, return_lse=True,
-                                               validate=False)
+    return decode(attention_for(key, q.device), q, k_cache, v_cache, cache_seqlens, return_lse=True,
+                  validate=False, keep_scratch=False)
 
 
 @decode_op.register_fake
