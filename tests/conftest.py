@@ -17,6 +17,21 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if torch.cuda.is_available() else max(1, os.cpu_count() or 1)
 
 
+# The longest tests (minutes on 2 cores, bench/results/test_suite-*.json): started first, so
+# that with --dist worksteal (pyproject) the other worker takes the short ones meanwhile and
+# no worker is left running a long test alone at the end.
+LONG_FIRST = ("tests/test_ring.py::test_ring_matches", "tests/test_ring.py::test_packed_ring",
+              "tests/test_ring_faults.py", "tests/test_docs.py::test_doc_blocks_run[README.md]",
+              "tests/test_fused_descriptors.py::test_fused_flags_forward_and_gradients[dual_chain",
+              "tests/test_lanes.py::test_lane_branches_forward_and_gradients[tiles_fastest",
+              "tests/test_nonfinite.py", "tests/test_cache.py::test_eight_processes",
+              "tests/test_transformers.py::test_generate", "tests/test_transformers_compile.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))    # stable: long first
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """Point DILGEN_CACHE_DIR (and Triton's cache) at a temp dir for the whole session."""

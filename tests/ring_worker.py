@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import traceback
 from datetime import timedelta
 
@@ -123,13 +124,10 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     return fails
 
 
-def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> list[str]:
-    """A packed row (cu_seqlens over the whole row) split in P contiguous chunks: this rank's
-    rows of out, lse and the q, k, v gradients against the single-device packed call of the
-    same spec with ring_size 1 (itself checked against the float64 reference in
-    tests/test_varlen.py)."""
+def _packed_inputs(case: dict, P: int, dev: torch.device):
+    """(ring spec, single-device spec, cu, (q, k, v), gout, glse) of a packed case: the same
+    values on every rank (seeded)."""
     import dilgen
-
     fields = dict(case["spec"])
     fields.setdefault("num_heads", 2)
     fields.setdefault("head_dim", 16)
@@ -149,15 +147,40 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
     q, k, v = (torch.randn((total, h, D), generator=gen).to(dt).to(dev) for h in (H, Hkv, Hkv))
     gout = torch.randn((total, H, D), generator=gen).to(dev)
     glse = torch.randn((H, total), generator=gen).to(dev)
+    return ring_spec, one_spec, cu, (q, k, v), gout, glse
 
-    def loss_of(out, lse, g_out, g_lse):
-        fin = torch.isfinite(lse.detach())
-        return (out.float() * g_out).sum() + torch.where(fin, lse, torch.zeros_like(lse)).mul(g_lse).sum()
 
-    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref_out, ref_lse = dilgen.compile(one_spec)(*full, cu_seqlens=cu, return_lse=True)
-    loss_of(ref_out, ref_lse, gout, glse).backward()
+def _packed_loss(out, lse, g_out, g_lse):
+    fin = torch.isfinite(lse.detach())
+    return (out.float() * g_out).sum() + torch.where(fin, lse, torch.zeros_like(lse)).mul(g_lse).sum()
 
+
+def packed_reference(case: dict, P: int, dev: torch.device, out_dir: str) -> None:
+    """The single-device packed call of a case (out, lse, and the q, k, v gradients), written
+    to out_dir for every rank to read: one rank makes it, not each of the P."""
+    import dilgen
+    _, one_spec, cu, qkv, gout, glse = _packed_inputs(case, P, dev)
+    full = [t.clone().requires_grad_(True) for t in qkv]
+    out, lse = dilgen.compile(one_spec)(*full, cu_seqlens=cu, return_lse=True)
+    _packed_loss(out, lse, gout, glse).backward()
+    path = os.path.join(out_dir, f"{case['name']}.ref.pt")
+    torch.save([t.detach().cpu() for t in (out, lse, *(x.grad for x in full))], f"{path}.{os.getpid()}.tmp")
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=None,
+                      out_dir: str | None = None) -> list[str]:
+    """A packed row (cu_seqlens over the whole row) split in P contiguous chunks: this rank's
+    rows of out, lse and the q, k, v gradients against the single-device packed call of the
+    same spec with ring_size 1 (itself checked against the float64 reference in
+    tests/test_varlen.py), read from out_dir (packed_reference) or made here."""
+    import dilgen
+    ring_spec, one_spec, cu, (q, k, v), gout, glse = _packed_inputs(case, P, dev)
+    if out_dir is None:
+        out_dir = tempfile.mkdtemp()
+        packed_reference(case, P, dev, out_dir)
+    ref_out, ref_lse, *ref_grads = (t.to(dev) for t in torch.load(os.path.join(out_dir, f"{case['name']}.ref.pt")))
+    total, H, D = q.shape[0], ring_spec.num_heads, ring_spec.head_dim
     c = total // P
     rows = slice(rank * c, (rank + 1) * c)
     mine = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
@@ -167,7 +190,7 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
         out, lse = ring_kernel(*mine, cu_seqlens=cu, return_lse=True, group=group)
     if tuple(out.shape) != (c, H, D) or tuple(lse.shape) != (H, c):
         return [f"{case['name']} rank {rank}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}"]
-    loss_of(out, lse, gout[rows], glse[:, rows]).backward()
+    _packed_loss(out, lse, gout[rows], glse[:, rows]).backward()
 
     tol = TOL[ring_spec.dtype]
     fails = []
@@ -184,8 +207,8 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
         e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
         if not e < tol:
             fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
-    for name, leaf, ref in zip("qkv", mine, full):
-        e = rel_error(leaf.grad, ref.grad[rows])
+    for name, leaf, ref in zip("qkv", mine, ref_grads):
+        e = rel_error(leaf.grad, ref[rows])
         if not e < 2 * tol:
             fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
     return fails
@@ -240,12 +263,17 @@ def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backen
         phase = "cases"
         report = {"rank": rank, "fails": [], "passed": []}
         try:
+            packed = [c for c in cases if c.get("lengths") and not c.get("expect_error")]
+            for case in packed[rank::P]:        # each single-device reference made once
+                packed_reference(case, P, dev, out_dir)
+            if packed:
+                dist.barrier()
             for case in cases:
                 if case.get("expect_error"):
                     report["fails"].extend(check_error(case, rank, P, dev))
                     continue
-                check = check_packed_case if case.get("lengths") else check_case
-                fails = check(case, rank, P, dev)
+                fails = (check_packed_case(case, rank, P, dev, out_dir=out_dir) if case.get("lengths")
+                         else check_case(case, rank, P, dev))
                 report["fails"].extend(fails)
                 if not fails:
                     report["passed"].append(case["name"])
