@@ -216,6 +216,27 @@ def test_one_call_form_under_fullgraph(fresh_dynamo):
     _check_close(got, _reference(other, model, data), TOL, "another spec")
 
 
+def test_constant_key_carries_the_mark_torch_would_set():
+    """registry.constant_key is marked as torch.compiler.assume_constant_result marks a
+    function (without importing dynamo when dilgen is imported): the decorator sets exactly
+    that attribute, and nothing else, in this torch."""
+    def probe(make_key, obj):
+        return make_key(obj)
+    before = set(vars(probe))
+    assert torch.compiler.assume_constant_result(probe) is probe
+    assert set(vars(probe)) - before == {registry.CONSTANT_MARK}
+    assert getattr(registry.constant_key, registry.CONSTANT_MARK) is getattr(probe, registry.CONSTANT_MARK)
+
+
+def test_importing_dilgen_leaves_dynamo_unimported():
+    """Importing dilgen (and its runtime) does not import torch._dynamo (2.4 s a process)."""
+    import subprocess
+    import sys
+    code = "import sys, dilgen, dilgen.runtime; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_one_call_form_is_the_custom_op(fresh_dynamo):
     """In the traced graph the one-call form is dilgen::attention_fwd (eagerly, its work)."""
     spec = _spec("tc_one_call_op")

@@ -87,13 +87,19 @@ def attention_for(key: str, device: torch.device):
     return obj
 
 
-@torch.compiler.assume_constant_result
 def constant_key(make_key, obj) -> str:
     """`make_key(obj)`, a string. Under torch.compile it runs once while tracing, eagerly
     and outside the graph (hashing, building), and its result is a constant of the graph,
-    guarded on the identity of `obj`: another object is traced again. dilgen.dilated_attention
-    finds (or makes) the kernel of a spec with it."""
+    guarded on `obj`: another one is traced again. dilgen.dilated_attention finds (or makes)
+    the kernel of a spec with it."""
     return make_key(obj)
+
+
+# torch.compiler.assume_constant_result(constant_key), without its `import torch._dynamo`
+# (2.4 s of every process's import of dilgen, on the CPU machines): the mark it sets.
+# tests/test_compile.py checks that torch's decorator sets this attribute and nothing else.
+CONSTANT_MARK = "_dynamo_marked_constant"
+setattr(constant_key, CONSTANT_MARK, True)
 
 
 # -- single-device twins of a ring spec (the ring's "local" and "heads" transports) ----------
