@@ -17,6 +17,21 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if torch.cuda.is_available() else max(1, os.cpu_count() or 1)
 
 
+def pytest_configure(config):
+    """With xdist workers on the CPU (one per core), each worker's numpy (OpenBLAS) and
+    torch keep to one thread: two threads a worker on as many cores as workers spin against
+    each other (10 % of the interpreter tests' time). Set before the workers start, so they
+    and the processes they start inherit it; a value already set is kept."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers in (None, 0) or config.getoption("dist", "no") == "no" and workers != "auto":
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+
+
 # The longest tests (minutes on 2 cores, bench/results/test_suite-*.json): started first, so
 # that with --dist worksteal (pyproject) the other worker takes the short ones meanwhile and
 # no worker is left running a long test alone at the end.
