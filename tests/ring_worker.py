@@ -2,7 +2,7 @@
 
 Every rank builds the same full random inputs (same seed), takes its rows, runs the
 ring forward and backward, and asserts its rows of out, lse and of the q, k, v gradients
-against the float64 single-device reference. Failures are written to a per-rank JSON
+against the float64 single-device reference (tests/ring_checks.py). Failures are written to a per-rank JSON
 file (the parent asserts on them); a rank never prints instead of asserting. A rank ends
 by os._exit after a final barrier, never by the interpreter's teardown (see _leave).
 """
@@ -12,206 +12,13 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import traceback
 from datetime import timedelta
 
 import torch
 
-TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
-
-
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got = got.detach().double().cpu()
-    ref = ref.detach().double().cpu()
-    denom = ref.norm().item()
-    return (got - ref).norm().item() / (denom if denom > 0 else 1.0)
-
-
-class transport:
-    """DILGEN_RING_TRANSPORT set to `name` inside the block (a case's "transport")."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        self.saved = os.environ.get("DILGEN_RING_TRANSPORT")
-        os.environ["DILGEN_RING_TRANSPORT"] = self.name
-
-    def __exit__(self, *exc):
-        if self.saved is None:
-            del os.environ["DILGEN_RING_TRANSPORT"]
-        else:
-            os.environ["DILGEN_RING_TRANSPORT"] = self.saved
-
-
-def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> list[str]:
-    """Run one case on this rank; return failure messages (empty when it passed)."""
-    import dilgen
-    from dilgen.reference import differentiable_reference
-    from dilgen.runtime.ring import shard
-
-    fields = dict(case["spec"])
-    fields.setdefault("num_heads", 2)
-    fields.setdefault("head_dim", 16)
-    fields.setdefault("dtype", "float32")
-    fields["ring_size"] = P
-    spec = dilgen.Spec(name=case["name"], **fields)
-    order = case.get("order", "contiguous")
-    B, N = case["shape"]
-    gen = torch.Generator().manual_seed(case.get("seed", 0))
-    H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = (torch.randn((B, N, h, D), generator=gen) for h in (H, Hkv, Hkv))
-    gout = torch.randn((B, N, H, D), generator=gen)
-    glse = torch.randn((B, H, N), generator=gen)
-
-    # float64 single-device reference and its gradients
-    leaves = [t.double().clone().requires_grad_(True) for t in (q, k, v)]
-    ref_out, ref_lse = differentiable_reference(*leaves, spec)
-    finite = torch.isfinite(ref_lse)
-    loss = (ref_out * gout.double()).sum() + torch.where(finite, ref_lse, torch.zeros_like(ref_lse)).mul(glse.double()).sum()
-    loss.backward()
-    ref_grads = [t.grad for t in leaves]
-
-    dt = getattr(torch, spec.dtype)
-    sh = lambda t, dim=1: shard(t, P, rank, order, dim=dim, spec=spec)  # noqa: E731
-    mine = [sh(t).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
-    # a case's "tuning" forces planner flags (the sm90 descriptor loads run in the interpreter)
-    kernel = dilgen.Kernel(spec, None, case["tuning"]) if case.get("tuning") else dilgen.compile(spec)
-    if case.get("compile"):
-        # the ring as ops: the call traces as one graph (fullgraph=True), P2P inside the op
-        from torch._dynamo.testing import CompileCounter
-        counter = CompileCounter()
-        fn = torch.compile(lambda a, b, c: kernel(a, b, c, return_lse=True, chunk_order=order),
-                           fullgraph=True, backend=counter)
-        out, lse = fn(*mine)
-        if counter.frame_count != 1:
-            return [f"{case['name']} rank {rank}: {counter.frame_count} graphs, want 1"]
-    else:
-        # the ring's windows unless a case names a transport ("auto": the cost model's)
-        with transport(case.get("transport", "ring")):
-            out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
-        ran = kernel.compiled_for(dev).attention.last_ring_transport
-        if case.get("expect_transport", ran) != ran:
-            return [f"{case['name']} rank {rank}: transport {ran}, want {case['expect_transport']}"]
-    g_out = sh(gout).to(dev)
-    g_lse = sh(glse, 2).to(dev)
-    lse_finite = torch.isfinite(lse.detach())
-    loss = (out.float() * g_out).sum() + torch.where(lse_finite, lse, torch.zeros_like(lse)).mul(g_lse).sum()
-    with transport(case.get("transport", "ring")):
-        loss.backward()
-
-    tol = TOL[spec.dtype]
-    fails = []
-    want_out = sh(ref_out.detach())
-    want_lse = sh(ref_lse.detach(), 2)
-    if torch.isnan(out).any():
-        fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
-    err = rel_error(out, want_out)
-    if not err < tol:
-        fails.append(f"{case['name']} rank {rank}: out rel error {err:.3g} >= {tol}")
-    if not torch.equal(torch.isfinite(lse.detach().cpu()), torch.isfinite(want_lse)):
-        fails.append(f"{case['name']} rank {rank}: lse -inf pattern differs")
-    else:
-        fin = torch.isfinite(want_lse)
-        e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
-        if not e < tol:
-            fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
-    for name, leaf, ref in zip("qkv", mine, ref_grads):
-        e = rel_error(leaf.grad, sh(ref))
-        if not e < 2 * tol:
-            fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
-    return fails
-
-
-def _packed_inputs(case: dict, P: int, dev: torch.device):
-    """(ring spec, single-device spec, cu, (q, k, v), gout, glse) of a packed case: the same
-    values on every rank (seeded)."""
-    import dilgen
-    fields = dict(case["spec"])
-    fields.setdefault("num_heads", 2)
-    fields.setdefault("head_dim", 16)
-    fields.setdefault("dtype", "float32")
-    ring_spec = dilgen.Spec(name=case["name"], ring_size=P, **fields)
-    one_spec = dilgen.Spec(name=case["name"] + "_1dev", ring_size=1, **fields)
-    lengths = case["lengths"]
-    cu_list = [0]
-    for n in lengths:
-        cu_list.append(cu_list[-1] + n)
-    total = cu_list[-1]
-    assert total % P == 0, f"{case['name']}: total {total} not divisible by {P}"
-    cu = torch.tensor(cu_list, dtype=torch.int32, device=dev)
-    H, Hkv, D = ring_spec.num_heads, ring_spec.num_kv_heads, ring_spec.head_dim
-    dt = getattr(torch, ring_spec.dtype)
-    gen = torch.Generator().manual_seed(case.get("seed", 0))
-    q, k, v = (torch.randn((total, h, D), generator=gen).to(dt).to(dev) for h in (H, Hkv, Hkv))
-    gout = torch.randn((total, H, D), generator=gen).to(dev)
-    glse = torch.randn((H, total), generator=gen).to(dev)
-    return ring_spec, one_spec, cu, (q, k, v), gout, glse
-
-
-def _packed_loss(out, lse, g_out, g_lse):
-    fin = torch.isfinite(lse.detach())
-    return (out.float() * g_out).sum() + torch.where(fin, lse, torch.zeros_like(lse)).mul(g_lse).sum()
-
-
-def packed_reference(case: dict, P: int, dev: torch.device, out_dir: str) -> None:
-    """The single-device packed call of a case (out, lse, and the q, k, v gradients), written
-    to out_dir for every rank to read: one rank makes it, not each of the P."""
-    import dilgen
-    _, one_spec, cu, qkv, gout, glse = _packed_inputs(case, P, dev)
-    full = [t.clone().requires_grad_(True) for t in qkv]
-    out, lse = dilgen.compile(one_spec)(*full, cu_seqlens=cu, return_lse=True)
-    _packed_loss(out, lse, gout, glse).backward()
-    path = os.path.join(out_dir, f"{case['name']}.ref.pt")
-    torch.save([t.detach().cpu() for t in (out, lse, *(x.grad for x in full))], f"{path}.{os.getpid()}.tmp")
-    os.replace(f"{path}.{os.getpid()}.tmp", path)
-
-
-def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=None,
-                      out_dir: str | None = None) -> list[str]:
-    """A packed row (cu_seqlens over the whole row) split in P contiguous chunks: this rank's
-    rows of out, lse and the q, k, v gradients against the single-device packed call of the
-    same spec with ring_size 1 (itself checked against the float64 reference in
-    tests/test_varlen.py), read from out_dir (packed_reference) or made here."""
-    import dilgen
-    ring_spec, one_spec, cu, (q, k, v), gout, glse = _packed_inputs(case, P, dev)
-    if out_dir is None:
-        out_dir = tempfile.mkdtemp()
-        packed_reference(case, P, dev, out_dir)
-    ref_out, ref_lse, *ref_grads = (t.to(dev) for t in torch.load(os.path.join(out_dir, f"{case['name']}.ref.pt")))
-    total, H, D = q.shape[0], ring_spec.num_heads, ring_spec.head_dim
-    c = total // P
-    rows = slice(rank * c, (rank + 1) * c)
-    mine = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
-    ring_kernel = (dilgen.Kernel(ring_spec, None, case["tuning"]) if case.get("tuning")
-                   else dilgen.compile(ring_spec))
-    with transport(case.get("transport", "auto")):
-        out, lse = ring_kernel(*mine, cu_seqlens=cu, return_lse=True, group=group)
-    if tuple(out.shape) != (c, H, D) or tuple(lse.shape) != (H, c):
-        return [f"{case['name']} rank {rank}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}"]
-    _packed_loss(out, lse, gout[rows], glse[:, rows]).backward()
-
-    tol = TOL[ring_spec.dtype]
-    fails = []
-    if torch.isnan(out).any():
-        fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
-    err = rel_error(out, ref_out[rows])
-    if not err < tol:
-        fails.append(f"{case['name']} rank {rank}: out rel error {err:.3g} >= {tol}")
-    want_lse = ref_lse.detach()[:, rows].cpu()
-    if not torch.equal(torch.isfinite(lse.detach().cpu()), torch.isfinite(want_lse)):
-        fails.append(f"{case['name']} rank {rank}: lse -inf pattern differs")
-    else:
-        fin = torch.isfinite(want_lse)
-        e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
-        if not e < tol:
-            fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
-    for name, leaf, ref in zip("qkv", mine, ref_grads):
-        e = rel_error(leaf.grad, ref[rows])
-        if not e < 2 * tol:
-            fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
-    return fails
+# tests/ is on sys.path: pytest's, a spawned rank's (copied from its parent), a script's own folder
+from ring_checks import check_case, check_packed_case, packed_reference, transport
 
 
 def write_json(out_dir: str, name: str, obj: dict) -> None:
