@@ -105,3 +105,27 @@ def test_unused_lse_gets_no_gradient(use_lse, monkeypatch):
     loss = out.sum() + (lse.sum() if use_lse else 0)
     loss.backward()
     assert seen == [not use_lse]
+
+
+def test_kept_tables_are_dropped_by_length_not_by_count():
+    """A module keeps its device tables for KEPT_LENGTHS sequence lengths: any number of
+    entries of one length (a causal Hilbert plan keeps up to three block lists a branch) stay
+    together, a length used again is not rebuilt, a new length past the limit drops the
+    entries of the length kept longest, and the class order (of no length) is never dropped."""
+    attn = _kernel(SPECS[3][1]).compiled_for(torch.device("cpu")).attention
+    cpu = torch.device("cpu")
+    first = attn._launch_tensors(64, cpu)
+    order = attn._class_order(cpu)
+    for i in range(20):                               # many entries of one length
+        attn._keep((64, "lists", i), torch.zeros(1))
+    assert attn._launch_tensors(64, cpu) is first
+    assert all((64, "lists", i) in attn._device_tensors for i in range(20))
+    n_kept = attn.KEPT_LENGTHS
+    for n in range(128, 64 * (n_kept + 1), 64):        # n_kept - 1 more lengths: all kept
+        attn._launch_tensors(n, cpu)
+    assert attn._launch_tensors(64, cpu) is first
+    attn._launch_tensors(64 * (n_kept + 1), cpu)        # one more: length 64 goes, all of it
+    assert not [k for k in attn._device_tensors if k[0] == 64]
+    assert attn._class_order(cpu) is order
+    lengths = {k[0] for k in attn._device_tensors if isinstance(k[0], int)}
+    assert lengths == set(range(128, 64 * (n_kept + 2), 64))

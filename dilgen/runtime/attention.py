@@ -111,26 +111,39 @@ class GeneratedAttention:
     def _launch_tensors(self, n: int, device: torch.device) -> tuple[torch.Tensor, list]:
         """The class order and the Hilbert tables for length n on `device`, built once (a
         host-to-device copy per call would stall the launch queue)."""
-        key = (n, str(device))
+        key = (n, "tables", str(device))
         hit = self._device_tensors.get(key)
         if hit is None:
             tables = []
             for t in self.plan["tables"]:
                 tables.extend(table_tensors(t, n, device))
-            if len(self._device_tensors) > 16:
-                self._device_tensors.clear()
-            hit = self._device_tensors[key] = (self._class_order(device), tables)
+            hit = self._keep(key, (self._class_order(device), tables))
         return hit
 
     def _block_lists(self, branch: dict, n: int, tile, device: torch.device, keys_listed: bool = True):
         """runtime.curve_rows.block_lists for a lane tile (rows, keys, ...), built once."""
-        key = ("lists", branch["index"], n, tile[0], tile[1], keys_listed, str(device))
+        key = (n, "lists", branch["index"], tile[0], tile[1], keys_listed, str(device))
         hit = self._device_tensors.get(key)
         if hit is None:
             order = branch["order"] or self.plan["query"]["order"]
             fwd = table_tensors(order, n, device)[0]
-            hit = self._device_tensors[key] = block_lists(branch, fwd, n, tile[0], tile[1], keys_listed)
+            hit = self._keep(key, block_lists(branch, fwd, n, tile[0], tile[1], keys_listed))
         return hit
+
+    KEPT_LENGTHS = 8     # sequence lengths whose tables stay on the device at once
+
+    def _keep(self, key: tuple, value):
+        """Keep `value` under `key`, whose first item is a sequence length. The tables of at
+        most KEPT_LENGTHS lengths are kept: a new one drops every entry of the length kept
+        longest, whatever the number of entries a length has (a causal Hilbert plan keeps up
+        to three block lists per branch); the class order, of no length, stays."""
+        kept = self._device_tensors
+        lengths = list(dict.fromkeys(k[0] for k in kept if isinstance(k[0], int)))
+        if key[0] not in lengths and len(lengths) >= self.KEPT_LENGTHS:
+            for k in [k for k in kept if k[0] == lengths[0]]:
+                del kept[k]
+        kept[key] = value
+        return value
 
     def forward_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     packing=None) -> tuple[torch.Tensor, torch.Tensor]:
