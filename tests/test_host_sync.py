@@ -112,8 +112,9 @@ def test_kept_tables_are_dropped_by_length_not_by_count():
     entries of one length (a causal Hilbert plan keeps up to three block lists a branch) stay
     together, a length used again is not rebuilt, a new length past the limit drops the
     entries of the length kept longest, and the class order (of no length) is never dropped."""
-    attn = _kernel(SPECS[3][1]).compiled_for(torch.device("cpu")).attention
+    spec = dilgen.Spec(name="kept_tables", head_dim=16, dtype="float32", num_heads=4, **SPECS[3][1])
     cpu = torch.device("cpu")
+    attn = dilgen.compile(spec).compiled_for(cpu).attention      # a module no other test uses
     first = attn._launch_tensors(64, cpu)
     order = attn._class_order(cpu)
     for i in range(20):                               # many entries of one length
