@@ -22,8 +22,7 @@ def pytest_configure(config):
     torch keep to one thread: two threads a worker on as many cores as workers spin against
     each other (10 % of the interpreter tests' time). Set before the workers start, so they
     and the processes they start inherit it; a value already set is kept."""
-    workers = getattr(config.option, "numprocesses", None)
-    if workers in (None, 0) or config.getoption("dist", "no") == "no" and workers != "auto":
+    if not getattr(config.option, "numprocesses", None):     # no xdist, or -n 0
         return
     import torch
     if torch.cuda.is_available():

@@ -5,7 +5,6 @@ packed rows, against the single-device packed call that one rank makes for all
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
@@ -93,26 +92,33 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     with transport(case.get("transport", "ring")):
         loss.backward()
 
-    tol = TOL[spec.dtype]
+    return compare_rows(f"{case['name']} rank {rank}", TOL[spec.dtype], (out, lse, *(t.grad for t in mine)),
+                        (sh(ref_out.detach()), sh(ref_lse.detach(), 2), *(sh(g) for g in ref_grads)))
+
+
+def compare_rows(who: str, tol: float, got, want) -> list[str]:
+    """Failure messages for this rank's rows: got and want are (out, lse, dq, dk, dv); out
+    within tol and written (no NaN), lse -inf where and only where the reference's is and
+    within tol elsewhere, each gradient within 2 * tol."""
+    out, lse, *grads = got
+    want_out, want_lse, *want_grads = (t.detach().cpu() for t in want)
     fails = []
-    want_out = sh(ref_out.detach())
-    want_lse = sh(ref_lse.detach(), 2)
     if torch.isnan(out).any():
-        fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
+        fails.append(f"{who}: NaN in out (unwritten rows?)")
     err = rel_error(out, want_out)
     if not err < tol:
-        fails.append(f"{case['name']} rank {rank}: out rel error {err:.3g} >= {tol}")
+        fails.append(f"{who}: out rel error {err:.3g} >= {tol}")
     if not torch.equal(torch.isfinite(lse.detach().cpu()), torch.isfinite(want_lse)):
-        fails.append(f"{case['name']} rank {rank}: lse -inf pattern differs")
+        fails.append(f"{who}: lse -inf pattern differs")
     else:
         fin = torch.isfinite(want_lse)
         e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
         if not e < tol:
-            fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
-    for name, leaf, ref in zip("qkv", mine, ref_grads):
-        e = rel_error(leaf.grad, sh(ref))
+            fails.append(f"{who}: lse rel error {e:.3g}")
+    for name, grad, ref in zip("qkv", grads, want_grads):
+        e = rel_error(grad, ref)
         if not e < 2 * tol:
-            fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
+            fails.append(f"{who}: d{name} rel error {e:.3g} >= {2 * tol}")
     return fails
 
 
@@ -147,16 +153,25 @@ def _packed_loss(out, lse, g_out, g_lse):
     return (out.float() * g_out).sum() + torch.where(fin, lse, torch.zeros_like(lse)).mul(g_lse).sum()
 
 
-def packed_reference(case: dict, P: int, dev: torch.device, out_dir: str) -> None:
-    """The single-device packed call of a case (out, lse, and the q, k, v gradients), written
-    to out_dir for every rank to read: one rank makes it, not each of the P."""
+def packed_reference(case: dict, P: int, dev: torch.device) -> list[torch.Tensor]:
+    """The single-device packed call of a case: [out, lse, dq, dk, dv] on the CPU."""
     import dilgen
     _, one_spec, cu, qkv, gout, glse = _packed_inputs(case, P, dev)
     full = [t.clone().requires_grad_(True) for t in qkv]
     out, lse = dilgen.compile(one_spec)(*full, cu_seqlens=cu, return_lse=True)
     _packed_loss(out, lse, gout, glse).backward()
-    path = os.path.join(out_dir, f"{case['name']}.ref.pt")
-    torch.save([t.detach().cpu() for t in (out, lse, *(x.grad for x in full))], f"{path}.{os.getpid()}.tmp")
+    return [t.detach().cpu() for t in (out, lse, *(x.grad for x in full))]
+
+
+def _reference_path(out_dir: str, case: dict) -> str:
+    return os.path.join(out_dir, f"{case['name']}.ref.pt")
+
+
+def share_packed_reference(case: dict, P: int, dev: torch.device, out_dir: str) -> None:
+    """packed_reference written (atomically) to out_dir for every rank to read: one rank
+    makes it, not each of the P."""
+    path = _reference_path(out_dir, case)
+    torch.save(packed_reference(case, P, dev), f"{path}.{os.getpid()}.tmp")
     os.replace(f"{path}.{os.getpid()}.tmp", path)
 
 
@@ -165,13 +180,10 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
     """A packed row (cu_seqlens over the whole row) split in P contiguous chunks: this rank's
     rows of out, lse and the q, k, v gradients against the single-device packed call of the
     same spec with ring_size 1 (itself checked against the float64 reference in
-    tests/test_varlen.py), read from out_dir (packed_reference) or made here."""
+    tests/test_varlen.py), read from out_dir (share_packed_reference) or made here."""
     import dilgen
-    ring_spec, one_spec, cu, (q, k, v), gout, glse = _packed_inputs(case, P, dev)
-    if out_dir is None:
-        out_dir = tempfile.mkdtemp()
-        packed_reference(case, P, dev, out_dir)
-    ref_out, ref_lse, *ref_grads = (t.to(dev) for t in torch.load(os.path.join(out_dir, f"{case['name']}.ref.pt")))
+    ring_spec, _, cu, (q, k, v), gout, glse = _packed_inputs(case, P, dev)
+    want = torch.load(_reference_path(out_dir, case)) if out_dir else packed_reference(case, P, dev)
     total, H, D = q.shape[0], ring_spec.num_heads, ring_spec.head_dim
     c = total // P
     rows = slice(rank * c, (rank + 1) * c)
@@ -184,23 +196,5 @@ def check_packed_case(case: dict, rank: int, P: int, dev: torch.device, group=No
         return [f"{case['name']} rank {rank}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}"]
     _packed_loss(out, lse, gout[rows], glse[:, rows]).backward()
 
-    tol = TOL[ring_spec.dtype]
-    fails = []
-    if torch.isnan(out).any():
-        fails.append(f"{case['name']} rank {rank}: NaN in out (unwritten rows?)")
-    err = rel_error(out, ref_out[rows])
-    if not err < tol:
-        fails.append(f"{case['name']} rank {rank}: out rel error {err:.3g} >= {tol}")
-    want_lse = ref_lse.detach()[:, rows].cpu()
-    if not torch.equal(torch.isfinite(lse.detach().cpu()), torch.isfinite(want_lse)):
-        fails.append(f"{case['name']} rank {rank}: lse -inf pattern differs")
-    else:
-        fin = torch.isfinite(want_lse)
-        e = rel_error(lse.detach().cpu()[fin], want_lse[fin]) if fin.any() else 0.0
-        if not e < tol:
-            fails.append(f"{case['name']} rank {rank}: lse rel error {e:.3g}")
-    for name, leaf, ref in zip("qkv", mine, ref_grads):
-        e = rel_error(leaf.grad, ref[rows])
-        if not e < 2 * tol:
-            fails.append(f"{case['name']} rank {rank}: d{name} rel error {e:.3g} >= {2 * tol}")
-    return fails
+    return compare_rows(f"{case['name']} rank {rank}", TOL[ring_spec.dtype], (out, lse, *(t.grad for t in mine)),
+                        (want[0][rows], want[1][:, rows], *(g[rows] for g in want[2:])))

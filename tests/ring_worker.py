@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 # tests/ is on sys.path: pytest's, a spawned rank's (copied from its parent), a script's own folder
-from ring_checks import check_case, check_packed_case, packed_reference, transport
+from ring_checks import check_case, check_packed_case, share_packed_reference, transport
 
 
 def write_json(out_dir: str, name: str, obj: dict) -> None:
@@ -72,7 +72,7 @@ def worker(rank: int, P: int, port: int, cases: list[dict], out_dir: str, backen
         try:
             packed = [c for c in cases if c.get("lengths") and not c.get("expect_error")]
             for case in packed[rank::P]:        # each single-device reference made once
-                packed_reference(case, P, dev, out_dir)
+                share_packed_reference(case, P, dev, out_dir)
             if packed:
                 dist.barrier()
             for case in cases:
