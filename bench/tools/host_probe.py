@@ -101,6 +101,15 @@ def probe(name):
               "profile_scratch_size": getattr(runner, "profile_scratch_size", None),
               "launcher": type(runner).__name__, "has_launch": hasattr(runner, "launch")}
         info["launches"].append(li)
+        print(li, flush=True)
+        if getattr(runner, "global_scratch_size", 0):
+            scratch = torch.empty(grid[0] * grid[1] * grid[2] * runner.num_ctas * runner.global_scratch_size,
+                                  dtype=torch.int8, device=dev)
+            row(name, f"launch{i}: C launch ptrs, scratch kept", lambda: runner.launch(
+                grid[0], grid[1], grid[2], stream, compiled.function, runner.launch_cooperative_grid,
+                runner.launch_pdl, scratch.data_ptr(), None, compiled.packed_metadata, None, None, None, *ptrs))
+            row(name, f"launch{i}: torch.empty scratch", lambda: torch.empty(
+                grid[0] * grid[1] * grid[2] * runner.global_scratch_size, dtype=torch.int8, device=dev))
         row(name, f"launch{i}: launch_compiled", lambda: launch.launch_compiled(compiled, grid, stream, args))
         row(name, f"launch{i}: compiled.run", lambda: runner(grid[0], grid[1], grid[2], stream, compiled.function,
                                                               compiled.packed_metadata, None, None, None, *args))
@@ -134,6 +143,7 @@ def probe(name):
     except Exception as e:  # noqa: BLE001
         info["ptrs_error"] = tk.short_err(e, 600)
     res["rows"].append(info)
+    print(info, flush=True)
     # fwd + bwd pieces
     row(name, "fwd with grad (autograd.Function)", lambda: kernel(qg, kg, vg), calls=30)
     row(name, "fwd_bwd autograd.grad", lambda: torch.autograd.grad(kernel(qg, kg, vg), (qg, kg, vg), g), calls=30)
@@ -151,10 +161,10 @@ def probe(name):
     # packed with the packing made once (no sync), and the packing alone
     rows = [t.reshape(B * N, H, D) for t in (q, k, v)]
     cu = torch.arange(0, B * N + 1, N // 4, dtype=torch.int32, device=dev)
-    packing = packing_from_cu_seqlens("p", cu, B * N, dev, None)
+    packing = packing_from_cu_seqlens("p", cu, B * N, q.device, None)
     with torch.no_grad():
         row(name, "packed, packing made once", lambda: op.varlen_attention_op(attn, *rows, packing), calls=30)
-        row(name, "packing_from_cu_seqlens", lambda: packing_from_cu_seqlens("p", cu, B * N, dev, None), calls=30)
+        row(name, "packing_from_cu_seqlens", lambda: packing_from_cu_seqlens("p", cu, B * N, q.device, None), calls=30)
         row(name, "packed call (as users)", lambda: kernel(*rows, cu_seqlens=cu), calls=30)
     # decode
     cl, q1 = torch.full((B,), N, dtype=torch.int32, device=dev), q[:, -1:].contiguous()
@@ -215,6 +225,19 @@ def capture_checks():
 
 if __name__ == "__main__":
     tk.quiet()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tiny(x, n):
+        tl.store(x + tl.arange(0, 16), tl.arange(0, 16).to(tl.float32), mask=tl.arange(0, 16) < n)
+    xx = torch.empty(16, device="cuda")
+    ck = tiny[(1,)](xx, 16)
+    st = replay._stream(0)
+    row("-", "tiny kernel: tiny[grid]()", lambda: tiny[(1,)](xx, 16))
+    row("-", "tiny kernel: compiled.run", lambda: ck.run(1, 1, 1, st, ck.function, ck.packed_metadata, None, None, None, xx, 16))
+    row("-", "tiny kernel: C launch ptr", lambda: ck.run.launch(1, 1, 1, st, ck.function, False, False, None, None,
+                                                               ck.packed_metadata, None, None, None, xx.data_ptr(), 16))
     for name in sys.argv[1].split(","):
         probe(name)
         with open(os.path.join(OUT, "host_probe.json"), "w") as f:
