@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dilgen
-from dilgen.runtime import op, replay
+from dilgen.runtime import launch, op, replay
 
 from conftest import device
 
@@ -171,3 +171,68 @@ def test_recipes_are_bounded(gpu_calls):
     for i in range(replay._MAX_RECIPES + 3):
         replay.keep(module, ("k", i), replay.Recipe([], False))
     assert len(module._replays) <= replay._MAX_RECIPES
+
+
+class _Launcher36:
+    """Triton 3.6's CudaLauncher as launch.direct reads it: __call__ over a C `launch`."""
+
+    global_scratch_size, profile_scratch_size, num_ctas = 8, 0, 1
+    launch_cooperative_grid, launch_pdl = False, False
+
+    def __init__(self):
+        self.through_call, self.raw = [], []
+
+    def launch(self, *args):
+        self.raw.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.through_call.append(((gridX, gridY, gridZ), stream, args))
+
+
+@pytest.fixture
+def scratch(monkeypatch):
+    """Scratch buffers on the CPU, one per stream as launch._scratch keeps them."""
+    kept = {}
+    monkeypatch.setattr(launch, "_scratch", lambda n, stream, overlapping: kept.setdefault(stream, torch.empty(n, dtype=torch.int8)))
+    return kept
+
+
+def test_a_replay_goes_through_the_c_launch_with_pointers(gpu_calls, scratch, monkeypatch):
+    """Through a launcher of Triton 3.6's shape a replay calls its C launch: the call's
+    tensors and the kept tables as pointers, the grid's scratch, the defaults; with a launch
+    hook set (a profiler) it goes through the launcher, which calls the hook."""
+    tables = [torch.arange(4), torch.arange(6)]
+    jit = _Jit(["Q", "T", "N", "O", "FLAG", "BLOCK"], {"BLOCK": 64})
+    jit.compiled.run = _Launcher36()
+    q, out = torch.randn(3), torch.empty(3)
+    rec = replay.Recorder()
+    rec.launch(jit, (5, 2), (q, tables[1], 17, out, True), {"num_warps": 4})
+    recipe = rec.recipe((q, out), _Module(tables))
+    assert recipe.direct is not None
+    q2, out2 = torch.randn(3), torch.empty(3)
+    recipe.run((q2, out2))
+    (raw,) = jit.compiled.run.raw
+    assert raw[:5] == (5, 2, 1, "s1", "fn") and raw[5:7] == (False, False)
+    assert raw[7] == scratch["s1"].data_ptr() and scratch["s1"].numel() == 5 * 2 * 8
+    assert raw[8:13] == (None, "meta", None, None, None)
+    assert raw[13:] == (q2.data_ptr(), tables[1].data_ptr(), 17, out2.data_ptr(), True, 64)
+    from triton import knobs
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda meta: None)   # not a HookChain: set
+    recipe.run((q2, out2))
+    assert len(jit.compiled.run.raw) == 1
+    grid, stream, args = jit.compiled.run.through_call[-1]
+    assert grid == (5, 2, 1) and args[4] is q2 and args[7] is out2     # after metadata and hooks
+
+
+def test_only_a_launcher_of_that_shape_is_called_directly():
+    """A launcher of another shape (another Triton), or one that profiles, keeps its own
+    call: launch.direct gives None."""
+    compiled = _Compiled()
+    assert launch.direct(compiled) is None
+    profiling = _Launcher36()
+    profiling.profile_scratch_size = 64
+    compiled.run = profiling
+    compiled._dilgen_direct = None
+    assert launch.direct(compiled) is None
+    compiled.run, compiled._dilgen_direct = _Launcher36(), None
+    assert isinstance(launch.direct(compiled), launch.Direct)

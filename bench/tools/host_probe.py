@@ -174,6 +174,103 @@ def probe(name):
     row(name, "sdpa decode", lambda: sdpa(*hf(q1, k, v)))
 
 
+def find_sync(label, fn):
+    """The traceback of the first synchronizing torch call in fn (sync debug mode 'error')."""
+    import warnings
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fn()
+        r = {"piece": label, "sync": None}
+    except Exception:  # noqa: BLE001
+        r = {"piece": label, "sync": traceback.format_exc()[-2500:]}
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    res["rows"].append(r)
+    print(r, flush=True)
+
+
+def bwd_breakdown(name):
+    """Where a fwd_bwd's host time goes: the Function's backward, backward_raw, the rest."""
+    c = tk.CONFIGS[name]
+    B, N, H, D = c["B"], c["N"], c["H"], c["D"]
+    dev = torch.device("cuda")
+    kernel = dilgen.compile(tk.make_spec(name, c, False, "probe"))
+    gen = torch.Generator(dev).manual_seed(3)
+    q, k, v, g = (torch.randn(B, N, H, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in "qkvg")
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    spans = {"Function.backward": 0.0, "backward_raw": 0.0}
+    orig_b, orig_raw = op._DilgenAttention.backward, op.backward_raw
+
+    def timed(key, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spans[key] += time.perf_counter() - t0
+        return wrapper
+    op._DilgenAttention.backward = staticmethod(timed("Function.backward", orig_b))
+    op.backward_raw = timed("backward_raw", orig_raw)
+    try:
+        step = lambda: torch.autograd.grad(kernel(qg, kg, vg), (qg, kg, vg), g)  # noqa: E731
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        for k_ in spans:
+            spans[k_] = 0.0
+        calls, rounds = 30, 7
+        us, busy = host(step, calls=calls, rounds=rounds)
+        per = {k_: round(v_ / (calls * rounds) * 1e6, 2) for k_, v_ in spans.items()}
+        r = {"config": name, "piece": "fwd_bwd breakdown", "host_us": us, "gpu_stayed_busy": busy, **per}
+    finally:
+        op._DilgenAttention.backward, op.backward_raw = staticmethod(orig_b), orig_raw
+    res["rows"].append(r)
+    print(r, flush=True)
+    rows = [t.reshape(B * N, H, D) for t in (q, k, v)]
+    cu = torch.arange(0, B * N + 1, N // 4, dtype=torch.int32, device=dev)
+    packing = packing_from_cu_seqlens("p", cu, B * N, q.device, None)
+    mask = torch.arange(N, device=dev).expand(B, N) >= N - 64
+    with torch.no_grad():
+        op.varlen_attention_op(kernel.compiled_for(dev).attention, *rows, packing)
+        kernel.padded(q, k, v, mask)
+        find_sync(f"{name} packed, packing made once", lambda: op.varlen_attention_op(kernel.compiled_for(dev).attention, *rows, packing))
+        find_sync(f"{name} padded", lambda: kernel.padded(q, k, v, mask))
+        find_sync(f"{name} packed as users call", lambda: kernel(*rows, cu_seqlens=cu))
+
+
+def sdpa_capture():
+    """The capture harness of capture_checks with SDPA in dilgen's place."""
+    c = tk.CONFIGS["A"]
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(2)
+    q, k, v, g = (torch.randn(1, c["H"], c["N"], c["D"], device=dev, dtype=torch.bfloat16, generator=gen) for _ in "qkvg")
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def step():
+        o = sdpa(qg, kg, vg)
+        return (o, *torch.autograd.grad(o, (qg, kg, vg), g))
+    try:
+        fresh = step()
+        graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            cap = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        out = all(torch.equal(a, b) for a, b in zip(fresh, cap))
+    except Exception as e:  # noqa: BLE001
+        out = "error: " + tk.short_err(e, 300)
+    res["sdpa_capture_fresh"] = out
+    print("sdpa capture fresh:", out, flush=True)
+
+
 def capture_checks():
     """CUDA-graph capture of A's fwd+bwd with return_lse, fresh and after replay checks."""
     from dilgen.runtime import set_poison
@@ -242,7 +339,10 @@ if __name__ == "__main__":
         probe(name)
         with open(os.path.join(OUT, "host_probe.json"), "w") as f:
             json.dump(tk.sanitize(res), f, indent=1)
+    for name in sys.argv[1].split(","):
+        bwd_breakdown(name)
     if len(sys.argv) > 2:
+        sdpa_capture()
         capture_checks()
     with open(os.path.join(OUT, "host_probe.json"), "w") as f:
         json.dump(tk.sanitize(res), f, indent=1)

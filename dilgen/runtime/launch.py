@@ -124,11 +124,107 @@ class RepeatLauncher:
 
 def launch_compiled(kernel, grid: tuple, stream, args: tuple) -> None:
     """What JITFunction.run does with a compiled kernel: its launcher on `stream` with the
-    3-D `grid` and every parameter's value (`args`, defaults included); the launch hooks
-    get their metadata only when one is set (a profiler's)."""
+    3-D `grid` and every parameter's value (`args`, defaults included). Through the C launch
+    directly (`direct`) when it can: tensors as their pointers, the scratch kept; else through
+    the compiled kernel's launcher, the launch hooks getting their metadata only when one is
+    set (a profiler's)."""
     from triton import knobs
+    go = None if hooked() else direct(kernel)
+    if go is not None:
+        go(grid, stream, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+        return
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    hooked = enter is not None and getattr(enter, "calls", True)   # HookChain: its calls
-    meta = kernel.launch_metadata(grid, stream, *args) if hooked else None
+    hooked_ = enter is not None and getattr(enter, "calls", True)   # HookChain: its calls
+    meta = kernel.launch_metadata(grid, stream, *args) if hooked_ else None
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
                meta, enter, leave, *args)
+
+
+def hooked() -> bool:
+    """Whether a launch hook is set (a profiler's: Triton's HookChain with calls, or any other
+    callable): launches then go through the compiled kernels' launchers, which call it."""
+    from triton import knobs
+    return any(h is not None and getattr(h, "calls", True)
+               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+# -- the C launch of a compiled kernel ------------------------------------------------------
+# Triton 3.6's CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args) allocates
+# the kernel's global scratch (per program: the device-side tensor descriptors it writes)
+# through triton's allocator and calls its C `launch`, which reads each tensor's data_ptr()
+# and asks the driver where that pointer lives (cuPointerGetAttribute) before launching.
+# On an H200 that is 12.5 us a launch; the C launch with integer pointers and a scratch
+# buffer kept per stream is 5.1-5.6 us (bench/results/host_pieces JSON).
+
+_LAUNCHER_SHAPES: dict[type, bool] = {}
+
+
+def _c_launch_shape(runner) -> bool:
+    """Whether `runner` is a launcher of Triton 3.6's shape: __call__(gridX, gridY, gridZ,
+    stream, function, *args) over a C `launch` taking (grid, stream, function, cooperative,
+    pdl, global scratch, profile scratch, metadata, launch metadata, hooks, *args)."""
+    kind = type(runner)
+    hit = _LAUNCHER_SHAPES.get(kind)
+    if hit is None:
+        import inspect
+        try:
+            names = list(inspect.signature(kind.__call__).parameters)
+        except (TypeError, ValueError):
+            names = []
+        hit = _LAUNCHER_SHAPES[kind] = names == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+    return hit
+
+
+class Direct:
+    """One compiled kernel's C launch: `go(grid, stream, args)` with args as integers (a
+    tensor's data_ptr()). The global scratch is a buffer kept per stream, grown to
+    the largest launch: launches on one stream run one after the other, so they can share it
+    (not so with programmatic dependent launch, whose kernels overlap; nor inside a CUDA-graph
+    capture, whose buffers belong to the graph: those get a fresh one each launch, as Triton's
+    launcher does)."""
+
+    __slots__ = ("raw", "function", "cooperative", "pdl", "metadata", "scratch", "ctas")
+
+    def __init__(self, kernel, runner) -> None:
+        self.raw = runner.launch
+        self.function, self.metadata = kernel.function, kernel.packed_metadata
+        self.cooperative, self.pdl = runner.launch_cooperative_grid, runner.launch_pdl
+        self.scratch, self.ctas = runner.global_scratch_size, runner.num_ctas
+
+    def __call__(self, grid: tuple, stream, args: tuple) -> None:
+        buf = _scratch(grid[0] * grid[1] * grid[2] * self.ctas * self.scratch, stream, self.pdl) \
+            if self.scratch else None
+        self.raw(grid[0], grid[1], grid[2], stream, self.function, self.cooperative, self.pdl,
+                 None if buf is None else buf.data_ptr(), None, self.metadata, None, None, None, *args)
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(nbytes: int, stream, overlapping: bool) -> torch.Tensor:
+    """`nbytes` of global scratch for a launch on `stream`, the current stream (a handle,
+    unique across devices while the stream lives). A fresh buffer is freed once the launch is
+    queued: the caching allocator hands it only to later work on this stream, as with
+    Triton's own allocator."""
+    if overlapping or torch.cuda.is_current_stream_capturing():
+        return torch.empty(nbytes, dtype=torch.int8, device="cuda")
+    buf = _SCRATCH.get(stream)
+    if buf is None or buf.numel() < nbytes:
+        buf = _SCRATCH[stream] = torch.empty(nbytes, dtype=torch.int8, device="cuda")
+    return buf
+
+
+def direct(kernel) -> "Direct | None":
+    """The C launch of a compiled kernel (kept on it), or None when its launcher is not of
+    Triton 3.6's shape or it profiles (then launch_compiled goes through the launcher)."""
+    hit = getattr(kernel, "_dilgen_direct", None)
+    if hit is None:
+        runner = getattr(kernel, "run", None)
+        ok = (runner is not None and _c_launch_shape(runner) and hasattr(runner, "launch")
+              and not getattr(runner, "profile_scratch_size", 1))
+        hit = Direct(kernel, runner) if ok else False
+        try:
+            kernel._dilgen_direct = hit
+        except AttributeError:
+            return hit or None
+    return hit or None

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .launch import ensure_descriptor_allocator, launch_compiled
+from .launch import direct, ensure_descriptor_allocator, hooked, launch_compiled
 
 ENABLED = os.environ.get("DILGEN_REPLAY", "1") not in ("0", "", "false", "no")   # off: every call records nothing
 _SLOT = object()
@@ -34,8 +34,7 @@ def _device() -> int:
 
 
 def _stream(device: int):
-    from triton.runtime.driver import driver
-    return driver.active.get_current_stream(device)
+    return torch._C._cuda_getCurrentRawStream(device)     # what Triton's driver returns
 
 
 def enabled() -> bool:
@@ -108,11 +107,25 @@ class Recipe:
         self.launches = launches
         self.allocator = allocator      # device-side tensor descriptors need triton's allocator
         self.fill = False               # the forward's: zero out and -inf lse before launching
+        # every launch through its C launch (launch.direct): the kept tables' pointers read
+        # once (self.launches keeps the tables alive), a call's tensors' at each run
+        goes = [direct(compiled) for compiled, *_ in launches]
+        self.direct = None if None in goes else [
+            (go, grid, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in template), holes)
+            for go, (_, grid, template, holes) in zip(goes, launches)]
 
     def run(self, tensors: tuple) -> None:
+        stream = _stream(_device())
+        if self.direct is not None and not hooked():
+            ptrs = [t.data_ptr() for t in tensors]
+            for go, grid, template, holes in self.direct:
+                args = list(template)
+                for pos, slot in holes:
+                    args[pos] = ptrs[slot]
+                go(grid, stream, args)
+            return
         if self.allocator:
             ensure_descriptor_allocator()
-        stream = _stream(_device())
         for compiled, grid, template, holes in self.launches:
             args = list(template)
             for pos, slot in holes:
