@@ -224,3 +224,26 @@ def test_generate_runs_the_decode_kernel_and_equals_full_forwards(models, batch,
     monkeypatch.setattr(GeneratedAttention, "decode", real)
     want = _greedy_by_full_forwards(ref, ids, mask, steps)
     assert torch.equal(out, want)
+
+
+def test_masks_and_position_ids_are_read_on_the_host_once_a_forward(models, monkeypatch):
+    """Every layer gets the same attention mask (or packed position_ids): it is read on the
+    host (a device sync on a GPU) by the first layer only, and a new mask is read again."""
+    from dilgen.integrations import hf_rows
+    model, _ = models
+    assert model.config.num_hidden_layers > 1
+    reads = []
+    for fn in ("valid_runs", "_restarts"):
+        real = getattr(hf_rows, fn)
+        monkeypatch.setattr(hf_rows, fn, lambda *a, real=real, fn=fn: reads.append(fn) or real(*a))
+    ids = _tokens(2, 24, 6)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        assert reads == ["valid_runs"]
+        model(ids, attention_mask=mask.clone())
+        assert reads == ["valid_runs"] * 2
+        pos = torch.cat([torch.arange(9), torch.arange(15)])[None]
+        model(ids[:1], position_ids=pos)
+    assert reads == ["valid_runs"] * 2 + ["_restarts"]

@@ -289,3 +289,35 @@ def test_lane_grid_with_tiles_fastest_computes_the_same_bits():
     assert all(torch.isfinite(t).all() for t in got[0])
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *got):
         assert torch.equal(a, b), name
+
+
+def test_offsets_and_masks_are_read_once_per_tensor(monkeypatch):
+    """A model's layers pass one cu_seqlens (or mask) to every call: it is read on the host
+    (a device sync on a GPU) the first time only; written in place it is read again, and a
+    bad one is refused every time."""
+    from dilgen.runtime import varlen
+    reads = []
+    for fn in ("_check_offsets", "_check_padding"):
+        real = getattr(varlen, fn)
+        monkeypatch.setattr(varlen, fn, lambda *a, real=real, fn=fn: reads.append(fn) or real(*a))
+    spec = CASES[1][1]
+    kernel = dilgen.compile(spec)
+    cu = _cu([7, 0, 13])
+    q, k, v = _inputs(spec, 20, 21)
+    first = kernel(q, k, v, cu_seqlens=cu)
+    assert torch.equal(kernel(q, k, v, cu_seqlens=cu), first) and reads == ["_check_offsets"]
+    cu[1] = 3                                   # in place: lengths 3, 4, 13
+    again = kernel(q, k, v, cu_seqlens=cu)
+    assert reads == ["_check_offsets"] * 2
+    assert torch.equal(again[:3], kernel(q[:3], k[:3], v[:3], cu_seqlens=_cu([3])))
+    cu[1] = 30
+    for _ in range(2):
+        with pytest.raises(InputError, match="non-decreasing"):
+            kernel(q, k, v, cu_seqlens=cu)
+    qb, kb, vb = (t.view(2, 10, *t.shape[1:]) for t in (q, k, v))
+    mask = torch.arange(10)[None, :] >= torch.tensor([10, 6])[:, None]
+    padded = kernel.padded(qb, kb, vb, mask)
+    assert torch.equal(kernel.padded(qb, kb, vb, mask), padded) and reads.count("_check_padding") == 1
+    mask[1, 2] = True                           # a hole, written in place: read again, refused
+    with pytest.raises(InputError, match="row 1 has padding between tokens"):
+        kernel.padded(qb, kb, vb, mask)

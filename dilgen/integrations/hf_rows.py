@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..compiler import Kernel
+from ..runtime.varlen import remembered
 
 
 def _runs(mask: torch.Tensor):
@@ -72,6 +73,11 @@ def _packed_offsets(kwargs, batch: int, rows: int):
         # return_flash_attn_kwargs=True)
         torch._assert_async(~(pos.reshape(-1, rows)[:, 1:] == 0).any(), _PACKED_UNDER_COMPILE)
         return None
+    # every layer gets the same position_ids: read on the host once (varlen.remembered)
+    return remembered(pos, ("hf packed", batch, rows), lambda: _restarts(pos, batch, rows))
+
+
+def _restarts(pos, batch: int, rows: int):
     restart = (pos.reshape(-1, rows) == 0).expand(batch, rows).clone()
     if not bool(restart[:, 1:].any()):
         return None                                   # one sequence per row (from 0 or an offset)
@@ -104,7 +110,8 @@ def prefill(kernel: Kernel, q, k, v, mask, kwargs):
     if mask is not None and torch.compiler.is_compiling() and "cu_seq_lens_q" not in kwargs:
         _packed_offsets(kwargs, B, T)                 # the device-side check that rows are not packed
         return _traced_padded(kernel, q, k, v, mask)
-    if mask is not None and bool(mask.all()):
+    # every layer gets the same mask: read on the host once (varlen.remembered)
+    if mask is not None and not remembered(mask, ("hf padded", B, T), lambda: not bool(mask.all())):
         mask = None
     # padding wins over position_ids that restart (generate() gives padded rows position 0)
     packed = _packed_offsets(kwargs, B, T) if mask is None or "cu_seq_lens_q" in kwargs else None
@@ -117,11 +124,14 @@ def prefill(kernel: Kernel, q, k, v, mask, kwargs):
         return kernel(*rows, cu_seqlens=cu, max_seqlen=longest).view(B, T, *q.shape[2:])
     if mask is None:
         return kernel(q, k, v)
-    first, end = valid_runs(mask)
-    padding = torch.ones((B, T), dtype=torch.bool, device=q.device)
-    for b, (a, e) in enumerate(zip(first, end)):
-        padding[b, a:e] = False
-    return kernel.padded(q, k, v, padding)
+    return kernel.padded(q, k, v, remembered(mask, ("hf padding", B, T), lambda: _padding(mask)))
+
+
+def _padding(mask: torch.Tensor) -> torch.Tensor:
+    """The key padding mask (True = padding) of an attention mask whose rows are one run of
+    tokens each (valid_runs refuses holes)."""
+    valid_runs(mask)
+    return ~mask.bool()
 
 
 _LENGTHS: dict[tuple, torch.Tensor] = {}

@@ -13,6 +13,7 @@ and zero gradients.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ class Packing:
     # longest first: each group's grid is sized by its own longest sequence, so short
     # sequences do not launch the empty programs of the longest one; () = one group
     buckets: tuple = ()
+    # starts and lengths as read on the host (ordered as the tensors), () when unknown
+    starts_host: tuple = ()
+    lengths_host: tuple = ()
 
     @property
     def num_seqs(self) -> int:
@@ -67,12 +71,41 @@ def bucket_order(lengths: list[int]) -> tuple[list[int], tuple]:
     return order, tuple(tuple(b) for b in buckets)
 
 
-def _bucketed(starts: torch.Tensor, lengths: torch.Tensor, lengths_host: list[int],
-              covers_all: bool) -> Packing:
-    order, buckets = bucket_order(lengths_host)
-    idx = torch.tensor(order, dtype=torch.long).to(starts.device)
-    longest = max(lengths_host) if lengths_host else 0
-    return Packing(starts[idx].contiguous(), lengths[idx].contiguous(), longest, covers_all, buckets)
+def _bucketed(starts: list[int], lengths: list[int], covers_all: bool, device: torch.device) -> Packing:
+    """The Packing of sequences read on the host: ordered longest first (bucket_order), their
+    starts and lengths copied to `device` in one copy that does not wait for the GPU (from
+    pinned memory, non-blocking)."""
+    order, buckets = bucket_order(lengths)
+    starts, lengths = [starts[i] for i in order], [lengths[i] for i in order]
+    host = torch.tensor([starts, lengths], dtype=torch.int32).reshape(2, len(order))
+    if device.type == "cuda":
+        table = host.pin_memory().to(device, non_blocking=True)
+    else:
+        table = host.to(device)
+    return Packing(table[0], table[1], max(lengths, default=0), covers_all, buckets,
+                   tuple(starts), tuple(lengths))
+
+
+# A model's layers pass the same cu_seqlens (or padding mask) to every attention call: its
+# Packing is remembered per tensor (so are the transformers doorway's readings of masks and
+# position_ids), so the offsets are read on the host (a device sync when they live on the
+# GPU) once, not once a layer. An entry holds while the tensor is the same object at the same
+# in-place version (torch's _version counter) and goes with the tensor; what is remembered
+# must not hold the tensor itself.
+_SEEN: dict[tuple, tuple] = {}
+
+
+def remembered(t, extra: tuple, make):
+    """make(), or what it gave for this tensor (same object, unchanged) and `extra`."""
+    if type(t) is not torch.Tensor or t.is_inference() or torch.compiler.is_compiling():
+        return make()          # no version counter to trust
+    key = (id(t), extra)
+    hit = _SEEN.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    value = make()
+    _SEEN[key] = (weakref.ref(t, lambda _, key=key: _SEEN.pop(key, None)), t._version, value)
+    return value
 
 
 def _fail(name: str, msg: str):
@@ -82,8 +115,10 @@ def _fail(name: str, msg: str):
 def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.device,
                             max_seqlen: int | None = None) -> Packing:
     """Check FlashAttention-style offsets (int32, B+1 values, cu[0] = 0, non-decreasing,
-    cu[-1] = total rows; zero-length sequences are allowed) and return their packing. Reads
-    the offsets on the host once (a device sync), so that nothing is read out of bounds."""
+    cu[-1] = total rows; zero-length sequences are allowed) and return their packing. The
+    offsets are read on the host, so that nothing is read out of bounds: offsets on the GPU
+    cost one device sync the first time a tensor is seen (then its Packing is remembered,
+    `remembered`), offsets on the CPU none."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise _fail(name, f"cu_seqlens must be a torch.Tensor (int32, B + 1 offsets), got "
                           f"{type(cu_seqlens).__name__}")
@@ -93,10 +128,16 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise _fail(name, f"cu_seqlens must be 1-D with B + 1 >= 2 offsets, got shape "
                           f"{tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != device:
+    device, at = torch.device(device), cu_seqlens.device
+    if at.type != "cpu" and (at.type != device.type or device.index not in (None, at.index)):
         raise _fail(name, f"cu_seqlens is on {cu_seqlens.device} but q is on {device}; "
-                          f"move it to {device}")
-    cu = cu_seqlens.tolist()
+                          f"move it to {device} (or keep it on the CPU: no device sync)")
+    return remembered(cu_seqlens, (total, str(device), max_seqlen),
+                       lambda: _check_offsets(name, cu_seqlens.tolist(), total, device, max_seqlen))
+
+
+def _check_offsets(name: str, cu: list[int], total: int, device: torch.device,
+                   max_seqlen: int | None) -> Packing:
     if cu[0] != 0:
         raise _fail(name, f"cu_seqlens[0] = {cu[0]}: must be 0 (offsets of sequences in the packed rows)")
     for i in range(1, len(cu)):
@@ -112,7 +153,7 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
         if check_max_seqlen(name, max_seqlen) < longest:
             raise _fail(name, f"max_seqlen = {max_seqlen} but sequence {lengths.index(longest)} has "
                               f"{longest} rows; pass max_seqlen >= the longest sequence (or omit it)")
-    return _bucketed(cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1], lengths, True)
+    return _bucketed(cu[:-1], lengths, True, device)
 
 
 def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: int,
@@ -120,7 +161,9 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
     """A padded batch (B, N) bool, True = padding (nn.MultiheadAttention's convention):
     item b's tokens are one run of rows b*N + [first_b, first_b + valid_b) of the (B*N,
     heads, D) view, after left padding, before right padding, or both; its segments start
-    at its first token. Holes (padding between tokens) are refused."""
+    at its first token. Holes (padding between tokens) are refused. The mask is read on the
+    host once per tensor (one device sync for a mask on the GPU, none on the CPU;
+    `remembered`)."""
     m = key_padding_mask
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
         got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
@@ -131,18 +174,24 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
     if m.device.type == "meta":
         raise _fail(name, "key_padding_mask is on the meta device (it has no values); pass the "
                           f"mask on {device}")
-    m = m.to(device)
-    valid = (~m).sum(dim=1, dtype=torch.int32)
-    first = torch.where(valid > 0, (~m).int().argmax(dim=1), 0).to(torch.int32)
-    pos = torch.arange(seq_len, device=device)[None, :]
+    return remembered(m, (str(device),), lambda: _check_padding(name, m, batch, seq_len, torch.device(device)))
+
+
+def _check_padding(name: str, m: torch.Tensor, batch: int, seq_len: int, device: torch.device) -> Packing:
+    """Each item's valid rows and first token, and whether it has holes, read in one copy."""
+    keep = ~m
+    valid = keep.sum(dim=1, dtype=torch.int32)
+    first = torch.where(valid > 0, keep.int().argmax(dim=1), 0).to(torch.int32)
+    pos = torch.arange(seq_len, device=m.device)[None, :]
     expect = (pos < first[:, None]) | (pos >= (first + valid)[:, None])
-    if not torch.equal(expect, m):
-        bad = int((expect != m).any(dim=1).nonzero()[0, 0])
-        raise _fail(name, f"key_padding_mask row {bad} has padding between tokens: an item's "
+    holes = (expect != m).any(dim=1).to(torch.int32)
+    valid, first, holes = torch.stack([valid, first, holes]).tolist()
+    if any(holes):
+        raise _fail(name, f"key_padding_mask row {holes.index(1)} has padding between tokens: an item's "
                           f"tokens must be one run (left or right padding); pack such items "
                           f"with cu_seqlens instead")
-    starts = torch.arange(batch, dtype=torch.int32, device=device) * seq_len + first
-    return _bucketed(starts, valid, valid.tolist(), False)
+    starts = [b * seq_len + first[b] for b in range(batch)]
+    return _bucketed(starts, valid, False, device)
 
 
 _TABLE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -153,8 +202,8 @@ def packed_tables(plan: dict, packing: Packing, rows: int, device: torch.device)
     local to the sequence, for its own length) at rows starts[b] + [0, lengths[b])."""
     if not plan["tables"]:
         return []
-    starts = tuple(packing.starts.tolist())
-    lengths = tuple(packing.lengths.tolist())
+    starts = packing.starts_host or tuple(packing.starts.tolist())
+    lengths = packing.lengths_host or tuple(packing.lengths.tolist())
     out: list[torch.Tensor] = []
     for t in plan["tables"]:
         rows_, cols = t["grid"]
