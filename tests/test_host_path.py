@@ -236,3 +236,33 @@ def test_only_a_launcher_of_that_shape_is_called_directly():
     assert launch.direct(compiled) is None
     compiled.run, compiled._dilgen_direct = _Launcher36(), None
     assert isinstance(launch.direct(compiled), launch.Direct)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_replayed_decode_step_equals_a_fresh_one(return_lse):
+    """Decode steps of one signature replay the first one's launches (replay.py): new cache
+    contents and lengths give the bits of a module that never replays, poisoned outputs."""
+    from dilgen.runtime import set_poison
+    spec = dict(causal=True, dtype="bfloat16", segment_lengths=[16, 64], dilation_rates=[1, 4])
+    kernel, plain = _kernel(name="host_dec", **spec), _kernel(name="host_dec_plain", **spec)
+    gen = torch.Generator(device()).manual_seed(11)
+    make = lambda *shape: torch.randn(*shape, generator=gen, device=device(), dtype=torch.bfloat16)  # noqa: E731
+    set_poison(True)
+    try:
+        for step, lens in enumerate(([70, 33], [71, 100], [5, 128])):
+            q, kc, vc = make(2, 1, 4, 16), make(2, 128, 2, 16), make(2, 128, 2, 16)
+            n = torch.tensor(lens, dtype=torch.int32, device=device())
+            with torch.no_grad():
+                got = kernel.decode(q, kc, vc, n, return_lse=return_lse)
+                replay.ENABLED = False
+                try:
+                    want = plain.decode(q, kc, vc, n, return_lse=return_lse)
+                finally:
+                    replay.ENABLED = True
+            for a, b in zip(got if return_lse else [got], want if return_lse else [want]):
+                assert torch.equal(a, b), step
+        attn = kernel.compiled_for(device()).attention
+        assert any(k[0] == "decode" and hasattr(r, "launches") for k, r in attn._replays.items())
+    finally:
+        set_poison(False)

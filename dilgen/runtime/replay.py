@@ -44,17 +44,17 @@ def enabled() -> bool:
 
 def signature(tag: str, tensors, extra=()) -> tuple:
     """The key of a call: what Triton's specialization and dilgen's launch arithmetic read
-    from its tensors (shape, stride, dtype, alignment), with the current CUDA device (where
-    Triton launches) and the first tensor's."""
-    return (tag, _device(), tensors[0].get_device(), extra,
-            *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors])
+    from its tensors (shape, stride, dtype, device, alignment), with the current CUDA device
+    (where Triton launches)."""
+    return (tag, _device(), extra,
+            *[(t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15) for t in tensors])
 
 
 def kept_tensors(attn) -> set[int]:
     """ids of the device tables a module keeps between calls (GeneratedAttention
-    ._device_tensors: class order, Hilbert tables, block lists)."""
+    ._device_tensors: class order, Hilbert tables, block lists; decode's curves)."""
     ids: set[int] = set()
-    stack = list(attn._device_tensors.values())
+    stack = list(attn._device_tensors.values()) + list(getattr(attn, "_decode_curves", {}).values())
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
