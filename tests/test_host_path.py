@@ -266,3 +266,33 @@ def test_a_replayed_decode_step_equals_a_fresh_one(return_lse):
         assert any(k[0] == "decode" and hasattr(r, "launches") for k, r in attn._replays.items())
     finally:
         set_poison(False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_replayed_packed_call_equals_a_fresh_one(causal):
+    """Packed calls of one layout (launch groups) replay the first one's forward and backward
+    launches with their own sequences: new values and offsets give the bits of a module that
+    never replays, gradients included, poisoned outputs."""
+    from dilgen.runtime import set_poison
+    kernel, plain = _kernel(name="host_vl", causal=causal), _kernel(name="host_vl_plain", causal=causal)
+    set_poison(True)
+    try:
+        for step, lens in enumerate(([9, 30, 1], [30, 1, 9], [1, 9, 30])):   # one layout, new offsets
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device())
+            q, k, v = _qkv((40, 4, 16), 2, seed=20 + step)
+            g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(device())
+            results = []
+            for module in (kernel, plain):
+                replay.ENABLED = module is kernel
+                try:
+                    out, lse = module(q, k, v, cu_seqlens=cu, return_lse=True)
+                    results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g_out)))
+                finally:
+                    replay.ENABLED = True
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+                assert torch.equal(a, b), (step, name)
+        attn = kernel.compiled_for(device()).attention
+        assert {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")} >= {"vfwd", "vbwd"}
+    finally:
+        set_poison(False)

@@ -66,7 +66,7 @@ class _Rows:
     """Where a backward's rows are: (B, N) and the strides the kernels take; for a packing,
     program b is sequence b (it moves the row pointers itself, batch strides are 0)."""
 
-    def __init__(self, attn, q, k, v, out, lse, grad_out, packing, class_order):
+    def __init__(self, attn, q, k, v, out, lse, grad_out, packing, class_order, groups=None):
         plan, dev = attn.plan, q.device
         fixed = packing is None
         lead = (lambda t: (t.stride(0), t.stride(1), t.stride(2))) if fixed else \
@@ -84,7 +84,7 @@ class _Rows:
             self.B, self.N = packing.num_seqs, packing.max_len
             self.rows = q.shape[0]
             self.tables = packed_tables(plan, packing, self.rows, dev)
-            self.groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups(plan["num_heads"])]
+            self.groups = [((st, ln), int(st.numel()), n) for st, ln, n in groups]
             # the preprocess sees every row as one batch element: it needs no sequences
             self.covers_all, self.pre_b = packing.covers_all, 1
 
@@ -121,16 +121,20 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     dv = make(v.shape, dtype=v.dtype, device=q.device)
     if dkdv_writes_all:
         poison(dk, dv)
-    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv)
+    groups = None if packing is None else packing.groups(plan["num_heads"])
+    seqs = () if packing is None else tuple(t for st, ln, _ in groups for t in (st, ln))
+    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv, *seqs)
     record = False
-    if packing is None and q.device.type == "cuda" and enabled():
-        key = signature("bwd", slots[:6], has_dlse)   # a call like an earlier one: its launches
+    if q.device.type == "cuda" and enabled():
+        # a call like an earlier one: its launches (a packing: the same launch groups)
+        key = signature("bwd", slots[:6], has_dlse) if packing is None else \
+            signature("vbwd", (*slots[:6], *seqs), (has_dlse, packing.buckets, packing.max_len, packing.covers_all))
         recipe, record = lookup(attn, key)
         if recipe is not None:
             recipe.run(slots)
             attn.launches += 1
             return dq, dk, dv
-    at = _Rows(attn, q, k, v, out, lse, grad_out, packing, class_order)
+    at = _Rows(attn, q, k, v, out, lse, grad_out, packing, class_order, groups)
     if at.B == 0 or at.N == 0:
         return dq, dk, dv
     recorder = Recorder() if record else None

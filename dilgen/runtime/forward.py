@@ -33,14 +33,19 @@ def forward_raw(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
-    record = False
-    if packing is None and q.device.type == "cuda" and enabled():
-        key = signature("fwd", (q, k, v))   # a call like an earlier one launches what it launched
-        recipe, record = lookup(attn, key)
-        if recipe is not None:
-            return replay_forward(attn, recipe, q, k, v)
     plan, cfg = attn.plan, attn.plan["config"]
     H = plan["num_heads"]
+    record, groups, seqs = False, None, ()
+    if packing is not None:   # launch groups of sequences: their starts and lengths are slots
+        groups = packing.groups(H)
+        seqs = tuple(t for st, ln, _ in groups for t in (st, ln))
+    if q.device.type == "cuda" and enabled():
+        # a call like an earlier one launches what it launched (a packing: the same groups)
+        key = signature("fwd", (q, k, v)) if packing is None else \
+            signature("vfwd", (q, k, v, *seqs), (packing.buckets, packing.max_len, packing.covers_all))
+        recipe, record = lookup(attn, key)
+        if recipe is not None:
+            return replay_forward(attn, recipe, q, k, v, seqs if packing is not None else None)
     interpret = q.device.type == "cpu"
     if packing is None:
         B, N = check_inputs(attn.spec, q, k, v)
@@ -61,7 +66,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         tables = packed_tables(plan, packing, q.shape[0], q.device)
         strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
                    0, v.stride(0), v.stride(1), 0, out.stride(0), out.stride(1), 0, lse.stride(0))
-        groups = [((st, ln), int(st.numel()), n) for st, ln, n in packing.groups(H)]
+        groups = [((st, ln), int(st.numel()), n) for st, ln, n in groups]
         varlen, covers_all = True, packing.covers_all
     check_zero_pad(attn.spec, N)
     poison(out, lse)
@@ -108,7 +113,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = Recorder()
         for kernel, grid, args, opts in launches:
             recorder.launch(kernel, grid, args, opts)
-        recipe = recorder.recipe((q, k, v, out, lse), attn, allocator)
+        recipe = recorder.recipe((q, k, v, out, lse, *seqs), attn, allocator)
         if recipe is not None:
             recipe.fill = not (writes_all or clears)
         keep(attn, key, recipe)
@@ -118,15 +123,22 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def replay_forward(attn, recipe, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """_forward's outputs and launches for a call whose signature was recorded."""
-    B, N, H = q.shape[0], q.shape[1], attn.plan["num_heads"]
-    out = torch.empty((B, N, H, q.shape[3]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+def replay_forward(attn, recipe, q, k, v, seqs=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_forward's outputs and launches for a call whose signature was recorded; `seqs`: a
+    packed call's group tensors (starts, lengths of each launch group), its rows' outputs
+    (rows, H, D) and lse (H, rows)."""
+    H = attn.plan["num_heads"]
+    if seqs is None:
+        B, N = q.shape[0], q.shape[1]
+        out = torch.empty((B, N, H, q.shape[3]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty((q.shape[0], H, q.shape[2]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((H, q.shape[0]), dtype=torch.float32, device=q.device)
     poison(out, lse)
     if recipe.fill:
         out.zero_()
         lse.fill_(float("-inf"))
-    recipe.run((q, k, v, out, lse))
+    recipe.run((q, k, v, out, lse, *(seqs or ())))
     attn.launches += 1
     return out, lse
