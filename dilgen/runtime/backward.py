@@ -122,13 +122,13 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     if dkdv_writes_all:
         poison(dk, dv)
     groups = None if packing is None else packing.groups(plan["num_heads"])
-    seqs = () if packing is None else tuple(t for st, ln, _ in groups for t in (st, ln))
-    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv, *seqs)
+    seq_slots = () if packing is None else tuple(t for st, ln, _ in groups for t in (st, ln))
+    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv, *seq_slots)
     record = False
     if q.device.type == "cuda" and enabled():
         # a call like an earlier one: its launches (a packing: the same launch groups)
         key = signature("bwd", slots[:6], has_dlse) if packing is None else \
-            signature("vbwd", (*slots[:6], *seqs), (has_dlse, packing.buckets, packing.max_len, packing.covers_all))
+            signature("vbwd", (*slots[:6], *seq_slots), (has_dlse, packing.buckets, packing.max_len, packing.covers_all))
         recipe, record = lookup(attn, key)
         if recipe is not None:
             recipe.run(slots)

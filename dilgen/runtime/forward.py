@@ -35,17 +35,17 @@ def forward_raw(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
     plan, cfg = attn.plan, attn.plan["config"]
     H = plan["num_heads"]
-    record, groups, seqs = False, None, ()
+    record, groups, seq_slots = False, None, ()
     if packing is not None:   # launch groups of sequences: their starts and lengths are slots
         groups = packing.groups(H)
-        seqs = tuple(t for st, ln, _ in groups for t in (st, ln))
+        seq_slots = tuple(t for st, ln, _ in groups for t in (st, ln))
     if q.device.type == "cuda" and enabled():
         # a call like an earlier one launches what it launched (a packing: the same groups)
         key = signature("fwd", (q, k, v)) if packing is None else \
-            signature("vfwd", (q, k, v, *seqs), (packing.buckets, packing.max_len, packing.covers_all))
+            signature("vfwd", (q, k, v, *seq_slots), (packing.buckets, packing.max_len, packing.covers_all))
         recipe, record = lookup(attn, key)
         if recipe is not None:
-            return replay_forward(attn, recipe, q, k, v, seqs if packing is not None else None)
+            return replay_forward(attn, recipe, q, k, v, seq_slots if packing is not None else None)
     interpret = q.device.type == "cpu"
     if packing is None:
         B, N = check_inputs(attn.spec, q, k, v)
@@ -113,7 +113,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = Recorder()
         for kernel, grid, args, opts in launches:
             recorder.launch(kernel, grid, args, opts)
-        recipe = recorder.recipe((q, k, v, out, lse, *seqs), attn, allocator)
+        recipe = recorder.recipe((q, k, v, out, lse, *seq_slots), attn, allocator)
         if recipe is not None:
             recipe.fill = not (writes_all or clears)
         keep(attn, key, recipe)
