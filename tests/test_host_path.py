@@ -155,6 +155,29 @@ def test_a_launch_reading_a_per_call_tensor_is_not_replayed(gpu_calls):
     assert rec.recipe((q, out), _Module(tables)) is None
 
 
+def test_a_temporary_is_allocated_afresh_by_each_replay(gpu_calls):
+    """A tensor the call allocates for its own launches to write and read (a Hilbert branch's
+    curve-ordered copies) is a hole that each replay fills with a fresh tensor of its shape
+    and dtype; the recorded one is not kept."""
+    writer, reader = _Jit(["X", "TMP"], {}), _Jit(["TMP", "O"], {})
+    q, out, tmp = torch.randn(3), torch.empty(3), torch.empty(2, 5, dtype=torch.float16)
+    rec = replay.Recorder()
+    with replay.recording_into(rec):
+        assert replay.recording() is rec
+        rec.launch(writer, (1,), (q, tmp), {})
+        rec.temporary(tmp)
+    assert replay.recording() is None
+    rec.launch(reader, (1,), (tmp, out), {})
+    recipe = rec.recipe((q, out), _Module([torch.arange(1), torch.arange(1)]))
+    assert recipe.temporaries == (((2, 5), torch.float16),)
+    q2, out2 = torch.randn(3), torch.empty(3)
+    recipe.run((q2, out2))
+    (_, _, wrote), (_, _, read) = writer.compiled.launched[-1], reader.compiled.launched[-1]
+    assert wrote[0] is q2 and read[1] is out2
+    assert wrote[1] is read[0]                  # the writer's fresh tensor is the reader's
+    assert wrote[1] is not tmp and wrote[1].shape == (2, 5) and wrote[1].dtype == torch.float16
+
+
 def test_signature_separates_what_specialization_reads(gpu_calls):
     x = torch.zeros(64)
     base = replay.signature("fwd", (x[:32],))
@@ -294,5 +317,36 @@ def test_a_replayed_packed_call_equals_a_fresh_one(causal):
                 assert torch.equal(a, b), (step, name)
         attn = kernel.compiled_for(device()).attention
         assert {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")} >= {"vfwd", "vbwd"}
+    finally:
+        set_poison(False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_replayed_hilbert_call_equals_a_fresh_one(causal):
+    """Hilbert segment branches read curve-ordered copies made per call: a replay makes them
+    afresh (replay.Recorder.temporary), and forward and backward give the bits of a module
+    that never replays, poisoned outputs."""
+    from dilgen.runtime import set_poison
+    fields = dict(causal=causal, segment_lengths=[16, 64], dilation_rates=[1, 4], hilbert={"scope": "segment"})
+    kernel, plain = _kernel(name="host_hb", **fields), _kernel(name="host_hb_plain", **fields)
+    set_poison(True)
+    try:
+        for step in range(3):
+            q, k, v = _qkv((2, 128, 4, 16), 2, seed=40 + step)
+            g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(device())
+            results = []
+            for module in (kernel, plain):
+                replay.ENABLED = module is kernel
+                try:
+                    out, lse = module(q, k, v, return_lse=True)
+                    results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g_out)))
+                finally:
+                    replay.ENABLED = True
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+                assert torch.equal(a, b), (step, name)
+        attn = kernel.compiled_for(device()).attention
+        kinds = {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")}
+        assert kinds >= {"fwd", "bwd"}, kinds
     finally:
         set_poison(False)

@@ -21,7 +21,7 @@ from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
-from .replay import Recorder, enabled, keep, lookup, signature
+from .replay import Recorder, enabled, keep, lookup, recording_into, signature
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -154,7 +154,8 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     else:
         if allocator:
             ensure_descriptor_allocator()
-        launches()
+        with recording_into(recorder):     # copies of curve-ordered rows are recorded too
+            launches()
     if recorder is not None:
         keep(attn, key, recorder.recipe(slots, attn, allocator))
     attn.launches += 1

@@ -17,6 +17,7 @@ import math
 import torch
 
 from .interpreter import interpreting
+from .replay import recording
 
 CURVE_BLOCK = 64      # compact rows per program (templates: CURVE_BLOCK)
 
@@ -72,9 +73,13 @@ def copy_rows(attn, interpret: bool, branch: dict, tables: list, x: torch.Tensor
     kernel = attn._kernel(interpret, source_fn=attn.curve_kernel)
     grid = (B * heads * slots, math.ceil(n_rows / CURVE_BLOCK))
     args = (x, y, xc, yc, *tables, N, *strides, heads, group, slots, row, row_pad, branch["index"])
+    recorder = recording()
     if interpret:
         with interpreting():
             kernel[grid](*args)
+    elif recorder is not None:     # a recorded call: a replay allocates xc, yc afresh
+        recorder.launch(kernel, grid, args, {"num_warps": 4, "num_stages": 1})
+        recorder.temporary(xc, yc)
     else:
         kernel[grid](*args, num_warps=4, num_stages=1)
     return xc, yc

@@ -13,7 +13,7 @@ from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
-from .replay import Recorder, enabled, keep, lookup, signature
+from .replay import Recorder, enabled, keep, lookup, recording_into, signature
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -70,7 +70,6 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         varlen, covers_all = True, packing.covers_all
     check_zero_pad(attn.spec, N)
     poison(out, lse)
-    lattice = plan["query"]["lattice"]
     lanes = lane_order(plan)
     fused = any(not br["lanes"] for br in plan["branches"])
     # the fused kernel, or a first r = 1 lane branch, writes every row of every sequence;
@@ -83,7 +82,34 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
         lse.fill_(float("-inf"))
     if B == 0 or N == 0:
         return out, lse
-    launches = []
+    launches, recorder = [], Recorder() if record else None
+    with recording_into(recorder):      # copies of curve-ordered rows launch as they are made
+        _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
+                     packing, interpret, writes_all, clears, varlen)
+    allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
+    if allocator:
+        ensure_descriptor_allocator()
+    if record:
+        for kernel, grid, args, opts in launches:
+            recorder.launch(kernel, grid, args, opts)
+        recipe = recorder.recipe((q, k, v, out, lse, *seq_slots), attn, allocator)
+        if recipe is not None:
+            recipe.fill = not (writes_all or clears)
+        keep(attn, key, recipe)
+    else:
+        run_launches(launches, interpret)
+    attn.launches += 1
+    return out, lse
+
+
+def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
+                 packing, interpret, writes_all, clears, varlen) -> None:
+    """The forward's launches (kernel, grid, args, options) into `launches`: the fused kernel
+    and one lane launch per lane branch, per launch group."""
+    plan, cfg = attn.plan, attn.plan["config"]
+    H, lattice = plan["num_heads"], plan["query"]["lattice"]
+    lanes = lane_order(plan)
+    fused = any(not br["lanes"] for br in plan["branches"])
     for seqs, B, N in groups:   # packed batches: one group per length class of sequences
         if fused:   # every branch that is not a lane branch
             num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
@@ -106,21 +132,6 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
                               *strides, interpret, i, accumulate, clear, varlen, *flag),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate, clear = True, False
-    allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
-    if allocator:
-        ensure_descriptor_allocator()
-    if record:
-        recorder = Recorder()
-        for kernel, grid, args, opts in launches:
-            recorder.launch(kernel, grid, args, opts)
-        recipe = recorder.recipe((q, k, v, out, lse, *seq_slots), attn, allocator)
-        if recipe is not None:
-            recipe.fill = not (writes_all or clears)
-        keep(attn, key, recipe)
-    else:
-        run_launches(launches, interpret)
-    attn.launches += 1
-    return out, lse
 
 
 def replay_forward(attn, recipe, q, k, v, seqs=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,8 +15,10 @@ curve-ordered rows, for example) is not kept: such calls take the full path ever
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import threading
 
 import torch
 
@@ -65,20 +67,33 @@ def kept_tensors(attn) -> set[int]:
 
 
 class Recorder:
-    """Launches `kernel[grid](*args, **options)` and notes what ran, for a Recipe."""
+    """Launches `kernel[grid](*args, **options)` and notes what ran, for a Recipe. Tensors the
+    call allocates for its own launches to write and read (`temporary`: the compact
+    curve-ordered rows of a Hilbert branch) are allocated afresh by each replay."""
 
     def __init__(self) -> None:
         self.ran: list[tuple] = []
+        self.temporaries: dict[int, torch.Tensor] = {}
 
     def launch(self, kernel, grid, args: tuple, options: dict) -> None:
         compiled = kernel[grid](*args, **options)
         self.ran.append((kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), args))
 
+    def temporary(self, *tensors: torch.Tensor) -> None:
+        """Fresh tensors (torch.empty) that a recorded launch writes in full before a later
+        recorded launch reads them, and nothing else reads."""
+        for t in tensors:
+            self.temporaries[id(t)] = t
+
     def recipe(self, slots: tuple, attn, allocator: bool = False) -> "Recipe | None":
         """The Recipe of the recorded launches with `slots` (the call's tensors) as holes;
-        None when a launch read a tensor that is neither a slot nor a kept table, or a
-        kernel gave no compiled kernel to launch again."""
+        None when a launch read a tensor that is neither a slot, a temporary nor a kept
+        table, or a kernel gave no compiled kernel to launch again."""
         where = {id(t): i for i, t in enumerate(slots)}
+        temps: list[tuple] = []
+        for t in self.temporaries.values():       # holes after the slots
+            where[id(t)] = len(slots) + len(temps)
+            temps.append((tuple(t.shape), t.dtype))
         kept = kept_tensors(attn)
         launches = []
         for kernel, compiled, grid, args in self.ran:
@@ -97,14 +112,35 @@ class Recorder:
                     elif id(a) not in kept:
                         return None
             launches.append((compiled, grid, tuple(template), tuple(holes)))
-        return Recipe(launches, allocator)
+        return Recipe(launches, allocator, tuple(temps))
+
+
+_RECORDING = threading.local()
+
+
+def recording() -> Recorder | None:
+    """The Recorder of the call being recorded on this thread (launches made on its behalf,
+    curve_rows.copy_rows', go through it), or None."""
+    return getattr(_RECORDING, "recorder", None)
+
+
+@contextlib.contextmanager
+def recording_into(recorder: Recorder | None):
+    """Within: `recording()` is `recorder` (None: nothing is recorded)."""
+    before = recording()
+    _RECORDING.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _RECORDING.recorder = before
 
 
 class Recipe:
     """Recorded launches: `run(tensors)` launches them again with a call's tensors."""
 
-    def __init__(self, launches: list, allocator: bool) -> None:
+    def __init__(self, launches: list, allocator: bool, temporaries: tuple = ()) -> None:
         self.launches = launches
+        self.temporaries = temporaries  # (shape, dtype) of each temporary, allocated per run
         self.allocator = allocator      # device-side tensor descriptors need triton's allocator
         self.fill = False               # the forward's: zero out and -inf lse before launching
         # every launch through its C launch (launch.direct): the kept tables' pointers read
@@ -115,6 +151,9 @@ class Recipe:
             for go, (_, grid, template, holes) in zip(goes, launches)]
 
     def run(self, tensors: tuple) -> None:
+        if self.temporaries:
+            dev = tensors[0].device
+            tensors = (*tensors, *(torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in self.temporaries))
         stream = _stream(_device())
         if self.direct is not None and not hooked():
             ptrs = [t.data_ptr() for t in tensors]

@@ -132,8 +132,9 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
     if at.type != "cpu" and (at.type != device.type or device.index not in (None, at.index)):
         raise _fail(name, f"cu_seqlens is on {cu_seqlens.device} but q is on {device}; "
                           f"move it to {device} (or keep it on the CPU: no device sync)")
-    return remembered(cu_seqlens, (total, str(device), max_seqlen),
-                       lambda: _check_offsets(name, cu_seqlens.tolist(), total, device, max_seqlen))
+    limit = None if max_seqlen is None else check_max_seqlen(name, max_seqlen)   # an int >= 0, or refused
+    return remembered(cu_seqlens, (total, str(device), limit),
+                      lambda: _check_offsets(name, cu_seqlens.tolist(), total, device, limit))
 
 
 def _check_offsets(name: str, cu: list[int], total: int, device: torch.device,
@@ -150,7 +151,7 @@ def _check_offsets(name: str, cu: list[int], total: int, device: torch.device,
     lengths = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     longest = max(lengths)
     if max_seqlen is not None:
-        if check_max_seqlen(name, max_seqlen) < longest:
+        if max_seqlen < longest:
             raise _fail(name, f"max_seqlen = {max_seqlen} but sequence {lengths.index(longest)} has "
                               f"{longest} rows; pass max_seqlen >= the longest sequence (or omit it)")
     return _bucketed(cu[:-1], lengths, True, device)
