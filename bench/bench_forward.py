@@ -181,9 +181,9 @@ def host_checks(torch, kernel, tensors, dev) -> dict:
     q, k, v, g, qg, kg, vg = tensors
     attn = kernel.compiled_for(dev).attention
 
-    def step():
-        out, lse = kernel(qg, kg, vg, return_lse=True)
-        return (out, lse, *torch.autograd.grad(out, (qg, kg, vg), g))
+    def step(leaves=(qg, kg, vg)):
+        out, lse = kernel(*leaves, return_lse=True)
+        return (out, lse, *torch.autograd.grad(out, leaves, g))
     set_poison(True)     # an unwritten row is NaN in one call and not the other
     try:
         attn._replays.clear()
@@ -199,11 +199,12 @@ def host_checks(torch, kernel, tensors, dev) -> dict:
     try:     # as torch.cuda.make_graphed_callables: warm-up on a side stream, capture, replay
         cuda_graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
+        with torch.cuda.stream(stream):   # leaves whose gradient accumulators are not the default stream's
+            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+            step(leaves)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(cuda_graph):
-            captured = step()
+            captured = step(leaves)
         cuda_graph.replay()
         chk["cuda_graph_equal"] = same(captured)
     except Exception as e:  # noqa: BLE001
