@@ -200,8 +200,7 @@ def host_checks(torch, kernel, tensors, dev) -> dict:
         cuda_graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):   # leaves whose gradient accumulators are not the default stream's
-            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
-            step(leaves)
+            step(leaves := tuple(t.detach().clone().requires_grad_() for t in (q, k, v)))
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(cuda_graph):
             captured = step(leaves)
