@@ -140,12 +140,19 @@ def launch_compiled(kernel, grid: tuple, stream, args: tuple) -> None:
                meta, enter, leave, *args)
 
 
+_RUNTIME_KNOBS = []     # triton.knobs.runtime, imported on first use
+
+
 def hooked() -> bool:
     """Whether a launch hook is set (a profiler's: Triton's HookChain with calls, or any other
     callable): launches then go through the compiled kernels' launchers, which call it."""
-    from triton import knobs
-    return any(h is not None and getattr(h, "calls", True)
-               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    if not _RUNTIME_KNOBS:
+        from triton import knobs
+        _RUNTIME_KNOBS.append(knobs.runtime)
+    knobs = _RUNTIME_KNOBS[0]
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or \
+        (leave is not None and bool(getattr(leave, "calls", True)))
 
 
 # -- the C launch of a compiled kernel ------------------------------------------------------
@@ -206,7 +213,7 @@ def _scratch(nbytes: int, stream, overlapping: bool) -> torch.Tensor:
     unique across devices while the stream lives). A fresh buffer is freed once the launch is
     queued: the caching allocator hands it only to later work on this stream, as with
     Triton's own allocator."""
-    if overlapping or torch.cuda.is_current_stream_capturing():
+    if overlapping or torch._C._cuda_isCurrentStreamCapturing():
         return torch.empty(nbytes, dtype=torch.int8, device="cuda")
     buf = _SCRATCH.get(stream)
     if buf is None or buf.numel() < nbytes:

@@ -32,7 +32,7 @@ _MAX_RECIPES = 64      # distinct signatures kept per module (a call of a new sh
 # The GPU calls, one function each (tests/test_host_path.py replaces them on a CPU machine).
 
 def _device() -> int:
-    return torch.cuda.current_device()
+    return torch._C._cuda_getDevice()     # torch.cuda.current_device() without its lazy-init check
 
 
 def _stream(device: int):
