@@ -193,15 +193,15 @@ def _curves(attention, device: torch.device) -> list:
     grids = attention.decode_kernels["config"]["curves"]
     if not grids:
         return []
-    cache = attention.__dict__.setdefault("_decode_curves", {})
-    hit = cache.get(str(device))
+    cache, key = attention._device_tensors, ("decode curves", str(device))   # kept: no length
+    hit = cache.get(key)
     if hit is None:
         fwd, inv = [], []
         for rows, cols in grids:
             f, i = table_tensors({"scope": "segment", "grid": [rows, cols]}, rows * cols, device)
             fwd.append(f)
             inv.append(i)
-        hit = cache[str(device)] = [torch.cat(fwd), torch.cat(inv)]
+        hit = cache[key] = [torch.cat(fwd), torch.cat(inv)]
     return hit
 
 
@@ -231,15 +231,15 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
         refusal = attention.__dict__["_decode_refusal"] = _refusal(attention)
     if refusal is not None:
         raise InputError(refusal)
-    record, tensors = None, (q, k_cache, v_cache, cache_seqlens)
+    step_key, tensors = None, (q, k_cache, v_cache, cache_seqlens)   # step_key: record this step
     if keep_scratch and split is None and q.is_cuda and enabled() and not _needs_grad(q, k_cache, v_cache):
         # a step like an earlier one (what its checks read: shapes, strides, dtypes,
         # devices, alignment) launches what it launched (replay.py)
-        record = signature("decode", tensors, return_lse)
-        recipe, fresh = lookup(attention, record)
+        step_key = signature("decode", tensors, return_lse)
+        recipe, fresh = lookup(attention, step_key)
         if recipe is not None:
             return _replay(attention, recipe, tensors, validate, return_lse)
-        record = record if fresh else None
+        step_key = step_key if fresh else None
     B, T, _ = check_decode_inputs(spec, q, k_cache, v_cache, cache_seqlens, validate)
     kernels = attention.decode_kernels
     cfg = kernels["config"]
@@ -279,15 +279,15 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
     if interpret:
         run_launches([(split_kernel, grids[0], split_args, {}), (combine_kernel, grids[1], combine_args, {})],
                      interpret)
-    elif record is not None:
+    elif step_key is not None:
         recorder = Recorder()
         for launcher, grid, a, o in zip((split_kernel, combine_kernel), grids, (split_args, combine_args),
                                         (cfg["launch"]["split"], cfg["launch"]["combine"])):
             recorder.launch(launcher.jit_fn, grid, a, o)
         recipe = recorder.recipe((*tensors, out, lse, out_p, lse_p), attention)
         if recipe is not None:
-            recipe.shape = (B, T, H, D, C)
-        keep(attention, record, recipe)
+            recipe.shape = (B, T, H, D, C)      # the step's buffers (_replay)
+        keep(attention, step_key, recipe)
     else:
         _launch(attention, (split_kernel, combine_kernel), grids, (split_args, combine_args),
                 (cfg["launch"]["split"], cfg["launch"]["combine"]), (T, split, *ends), strides,

@@ -134,8 +134,8 @@ def launch_compiled(kernel, grid: tuple, stream, args: tuple) -> None:
         go(grid, stream, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         return
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    hooked_ = enter is not None and getattr(enter, "calls", True)   # HookChain: its calls
-    meta = kernel.launch_metadata(grid, stream, *args) if hooked_ else None
+    wanted = enter is not None and getattr(enter, "calls", True)   # HookChain: its calls
+    meta = kernel.launch_metadata(grid, stream, *args) if wanted else None
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
                meta, enter, leave, *args)
 
@@ -161,7 +161,7 @@ def hooked() -> bool:
 # through triton's allocator and calls its C `launch`, which reads each tensor's data_ptr()
 # and asks the driver where that pointer lives (cuPointerGetAttribute) before launching.
 # On an H200 that is 12.5 us a launch; the C launch with integer pointers and a scratch
-# buffer kept per stream is 5.1-5.6 us (bench/results/host_pieces JSON).
+# buffer kept per stream is 5.1-5.6 us (bench/results/host_pieces-2026-11-27-h200.json).
 
 _LAUNCHER_SHAPES: dict[type, bool] = {}
 
@@ -205,7 +205,7 @@ class Direct:
                  None if buf is None else buf.data_ptr(), None, self.metadata, None, None, None, *args)
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH: dict[int, torch.Tensor] = {}     # stream handle -> its scratch, kept for the process
 
 
 def _scratch(nbytes: int, stream, overlapping: bool) -> torch.Tensor:

@@ -9,9 +9,10 @@ constexpr values. Two calls of one module whose tensors agree in shape, stride, 
 device and alignment (`signature`) pass the same integers, the same device tables and
 fresh buffers (CUDA's caching allocator aligns every block to 512 bytes) to the same
 kernels, so the second call can launch the kernels the first one compiled, its tensors in
-the slots where the first call's were. A recording in which a launch reads a tensor that
-is neither a slot nor one of the module's kept device tables (the per-call copies of
-curve-ordered rows, for example) is not kept: such calls take the full path every time.
+the slots where the first call's were. Tensors a call allocates for its own launches (the
+compact copies of curve-ordered rows, `Recorder.temporary`) are allocated afresh by each
+replay. A recording in which a launch reads any other tensor, neither a slot nor one of the
+module's kept device tables, is not kept: such calls take the full path every time.
 """
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def signature(tag: str, tensors, extra=()) -> tuple:
 
 def kept_tensors(attn) -> set[int]:
     """ids of the device tables a module keeps between calls (GeneratedAttention
-    ._device_tensors: class order, Hilbert tables, block lists; decode's curves)."""
+    ._device_tensors: class order, Hilbert tables, block lists, decode's curves)."""
     ids: set[int] = set()
-    stack = list(attn._device_tensors.values()) + list(getattr(attn, "_decode_curves", {}).values())
+    stack = list(attn._device_tensors.values())
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
