@@ -261,95 +261,85 @@ def test_only_a_launcher_of_that_shape_is_called_directly():
     assert isinstance(launch.direct(compiled), launch.Direct)
 
 
+@pytest.fixture
+def poisoned():
+    """Fresh outputs NaN-filled before each launch, so an unwritten row shows."""
+    from dilgen.runtime import set_poison
+    set_poison(True)
+    yield
+    set_poison(False)
+
+
+def _replay_equals_plain(kernel, plain, call, shape, step, seed):
+    """call(module, q, k, v) -> (out, lse) on fresh inputs of `shape` through `kernel`
+    (replays on) and `plain` (replays off): out, lse and the gradients equal bit for bit."""
+    q, k, v = _qkv(shape, 2, seed=seed)
+    g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(device())
+    results = []
+    for module in (kernel, plain):
+        replay.ENABLED = module is kernel
+        try:
+            out, lse = call(module, q, k, v)
+            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g_out)))
+        finally:
+            replay.ENABLED = True
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), (step, name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_a_replayed_decode_step_equals_a_fresh_one(return_lse):
+def test_a_replayed_decode_step_equals_a_fresh_one(return_lse, poisoned):
     """Decode steps of one signature replay the first one's launches (replay.py): new cache
     contents and lengths give the bits of a module that never replays, poisoned outputs."""
-    from dilgen.runtime import set_poison
     spec = dict(causal=True, dtype="bfloat16", segment_lengths=[16, 64], dilation_rates=[1, 4])
     kernel, plain = _kernel(name="host_dec", **spec), _kernel(name="host_dec_plain", **spec)
     gen = torch.Generator(device()).manual_seed(11)
     make = lambda *shape: torch.randn(*shape, generator=gen, device=device(), dtype=torch.bfloat16)  # noqa: E731
-    set_poison(True)
-    try:
-        for step, lens in enumerate(([70, 33], [71, 100], [5, 128])):
-            q, kc, vc = make(2, 1, 4, 16), make(2, 128, 2, 16), make(2, 128, 2, 16)
-            n = torch.tensor(lens, dtype=torch.int32, device=device())
-            with torch.no_grad():
-                got = kernel.decode(q, kc, vc, n, return_lse=return_lse)
-                replay.ENABLED = False
-                try:
-                    want = plain.decode(q, kc, vc, n, return_lse=return_lse)
-                finally:
-                    replay.ENABLED = True
-            for a, b in zip(got if return_lse else [got], want if return_lse else [want]):
-                assert torch.equal(a, b), step
-        attn = kernel.compiled_for(device()).attention
-        assert any(k[0] == "decode" and hasattr(r, "launches") for k, r in attn._replays.items())
-    finally:
-        set_poison(False)
+    for step, lens in enumerate(([70, 33], [71, 100], [5, 128])):
+        q, kc, vc = make(2, 1, 4, 16), make(2, 128, 2, 16), make(2, 128, 2, 16)
+        n = torch.tensor(lens, dtype=torch.int32, device=device())
+        with torch.no_grad():
+            got = kernel.decode(q, kc, vc, n, return_lse=return_lse)
+            replay.ENABLED = False
+            try:
+                want = plain.decode(q, kc, vc, n, return_lse=return_lse)
+            finally:
+                replay.ENABLED = True
+        for a, b in zip(got if return_lse else [got], want if return_lse else [want]):
+            assert torch.equal(a, b), step
+    attn = kernel.compiled_for(device()).attention
+    assert any(k[0] == "decode" and hasattr(r, "launches") for k, r in attn._replays.items())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_replayed_packed_call_equals_a_fresh_one(causal):
+def test_a_replayed_packed_call_equals_a_fresh_one(causal, poisoned):
     """Packed calls of one layout (launch groups) replay the first one's forward and backward
     launches with their own sequences: new values and offsets give the bits of a module that
     never replays, gradients included, poisoned outputs."""
-    from dilgen.runtime import set_poison
     kernel, plain = _kernel(name="host_vl", causal=causal), _kernel(name="host_vl_plain", causal=causal)
-    set_poison(True)
-    try:
-        for step, lens in enumerate(([9, 30, 1], [30, 1, 9], [1, 9, 30])):   # one layout, new offsets
-            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device())
-            q, k, v = _qkv((40, 4, 16), 2, seed=20 + step)
-            g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(device())
-            results = []
-            for module in (kernel, plain):
-                replay.ENABLED = module is kernel
-                try:
-                    out, lse = module(q, k, v, cu_seqlens=cu, return_lse=True)
-                    results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g_out)))
-                finally:
-                    replay.ENABLED = True
-            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
-                assert torch.equal(a, b), (step, name)
-        attn = kernel.compiled_for(device()).attention
-        assert {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")} >= {"vfwd", "vbwd"}
-    finally:
-        set_poison(False)
+    for step, lens in enumerate(([9, 30, 1], [30, 1, 9], [1, 9, 30])):   # one layout, new offsets
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device())
+        _replay_equals_plain(kernel, plain, lambda m, *qkv: m(*qkv, cu_seqlens=cu, return_lse=True),
+                             (40, 4, 16), step, seed=20 + step)
+    attn = kernel.compiled_for(device()).attention
+    assert {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")} >= {"vfwd", "vbwd"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_replayed_hilbert_call_equals_a_fresh_one(causal):
+def test_a_replayed_hilbert_call_equals_a_fresh_one(causal, poisoned):
     """Hilbert segment branches read curve-ordered copies made per call: a replay makes them
     afresh (replay.Recorder.temporary), and forward and backward give the bits of a module
     that never replays, poisoned outputs."""
-    from dilgen.runtime import set_poison
     fields = dict(causal=causal, segment_lengths=[16, 64], dilation_rates=[1, 4], hilbert={"scope": "segment"})
     kernel, plain = _kernel(name="host_hb", **fields), _kernel(name="host_hb_plain", **fields)
-    set_poison(True)
-    try:
-        for step in range(3):
-            q, k, v = _qkv((2, 128, 4, 16), 2, seed=40 + step)
-            g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(device())
-            results = []
-            for module in (kernel, plain):
-                replay.ENABLED = module is kernel
-                try:
-                    out, lse = module(q, k, v, return_lse=True)
-                    results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g_out)))
-                finally:
-                    replay.ENABLED = True
-            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
-                assert torch.equal(a, b), (step, name)
-        attn = kernel.compiled_for(device()).attention
-        kinds = {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")}
-        assert kinds >= {"fwd", "bwd"}, kinds
-    finally:
-        set_poison(False)
+    for step in range(3):
+        _replay_equals_plain(kernel, plain, lambda m, *qkv: m(*qkv, return_lse=True), (2, 128, 4, 16), step, seed=40 + step)
+    attn = kernel.compiled_for(device()).attention
+    kinds = {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")}
+    assert kinds >= {"fwd", "bwd"}, kinds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (GPU check)")

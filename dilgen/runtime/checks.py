@@ -117,3 +117,8 @@ def check_max_seqlen(name: str, max_seqlen: Any) -> int:
     if value < 0:
         raise InputError(f"{name}: max_seqlen = {value}: must be >= 0 (the longest sequence's rows)")
     return value
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call of these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .checks import InputError, check_layout
+from .checks import InputError, check_layout, needs_grad
 from .launch import RepeatLauncher, poison, run_launches
 from .replay import Recorder, enabled, keep, lookup, signature
 from .tables import table_tensors
@@ -232,7 +232,7 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
     if refusal is not None:
         raise InputError(refusal)
     step_key, tensors = None, (q, k_cache, v_cache, cache_seqlens)   # step_key: record this step
-    if keep_scratch and split is None and q.is_cuda and enabled() and not _needs_grad(q, k_cache, v_cache):
+    if keep_scratch and split is None and q.is_cuda and enabled() and not needs_grad(q, k_cache, v_cache):
         # a step like an earlier one (what its checks read: shapes, strides, dtypes,
         # devices, alignment) launches what it launched (replay.py)
         step_key = signature("decode", tensors, return_lse)
@@ -294,10 +294,6 @@ def decode(attention, q, k_cache, v_cache, cache_seqlens, *, return_lse: bool = 
                 (q, k_cache, v_cache, cache_seqlens, out))
     attention.launches += 1
     return (out, lse) if return_lse else out
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _replay(attention, recipe, tensors, validate: bool, return_lse: bool):

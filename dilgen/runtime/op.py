@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .backward import backward_raw
+from .checks import needs_grad
 from .decode import decode
 from .forward import forward_raw
 from .registry import attention_for, op_key, register
@@ -49,11 +50,6 @@ def plain_eager(*tensors) -> bool:
     dispatch mode."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and all(type(t) is Tensor for t in tensors))
-
-
-def needs_grad(*tensors) -> bool:
-    """Whether autograd records a call of these tensors."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class _Refused(torch.autograd.Function):
