@@ -336,7 +336,8 @@ def test_a_replayed_hilbert_call_equals_a_fresh_one(causal, poisoned):
     fields = dict(causal=causal, segment_lengths=[16, 64], dilation_rates=[1, 4], hilbert={"scope": "segment"})
     kernel, plain = _kernel(name="host_hb", **fields), _kernel(name="host_hb_plain", **fields)
     for step in range(3):
-        _replay_equals_plain(kernel, plain, lambda m, *qkv: m(*qkv, return_lse=True), (2, 128, 4, 16), step, seed=40 + step)
+        _replay_equals_plain(kernel, plain, lambda m, *qkv: m(*qkv, return_lse=True),
+                             (2, 128, 4, 16), step, seed=40 + step)
     attn = kernel.compiled_for(device()).attention
     kinds = {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")}
     assert kinds >= {"fwd", "bwd"}, kinds
