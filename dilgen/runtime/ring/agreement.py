@@ -36,18 +36,67 @@ def _group_info(spec: dict, group) -> tuple[int, int, Any]:
     return P, dist.get_rank(group), dist
 
 
-def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
-                 cu: list[int] | None = None, free: int = -1, kind: str = "forward") -> torch.Tensor:
-    """The compared fields (_FIELDS), then two that are not: this rank's proposal for the
-    call's fault key, and its free memory (-1: not a GPU, or the transport is forced)."""
+def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: str) -> list[int]:
+    """The compared fields of a call (_FIELDS, but the input error) as ints."""
     key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
         (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
     def shape(t, i):
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
-    vals = [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
+    return [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            _cu_key(cu), _transport_code(), CALLS.index(kind), int(error is not None), new_key(), free]
+            _cu_key(cu), _transport_code(), CALLS.index(kind)]
+
+
+def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
+                 cu: list[int] | None = None, free: int = -1, kind: str = "forward") -> torch.Tensor:
+    """The compared fields (_FIELDS), then two that are not: this rank's proposal for the
+    call's fault key, and its free memory (-1: not a GPU, or the transport is forced)."""
+    vals = _call_fields(spec, q, k, v, order, cu, kind) + [int(error is not None), new_key(), free]
     return torch.tensor(vals, dtype=torch.int64, device=device)
+
+
+#: (group, device, call fields) -> what the last eager agreement of that call returned
+_AGREED: dict[tuple, tuple] = {}
+
+
+def _capturing(q) -> bool:
+    """q's stream is being captured in a CUDA graph."""
+    return isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _agreed_key(spec: dict, q, k, v, order: str, group, dist, kind: str) -> tuple:
+    from .faults import _group_name
+    return (_group_name(dist, group), str(q.device), *_call_fields(spec, q, k, v, order, None, kind))
+
+
+def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kind: str,
+                   local_check) -> tuple[None, str, int | None]:
+    """A ring call inside a CUDA-graph capture: the capture may not read the device back, so
+    the call cannot gather fingerprints; it runs on the agreement of the same call made
+    eagerly before (the warm-up a capture needs anyway: NCCL's communicators, the kernels'
+    compilation, the tables on the device). Every rank captures the same calls, in order, as
+    NCCL requires of any captured collective."""
+    name = spec["name"]
+    if cu_seqlens is not None:
+        raise RingError(f"{name}: a packed ring call (cu_seqlens) cannot be captured in a CUDA "
+                        f"graph: its offsets are read on the host; run it eagerly, or capture "
+                        f"a call of fixed-length rows")
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        raise RingError(f"{name}: a ring call is captured in a CUDA graph only over an NCCL "
+                        f"process group (this one is {backend!r})")
+    if order not in CHUNK_ORDERS:
+        raise InputError(f"{name}: chunk_order {order!r} must be one of {CHUNK_ORDERS}")
+    check_inputs(spec, q, k, v)
+    if local_check is not None:
+        local_check(q.shape[1])
+    hit = _AGREED.get(_agreed_key(spec, q, k, v, order, group, dist, kind))
+    if hit is None:
+        raise RingError(f"{name}: a ring {kind} is captured in a CUDA graph only after the same "
+                        f"call (shapes, dtype, chunk order) ran eagerly on every rank: the ranks "
+                        f"agree on a call by an all_gather read on the host, which a capture "
+                        f"cannot do; run the call once before torch.cuda.graph (the warm-up)")
+    return hit
 
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
@@ -122,6 +171,8 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     raises (faults.let_go). An all_gather that fails (the group was closed by a failure in an
     earlier call, or a rank died) raises RingAborted (faults.py)."""
     name = spec["name"]
+    if _capturing(q):
+        return _agreed_before(spec, q, k, v, order, group, dist, cu_seqlens, kind, local_check)
     error = cu = None
     try:
         if order not in CHUNK_ORDERS:
@@ -168,7 +219,12 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     message = _verdict(name, [r[:-2] for r in rows], error, P)
     if message is not None:
         raise RingError(message)
-    return cu, key, (min(frees) if frees else None)
+    agreed = cu, key, (min(frees) if frees else None)
+    if cu is None:        # a later capture of this call runs on it (_agreed_before)
+        if len(_AGREED) > 64:
+            _AGREED.clear()
+        _AGREED[_agreed_key(spec, q, k, v, order, group, dist, kind)] = agreed
+    return agreed
 
 
 def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str | None:

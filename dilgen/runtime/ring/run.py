@@ -358,14 +358,16 @@ class RingRun:
         a remote window of an r = 32 branch launches 1/32 of the programs."""
         if full:
             return self.class_order
-        cache = self.__dict__.setdefault("_classes", {})
-        if bits not in cache:
+        dev = self.class_order.device
+        key = (self.n_loc, "ring classes", bits, str(dev))     # kept: no copy per call
+        hit = self.attn._device_tensors.get(key)
+        if hit is None:
             order = self.attn.plan["query"]["class_order"]
             mine = [br for br in self.attn.plan["branches"] if bits >> br["index"] & 1]
             keep = [d for d in order
                     if any(br["membership"] == "row" or d % br["r"] == 0 for br in mine)]
-            cache[bits] = torch.tensor(keep or order[:1], dtype=torch.int32, device=self.class_order.device)
-        return cache[bits]
+            hit = self.attn._keep(key, torch.tensor(keep or order[:1], dtype=torch.int32, device=dev))
+        return hit
 
     def key_window(self, step, ki: int):
         """(k_off, n_k, stride) of key piece ki at this step."""
