@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 import dilgen  # noqa: E402
-from gluon_lane import LOG2E, lane_fwd  # noqa: E402
+from gluon_lane import LOG2E, lane_fwd, lane_fwd_ws  # noqa: E402
 
 BRANCHES = {   # name: B, H, N, D, w, r
     "A_w2048_r1": (1, 16, 32768, 128, 2048, 1), "A_w4096_r2": (1, 16, 32768, 128, 4096, 2),
@@ -32,10 +32,11 @@ BRANCHES = {   # name: B, H, N, D, w, r
     "C_w1024_r1": (2, 32, 16384, 64, 1024, 1), "C_w2048_r2": (2, 32, 16384, 64, 2048, 2),
     "C_w4096_r4": (2, 32, 16384, 64, 4096, 4),
 }
-VARIANTS = {   # BM, BN, STAGES, PIPE, num_warps
-    "m128n128s2": (128, 128, 2, 0, 8), "m128n128s2p": (128, 128, 2, 1, 8),
-    "m128n64s3p": (128, 64, 3, 1, 8), "m128n64s4p": (128, 64, 4, 1, 8),
-    "m128n128s3p": (128, 128, 3, 1, 8), "m64n128s2p": (64, 128, 2, 1, 4),
+VARIANTS = {   # BM, BN, STAGES, PIPE, num_warps; "ws": BM 128 as two warpgroups of 64 (lane_fwd_ws)
+    "m128n128s2": (128, 128, 2, 0, 8), "m128n128s3p": (128, 128, 3, 1, 8),
+    "ws_n128s2": ("ws", 128, 2, 0, 168), "ws_n128s2p": ("ws", 128, 2, 1, 168),
+    "ws_n128s3p": ("ws", 128, 3, 1, 168), "ws_n64s3p": ("ws", 64, 3, 1, 168),
+    "ws_n64s4p": ("ws", 64, 4, 1, 168), "ws_n128s2p_r152": ("ws", 128, 2, 1, 152),
 }
 
 
@@ -72,13 +73,17 @@ def scatter_back(g, B, N, H, w, r):
 
 def run_gluon(q, k, v, out, lse, B, N, H, D, w, r, var):
     BM, BN, STAGES, PIPE, nw = var
+    ws = BM == "ws"
     views = [t.view(B * N // r, r * H, D) for t in (q, k, v, out)]
     descs = []
-    for t, blk in zip(views, (BM, BN, BN, BM)):
+    for t, blk in zip(views, (64 if ws else BM, BN, BN, 64 if ws else BM)):
         lay = gl.NVMMASharedLayout.get_default_for([blk, 1, D], gl.bfloat16)
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [blk, 1, D], lay))
-    grid = ((w // r) // BM, B * N // w, H)
+    grid = ((w // r) // 128 if ws else (w // r) // BM, B * N // w, H)
     scale = LOG2E / math.sqrt(D)
+    if ws:     # nw: maxnreg; the consumers get 240 registers, the producer 24
+        return lambda: lane_fwd_ws[grid](*descs, lse, scale, N, H, r, w, BN, D, STAGES, PIPE, 240,
+                                         num_warps=4, maxnreg=nw)
     return lambda: lane_fwd[grid](*descs, lse, scale, N, H, r, w, BM, BN, D, STAGES, PIPE, num_warps=nw)
 
 
@@ -103,11 +108,12 @@ def one_branch(name, quick, log):
     kern = dilgen.compile(spec)
     row["dilgen_tl_ms"] = bench(lambda: kern(q, k, v))
     for vname, var in VARIANTS.items():
-        if quick and vname not in ("m128n128s2", "m128n64s3p"):
+        if quick and vname not in ("m128n128s2", "ws_n128s2p"):
             continue
-        if var[1] > L or L % var[0] or L % var[1]:
+        bm = 128 if var[0] == "ws" else var[0]
+        if var[1] > L or L % bm or L % var[1]:
             continue
-        stages_bytes = var[2] * 2 * var[1] * D * 2 + var[0] * D * 2
+        stages_bytes = var[2] * 2 * var[1] * D * 2 + bm * D * 2
         if stages_bytes > 227 * 1024:
             row["variants"][vname] = {"skipped": f"{stages_bytes} B of shared memory"}
             continue
