@@ -135,7 +135,7 @@ def lane_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, N,
 def _ws_producer(p, H: gl.constexpr, R: gl.constexpr, W: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                  STAGES: gl.constexpr, PIPE: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-     row0, q_row0, ho, h, lane, qk_scale, N) = p
+     turns, row0, q_row0, ho, h, lane, qk_scale, N) = p
     N_K: gl.constexpr = (W // R) // BN
     BMW: gl.constexpr = q_desc.block_type.shape[0]
     for wg in gl.static_range(2):
@@ -154,7 +154,7 @@ def _ws_producer(p, H: gl.constexpr, R: gl.constexpr, W: gl.constexpr, BN: gl.co
 def _ws_consume(p, WG: gl.constexpr, H: gl.constexpr, R: gl.constexpr, W: gl.constexpr, BN: gl.constexpr,
                 D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-     row0, q_row0, ho, h, lane, qk_scale, N) = p
+     turns, row0, q_row0, ho, h, lane, qk_scale, N) = p
     N_K: gl.constexpr = (W // R) // BN
     BMW: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -167,8 +167,13 @@ def _ws_consume(p, WG: gl.constexpr, H: gl.constexpr, R: gl.constexpr, W: gl.con
     mbarrier.wait(q_bars.index(WG), 0)
     q2 = q_smem.index(WG).reshape([BMW, D])
     # block 0's scores and softmax
+    PING: gl.constexpr = (PIPE & 2) != 0
     mbarrier.wait(k_ready.index(0), 0)
+    if PING:    # the two warpgroups take turns to issue their MMAs (FlashAttention-3's ping-pong)
+        mbarrier.wait(turns.index(WG), 1 - WG)
     s_tok = warpgroup_mma(q2, k_smem.index(0).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PING:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     x = s * qk_scale
     m_i = gl.max(x, axis=1)
@@ -179,11 +184,15 @@ def _ws_consume(p, WG: gl.constexpr, H: gl.constexpr, R: gl.constexpr, W: gl.con
         st = j % STAGES
         pst = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
+        if PING:
+            mbarrier.wait(turns.index(WG), (j & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q2, k_smem.index(st).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-        mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([BN, D]), acc, is_async=True)
-        if PIPE:    # block j's softmax runs while block j - 1's P V is on the tensor cores
+        if PING:
+            mbarrier.arrive(turns.index(1 - WG), count=1)
+        if PIPE & 1:    # block j's softmax runs while block j - 1's P V is on the tensor cores
             s = warpgroup_mma_wait(1, deps=(s_tok,))
         else:
             s = warpgroup_mma_wait(0, deps=(s_tok,))
@@ -199,7 +208,11 @@ def _ws_consume(p, WG: gl.constexpr, H: gl.constexpr, R: gl.constexpr, W: gl.con
         p_op = gl.convert_layout(pj.to(dtype), p_layout)
     lst: gl.constexpr = (N_K - 1) % STAGES
     mbarrier.wait(v_ready.index(lst), ((N_K - 1) // STAGES) & 1)
+    if PING:
+        mbarrier.wait(turns.index(WG), (N_K & 1) ^ (1 - WG))
     o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
+    if PING:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(kv_empty.index(lst), count=1)
 
@@ -248,8 +261,10 @@ def lane_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, N,
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -257,7 +272,7 @@ def lane_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, N,
     fence_async_shared()
 
     p = (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-         row0, q_row0, ho, h, lane, qk_scale, N)
+         turns, row0, q_row0, ho, h, lane, qk_scale, N)
     gl.warp_specialize([
         (_ws_consumer0, (p, H, R, W, BN, D, STAGES, PIPE)),
         (_ws_consumer1, (p, H, R, W, BN, D, STAGES, PIPE)),

@@ -32,11 +32,13 @@ BRANCHES = {   # name: B, H, N, D, w, r
     "C_w1024_r1": (2, 32, 16384, 64, 1024, 1), "C_w2048_r2": (2, 32, 16384, 64, 2048, 2),
     "C_w4096_r4": (2, 32, 16384, 64, 4096, 4),
 }
-VARIANTS = {   # BM, BN, STAGES, PIPE, num_warps; "ws": BM 128 as two warpgroups of 64 (lane_fwd_ws)
-    "m128n128s2": (128, 128, 2, 0, 8), "m128n128s3p": (128, 128, 3, 1, 8),
-    "ws_n128s2": ("ws", 128, 2, 0, 168), "ws_n128s2p": ("ws", 128, 2, 1, 168),
-    "ws_n128s3p": ("ws", 128, 3, 1, 168), "ws_n64s3p": ("ws", 64, 3, 1, 168),
-    "ws_n64s4p": ("ws", 64, 4, 1, 168), "ws_n128s2p_r152": ("ws", 128, 2, 1, 152),
+VARIANTS = {   # BM, BN, STAGES, PIPE, num_warps; ("ws", BMW): lane_fwd_ws, two consumer warpgroups of
+    # BMW rows; its PIPE bits: 1 softmax during the previous P V, 2 ping-pong; its last: maxnreg
+    "m128n128s2": (128, 128, 2, 0, 8), "m128n128s3": (128, 128, 3, 0, 8),
+    "ws_n128s3p": (("ws", 64), 128, 3, 1, 168), "ws_n64s4p": (("ws", 64), 64, 4, 1, 168),
+    "ws_n128s3pp": (("ws", 64), 128, 3, 3, 168), "ws_n64s4pp": (("ws", 64), 64, 4, 3, 168),
+    "ws_n128s2pp": (("ws", 64), 128, 2, 3, 168), "ws_m128n64s3": (("ws", 128), 64, 3, 0, 168),
+    "ws_m128n128s2": (("ws", 128), 128, 2, 0, 168), "ws_m128n64s3pp": (("ws", 128), 64, 3, 2, 168),
 }
 
 
@@ -73,13 +75,15 @@ def scatter_back(g, B, N, H, w, r):
 
 def run_gluon(q, k, v, out, lse, B, N, H, D, w, r, var):
     BM, BN, STAGES, PIPE, nw = var
-    ws = BM == "ws"
+    ws = isinstance(BM, tuple)
+    if ws:
+        BM = BM[1]         # rows per consumer warpgroup; the CTA takes two tiles
     views = [t.view(B * N // r, r * H, D) for t in (q, k, v, out)]
     descs = []
-    for t, blk in zip(views, (64 if ws else BM, BN, BN, 64 if ws else BM)):
+    for t, blk in zip(views, (BM, BN, BN, BM)):
         lay = gl.NVMMASharedLayout.get_default_for([blk, 1, D], gl.bfloat16)
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [blk, 1, D], lay))
-    grid = ((w // r) // 128 if ws else (w // r) // BM, B * N // w, H)
+    grid = ((w // r) // (2 * BM if ws else BM), B * N // w, H)
     scale = LOG2E / math.sqrt(D)
     if ws:     # nw: maxnreg; the consumers get 240 registers, the producer 24
         return lambda: lane_fwd_ws[grid](*descs, lse, scale, N, H, r, w, BN, D, STAGES, PIPE, 240,
@@ -108,9 +112,9 @@ def one_branch(name, quick, log):
     kern = dilgen.compile(spec)
     row["dilgen_tl_ms"] = bench(lambda: kern(q, k, v))
     for vname, var in VARIANTS.items():
-        if quick and vname not in ("m128n128s2", "ws_n128s2p"):
+        if quick and vname not in ("m128n128s2", "ws_n128s3pp"):
             continue
-        bm = 128 if var[0] == "ws" else var[0]
+        bm = 2 * var[0][1] if isinstance(var[0], tuple) else var[0]
         if var[1] > L or L % bm or L % var[1]:
             continue
         stages_bytes = var[2] * 2 * var[1] * D * 2 + bm * D * 2
