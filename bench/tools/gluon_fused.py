@@ -154,7 +154,7 @@ def _consumer1(p, H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, NB: gl.co
 
 
 @gluon.jit
-def fused_fwd(q_desc, o_desc, k_descs, v_descs, lse_ptr, qk_scale, N,
+def fused_fwd(q_desc, o_desc, k0, k1, k2, v0, v1, v2, lse_ptr, qk_scale, N,
               H: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, NB: gl.constexpr, W0: gl.constexpr,
               R0: gl.constexpr, W1: gl.constexpr, R1: gl.constexpr, W2: gl.constexpr, R2: gl.constexpr,
               LAT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -162,6 +162,8 @@ def fused_fwd(q_desc, o_desc, k_descs, v_descs, lse_ptr, qk_scale, N,
     """Grid (N / L / 128 tiles, B·H, L classes). Class d's programs of head h hold rows
     c + L·m, c = (h + d) mod L, m in [128·tile, 128·tile + 128)."""
     dtype: gl.constexpr = q_desc.dtype
+    k_descs = (k0, k1, k2)        # one per branch (unused ones repeat a used one): Triton 3.6's
+    v_descs = (v0, v1, v2)        # launcher takes no tuple of descriptors as an argument
     m0 = gl.program_id(0) * (2 * BMW)
     b = gl.program_id(1) // H
     h = gl.program_id(1) % H

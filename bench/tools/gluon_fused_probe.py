@@ -90,7 +90,7 @@ def launcher(q, k, v, out, lse, cfg, BN, STAGES):
     vds = tuple(desc(v, r, BN) for r in rs)
     grid = (N // L // 128, B * H, L)
     scale = LOG2E / math.sqrt(D)
-    return lambda: fused_fwd[grid](qd, od, kds, vds, lse, scale, N, H, Hkv, D, 3, ws[0], rs[0], ws[1], rs[1],
+    return lambda: fused_fwd[grid](qd, od, *kds, *vds, lse, scale, N, H, Hkv, D, 3, ws[0], rs[0], ws[1], rs[1],
                                    ws[2], rs[2], L, BN, STAGES, 240, num_warps=4, maxnreg=168)
 
 
