@@ -224,6 +224,9 @@ class KernelConfig:
     # the largest split (kept keys per program; the runtime may halve it down to the block
     # to fill the GPU at small batch), warps, stages
     decode: tuple[int, int, int, int] = (16, 32, 1, 1)
+    # sm90: the forward's lattice branches run as the Gluon kernel of templates/gluon_fwd.py.jinja
+    # (a producer warp, two consumer warpgroups of 64 rows), keys per block and K/V stages
+    gluon_fwd: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -234,6 +237,10 @@ class KernelConfig:
         if block < 16 or block & (block - 1) or split % block:
             raise ValueError(f"KernelConfig.decode = {self.decode!r}: the block must be a power "
                              f"of two >= 16 and divide the split")
+        if self.gluon_fwd is not None and (len(self.gluon_fwd) != 2 or self.gluon_fwd[0] not in (64, 128)
+                                           or not 2 <= self.gluon_fwd[1] <= 8):
+            raise ValueError(f"KernelConfig.gluon_fwd = {self.gluon_fwd!r}: (keys per block 64 or 128, "
+                             f"stages 2 to 8)")
         if self.block_m % self.bwd_dq[0]:
             raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
                              f"{self.block_m} (a dq tile must nest in the forward's tiles)")
@@ -253,6 +260,7 @@ class KernelConfig:
                 **({"bwd_tma": True} if self.bwd_tma else {}),
                 **({"l2_bytes": self.l2_bytes} if self.l2_bytes else {}),
                 **({"lattice_group": self.lattice_group} if self.lattice_group else {}),
+                **({"gluon_fwd": list(self.gluon_fwd)} if self.gluon_fwd else {}),
                 "decode": list(self.decode)}
 
 

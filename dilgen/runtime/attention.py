@@ -41,12 +41,13 @@ class GeneratedAttention:
     """
 
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
-                 lane_kernel=None, decode_kernels=None, curve_kernel=None) -> None:
+                 lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
         self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
         self.curve_kernel = curve_kernel           # compact curve-ordered rows (curve_rows.py)
+        self.gluon_kernel = gluon_kernel           # sm90's Gluon forward (gluon_launch.py) or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
         self._jitted: dict[Any, Any] = {}

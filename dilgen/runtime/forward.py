@@ -11,6 +11,7 @@ import torch
 
 from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
+from .gluon_launch import gluon_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
 from .replay import Recorder, enabled, keep, lookup, recording_into, signature
@@ -111,7 +112,10 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
     lanes = lane_order(plan)
     fused = any(not br["lanes"] for br in plan["branches"])
     for seqs, B, N in groups:   # packed batches: one group per length class of sequences
-        if fused:   # every branch that is not a lane branch
+        gluon = None if (interpret or varlen) else gluon_launch(attn, q, k, v, out, lse, B, N)
+        if gluon is not None:       # the same work as the fused kernel, in Gluon (sm90)
+            launches.append(gluon)
+        elif fused:   # every branch that is not a lane branch
             num_m_tiles = math.ceil(math.ceil(N / lattice) / cfg["block_m"])
             group_tiles = lattice_group_tiles(plan, num_m_tiles, cfg["block_m"], 2 * k.shape[-1] * k.element_size())
             launches.append((attn._kernel(interpret), (lattice * num_m_tiles, B * H),

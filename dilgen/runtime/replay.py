@@ -112,6 +112,8 @@ class Recorder:
                         template[pos] = _SLOT
                     elif id(a) not in kept:
                         return None
+                elif isinstance(getattr(a, "base", None), torch.Tensor):
+                    return None     # a TMA descriptor over this call's tensor: made per call
             launches.append((compiled, grid, tuple(template), tuple(holes)))
         return Recipe(launches, allocator, tuple(temps))
 

@@ -1,0 +1,127 @@
+"""sm90's Gluon forward (KernelConfig.gluon_fwd, templates/gluon_fwd.py.jinja) on the CPU: when
+the planner takes it and what it refuses by name, the generated source against a golden file,
+the kernel compiled for sm90 (Triton 3.6, no GPU: its PTX has the warpgroup MMAs, the TMA
+loads and the producer's register budget), and that a launch holding TMA descriptors is never
+replayed. Its numbers (float64, timings) come from the GPU check, bench/results/gluon_*."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import dilgen
+from dilgen import codegen
+from dilgen.planner import gluon_available, plan
+from dilgen.runtime import replay
+from dilgen.spec import SpecError
+from dilgen.targets import get_target
+
+GOLDEN = Path(__file__).parent / "golden" / "gluon_fwd_sm90.py"
+MARK = "# ---- sm90: the same forward in Gluon"
+needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
+
+
+def _spec(**over):
+    fields = dict(name="gx", num_heads=16, num_kv_heads=4, head_dim=128, segment_lengths=[2048, 4096, 8192],
+                  dilation_rates=[1, 2, 4], dtype="bfloat16")
+    fields.update(over)
+    return dilgen.Spec(**fields)
+
+
+@needs_gluon
+def test_taken_when_asked_and_off_by_default():
+    assert plan(_spec(), get_target("sm90"), {"gluon_fwd": True}).config.gluon_fwd == (128, 3)
+    assert plan(_spec(), get_target("sm90")).config.gluon_fwd is None
+    assert plan(_spec(), get_target("sm90"), {"gluon_fwd": [64, 4]}).config.gluon_fwd == (64, 4)
+
+
+@needs_gluon
+@pytest.mark.parametrize("over, arch, why", [
+    (dict(causal=True), "sm90", "causal specs run their branches as lane kernels"),
+    (dict(ring_size=2), "sm90", "a ring runs its own window kernels"),
+    (dict(hilbert={"scope": "segment"}), "sm90", "Hilbert orders"),
+    (dict(dtype="float32"), "sm90", "float16 or bfloat16"),
+    (dict(head_dim=48), "sm90", "head_dim 64 or 128"),
+    (dict(segment_lengths=[2048, 4096], dilation_rates=[1, 3]), "sm90", "r does not divide w"),
+    (dict(segment_lengths=[4096, 8192], dilation_rates=[2, 4], head_dim=64), "sm90", "a branch with r = 1"),
+    (dict(segment_lengths=[256, 1024], dilation_rates=[1, 4]), "sm90", "multiple of 128 x L = 512"),
+    (dict(), "sm80", "target sm80 has no Gluon forward"),
+])
+def test_refused_by_name_where_it_cannot_run(over, arch, why):
+    with pytest.raises(SpecError, match=why):
+        plan(_spec(**over), get_target(arch), {"gluon_fwd": True})
+    assert plan(_spec(**over), get_target(arch)).config.gluon_fwd is None   # not asked: the tl kernel
+
+
+def _source(**over) -> str:
+    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True}))
+
+
+@needs_gluon
+def test_generated_gluon_source_is_golden_and_stable():
+    text = _source()
+    assert text == _source()
+    section = text[text.index(MARK):]
+    if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(section)
+    assert section == GOLDEN.read_text(), ("the Gluon forward's source changed; if on purpose, "
+                                           "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
+    codegen.check_syntax(text)
+    assert "gluon_kernel=gx_gluon_fwd" in text
+
+
+def _module(tmp_path, **over):
+    path = tmp_path / f"gx_{abs(hash(tuple(sorted(over.items())))) % 10**6}.py"
+    path.write_text(_source(**over))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_gluon
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
+@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16)])
+def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = _module(tmp_path, **over)
+    D = over.get("head_dim", 128)
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 1, D], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, 1, {D}],{layout!r}>"
+    sig = {"q_desc": desc(64), "o_desc": desc(64), **{f"{x}{i}": desc(128) for x in "kv" for i in range(3)},
+           "Lse": "*fp32", "N": "i32"}
+    kernel = triton.compile(GluonASTSource(mod.gx_gluon_fwd, sig, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+
+
+class _Descriptor:
+    """What a TMA descriptor looks like to the recorder: an object over a tensor (.base)."""
+
+    def __init__(self, base):
+        self.base = base
+
+
+class _Compiled:
+    packed_metadata = ()
+
+
+def test_a_launch_holding_a_descriptor_is_never_replayed():
+    q = torch.zeros(4)
+    rec = replay.Recorder()
+    rec.ran.append((object(), _Compiled(), (1, 1, 1), (q, 3)))
+    attn = type("Attn", (), {"_device_tensors": {}})()
+    assert rec.recipe((q,), attn) is not None            # the tensor is a slot: replayable
+    rec.ran.append((object(), _Compiled(), (1, 1, 1), (_Descriptor(q), 3)))
+    assert rec.recipe((q,), attn) is None                # the descriptor would keep the old q
