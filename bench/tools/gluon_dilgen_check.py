@@ -83,6 +83,11 @@ def check(name, c, log):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     for tag, kern in (("gluon", kg), ("tl", kt)):
         row[f"{tag}_fwd_bwd_ms"] = b2b(lambda kern=kern: kern(*leaves).backward(gout), calls=5, rounds=5)
+    # a repeated call replays its recorded launches: on new inputs it still equals the tl plan
+    q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+    with torch.no_grad():
+        row["replayed_equal_tl"] = bool(torch.equal(kg(q2, k2, v2), kt(q2, k2, v2)))
+    row["recipes"] = len(attn._replays)
     flops = sum(4 * B * H * (N / w) * (w / r) ** 2 * D for w, r in zip(c["ws"], c["rs"]))
     row["gluon_fwd_tflops"] = round(flops / row["gluon_fwd_ms"] / 1e9, 1)
     row["tl_fwd_tflops"] = round(flops / row["tl_fwd_ms"] / 1e9, 1)
