@@ -87,7 +87,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
     with recording_into(recorder):      # copies of curve-ordered rows launch as they are made
         _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
                      packing, interpret, writes_all, clears, varlen)
-    allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma") or cfg.get("gluon_fwd")) and not interpret
+    allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
     if allocator:
         ensure_descriptor_allocator()
     if record:

@@ -1,9 +1,14 @@
-"""The launch of the sm90 Gluon forward (templates/gluon_fwd.py.jinja, KernelConfig.gluon_fwd),
-and when a call takes it. The kernel makes its TMA descriptors itself: over contiguous
-(B, N, H, D) q and out seen as (B·N/L, L·H, D), whose row b·N/L + m, column c·H + h is row
-u = c + L·m of head h (L the query lattice), and branch i's keys seen as (B·N/r_i, r_i·H_kv, D),
-whose rows b·N/r_i + s·w_i/r_i + j are the lane s·w_i + o + r_i·j of segment s. So its
-arguments are the call's tensors, and a repeated call replays it (replay.py)."""
+"""The launch of the sm90 Gluon forward (templates/gluon_fwd.py.jinja, KernelConfig.gluon_fwd):
+its TMA descriptors over strided views of q, k, v and out, and when a call takes it.
+
+Views (contiguous (B, N, H, D) q and out, (B, N, H_kv, D) k and v): q and out as
+(B·N/L, L·H, D), whose row b·N/L + m, column c·H + h is row u = c + L·m of head h (L the
+query lattice); branch i's keys as (B·N/r_i, r_i·H_kv, D), whose rows b·N/r_i + s·w_i/r_i + j
+are the lane s·w_i + o + r_i·j of segment s. A 64-row (queries) or 128-row (keys) box of such a
+view is a TMA load of dilated rows. The descriptors are made on the host for each call (made in
+the kernel, by each program, they cost A 1.724 -> 1.844 ms), so such a call is not replayed
+(replay.py) and pays their host time: one call A 1.957 ms against 1.724 back to back
+(bench/results/gluon_dilgen_check-2026-11-27-h200.json)."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +20,18 @@ def _sm90(device: torch.device) -> bool:
     hit = _SM90.get(device.index)
     if hit is None:
         hit = _SM90[device.index] = torch.cuda.get_device_capability(device)[0] == 9
+    return hit
+
+
+_LAYOUTS: dict[tuple[int, int], object] = {}
+
+
+def _layout(rows: int, D: int):
+    """The shared-memory layout of a (rows, 1, D) box of 16-bit elements (128-byte swizzle)."""
+    hit = _LAYOUTS.get((rows, D))
+    if hit is None:
+        from triton.experimental.gluon import language as gl
+        hit = _LAYOUTS[(rows, D)] = gl.NVMMASharedLayout.get_default_for([rows, 1, D], gl.bfloat16)
     return hit
 
 
@@ -31,7 +48,17 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out)):
         return None
-    H, L = plan["num_heads"], plan["query"]["lattice"]
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    H, D, L = plan["num_heads"], plan["head_dim"], plan["query"]["lattice"]
+
+    def box(t: torch.Tensor, every: int, rows: int) -> TensorDescriptor:
+        view = t.view(B * N // every, every * t.shape[2], D)
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, 1, D], _layout(rows, D))
+
+    rates = [br["r"] for br in plan["branches"]]
+    args = (box(q, L, 64), box(out, L, 64), *(box(k, r, tile[0]) for r in rates),
+            *(box(v, r, tile[0]) for r in rates), lse, N)
     # 12 warps (two consumer warpgroups, a producer warp's group) at 168 registers a thread:
     # one program per SM, the consumers at 240 registers, the producer at 24
-    return attn.gluon_kernel, (N // L // 128, B * H, L), (q, k, v, out, lse, B, N), {"num_warps": 4, "maxnreg": 168}
+    return attn.gluon_kernel, (N // L // 128, B * H, L), args, {"num_warps": 4, "maxnreg": 168}
