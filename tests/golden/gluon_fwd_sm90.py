@@ -133,42 +133,24 @@ def gx_gluon_consumer1(p):
 
 
 @gluon.jit
-def gx_gluon_fwd(Q, K, V, Out, Lse, B, N):
+def gx_gluon_fwd(q_desc, o_desc, k0, k1, k2, v0, v1, v2, Lse, N):
     """Notation (as in gx_fwd_kernel, whose work this is).
-    Q, Out         (B, N, H, D) contiguous, seen by TMA as (B*N/L, L*H, D): row b*N/L + m,
-                   column c*H + h is row u = c + L*m of head h (L = 4); boxes of 64 rows
-    K, V           (B, N, H_kv, D), seen per branch as (B*N/r, r*H_kv, D): a segment's lane is a box
-    program        (tile of 128 lattice rows, b*H + h, class d); c = (h + d) mod L
+    q_desc, o_desc   q and out as (B*N/L, L*H, D): row b*N/L + m, column c*H + h is row
+                     u = c + L*m of head h (L = 4); boxes of 64 rows
+    k<i>, v<i>       branch i's keys as (B*N/r, r*H_kv, D): its lane of a segment is a box
+    program          (tile of 128 lattice rows, b*H + h, class d); c = (h + d) mod L
     Two consumer warpgroups of 64 rows and one producer warp (gl.warp_specialize); the
     producer fills a ring of GLUON_STAGES K/V blocks (k_ready / v_ready), a stage returns to
-    it once both consumers arrived on its kv_empty. Every segment whole (runtime/gluon_launch.py).
-    The descriptors are made here (global scratch), so a call's arguments are its tensors."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    it once both consumers arrived on its kv_empty. Every segment whole (runtime/forward.py)."""
+    dtype: gl.constexpr = q_desc.dtype
     m0 = gl.program_id(0) * (2 * GLUON_ROWS)
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
     d = gl.program_id(2)
     c = (h + d) % 4
-    q_desc = tma.make_tensor_descriptor(Q, [B * (N // 4), 64, 128],
-                                        [8192, 128, 1], [GLUON_ROWS, 1, 128], box)
-    o_desc = tma.make_tensor_descriptor(Out, [B * (N // 4), 64, 128],
-                                        [8192, 128, 1], [GLUON_ROWS, 1, 128], box)
-    k0 = tma.make_tensor_descriptor(K, [B * (N // 1), 4, 128], [512, 128, 1],
-                                    [GLUON_KEYS, 1, 128], box)  # branch 0: r = 1
-    v0 = tma.make_tensor_descriptor(V, [B * (N // 1), 4, 128], [512, 128, 1],
-                                    [GLUON_KEYS, 1, 128], box)
-    k1 = tma.make_tensor_descriptor(K, [B * (N // 2), 8, 128], [1024, 128, 1],
-                                    [GLUON_KEYS, 1, 128], box)  # branch 1: r = 2
-    v1 = tma.make_tensor_descriptor(V, [B * (N // 2), 8, 128], [1024, 128, 1],
-                                    [GLUON_KEYS, 1, 128], box)
-    k2 = tma.make_tensor_descriptor(K, [B * (N // 4), 16, 128], [2048, 128, 1],
-                                    [GLUON_KEYS, 1, 128], box)  # branch 2: r = 4
-    v2 = tma.make_tensor_descriptor(V, [B * (N // 4), 16, 128], [2048, 128, 1],
-                                    [GLUON_KEYS, 1, 128], box)
-    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_ROWS, 1, 128], box)
-    k_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 128], box)
-    v_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 128], box)
+    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_ROWS, 1, 128], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 128], k0.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 128], v0.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
