@@ -107,21 +107,30 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
 
 
 class _Descriptor:
-    """What a TMA descriptor looks like to the recorder: an object over a tensor (.base)."""
+    """What a host TMA descriptor looks like to the recorder: an object over a tensor view."""
 
     def __init__(self, base):
-        self.base = base
+        self.base, self.shape, self.strides, self.padding = base, (2, 2), (2, 1), "zero"
 
 
 class _Compiled:
     packed_metadata = ()
 
 
-def test_a_launch_holding_a_descriptor_is_never_replayed():
-    q = torch.zeros(4)
-    rec = replay.Recorder()
-    rec.ran.append((object(), _Compiled(), (1, 1, 1), (q, 3)))
+def test_a_descriptor_over_a_calls_tensor_is_made_again_by_each_replay(monkeypatch):
+    q, other = torch.zeros(4), torch.zeros(4)
     attn = type("Attn", (), {"_device_tensors": {}})()
-    assert rec.recipe((q,), attn) is not None            # the tensor is a slot: replayable
-    rec.ran.append((object(), _Compiled(), (1, 1, 1), (_Descriptor(q), 3)))
-    assert rec.recipe((q,), attn) is None                # the descriptor would keep the old q
+    rec = replay.Recorder()
+    rec.ran.append((object(), _Compiled(), (1, 1, 1), (_Descriptor(q.view(2, 2)), 3)))
+    recipe = rec.recipe((q,), attn)
+    launched = []
+    monkeypatch.setattr(replay, "launch_compiled", lambda c, grid, stream, args: launched.append(args))
+    monkeypatch.setattr(replay, "_stream", lambda device: 0)
+    monkeypatch.setattr(replay, "_device", lambda: 0)
+    fresh = torch.ones(4)
+    recipe.run((fresh,))
+    desc, n = launched[0]
+    assert n == 3 and desc.base.data_ptr() == fresh.data_ptr() and desc.shape == (2, 2) and desc.padding == "zero"
+    # over a tensor that is not one of the call's: no recipe (it would keep that tensor)
+    rec.ran.append((object(), _Compiled(), (1, 1, 1), (_Descriptor(other.view(2, 2)), 3)))
+    assert rec.recipe((q,), attn) is None

@@ -5,10 +5,9 @@ Views (contiguous (B, N, H, D) q and out, (B, N, H_kv, D) k and v): q and out as
 (B·N/L, L·H, D), whose row b·N/L + m, column c·H + h is row u = c + L·m of head h (L the
 query lattice); branch i's keys as (B·N/r_i, r_i·H_kv, D), whose rows b·N/r_i + s·w_i/r_i + j
 are the lane s·w_i + o + r_i·j of segment s. A 64-row (queries) or 128-row (keys) box of such a
-view is a TMA load of dilated rows. The descriptors are made on the host for each call (made in
-the kernel, by each program, they cost A 1.724 -> 1.844 ms), so such a call is not replayed
-(replay.py) and pays their host time: one call A 1.957 ms against 1.724 back to back
-(bench/results/gluon_dilgen_check-2026-11-27-h200.json)."""
+view is a TMA load of dilated rows. The descriptors are made on the host (made in the kernel,
+by each program, they cost A 1.724 -> 1.844 ms; bench/results/gluon_dilgen_check-2026-11-27-h200.json);
+a replay makes them again over the call's tensors (replay.Descriptor)."""
 from __future__ import annotations
 
 import torch

@@ -11,8 +11,11 @@ fresh buffers (CUDA's caching allocator aligns every block to 512 bytes) to the 
 kernels, so the second call can launch the kernels the first one compiled, its tensors in
 the slots where the first call's were. Tensors a call allocates for its own launches (the
 compact copies of curve-ordered rows, `Recorder.temporary`) are allocated afresh by each
-replay. A recording in which a launch reads any other tensor, neither a slot nor one of the
-module's kept device tables, is not kept: such calls take the full path every time.
+replay. A host-made TMA descriptor over a slot (the Gluon forward's, runtime/gluon_launch.py)
+is made again over the call's tensor: its shape and strides follow from the signature, its
+base is the slot's pointer. A recording in which a launch reads any other tensor, neither a
+slot nor one of the module's kept device tables, is not kept: such calls take the full path
+every time.
 """
 from __future__ import annotations
 
@@ -108,12 +111,16 @@ class Recorder:
             for pos, a in enumerate(args):
                 if isinstance(a, torch.Tensor):
                     if id(a) in where:
-                        holes.append((pos, where[id(a)]))
+                        holes.append((pos, where[id(a)], None))
                         template[pos] = _SLOT
                     elif id(a) not in kept:
                         return None
-                elif isinstance(getattr(a, "base", None), torch.Tensor):
-                    return None     # a TMA descriptor over this call's tensor: made per call
+                elif isinstance(getattr(a, "base", None), torch.Tensor):     # a TMA descriptor
+                    slot = _slot_under(a.base, slots)
+                    if slot is None:
+                        return None
+                    holes.append((pos, slot, (tuple(a.shape), tuple(a.strides), a.padding)))
+                    template[pos] = _SLOT
             launches.append((compiled, grid, tuple(template), tuple(holes)))
         return Recipe(launches, allocator, tuple(temps))
 
@@ -136,6 +143,37 @@ def recording_into(recorder: Recorder | None):
         yield recorder
     finally:
         _RECORDING.recorder = before
+
+
+def _slot_under(view: torch.Tensor, slots: tuple) -> int | None:
+    """The slot whose memory `view` (a descriptor's base) starts at, or None."""
+    for i, t in enumerate(slots):
+        if (isinstance(t, torch.Tensor) and t.data_ptr() == view.data_ptr()
+                and t.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()):
+            return i
+    return None
+
+
+class Descriptor:
+    """A host TMA descriptor as Triton 3.6's launcher reads one (make_tensordesc_arg:
+    base.data_ptr(), shape, strides, padding), over a pointer: made per replay."""
+
+    __slots__ = ("ptr", "shape", "strides", "padding")
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, padding: str) -> None:
+        self.ptr, self.shape, self.strides, self.padding = ptr, shape, strides, padding
+
+    @property
+    def base(self) -> "Descriptor":
+        return self
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _fill(args: list, holes, ptrs) -> None:
+    for pos, slot, desc in holes:
+        args[pos] = ptrs[slot] if desc is None else Descriptor(ptrs[slot], *desc)
 
 
 class Recipe:
@@ -162,16 +200,16 @@ class Recipe:
             ptrs = [t.data_ptr() for t in tensors]
             for go, grid, template, holes in self.direct:
                 args = list(template)
-                for pos, slot in holes:
-                    args[pos] = ptrs[slot]
+                _fill(args, holes, ptrs)
                 go(grid, stream, args)
             return
         if self.allocator:
             ensure_descriptor_allocator()
+        ptrs = [t.data_ptr() for t in tensors]
         for compiled, grid, template, holes in self.launches:
             args = list(template)
-            for pos, slot in holes:
-                args[pos] = tensors[slot]
+            for pos, slot, desc in holes:
+                args[pos] = tensors[slot] if desc is None else Descriptor(ptrs[slot], *desc)
             launch_compiled(compiled, grid, stream, tuple(args))
 
 
