@@ -187,6 +187,10 @@ def test_signature_separates_what_specialization_reads(gpu_calls):
     assert replay.signature("fwd", (x[:64:2],)) != base                 # stride
     assert replay.signature("bwd", (x[:32],)) != base                   # pass
     assert replay.signature("fwd", (x[:32],), True) != base             # extra flags
+    q, k = torch.zeros(8), torch.zeros(8)
+    # a call of one tensor in two places records one slot for both: a call of two may not replay it
+    assert replay.signature("fwd", (q, q)) != replay.signature("fwd", (q, k))
+    assert replay.signature("fwd", (q, q.view(8))) == replay.signature("fwd", (k, k))
 
 
 def test_recipes_are_bounded(gpu_calls):

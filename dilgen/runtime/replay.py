@@ -51,9 +51,11 @@ def enabled() -> bool:
 def signature(tag: str, tensors, extra=()) -> tuple:
     """The key of a call: what Triton's specialization and dilgen's launch arithmetic read
     from its tensors (shape, stride, dtype, device, alignment), with the current CUDA device
-    (where Triton launches)."""
-    return (tag, _device(), extra,
-            *[(t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15) for t in tensors])
+    (where Triton launches), and which tensors start at the same address: a recording of
+    kernel(x, x, x) fills every slot from one tensor, so only such calls may replay it."""
+    ptrs = [t.data_ptr() for t in tensors]
+    return (tag, _device(), extra, tuple(ptrs.index(p) for p in ptrs),
+            *[(t.shape, t.stride(), t.dtype, t.get_device(), p & 15) for t, p in zip(tensors, ptrs)])
 
 
 def kept_tensors(attn) -> set[int]:
