@@ -347,6 +347,23 @@ def test_a_replayed_hilbert_call_equals_a_fresh_one(causal, poisoned):
     assert kinds >= {"fwd", "bwd"}, kinds
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
+def test_a_call_of_one_tensor_thrice_is_not_replayed_for_three(poisoned):
+    """kernel(x, x, x) records one slot for q, k and v; a later kernel(q, k, v) of the same
+    shapes must not replay it (it would read x's slot three times)."""
+    kernel, plain = _kernel(name="host_alias", num_kv_heads=4), _kernel(name="host_alias_plain", num_kv_heads=4)
+    x = _qkv((2, 32, 4, 16), 4, seed=60)[0].detach()
+    with torch.no_grad():
+        kernel(x, x, x)
+        q, k, v = (t.detach() for t in _qkv((2, 32, 4, 16), 4, seed=61))
+        replay.ENABLED = False
+        try:
+            want = plain(q, k, v)
+        finally:
+            replay.ENABLED = True
+        assert torch.equal(kernel(q, k, v), want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (GPU check)")
 @pytest.mark.parametrize("how", ["packed", "padded", "hilbert"])
 def test_packed_padded_and_hilbert_calls_capture_in_a_cuda_graph(how):
