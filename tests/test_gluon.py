@@ -87,7 +87,7 @@ def _module(tmp_path, **over):
 @needs_gluon
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"),
                     reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
-@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16)])
+@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=4)])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
