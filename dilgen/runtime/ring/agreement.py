@@ -16,7 +16,7 @@ import torch
 from ...schedule import CHUNK_ORDERS
 from ..checks import InputError, check_inputs, check_varlen_inputs
 from ..varlen import packing_from_cu_seqlens
-from .faults import PeerLost, RingError, collective, fault_key, new_key, refuse_closed
+from .faults import PeerLost, RingError, _group_name, collective, fault_key, new_key, refuse_closed
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _TRANSPORTS = ("auto", "ring", "allgather", "heads")
@@ -47,11 +47,11 @@ def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: st
             _cu_key(cu), _transport_code(), CALLS.index(kind)]
 
 
-def _fingerprint(spec: dict, q, k, v, order: str, error: str | None, device,
-                 cu: list[int] | None = None, free: int = -1, kind: str = "forward") -> torch.Tensor:
-    """The compared fields (_FIELDS), then two that are not: this rank's proposal for the
-    call's fault key, and its free memory (-1: not a GPU, or the transport is forced)."""
-    vals = _call_fields(spec, q, k, v, order, cu, kind) + [int(error is not None), new_key(), free]
+def _fingerprint(fields: list[int], error: str | None, device, free: int = -1) -> torch.Tensor:
+    """The compared fields (_FIELDS: the call's, then the input error bit), then two that are
+    not: this rank's proposal for the call's fault key, and its free memory (-1: not a GPU, or
+    the transport is forced)."""
+    vals = fields + [int(error is not None), new_key(), free]
     return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
@@ -64,9 +64,9 @@ def _capturing(q) -> bool:
     return isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _agreed_key(spec: dict, q, k, v, order: str, group, dist, kind: str) -> tuple:
-    from .faults import _group_name
-    return (_group_name(dist, group), str(q.device), *_call_fields(spec, q, k, v, order, None, kind))
+def _agreed_key(dist, group, q, fields: list[int]) -> tuple:
+    """_AGREED's key of a call whose _call_fields are `fields`."""
+    return (_group_name(dist, group), str(q.device), *fields)
 
 
 def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kind: str,
@@ -90,7 +90,7 @@ def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kin
     check_inputs(spec, q, k, v)
     if local_check is not None:
         local_check(q.shape[1])
-    hit = _AGREED.get(_agreed_key(spec, q, k, v, order, group, dist, kind))
+    hit = _AGREED.get(_agreed_key(dist, group, q, _call_fields(spec, q, k, v, order, None, kind)))
     if hit is None:
         raise RingError(f"{name}: a ring {kind} is captured in a CUDA graph only after the same "
                         f"call (shapes, dtype, chunk order) ran eagerly on every rank: the ranks "
@@ -205,8 +205,9 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     # stream would wait for every kernel queued before it (the forward's, when the backward
     # agrees), and reading it back would leave the GPU idle until the host queued more
     with _side_stream(device):
-        mine = _fingerprint(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous", error,
-                            device, cu if cu_seqlens is not None else None, free, kind)
+        fields = _call_fields(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous",
+                              cu if cu_seqlens is not None else None, kind)
+        mine = _fingerprint(fields, error, device, free)
         every = [torch.empty_like(mine) for _ in range(P)]
         try:
             # nothing left pending, refused or not: the process may end right after the call
@@ -223,7 +224,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     if cu is None:        # a later capture of this call runs on it (_agreed_before)
         if len(_AGREED) > 64:
             _AGREED.clear()
-        _AGREED[_agreed_key(spec, q, k, v, order, group, dist, kind)] = agreed
+        _AGREED[_agreed_key(dist, group, q, fields)] = agreed
     return agreed
 
 
