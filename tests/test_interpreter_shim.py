@@ -64,3 +64,54 @@ def test_overflow_check_on_request_and_everything_put_back(monkeypatch):
     assert triton_interpreter.interpreter_builder.options is options
     assert triton_interpreter._get_np_dtype is np_dtype and InterpretedFunction.__call__ is device_call
     assert options.sanitize_overflow                     # Triton's own default, untouched
+
+
+def _fields(obj) -> dict:
+    """An object's attributes with tl.tuple, constexpr and their types by value."""
+    core = tl.core
+
+    def norm(v):
+        if isinstance(v, core.tuple):
+            return ("tuple", [norm(x) for x in v.values], norm(v.type))
+        if isinstance(v, core.tuple_type):
+            return ("tuple_type", [norm(x) for x in v.types], getattr(v, "fields", None))
+        if isinstance(v, (core.constexpr, core.constexpr_type)):
+            return (type(v).__name__, v.value)
+        return v
+    return {k: norm(v) for k, v in vars(obj).items()}
+
+
+@pytest.mark.parametrize("shape", [[4, 8], [16], [tl.constexpr(4), 8], "tl.tuple"])
+def test_launch_constructors_make_the_same_types_and_tensors(shape):
+    """Inside a launch block_type and tl.tensor are built by dilgen's constructors (a shape
+    seen before reuses its checked numel and constexprs); they must make what Triton's make,
+    the second time too, refuse what Triton's refuse, and be put back after the launch."""
+    core = tl.core
+    shape = core.tuple([2, 4]) if shape == "tl.tuple" else shape
+    own = core.block_type.__init__, core.tensor.__init__
+    want_type = core.block_type(tl.float32, shape)
+    want = [_fields(want_type), _fields(core.tensor(None, want_type)), _fields(core.tensor(None, tl.int32))]
+    with interpreting():
+        assert (core.block_type.__init__, core.tensor.__init__) != own   # 3.6 and 3.9 are known
+        for _ in range(2):
+            got_type = core.block_type(tl.float32, shape)
+            got = [_fields(got_type), _fields(core.tensor(None, got_type)), _fields(core.tensor(None, tl.int32))]
+            assert got == want
+        a, b = core.tensor(None, got_type), core.tensor(None, got_type)
+        assert a.shape is not b.shape and a.shape.values is not b.shape.values    # fresh tuples
+        for bad, error in (([3], ValueError), ([], TypeError), ((4,), AssertionError)):
+            with pytest.raises(error):
+                core.block_type(tl.float32, bad)
+    assert (core.block_type.__init__, core.tensor.__init__) == own
+    for bad, error in (([3], ValueError), ([], TypeError), ((4,), AssertionError)):
+        with pytest.raises(error):
+            core.block_type(tl.float32, bad)
+
+
+def test_constructors_of_an_unknown_source_are_kept(monkeypatch):
+    from dilgen.runtime import interpreter
+    monkeypatch.setattr(interpreter, "_KNOWN_SOURCES", {"block_type": set(), "tensor": set()})
+    monkeypatch.setattr(interpreter, "_CHECKED", {})
+    own = tl.core.block_type.__init__, tl.core.tensor.__init__
+    with interpreting():
+        assert (tl.core.block_type.__init__, tl.core.tensor.__init__) == own

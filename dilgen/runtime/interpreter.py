@@ -74,6 +74,7 @@ class interpreting:
         check = overflow_checks()
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=check,
                                               debug=check or builder.options.debug)
+        self._inits = _fast_inits()
         return self
 
     def __exit__(self, *exc):
@@ -85,6 +86,8 @@ class interpreting:
             self._interp._patch_lang_tensor = self._saved_patch
         for obj, saved in self._language:
             restore_namespace(obj, saved)
+        for cls, init in self._inits:
+            cls.__init__ = init
         _INTERPRET_LOCK.release()
         return False
 
@@ -157,6 +160,110 @@ def _np_dtype_table(get_np_dtype):
         return table[tt_dtype]
     _NP_DTYPE[id(get_np_dtype)] = (get_np_dtype, np_dtype)
     return np_dtype
+
+
+def _fast_inits() -> list:
+    """Install the constructors below for one launch; returns (class, its own __init__) to
+    put back. Each makes the same object as Triton's (the same attributes, the same errors),
+    and is installed only where Triton's source is the one it was written against
+    (`_known`): in the interpreter a kernel's every tile op builds a tl.tensor and a
+    block_type, whose constructors unwrap, validate and wrap the shape again each time
+    (a tenth of a kernel test's time)."""
+    import triton.language as tl
+    core = tl.core
+    swaps = []
+    for cls, fast in ((core.block_type, _block_type_init), (core.tensor, _tensor_init)):
+        own = cls.__init__
+        if own is not fast and _known(own):
+            swaps.append((cls, own))
+            cls.__init__ = fast
+    return swaps
+
+
+_BLOCK: dict = {}     # a block_type's shape (ints) -> (numel, its tuple_type, name's shape part)
+_TENSOR: dict = {}    # a tensor's shape (ints) -> (numel, its constexprs, their tuple_type)
+
+
+def _ints(shape):
+    """The ints of a block_type's shape (a list or a tl.tuple of ints: what its constructor
+    takes), as a tuple; else None."""
+    import triton.language as tl
+    if shape.__class__ is tl.core.tuple:
+        shape = shape.values
+    elif shape.__class__ is not list:
+        return None
+    key = tuple(shape)
+    return key if all(s.__class__ is int for s in key) else None
+
+
+def _fresh_tuple(values, type_):
+    """A tl.tuple of `values` whose type is `type_` (its constructor, without recomputing it)."""
+    import triton.language as tl
+    made = object.__new__(tl.core.tuple)
+    made.values = list(values)
+    made.type = type_
+    return made
+
+
+def _block_type_init(self, element_ty, shape):
+    """block_type.__init__ (Triton 3.6, 3.9): for a shape of ints seen before, its validated
+    numel and shape's type are reused; any other shape goes through Triton's own."""
+    key = _ints(shape)
+    hit = _BLOCK.get(key) if key is not None else None
+    if hit is None:
+        _OWN_INIT["block_type"](self, element_ty, shape)
+        if key is not None:
+            _BLOCK[key] = (self.numel, self.shape.type, str(self.shape))
+        return
+    self.element_ty = element_ty
+    self.shape = _fresh_tuple(key, hit[1])
+    self.numel = hit[0]
+    self.name = f"<{hit[2]}, {element_ty}>"
+
+
+def _tensor_init(self, handle, type):
+    """tl.tensor.__init__ (Triton 3.6, 3.9): a shape seen before reuses its numel and its
+    constexprs (immutable) in a fresh tl.tuple."""
+    import triton.language as tl
+    core = tl.core
+    key = _ints(type.shape) if type.is_block() else ()
+    hit = _TENSOR.get(key) if key is not None else None
+    if hit is None:
+        _OWN_INIT["tensor"](self, handle, type)
+        if key is not None:
+            _TENSOR[key] = (self.numel, list(self.shape.values), self.shape.type)
+        return
+    self.handle = handle
+    self.numel = hit[0]
+    self.type = type
+    self.dtype = type.scalar
+    self.shape = _fresh_tuple(hit[1], hit[2])
+
+
+# The constructors _fast_inits replaces, by the sha256 of their source as Triton 3.6.0 and
+# 3.9.0 ship it; another Triton keeps its own.
+_KNOWN_SOURCES = {
+    "block_type": {"403f4b016ec5c2c37f33465d4ceab2d800bc4dcb832ce1859b0a7cd4a6f65763"},
+    "tensor": {"d9b043b5c9897657533939d47e8463abec325cc6dbd13bfe621b6b681129ed7a"},
+}
+_OWN_INIT: dict = {}
+_CHECKED: dict = {}
+
+
+def _known(init) -> bool:
+    """Whether `init` is the constructor _KNOWN_SOURCES names (its source hashed once)."""
+    hit = _CHECKED.get(init)
+    if hit is None:
+        import hashlib
+        name = init.__qualname__.split(".")[0]
+        try:
+            digest = hashlib.sha256(inspect.getsource(init).encode()).hexdigest()
+        except (OSError, TypeError):        # no source to read: keep Triton's
+            digest = None
+        hit = _CHECKED[init] = digest in _KNOWN_SOURCES.get(name, ())
+        if hit:
+            _OWN_INIT[name] = init
+    return hit
 
 
 def language_namespaces() -> list:
