@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: ede1e33d3df8c4b9
+# template hash: 6f95876539e41709
 # plan key:      6a772e7a045d43947c7d4c2ffe65415d1bbe8deab221b8f5c10c75ac4a290443
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

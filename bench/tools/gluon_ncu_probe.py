@@ -91,6 +91,10 @@ def host(names, out):
         c, q, k, v, kg, kt = plans(name)
         row = {"config": name}
         with torch.no_grad():
+            og, lg = kg(q, k, v, return_lse=True)
+            ot, lt = kt(q, k, v, return_lse=True)
+            row["out_equal_tl"] = bool(torch.equal(og, ot))
+            row["lse_max_abs_diff_tl"] = (lg - lt).abs().max().item()
             for tag, kern in (("gluon", kg), ("tl", kt)):
                 fn = lambda kern=kern: kern(q, k, v)  # noqa: E731
                 row[f"{tag}_b2b_ms"] = round(b2b(fn), 4)

@@ -60,4 +60,4 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
             *(box(v, r, tile[0]) for r in rates), lse, N)
     # 12 warps (two consumer warpgroups, a producer warp's group) at 168 registers a thread:
     # one program per SM, the consumers at 240 registers, the producer at 24
-    return attn.gluon_kernel, (N // L // 128, B * H, L), args, {"num_warps": 4, "maxnreg": 168}
+    return attn.gluon_kernel, (N // 128, B * H), args, {"num_warps": 4, "maxnreg": 168}

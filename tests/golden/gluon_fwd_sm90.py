@@ -138,15 +138,16 @@ def gx_gluon_fwd(q_desc, o_desc, k0, k1, k2, v0, v1, v2, Lse, N):
     q_desc, o_desc   q and out as (B*N/L, L*H, D): row b*N/L + m, column c*H + h is row
                      u = c + L*m of head h (L = 4); boxes of 64 rows
     k<i>, v<i>       branch i's keys as (B*N/r, r*H_kv, D): its lane of a segment is a box
-    program          (tile of 128 lattice rows, b*H + h, class d); c = (h + d) mod L
+    program          (d + L*t, b*H + h): class d of the tile t of 128 lattice rows, c = (h + d) mod L;
+                     the classes of a tile run side by side, as they read the same key lanes (L2)
     Two consumer warpgroups of 64 rows and one producer warp (gl.warp_specialize); the
     producer fills a ring of GLUON_STAGES K/V blocks (k_ready / v_ready), a stage returns to
     it once both consumers arrived on its kv_empty. Every segment whole (runtime/forward.py)."""
     dtype: gl.constexpr = q_desc.dtype
-    m0 = gl.program_id(0) * (2 * GLUON_ROWS)
+    m0 = (gl.program_id(0) // 4) * (2 * GLUON_ROWS)
+    d = gl.program_id(0) % 4
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
-    d = gl.program_id(2)
     c = (h + d) % 4
     q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_ROWS, 1, 128], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 128], k0.layout)
