@@ -354,7 +354,7 @@ def _gluon_fwd(spec: Spec, target: Target, tiles: _Tiles, branches, lattice: int
     if not want:
         return None
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    if isinstance(want, (list, tuple)):
+    if isinstance(want, (list, tuple)) and tile is not None:    # a head_dim the target runs
         tile = tuple(want)
     why = _gluon_refusal(spec, target, tiles, branches, lattice, query_order, tile)
     if why is not None:
@@ -367,8 +367,11 @@ def _gluon_fwd(spec: Spec, target: Target, tiles: _Tiles, branches, lattice: int
 def _gluon_refusal(spec: Spec, target: Target, tiles: _Tiles, branches, lattice: int, query_order,
                    tile) -> str | None:
     """Why the Gluon forward cannot run this plan (one line), or None."""
-    if tile is None or not target.gluon_fwd_tiles:
+    if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon forward (sm90 at head_dim 64 or 128 has)"
+    if tile is None:
+        dims = " or ".join(str(d) for d, _, _ in target.gluon_fwd_tiles)
+        return f"it takes head_dim {dims}, not {spec.head_dim}"
     if not gluon_available():
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
     checks = [

@@ -163,10 +163,10 @@ class Target:
     dual_chain_tile: tuple[int, int] = (4, 128)
     # The forward's lattice branches as one warp-specialized Gluon kernel (KernelConfig.gluon_fwd,
     # templates/gluon_fwd.py.jinja): (head_dim, keys per block, K/V stages) where this target can
-    # run it, and the head dims where it is the default. H200, bf16, non-causal forward: A
-    # 1.845 -> 1.673 ms with 128 keys and 3 stages (575 useful TFLOP/s; cuDNN on pre-gathered
-    # rows 1.580), C (head_dim 64) 1.214 -> 1.245, slower
-    # (bench/results/gluon_fused_probe-2026-11-27-h200.json)
+    # run it, and the head dims where it is the default. H200, bf16, non-causal forward, back to
+    # back: A 1.876 -> 1.635 ms, B 8.436 -> 7.287 (the classes of a tile launched side by side);
+    # C (head_dim 64) 1.243 -> 1.233, level, so head_dim 64 keeps the `tl` kernel
+    # (bench/results/gluon_ncu_probe-2026-11-27-h200.json)
     gluon_fwd_tiles: tuple[tuple[int, int, int], ...] = ()
     gluon_fwd_default: tuple[int, ...] = ()
 
@@ -207,7 +207,7 @@ class Target:
 
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=True, lane_ws=True, causal_lanes=True,
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
-              dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)))
+              dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,))
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

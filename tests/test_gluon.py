@@ -33,10 +33,15 @@ def _spec(**over):
 
 
 @needs_gluon
-def test_taken_when_asked_and_off_by_default():
-    assert plan(_spec(), get_target("sm90"), {"gluon_fwd": True}).config.gluon_fwd == (128, 3)
-    assert plan(_spec(), get_target("sm90")).config.gluon_fwd is None
-    assert plan(_spec(), get_target("sm90"), {"gluon_fwd": [64, 4]}).config.gluon_fwd == (64, 4)
+def test_default_at_head_dim_128_and_taken_when_asked():
+    """sm90's default at head_dim 128 (faster there: A, B), not at 64 (level: C)."""
+    sm90 = get_target("sm90")
+    assert plan(_spec(), sm90).config.gluon_fwd == (128, 3)
+    assert plan(_spec(head_dim=64), sm90).config.gluon_fwd is None
+    assert plan(_spec(head_dim=64), sm90, {"gluon_fwd": True}).config.gluon_fwd == (128, 3)
+    assert plan(_spec(), sm90, {"gluon_fwd": False}).config.gluon_fwd is None
+    assert plan(_spec(), sm90, {"gluon_fwd": [64, 4]}).config.gluon_fwd == (64, 4)
+    assert plan(_spec(causal=True), sm90).config.gluon_fwd is None      # where it cannot run: tl
 
 
 @needs_gluon
@@ -46,14 +51,16 @@ def test_taken_when_asked_and_off_by_default():
     (dict(hilbert={"scope": "segment"}), "sm90", "Hilbert orders"),
     (dict(dtype="float32"), "sm90", "float16 or bfloat16"),
     (dict(head_dim=48), "sm90", "head_dim 64 or 128"),
+    (dict(head_dim=32), "sm90", "head_dim 64 or 128, not 32"),
     (dict(segment_lengths=[2048, 4096], dilation_rates=[1, 3]), "sm90", "r does not divide w"),
     (dict(segment_lengths=[4096, 8192], dilation_rates=[2, 4], head_dim=64), "sm90", "a branch with r = 1"),
     (dict(segment_lengths=[256, 1024], dilation_rates=[1, 4]), "sm90", "multiple of 128 x L = 512"),
     (dict(), "sm80", "target sm80 has no Gluon forward"),
 ])
 def test_refused_by_name_where_it_cannot_run(over, arch, why):
-    with pytest.raises(SpecError, match=why):
-        plan(_spec(**over), get_target(arch), {"gluon_fwd": True})
+    for asked in (True, [128, 3]):
+        with pytest.raises(SpecError, match=why):
+            plan(_spec(**over), get_target(arch), {"gluon_fwd": asked})
     assert plan(_spec(**over), get_target(arch)).config.gluon_fwd is None   # not asked: the tl kernel
 
 
@@ -134,3 +141,71 @@ def test_a_descriptor_over_a_calls_tensor_is_made_again_by_each_replay(monkeypat
     # over a tensor that is not one of the call's: no recipe (it would keep that tensor)
     rec.ran.append((object(), _Compiled(), (1, 1, 1), (_Descriptor(other.view(2, 2)), 3)))
     assert rec.recipe((q,), attn) is None
+
+
+# -- `dilgen build` (aot): the Gluon forward is compiled ahead of time like the `tl` kernels --
+def _gluon_module(cache_dir=None, **over):
+    from dilgen.compiler import build
+    return build(_spec(name="gx_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2, **over),
+                 get_target("sm90"), {"gluon_fwd": True})
+
+
+@needs_gluon
+def test_launch_model_has_the_gluon_forward_for_whole_segments(cache_dir):
+    from dilgen.aot.launch_model import kernel_roles, predicted_launches
+    from dilgen.runtime.gluon_launch import OPTIONS
+    attn = _gluon_module().module.attention
+    roles = {role: (fn, opts) for role, fn, opts in kernel_roles(attn)}
+    assert roles["gluon_forward"] == (attn.gluon_fn, OPTIONS)
+    assert [x.role for x in predicted_launches(attn, 1024)].count("gluon_forward") == 1
+    assert "gluon_forward" not in [x.role for x in predicted_launches(attn, 768)]   # 768 % 512: short last segment
+
+
+@needs_gluon
+def test_modelled_gluon_launch_specializes_as_the_runtime_s(cache_dir):
+    """The model's MockTensor arguments at batch 1 give the specialization that a call's real
+    arguments give (batch 2 here): one binary serves every batch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_args
+    attn = _gluon_module().module.attention
+    (model,) = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_forward"]
+    q = torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16), torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16)
+    real = gluon_args(attn.plan, q, k, v, torch.empty_like(q), torch.empty(2, 4, 1024), 2, 1024)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    want = specialize(attn.gluon_fn, backend, real, OPTIONS)
+    assert specialize(attn.gluon_fn, backend, model.args, model.launch_opts).desc == want.desc
+    assert sum("tensordesc<" in str(t) for t in want.signature.values()) == 2 + 2 * 2
+
+
+@needs_gluon
+def test_build_compiles_the_gluon_forward_and_the_runtime_finds_it(cache_dir, monkeypatch):
+    """`dilgen build` stores the Gluon forward's binary (under both CI Tritons: 3.9 names its
+    TMA copies differently); a call's launch (on a pretend sm90 device) loads and launches it,
+    with no JIT."""
+    from triton.backends.compiler import GPUTarget
+    from dilgen import aot
+    from dilgen.aot import run as aot_run
+    from dilgen.aot.build import compile_job, plan_jobs, store_job
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_args
+    compiled = _gluon_module()
+    jobs, skipped = plan_jobs(compiled, get_target("sm90"), [1024])
+    (job,) = [j for j in jobs if j.role == "gluon_forward"]
+    assert not skipped
+    store_job(job, *compile_job(job))
+    launched, jit = [], []
+    monkeypatch.setattr(aot_run, "_current_target", lambda: GPUTarget("cuda", 90, 32))
+    monkeypatch.setattr(aot_run, "_current_device", lambda: 0)
+    monkeypatch.setattr(aot_run, "_prepare", lambda kernel: None)
+    monkeypatch.setattr(aot_run, "_launch_compiled", lambda kernel, grid, bound: launched.append(kernel))
+    monkeypatch.setattr(aot.AOTKernel, "_jit_launch", lambda self, grid, args, opts: jit.append(grid))
+    attn = compiled.module.attention
+    q = torch.randn(3, 1024, 4, 128, dtype=torch.bfloat16)
+    k, v = torch.randn(3, 1024, 2, 128, dtype=torch.bfloat16), torch.randn(3, 1024, 2, 128, dtype=torch.bfloat16)
+    args = gluon_args(attn.plan, q, k, v, torch.empty_like(q), torch.empty(3, 4, 1024), 3, 1024)
+    attn.gluon_kernel[(8, 12)](*args, **OPTIONS)
+    assert jit == [] and len(launched) == 1, aot.FALLBACKS
+    assert launched[0].metadata.target == GPUTarget("cuda", 90, 32) and launched[0].asm["cubin"][:4] == b"\x7fELF"

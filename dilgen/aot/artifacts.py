@@ -93,8 +93,9 @@ def load_entry(key: str, kernel: str | None = None) -> Path | None:
     return folder
 
 
-def check_metadata(meta, kernel_name: str, gpu, sp) -> str | None:
-    """Why a stored artifact does not fit this launch, or None if it does."""
+def check_metadata(meta, kernel_name: str, gpu, sp, gluon: bool = False) -> str | None:
+    """Why a stored artifact does not fit this launch, or None if it does. A Gluon kernel's
+    num_warps counts its warp-specialized partitions too (the option: the default one's)."""
     import triton
     t = meta.target
     if (t.backend, t.arch, t.warp_size) != (gpu.backend, gpu.arch, gpu.warp_size):
@@ -104,16 +105,29 @@ def check_metadata(meta, kernel_name: str, gpu, sp) -> str | None:
     if getattr(meta, "triton_version", None) != triton.__version__:
         return f"triton {getattr(meta, 'triton_version', '?')} != {triton.__version__}"
     for opt in ("num_warps", "num_stages", "num_ctas", "debug"):
-        if getattr(meta, opt, None) != getattr(sp.options, opt, None):
-            return f"{opt} {getattr(meta, opt, None)} != {getattr(sp.options, opt, None)}"
+        have, want = getattr(meta, opt, None), getattr(sp.options, opt, None)
+        if gluon and opt == "num_warps" and isinstance(have, int) and isinstance(want, int) and have >= want:
+            continue
+        if have != want:
+            return f"{opt} {have} != {want}"
     return None
+
+
+def source_of(jit_fn, signature: dict, constexprs: dict, attrs: dict):
+    """Triton's compile source of a specialization: an ASTSource, a GluonASTSource for a
+    @gluon.jit function."""
+    if jit_fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource(jit_fn, signature, constexprs, attrs)
+    from triton.compiler import ASTSource
+    return ASTSource(jit_fn, signature, constexprs, attrs)
 
 
 def load_compiled(folder: Path, jit_fn, sp):
     """A triton CompiledKernel from an entry folder (no compile; the binary is loaded
     onto the current device on first launch)."""
-    from triton.compiler import ASTSource, CompiledKernel
-    src = ASTSource(jit_fn, sp.signature, sp.constexprs, sp.attrs)
+    from triton.compiler import CompiledKernel
+    src = source_of(jit_fn, sp.signature, sp.constexprs, sp.attrs)
     group = {f"{jit_fn.__name__}.json": str(folder / METADATA),
              f"{jit_fn.__name__}.cubin": str(folder / CUBIN)}
     return CompiledKernel(src, group, folder.name)

@@ -94,7 +94,6 @@ def _load_generated(module_or_plan, target):
 def plan_jobs(module_or_plan, target, seq_lens: Iterable[int] | None = None) -> tuple[list[Job], list[str]]:
     """The distinct (kernel, specialization) compiles of a module for `target`, and the
     kernels the launch model could not describe."""
-    import triton
     from triton.compiler import make_backend
     module, source, path = _load_generated(module_or_plan, target)
     attention = module.attention
@@ -118,7 +117,7 @@ def plan_jobs(module_or_plan, target, seq_lens: Iterable[int] | None = None) -> 
             continue
         for launch in launches:
             name = launch.source_fn.__name__
-            jit_fn = jitted.get(name) or jitted.setdefault(name, triton.jit(launch.source_fn))
+            jit_fn = jitted.get(name) or jitted.setdefault(name, as_jit(launch.source_fn))
             binder = binders.get(name) or binders.setdefault(name, make_binder(jit_fn, backend))
             sp = specialize(jit_fn, backend, launch.args, launch.launch_opts, binder)
             key = artifacts.artifact_key(sha, name, gpu, sp.desc)
@@ -126,6 +125,14 @@ def plan_jobs(module_or_plan, target, seq_lens: Iterable[int] | None = None) -> 
                 jobs[key] = Job(key, path, sha, name, launch.role, sp.signature, sp.constexprs,
                                 sp.attrs, sp.compile_options(), gpu.arch, sp.desc)
     return list(jobs.values()), skipped
+
+
+def as_jit(fn):
+    """A generated kernel as a JITFunction: the `tl` kernels are plain functions (the runtime
+    jits them), the Gluon forward is a @gluon.jit function already."""
+    import triton
+    from triton.runtime.jit import JITFunction
+    return fn if isinstance(fn, JITFunction) else triton.jit(fn)
 
 
 def _import_path(path: str):
@@ -144,10 +151,9 @@ def compile_job(job: Job) -> tuple[bytes, str]:
     """Compile one job: (cubin bytes, metadata json). Runs in a worker process too."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     module = _import_path(job.module_path)
-    jit_fn = triton.jit(getattr(module, job.fn_name))
-    src = ASTSource(jit_fn, dict(job.signature), dict(job.constexprs), dict(job.attrs))
+    jit_fn = as_jit(getattr(module, job.fn_name))
+    src = artifacts.source_of(jit_fn, dict(job.signature), dict(job.constexprs), dict(job.attrs))
     compiled = triton.compile(src, target=GPUTarget("cuda", job.arch, 32), options=dict(job.options))
     meta_path = next(p for n, p in compiled.metadata_group.items() if n.endswith(".json"))
     return bytes(compiled.asm["cubin"]), Path(meta_path).read_text()

@@ -82,6 +82,9 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
                          {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
     if getattr(attention, "curve_kernel", None) is not None:
         roles.insert(1, ("curve_rows", attention.curve_kernel, {"num_warps": 4, "num_stages": 1}))
+    if getattr(attention, "gluon_fn", None) is not None:     # a @gluon.jit function already
+        from ..runtime.gluon_launch import OPTIONS
+        roles.insert(1, ("gluon_forward", attention.gluon_fn, dict(OPTIONS)))
     return roles
 
 
@@ -122,6 +125,14 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             n_t = math.ceil(math.ceil(N / lattice) / plan["config"]["block_m"])
             add(role, fn, opts, num_m_tiles=n_t,
                 group_tiles=lattice_group_tiles(plan, n_t, plan["config"]["block_m"], kv_row_bytes))
+        elif role == "gluon_forward":
+            # sm90 takes it for whole segments (runtime/gluon_launch.py); B is in no argument
+            # that specializes it (its descriptors' shapes are not specialized)
+            if all(N % br["w"] == 0 for br in plan["branches"]):
+                from ..runtime.gluon_launch import gluon_args
+                mock = _mock(base["dtype"])
+                out.append(Launch(role, fn, gluon_args(plan, mock, mock, mock, mock, _mock(torch.float32),
+                                                       1, N), opts))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)

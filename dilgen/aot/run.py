@@ -136,7 +136,7 @@ class AOTKernel:
             return self._fallback(name, "no artifact for this specialization", sp.desc)
         try:
             kernel = artifacts.load_compiled(folder, self.jit_fn, sp)
-            why = artifacts.check_metadata(kernel.metadata, name, gpu, sp)
+            why = artifacts.check_metadata(kernel.metadata, name, gpu, sp, self.jit_fn.is_gluon())
             if why is not None:
                 return self._fallback(name, f"artifact rejected: {why}", sp.desc)
             _prepare(kernel)

@@ -47,7 +47,7 @@ class GeneratedAttention:
         self._source_fn = forward_kernel
         self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
         self.curve_kernel = curve_kernel           # compact curve-ordered rows (curve_rows.py)
-        self.gluon_kernel = gluon_kernel           # sm90's Gluon forward (gluon_launch.py) or None
+        self.gluon_fn = gluon_kernel               # sm90's Gluon forward (@gluon.jit, gluon_launch.py) or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
         self._jitted: dict[Any, Any] = {}
@@ -99,6 +99,18 @@ class GeneratedAttention:
                 if fn is None:
                     fn = self._jitted[key] = make_kernel(source_fn, interpret)
         return fn
+
+    @property
+    def gluon_kernel(self):
+        """The Gluon forward as launched on a GPU: its `dilgen build` binary where there is
+        one, else Gluon's JIT (aot.run.launcher), made on first use; None without one."""
+        if self.gluon_fn is None:
+            return None
+        hit = self._jitted.get("gluon")
+        if hit is None:
+            from ..aot.run import launcher
+            hit = self._jitted["gluon"] = launcher(self.gluon_fn, self.gluon_fn.fn)
+        return hit
 
     def _class_order(self, device: torch.device) -> torch.Tensor:
         """The fused kernel's query classes, longest work first, on `device` (built once)."""

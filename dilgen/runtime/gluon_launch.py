@@ -25,7 +25,7 @@ def _sm90(device: torch.device) -> bool:
 _LAYOUTS: dict[tuple[int, int], object] = {}
 
 
-def _layout(rows: int, D: int):
+def layout(rows: int, D: int):
     """The shared-memory layout of a (rows, 1, D) box of 16-bit elements (128-byte swizzle)."""
     hit = _LAYOUTS.get((rows, D))
     if hit is None:
@@ -41,23 +41,33 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
     contiguous or 16-byte aligned (TMA)."""
     plan = attn.plan
     tile = plan["config"].get("gluon_fwd")
-    if tile is None or attn.gluon_kernel is None or q.device.type != "cuda" or not _sm90(q.device):
+    if tile is None or attn.gluon_fn is None or q.device.type != "cuda" or not _sm90(q.device):
         return None
     if any(N % br["w"] for br in plan["branches"]):
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out)):
         return None
+    return attn.gluon_kernel, (N // 128, B * plan["num_heads"]), gluon_args(plan, q, k, v, out, lse, B, N), OPTIONS
+
+
+# 12 warps (two consumer warpgroups, a producer warp's group) at 168 registers a thread:
+# one program per SM, the consumers at 240 registers, the producer at 24
+OPTIONS = {"num_warps": 4, "maxnreg": 168}
+
+
+def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
+    """The kernel's arguments: q's and out's descriptors (64-row boxes), each branch's k and
+    v descriptors (boxes of the plan's keys per block), lse, N. Tensors may be Triton's
+    MockTensors (the `dilgen build` launch model): each view is written out from (B, N, heads, D)
+    of contiguous tensors, never asked of the tensor."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    D, L, block = plan["head_dim"], plan["query"]["lattice"], plan["config"]["gluon_fwd"][0]
+    heads = {"q": plan["num_heads"], "kv": plan["num_kv_heads"]}
 
-    H, D, L = plan["num_heads"], plan["head_dim"], plan["query"]["lattice"]
-
-    def box(t: torch.Tensor, every: int, rows: int) -> TensorDescriptor:
-        view = t.view(B * N // every, every * t.shape[2], D)
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, 1, D], _layout(rows, D))
+    def box(t, kind: str, every: int, rows: int) -> TensorDescriptor:
+        shape = [B * N // every, every * heads[kind], D]
+        return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [rows, 1, D], layout(rows, D))
 
     rates = [br["r"] for br in plan["branches"]]
-    args = (box(q, L, 64), box(out, L, 64), *(box(k, r, tile[0]) for r in rates),
-            *(box(v, r, tile[0]) for r in rates), lse, N)
-    # 12 warps (two consumer warpgroups, a producer warp's group) at 168 registers a thread:
-    # one program per SM, the consumers at 240 registers, the producer at 24
-    return attn.gluon_kernel, (N // 128, B * H), args, {"num_warps": 4, "maxnreg": 168}
+    return (box(q, "q", L, 64), box(out, "q", L, 64), *(box(k, "kv", r, block) for r in rates),
+            *(box(v, "kv", r, block) for r in rates), lse, N)

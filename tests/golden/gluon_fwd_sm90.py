@@ -5,6 +5,10 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+# TMA copies: Triton 3.9 names them async_load / async_store (3.6: async_copy_*)
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
 GLUON_ROWS = gl.constexpr(64)       # query rows per consumer warpgroup; a program takes two
 GLUON_KEYS = gl.constexpr(128)      # keys per block
 GLUON_STAGES = gl.constexpr(3)    # K/V blocks in flight (the shared-memory ring)
@@ -33,9 +37,9 @@ def gx_gluon_load_branch(it, kd, vd, k_smem, v_smem, k_ready, v_ready, kv_empty,
             st = it % GLUON_STAGES
             mbarrier.wait(kv_empty.index(st), ((it // GLUON_STAGES) & 1) ^ 1)   # both consumers let go of it
             mbarrier.expect(k_ready.index(st), GLUON_KEYS * 128 * 2)
-            tma.async_copy_global_to_shared(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+            tma_load(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
             mbarrier.expect(v_ready.index(st), GLUON_KEYS * 128 * 2)
-            tma.async_copy_global_to_shared(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+            tma_load(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
             it += 1
     return it
 
@@ -47,7 +51,7 @@ def gx_gluon_producer(p):
      b, h, d, c, m0, N) = p
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), GLUON_ROWS * 128 * 2)
-        tma.async_copy_global_to_shared(q_desc, [b * (N // 4) + m0 + wg * GLUON_ROWS, c * 16 + h, 0],
+        tma_load(q_desc, [b * (N // 4) + m0 + wg * GLUON_ROWS, c * 16 + h, 0],
                                         q_bars.index(wg), q_smem.index(wg))
     u0 = c + 4 * m0
     it = d * 0
@@ -115,7 +119,7 @@ def gx_gluon_consume(p, WG: gl.constexpr):
     out = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
     q_smem.index(WG).reshape([GLUON_ROWS, D]).store(out)    # the warpgroup's Q buffer holds its output
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b * (N // 4) + m0 + WG * GLUON_ROWS, c * 16 + h, 0],
+    tma_store(o_desc, [b * (N // 4) + m0 + WG * GLUON_ROWS, c * 16 + h, 0],
                                     q_smem.index(WG))
     rows = c + 4 * (m0 + WG * GLUON_ROWS + gl.arange(0, GLUON_ROWS, layout=gl.SliceLayout(1, s_layout)))
     gl.store(Lse + (b * 16 + h).to(gl.int64) * N + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
