@@ -388,6 +388,13 @@ def _gluon_refusal(spec: Spec, target: Target, tiles: _Tiles, branches, lattice:
     for failed, why in checks:
         if failed:
             return why
+    keys, stages = tile
+    if keys not in (64, 128) or not 2 <= stages <= 8:
+        return f"keys per block must be 64 or 128 and stages 2 to 8 (asked: {list(tile)})"
+    smem = (2 * stages * keys + 2 * 64) * tiles.tile_d * tiles.itemsize + 1024   # K, V ring; Q; barriers
+    if smem > target.smem_bytes:
+        return (f"{stages} stages of {keys} keys at head_dim {tiles.tile_d} need {smem} bytes of shared "
+                f"memory, {target.name} has {target.smem_bytes}: fewer stages or keys")
     for b in branches:
         if b.segment_length % (128 * lattice) or (b.segment_length // b.dilation) % tile[0]:
             return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "

@@ -64,6 +64,18 @@ def test_refused_by_name_where_it_cannot_run(over, arch, why):
     assert plan(_spec(**over), get_target(arch)).config.gluon_fwd is None   # not asked: the tl kernel
 
 
+@needs_gluon
+@pytest.mark.parametrize("asked, why", [([256, 2], "keys per block must be 64 or 128 and stages 2 to 8"),
+                                        ([128, 9], "stages 2 to 8"),
+                                        ([128, 4], "4 stages of 128 keys at head_dim 128 need 295936 bytes")])
+def test_a_tile_that_cannot_run_is_refused_by_name(asked, why):
+    """A pair form outside what the kernel takes, or more shared memory than sm90 has (a
+    compile would fail with OutOfResources at the first call)."""
+    with pytest.raises(SpecError, match=why):
+        plan(_spec(), get_target("sm90"), {"gluon_fwd": asked})
+    assert plan(_spec(head_dim=64), get_target("sm90"), {"gluon_fwd": [128, 5]}).config.gluon_fwd == (128, 5)
+
+
 def _source(**over) -> str:
     return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True}))
 
