@@ -32,7 +32,7 @@ ROWS = gl.constexpr(64)         # keys per consumer warpgroup; query rows per bl
 D = gl.constexpr(128)
 H = gl.constexpr(16)
 W = gl.constexpr(2048)          # the branch's segment length (r = 1)
-STAGES = gl.constexpr(3)        # Q / dO blocks in flight
+STAGES = gl.constexpr(int(os.environ.get("PROBE_STAGES", "3")))    # Q / dO blocks in flight
 
 
 @gluon.jit
@@ -212,7 +212,8 @@ def main():
     flops = 4 * B * Hh * (N / Ww) * Ww * Ww * Dd
     row["useful_dkdv_gflop"] = round(flops * 2 / 1e9, 1)   # S, dV, dP, dK: four W×W×D products
     print(json.dumps(row), flush=True)
-    with open(os.path.join(a.out, "gluon_dkdv_probe.json"), "w") as f:
+    row["stages"] = int(STAGES)
+    with open(os.path.join(a.out, f"gluon_dkdv_probe_s{int(STAGES)}.json"), "w") as f:
         json.dump(row, f, indent=1)
 
 
