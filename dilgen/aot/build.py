@@ -1,8 +1,9 @@
 """`dilgen build --arch sm90`: compile the Triton kernels of a generated module for a GPU
 architecture on a machine without one, into dilgen's cache.
 
-For every kernel (forward; backward preprocess, dkdv fused or per branch, dq) and every
-sequence length of a list, the launch arguments the runtime would pass are modelled
+For every kernel (forward, and sm90's Gluon forward where the plan has it; backward
+preprocess, dkdv fused or per branch, dq) and every sequence length of a list, the launch
+arguments the runtime would pass are modelled
 (launch_model), run through Triton's own binder (binder) to get the specialization its
 JIT would use, deduplicated, and compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`. ptxas ships in the
