@@ -156,10 +156,12 @@ def test_a_descriptor_over_a_calls_tensor_is_made_again_by_each_replay(monkeypat
 
 
 # -- `dilgen build` (aot): the Gluon forward is compiled ahead of time like the `tl` kernels --
-def _gluon_module(cache_dir=None, **over):
+def _gluon_module():
+    """A small sm90 Gluon plan (GQA 2, lattice 2, whole segments from N = 512), built into the
+    test's cache."""
     from dilgen.compiler import build
-    return build(_spec(name="gx_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2, **over),
-                 get_target("sm90"), {"gluon_fwd": True})
+    spec = _spec(name="gx_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
+    return build(spec, get_target("sm90"), {"gluon_fwd": True})
 
 
 @needs_gluon
