@@ -169,8 +169,9 @@ def _fast_inits() -> list:
     (`_known`): in the interpreter a kernel's every tile op builds a tl.tensor and a
     block_type, whose constructors unwrap, validate and wrap the shape again each time
     (a tenth of a kernel test's time)."""
+    global _CORE
     import triton.language as tl
-    core = tl.core
+    core = _CORE = tl.core
     swaps = []
     for cls, fast in ((core.block_type, _block_type_init), (core.tensor, _tensor_init)):
         own = cls.__init__
@@ -180,6 +181,7 @@ def _fast_inits() -> list:
     return swaps
 
 
+_CORE = None          # triton.language.core, kept by _fast_inits for the constructors below
 _BLOCK: dict = {}     # a block_type's shape (ints) -> (numel, its tuple_type, name's shape part)
 _TENSOR: dict = {}    # a tensor's shape (ints) -> (numel, its constexprs, their tuple_type)
 
@@ -187,8 +189,7 @@ _TENSOR: dict = {}    # a tensor's shape (ints) -> (numel, its constexprs, their
 def _ints(shape):
     """The ints of a block_type's shape (a list or a tl.tuple of ints: what its constructor
     takes), as a tuple; else None."""
-    import triton.language as tl
-    if shape.__class__ is tl.core.tuple:
+    if shape.__class__ is _CORE.tuple:
         shape = shape.values
     elif shape.__class__ is not list:
         return None
@@ -198,8 +199,7 @@ def _ints(shape):
 
 def _fresh_tuple(values, type_):
     """A tl.tuple of `values` whose type is `type_` (its constructor, without recomputing it)."""
-    import triton.language as tl
-    made = object.__new__(tl.core.tuple)
+    made = object.__new__(_CORE.tuple)
     made.values = list(values)
     made.type = type_
     return made
@@ -224,8 +224,6 @@ def _block_type_init(self, element_ty, shape):
 def _tensor_init(self, handle, type):
     """tl.tensor.__init__ (Triton 3.6, 3.9): a shape seen before reuses its numel and its
     constexprs (immutable) in a fresh tl.tuple."""
-    import triton.language as tl
-    core = tl.core
     key = _ints(type.shape) if type.is_block() else ()
     hit = _TENSOR.get(key) if key is not None else None
     if hit is None:
