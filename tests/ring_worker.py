@@ -245,7 +245,7 @@ FAULTS = {
     "fwd_ring": ("ring", 1, "forward", 1, "raise", "own"),
     "bwd_ring": ("ring", 2, "backward", 2, "raise", "own"),
     "bwd_allgather": ("allgather", 0, "backward", 3, "raise", "own"),
-    # the default group (torch ops), left uncaught: every rank ends by the error (exit 1)
+    # the default group, left uncaught: every rank ends by the error (exit 1)
     "fwd_allgather_uncaught": ("allgather", 3, "forward", 0, "raise", "default"),
     "fwd_kill": ("ring", 2, "forward", 1, "kill", "default"),
     # rank 0 killed when it hosts the store (started without torchrun)

@@ -3,6 +3,7 @@ SPEC.md §1 and the limits documented in dilgen/spec.py that says which specs ar
 what they load to, and hypothesis strategies for valid, mutated and hostile specs."""
 from __future__ import annotations
 
+import functools
 import keyword
 import math
 import re
@@ -225,54 +226,82 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# valid_specs' strategies, made once (a strategy built inside a draw is built and validated
+# again on every example: half the fuzz tests' time); the same strategies, so the same examples
+_BRANCHES = st.one_of(st.integers(1, 4), st.integers(1, MAX_BRANCHES))
+_KINDS = st.sampled_from([None, None, "segment", "segment_grids", "sequence"])
+_SEG_EXP, _SIDE, _ROWS = st.integers(0, 24), st.integers(1, 4096), st.integers(1, 4096)
+_SEG = st.one_of(st.integers(1, 64), st.integers(1, 1 << 17), st.integers(1, spec_mod.MAX_SEGMENT),
+                 st.just(spec_mod.MAX_SEGMENT))
+_RATE = st.one_of(st.integers(1, 16), st.sampled_from([6, 12, 24]), st.integers(1, spec_mod.MAX_DILATION))
+_HEADS = st.one_of(st.integers(1, 64), st.integers(1, MAX_HEADS))
+_NAME = st.from_regex(r"[a-z_][a-z0-9_]{0,30}", fullmatch=True).filter(valid_module_name)
+_HEAD_DIM, _DTYPE, _BOOL = st.sampled_from(KERNEL_HEAD_DIMS), st.sampled_from(DTYPES), st.booleans()
+_RING = st.one_of(st.just(1), st.integers(1, 8), st.integers(1, MAX_RING))
+_SCALE = st.one_of(st.none(), st.integers(1, 10_000),
+                   st.floats(min_value=0, max_value=MAX_SCALE, exclude_min=True))
+_SEGMENT_SCOPE = st.sampled_from([{"scope": "segment"}, {"scope": "segment", "grids": None}])
+
+
+@functools.lru_cache(maxsize=None)
+def _n_of(strategy, n: int):
+    return st.lists(strategy, min_size=n, max_size=n)
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_heads(num_heads: int):
+    return st.sampled_from(_divisors(num_heads))
+
+
+@functools.lru_cache(maxsize=None)
+def _cols(rows: int):
+    return st.integers(1, MAX_CELLS // rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _orders(n: int):
+    return st.permutations(list(range(n)))
+
+
 @st.composite
 def valid_specs(draw) -> dict:
     """A spec that SPEC §1 accepts, with the optional fields sometimes left out."""
-    n = draw(st.one_of(st.integers(1, 4), st.integers(1, MAX_BRANCHES)))
-    kind = draw(st.sampled_from([None, None, "segment", "segment_grids", "sequence"]))
+    n = draw(_BRANCHES)
+    kind = draw(_KINDS)
     grids = None
     if kind == "segment":
-        segs = [1 << draw(st.integers(0, 24)) for _ in range(n)]
+        segs = [1 << draw(_SEG_EXP) for _ in range(n)]
     elif kind == "segment_grids":
-        grids = [[draw(st.integers(1, 4096)), draw(st.integers(1, 4096))] for _ in range(n)]
+        grids = [[draw(_SIDE), draw(_SIDE)] for _ in range(n)]
         segs = [r * c for r, c in grids]
     else:
-        segs = draw(st.lists(st.one_of(st.integers(1, 64), st.integers(1, 1 << 17),
-                                       st.integers(1, spec_mod.MAX_SEGMENT), st.just(spec_mod.MAX_SEGMENT)),
-                             min_size=n, max_size=n))
-    rates = draw(st.lists(st.one_of(st.integers(1, 16), st.sampled_from([6, 12, 24]),
-                                    st.integers(1, spec_mod.MAX_DILATION)), min_size=n, max_size=n))
-    num_heads = draw(st.one_of(st.integers(1, 64), st.integers(1, MAX_HEADS)))
-    data = {"name": draw(st.from_regex(r"[a-z_][a-z0-9_]{0,30}", fullmatch=True)
-                         .filter(valid_module_name)),
-            "num_heads": num_heads, "head_dim": draw(st.sampled_from(KERNEL_HEAD_DIMS)),
+        segs = draw(_n_of(_SEG, n))
+    rates = draw(_n_of(_RATE, n))
+    num_heads = draw(_HEADS)
+    data = {"name": draw(_NAME), "num_heads": num_heads, "head_dim": draw(_HEAD_DIM),
             "segment_lengths": segs, "dilation_rates": rates}
     optional = {
-        "num_kv_heads": draw(st.sampled_from(_divisors(num_heads))),
-        "dtype": draw(st.sampled_from(DTYPES)),
-        "causal": draw(st.booleans()),
-        "ring_size": draw(st.one_of(st.just(1), st.integers(1, 8), st.integers(1, MAX_RING))),
-        "softmax_scale": draw(st.one_of(
-            st.none(), st.integers(1, 10_000),
-            st.floats(min_value=0, max_value=MAX_SCALE, exclude_min=True))),
+        "num_kv_heads": draw(_kv_heads(num_heads)),
+        "dtype": draw(_DTYPE),
+        "causal": draw(_BOOL),
+        "ring_size": draw(_RING),
+        "softmax_scale": draw(_SCALE),
         "hilbert": None,
     }
     if kind == "segment":
-        optional["hilbert"] = draw(st.sampled_from([{"scope": "segment"},
-                                                    {"scope": "segment", "grids": None}]))
+        optional["hilbert"] = draw(_SEGMENT_SCOPE)
     elif kind == "segment_grids":
         optional["hilbert"] = {"scope": "segment", "grids": grids}
     elif kind == "sequence":
-        rows = draw(st.integers(1, 4096))
-        optional["hilbert"] = {"scope": "sequence",
-                               "grid": [rows, draw(st.integers(1, MAX_CELLS // rows))]}
+        rows = draw(_ROWS)
+        optional["hilbert"] = {"scope": "sequence", "grid": [rows, draw(_cols(rows))]}
         optional["ring_size"] = 1          # a ring needs raster chunks: refused with "sequence"
     for key, value in optional.items():
-        if draw(st.booleans()) or value is not None and key == "hilbert":
+        if draw(_BOOL) or value is not None and key == "hilbert":
             data[key] = value
     # JSON key order must never matter
-    keys = draw(st.permutations(list(data)))
-    return {k: data[k] for k in keys}
+    keys = list(data)
+    return {keys[i]: data[keys[i]] for i in draw(_orders(len(keys)))}
 
 
 @st.composite

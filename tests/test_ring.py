@@ -226,7 +226,7 @@ def _port_taken(errors: list[dict]) -> bool:
 def _forkserver() -> str:
     """Ranks start from a fork server that imported torch, triton, dilgen and the worker
     once (a spawned rank imports them itself: 3.6 s of CPU each, 30 ranks in the suite), and
-    torch._dynamo, which the first call of a custom op's autograd imports (1.7 s); the server
+    torch._dynamo, which the traced cases' custom op imports (1.7 s); the server
     is a clean process started for this pytest process, never a fork of it."""
     import multiprocessing
     multiprocessing.get_context("forkserver").set_forkserver_preload(

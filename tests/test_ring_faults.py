@@ -94,8 +94,7 @@ def test_rank_failing_mid_call_makes_every_rank_raise(tmp_path):
     """Rank f raises in its set-up past the agreement, or inside the kernels of one step:
     forward and backward, both transports, an explicit group each. A rank whose rest of
     the call needs nothing more from a stopped rank returns its rows and raises at its
-    next ring call on the group (here: the backward). Last, on the default group (torch
-    ops), uncaught: the failing rank ends by its error in the forward, the others by the
+    next ring call on the group (here: the backward). Last, on the default group, uncaught: the failing rank ends by its error in the forward, the others by the
     backward's refused agreement; exit 1, the RingAborted's traceback last, no abort at
     exit."""
     cases = ["setup", "fwd_ring", "bwd_ring", "bwd_allgather", "fwd_allgather_uncaught"]

@@ -6,8 +6,9 @@ under torch.compile as one graph with the P2P steps inside the opaque op:
     torch.ops.dilgen.ring_attention_fwd(q, k, v, key, chunk_order) -> (out, lse)
     torch.ops.dilgen.ring_attention_bwd(..., key, chunk_order) -> (dq, dk, dv)
 
-On an explicit group, and for packed rows, an autograd Function runs the same passes
-eagerly."""
+On an explicit group, for packed rows, and for plain eager tensors on the default group
+(nothing traced: the op's dispatch would only add host time), an autograd Function runs
+the same passes eagerly."""
 from __future__ import annotations
 
 from typing import Optional
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward
+from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward, plain_eager
 from ..registry import attention_for, op_key, register
 from .executor import ring_backward, ring_forward
 from .run import RingRun
@@ -107,9 +108,9 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
     rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring")."""
     if group is None and not _op_takes(q, k, v, chunk_order):
         RingRun(attn, q, k, v, None, chunk_order)     # refused on every rank by the agreement
-    if group is None:
-        # the default group: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so that a
-        # ring model also traces under torch.compile as one graph
+    if group is None and not plain_eager(q, k, v):
+        # the default group, traced: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so
+        # that a ring model traces under torch.compile as one graph
         out, lse = ring_attention_op(attn, q, k, v, chunk_order)
         return (out, lse) if return_lse else out
     run = RingRun(attn, q, k, v, group, chunk_order)
