@@ -256,7 +256,7 @@ CASES = [
 
 
 def run_case(name, B, N, H, HKV, D, ws, rs, stages_list):
-    spec = dilgen.Spec(name=f"dkdv_fused_{name}", num_heads=H, num_kv_heads=HKV, head_dim=D, segment_lengths=ws,
+    spec = dilgen.Spec(name=f"dkdv_fused_{name.lower()}", num_heads=H, num_kv_heads=HKV, head_dim=D, segment_lengths=ws,
                        dilation_rates=rs, dtype="bfloat16")
     kern = dilgen.Kernel(spec)
     gen = torch.Generator(device="cuda").manual_seed(3)
