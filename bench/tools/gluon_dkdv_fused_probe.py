@@ -281,7 +281,8 @@ def run_case(name, B, N, H, HKV, D, ws, rs, stages_list):
             row[key] = {"dk_rel_err_vs_tl": rk, "dv_rel_err_vs_tl": rv, "nan": bool(dk.isnan().any() or dv.isnan().any()),
                         "ms": round(ms, 4), "useful_tflops": round(row["useful_dkdv_gflop"] / ms, 1)}
         except Exception as exc:  # noqa: BLE001 - recorded
-            row[key] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+            import traceback
+            row[key] = {"error": traceback.format_exc()[-3000:]}
         print(json.dumps(row), flush=True)
 
     def step():
