@@ -148,7 +148,9 @@ def _consumer1(p):
 
 
 @gluon.jit
-def dkdv_fused_kernel(qds, dods, k_desc, v_desc, Lse2, Delta, DK, DV, N, qk_scale, sm_scale):
+def dkdv_fused_kernel(q0, q1, q2, do0, do1, do2, k_desc, v_desc, Lse2, Delta, DK, DV, N, qk_scale, sm_scale):
+    qds = (q0, q1, q2)
+    dods = (do0, do1, do2)
     dtype: gl.constexpr = k_desc.dtype
     t = gl.program_id(0)
     c = t % L                       # the classes of a tile side by side: they read the same lanes
@@ -211,7 +213,7 @@ def gluon_dkdv_fused(q, k, v, do, lse, delta, ws, rs, stages=3):
     dods = tuple(desc(do, r) for r in rs)
     grid = (N // 128, B * HKV)      # N // L // 128 tiles times L classes
     kernel = kernel_module(H, HKV, D, ws, rs, stages).dkdv_fused_kernel
-    kernel[grid](qds, dods, desc(k, L), desc(v, L), lse2, delta, dk, dv, N, scale * math.log2(math.e), scale,
+    kernel[grid](*qds, *dods, desc(k, L), desc(v, L), lse2, delta, dk, dv, N, scale * math.log2(math.e), scale,
                  num_warps=4, maxnreg=168)
     return dk, dv
 
