@@ -227,6 +227,9 @@ class KernelConfig:
     # sm90: the forward's lattice branches run as the Gluon kernel of templates/gluon_fwd.py.jinja
     # (a producer warp, two consumer warpgroups of 64 rows), keys per block and K/V stages
     gluon_fwd: tuple[int, int] | None = None
+    # sm90: the fused dK/dV as the Gluon kernel of templates/gluon_bwd.py.jinja (a producer
+    # warp, two consumer warpgroups of 64 keys), its Q/dO stages
+    gluon_dkdv: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -241,6 +244,8 @@ class KernelConfig:
                                            or not 2 <= self.gluon_fwd[1] <= 8):
             raise ValueError(f"KernelConfig.gluon_fwd = {self.gluon_fwd!r}: (keys per block 64 or 128, "
                              f"stages 2 to 8)")
+        if self.gluon_dkdv is not None and not (isinstance(self.gluon_dkdv, int) and 2 <= self.gluon_dkdv <= 8):
+            raise ValueError(f"KernelConfig.gluon_dkdv = {self.gluon_dkdv!r}: stages 2 to 8")
         if self.block_m % self.bwd_dq[0]:
             raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
                              f"{self.block_m} (a dq tile must nest in the forward's tiles)")
@@ -261,6 +266,7 @@ class KernelConfig:
                 **({"l2_bytes": self.l2_bytes} if self.l2_bytes else {}),
                 **({"lattice_group": self.lattice_group} if self.lattice_group else {}),
                 **({"gluon_fwd": list(self.gluon_fwd)} if self.gluon_fwd else {}),
+                **({"gluon_dkdv": self.gluon_dkdv} if self.gluon_dkdv else {}),
                 "decode": list(self.decode)}
 
 

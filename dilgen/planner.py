@@ -20,6 +20,7 @@ from functools import reduce
 import sympy
 
 from . import ir
+from .gluon_plan import gluon_available, gluon_dkdv, gluon_fwd  # noqa: F401 (gluon_available: a public name)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -91,7 +92,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
-           "dual_chain", "gluon_fwd")
+           "dual_chain", "gluon_fwd", "gluon_dkdv")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -113,8 +114,9 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     branches = _branch_irs(spec, orders, query_order, lanes, tiles.block_m, tuning)
     tiling = _query_tiling(branches, lanes.lattice, tiles.block_m, query_order)
     dual_chain = _dual_chain(spec, target, tiles, branches, query_order, tuning)
-    gluon = _gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning)
+    gluon = gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning)
     fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning)
+    gluon_bwd = gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning)
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:
@@ -136,7 +138,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
-        branches=tuple(branches), config=_config(spec, target, tiles, branches, lanes, dual_chain, tuning, gluon),
+        branches=tuple(branches), config=_config(spec, target, tiles, branches, lanes, dual_chain, tuning,
+                                                         gluon, gluon_bwd),
         ring=_ring(spec, branches), tables=tuple(tables), row_order=_row_order(spec),
         lane_order=lane_order, gap_lane=gap_lane, dkdv_first_writes=dkdv_first_writes,
         head_base=spec.head_base)
@@ -345,74 +348,9 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
     return fusable(tiles.bwd_kv)
 
 
-def _gluon_fwd(spec: Spec, target: Target, tiles: _Tiles, branches, lattice: int, query_order,
-               tuning: dict) -> tuple[int, int] | None:
-    """The Gluon forward's (keys per block, K/V stages) (KernelConfig.gluon_fwd), or None: the
-    target's default for the head_dim, or the tuning's `gluon_fwd` (true, false, or the pair).
-    A tuning that asks for it where it cannot run is refused with the reason."""
-    want = tuning.get("gluon_fwd", tiles.tile_d in target.gluon_fwd_default)
-    if not want:
-        return None
-    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    if isinstance(want, (list, tuple)) and tile is not None:    # a head_dim the target runs
-        tile = tuple(want)
-    why = _gluon_refusal(spec, target, tiles, branches, lattice, query_order, tile)
-    if why is not None:
-        if "gluon_fwd" in tuning:
-            raise SpecError(f"{spec.name}: tuning gluon_fwd cannot run here: {why}")
-        return None
-    return tile
-
-
-def _gluon_refusal(spec: Spec, target: Target, tiles: _Tiles, branches, lattice: int, query_order,
-                   tile) -> str | None:
-    """Why the Gluon forward cannot run this plan (one line), or None."""
-    if not target.gluon_fwd_tiles:
-        return f"target {target.name} has no Gluon forward (sm90 at head_dim 64 or 128 has)"
-    if tile is None:
-        dims = " or ".join(str(d) for d, _, _ in target.gluon_fwd_tiles)
-        return f"it takes head_dim {dims}, not {spec.head_dim}"
-    if not gluon_available():
-        return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
-    checks = [
-        (spec.causal, "causal specs run their branches as lane kernels"),
-        (spec.ring_size > 1, "a ring runs its own window kernels"),
-        (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
-        (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
-         "with head_dim 64 or 128"),
-        (any(b.lanes for b in branches), "a branch runs as lanes (r does not divide w)"),
-        (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
-        (all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so that every "
-         "query class keeps a branch)"),
-    ]
-    for failed, why in checks:
-        if failed:
-            return why
-    keys, stages = tile
-    if keys not in (64, 128) or not 2 <= stages <= 8:
-        return f"keys per block must be 64 or 128 and stages 2 to 8 (asked: {list(tile)})"
-    smem = (2 * stages * keys + 2 * 64) * tiles.tile_d * tiles.itemsize + 1024   # K, V ring; Q; barriers
-    if smem > target.smem_bytes:
-        return (f"{stages} stages of {keys} keys at head_dim {tiles.tile_d} need {smem} bytes of shared "
-                f"memory, {target.name} has {target.smem_bytes}: fewer stages or keys")
-    for b in branches:
-        if b.segment_length % (128 * lattice) or (b.segment_length // b.dilation) % tile[0]:
-            return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "
-                    f"128 x L = {128 * lattice} with w / r a multiple of {tile[0]} keys")
-    return None
-
-
-def gluon_available() -> bool:
-    """Triton's Gluon dialect with Hopper's async warpgroup MMA (Triton 3.6 has it)."""
-    try:
-        from triton.experimental.gluon.language.nvidia import hopper
-    except ImportError:
-        return False
-    return hasattr(hopper, "warpgroup_mma") and hasattr(hopper, "warpgroup_mma_wait")
-
-
 def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
-            dual_chain: bool, tuning: dict, gluon: tuple[int, int] | None = None) -> ir.KernelConfig:
+            dual_chain: bool, tuning: dict, gluon: tuple[int, int] | None = None,
+            gluon_bwd: int | None = None) -> ir.KernelConfig:
     # dq keeps the forward's query tiling, so its rows may only be the block halved
     # (a halved tile still nests in every segment)
     dq_m = tiles.block_m
@@ -454,4 +392,5 @@ def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
         bwd_tma=tiles.bwd_tma,
         decode=tuple(tuning.get("decode", target.decode_table(tiles.tile_d, tiles.itemsize))),
         gluon_fwd=gluon,
+        gluon_dkdv=gluon_bwd,
         dot_precision="ieee" if spec.dtype == "float32" else None)

@@ -55,7 +55,7 @@ def test_default_at_head_dim_128_and_taken_when_asked():
     (dict(segment_lengths=[2048, 4096], dilation_rates=[1, 3]), "sm90", "r does not divide w"),
     (dict(segment_lengths=[4096, 8192], dilation_rates=[2, 4], head_dim=64), "sm90", "a branch with r = 1"),
     (dict(segment_lengths=[256, 1024], dilation_rates=[1, 4]), "sm90", "multiple of 128 x L = 512"),
-    (dict(), "sm80", "target sm80 has no Gluon forward"),
+    (dict(), "sm80", "target sm80 has no Gluon kernels"),
 ])
 def test_refused_by_name_where_it_cannot_run(over, arch, why):
     for asked in (True, [128, 3]):
@@ -77,7 +77,7 @@ def test_a_tile_that_cannot_run_is_refused_by_name(asked, why):
 
 
 def _source(**over) -> str:
-    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True}))
+    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True, "gluon_dkdv": False}))
 
 
 @needs_gluon

@@ -85,6 +85,9 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if getattr(attention, "gluon_fn", None) is not None:     # a @gluon.jit function already
         from ..runtime.gluon_launch import OPTIONS
         roles.insert(1, ("gluon_forward", attention.gluon_fn, dict(OPTIONS)))
+    if getattr(attention, "gluon_dkdv_fn", None) is not None:
+        from ..runtime.gluon_launch import OPTIONS
+        roles.append(("gluon_dkdv", attention.gluon_dkdv_fn, dict(OPTIONS)))
     return roles
 
 
@@ -133,6 +136,12 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 mock = _mock(base["dtype"])
                 out.append(Launch(role, fn, gluon_args(plan, mock, mock, mock, mock, _mock(torch.float32),
                                                        1, N), opts))
+        elif role == "gluon_dkdv":        # as gluon_forward: whole segments, any batch
+            if all(N % br["w"] == 0 for br in plan["branches"]):
+                from ..runtime.gluon_launch import gluon_dkdv_args
+                mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
+                out.append(Launch(role, fn, gluon_dkdv_args(plan, mock, mock, mock, mock, f32, f32, mock, mock,
+                                                            1, N), opts))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)

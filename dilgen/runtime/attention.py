@@ -41,13 +41,15 @@ class GeneratedAttention:
     """
 
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
-                 lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None) -> None:
+                 lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
+                 gluon_dkdv=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
         self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
         self.curve_kernel = curve_kernel           # compact curve-ordered rows (curve_rows.py)
         self.gluon_fn = gluon_kernel               # sm90's Gluon forward (@gluon.jit, gluon_launch.py) or None
+        self.gluon_dkdv_fn = gluon_dkdv            # sm90's Gluon fused dK/dV (@gluon.jit) or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
         self._jitted: dict[Any, Any] = {}
@@ -104,12 +106,20 @@ class GeneratedAttention:
     def gluon_kernel(self):
         """The Gluon forward as launched on a GPU: its `dilgen build` binary where there is
         one, else Gluon's JIT (aot.run.launcher), made on first use; None without one."""
-        if self.gluon_fn is None:
+        return self._gluon("gluon", self.gluon_fn)
+
+    @property
+    def gluon_dkdv_kernel(self):
+        """The Gluon dK/dV as launched on a GPU (as gluon_kernel); None without one."""
+        return self._gluon("gluon_dkdv", self.gluon_dkdv_fn)
+
+    def _gluon(self, key: str, fn):
+        if fn is None:
             return None
-        hit = self._jitted.get("gluon")
+        hit = self._jitted.get(key)
         if hit is None:
             from ..aot.run import launcher
-            hit = self._jitted["gluon"] = launcher(self.gluon_fn, self.gluon_fn.fn)
+            hit = self._jitted[key] = launcher(fn, fn.fn)
         return hit
 
     def _class_order(self, device: torch.device) -> torch.Tensor:

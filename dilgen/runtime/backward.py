@@ -4,7 +4,8 @@ Three kernel families, emitted by templates/attention_bwd.py.jinja:
   preprocess  Delta = rowsum(dO * O) - dlse            (B, H, N) float32
   dkdv_fused  when the plan allows (plan["fused_dkdv"]): one launch over key tiles of the
               query lattice computes every branch's dK, dV and writes them once in k's
-              dtype (no float32 buffers)
+              dtype (no float32 buffers); on sm90 its Gluon twin where the plan has one
+              (templates/gluon_bwd.py.jinja, gluon_launch.gluon_dkdv_launch)
   dkdv        otherwise one launch per branch (constexpr BRANCH), key-major in its lanes;
               each launch adds its branch's dK, dV (summed over the query heads of the
               kv group, in float32) into dk, dv in k's dtype, so keys kept by several
@@ -18,6 +19,7 @@ import math
 import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
+from .gluon_launch import gluon_dkdv_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
@@ -183,10 +185,13 @@ class _Launches:
 
     def _launch(self, name: str, grid, *args) -> None:
         kernel = self.attn._kernel(self.interpret, source_fn=self.kernels[name])
+        self._run(kernel, grid, args, self.launch[name])
+
+    def _run(self, kernel, grid, args: tuple, options: dict) -> None:
         if self.recorder is not None:
-            self.recorder.launch(kernel, grid, args, self.launch[name])
+            self.recorder.launch(kernel, grid, args, options)
         else:
-            kernel[grid](*args, **self.launch[name])
+            kernel[grid](*args, **options)
 
     def preprocess(self, out, dlse, has_dlse) -> None:
         at = self.at
@@ -200,7 +205,11 @@ class _Launches:
         plan, conf, at, kv_bn = self.plan, self.conf, self.at, self.conf["kv_block_n"]
         q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
         fused = conf.get("fused_dkdv", False)
-        if fused:
+        gluon = None if (self.interpret or at.varlen or not fused) else \
+            gluon_dkdv_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N)
+        if gluon is not None:       # the fused kernel's work, in Gluon (sm90)
+            self._run(*gluon)
+        elif fused:
             n_kt = math.ceil(math.ceil(N / self.lattice) / kv_bn)
             group_kt = lattice_group_tiles(plan, n_kt, kv_bn, 2 * (self.H // self.Hkv) * q.shape[-1] * q.element_size())
             self._launch("dkdv_fused", (self.lattice * n_kt, B * self.Hkv),

@@ -1,11 +1,13 @@
-"""The launch of the sm90 Gluon forward (templates/gluon_fwd.py.jinja, KernelConfig.gluon_fwd):
-its TMA descriptors over strided views of q, k, v and out, and when a call takes it.
+"""The launches of sm90's Gluon kernels, the forward (templates/gluon_fwd.py.jinja,
+KernelConfig.gluon_fwd) and the fused dK/dV (templates/gluon_bwd.py.jinja, KernelConfig.gluon_dkdv):
+their TMA descriptors over strided views of the call's tensors, and when a call takes them.
 
 Views (contiguous (B, N, H, D) q and out, (B, N, H_kv, D) k and v): q and out as
 (B·N/L, L·H, D), whose row b·N/L + m, column c·H + h is row u = c + L·m of head h (L the
 query lattice); branch i's keys as (B·N/r_i, r_i·H_kv, D), whose rows b·N/r_i + s·w_i/r_i + j
 are the lane s·w_i + o + r_i·j of segment s. A 64-row (queries) or 128-row (keys) box of such a
-view is a TMA load of dilated rows. The descriptors are made on the host (made in the kernel,
+view is a TMA load of dilated rows. The dK/dV reads the other way round: keys through the
+lattice's view, each branch's query and dO lanes through (B·N/r_i, r_i·H, D). The descriptors are made on the host (made in the kernel,
 by each program, they cost A 1.724 -> 1.844 ms; bench/results/gluon_dilgen_check-2026-11-27-h200.json);
 a replay makes them again over the call's tensors (replay.Descriptor)."""
 from __future__ import annotations
@@ -34,20 +36,34 @@ def layout(rows: int, D: int):
     return hit
 
 
+def _takes(attn, fn, N: int, *tensors) -> bool:
+    """Whether a call runs a Gluon kernel `fn` of the plan: not on the CPU or a GPU other than
+    sm90 (a newer GPU runs sm90's plan, and wgmma is Hopper's), every segment whole, and the
+    tensors contiguous and 16-byte aligned (TMA)."""
+    if fn is None or tensors[0].device.type != "cuda" or not _sm90(tensors[0].device):
+        return False
+    if any(N % br["w"] for br in attn.plan["branches"]):
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
     """(kernel, grid, args, options) of the Gluon forward for this call, or None when the call
-    takes the `tl` kernel instead: no Gluon plan, the CPU, a GPU other than sm90 (a newer GPU
-    runs sm90's plan, and wgmma is Hopper's), a short last segment, or tensors that are not
-    contiguous or 16-byte aligned (TMA)."""
+    takes the `tl` kernel instead (_takes)."""
     plan = attn.plan
-    tile = plan["config"].get("gluon_fwd")
-    if tile is None or attn.gluon_fn is None or q.device.type != "cuda" or not _sm90(q.device):
-        return None
-    if any(N % br["w"] for br in plan["branches"]):
-        return None
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out)):
+    if plan["config"].get("gluon_fwd") is None or not _takes(attn, attn.gluon_fn, N, q, k, v, out):
         return None
     return attn.gluon_kernel, (N // 128, B * plan["num_heads"]), gluon_args(plan, q, k, v, out, lse, B, N), OPTIONS
+
+
+def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
+    """(kernel, grid, args, options) of the Gluon dK/dV for this call, or None when the call
+    takes the `tl` fused dK/dV instead (_takes): program (c + L*t, b*H_kv + kvh)."""
+    plan = attn.plan
+    if not plan["config"].get("gluon_dkdv") or not _takes(attn, attn.gluon_dkdv_fn, N, q, k, v, grad_out, dk, dv):
+        return None
+    return (attn.gluon_dkdv_kernel, (N // 128, B * plan["num_kv_heads"]),
+            gluon_dkdv_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N), OPTIONS)
 
 
 # 12 warps (two consumer warpgroups, a producer warp's group) at 168 registers a thread:
@@ -71,3 +87,20 @@ def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
     rates = [br["r"] for br in plan["branches"]]
     return (box(q, "q", L, 64), box(out, "q", L, 64), *(box(k, "kv", r, block) for r in rates),
             *(box(v, "kv", r, block) for r in rates), lse, N)
+
+
+def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:
+    """The Gluon dK/dV's arguments: each branch's q and dO lanes as (B*N/r, r*H, D), k and v
+    as the lattice's (B*N/L, L*H_kv, D) (64-row boxes), lse, Delta, dk, dv, N. Tensors may be
+    MockTensors (as gluon_args)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    D, L = plan["head_dim"], plan["query"]["lattice"]
+    heads = {"q": plan["num_heads"], "kv": plan["num_kv_heads"]}
+
+    def box(t, kind: str, every: int) -> TensorDescriptor:
+        shape = [B * N // every, every * heads[kind], D]
+        return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [64, 1, D], layout(64, D))
+
+    rates = [br["r"] for br in plan["branches"]]
+    return (*(box(q, "q", r) for r in rates), *(box(grad_out, "q", r) for r in rates),
+            box(k, "kv", L), box(v, "kv", L), lse, delta, dk, dv, N)

@@ -1,0 +1,117 @@
+"""The planner's sm90 Gluon choices: whether a plan runs its forward (KernelConfig.gluon_fwd,
+templates/gluon_fwd.py.jinja) and its fused dK/dV (KernelConfig.gluon_dkdv,
+templates/gluon_bwd.py.jinja) as warp-specialized Gluon kernels, and why not (one line).
+
+Both take the same plans: non-causal raster rows of float16 / bfloat16 at head_dim 64 or 128,
+every branch a lattice branch (r | w) with the same head offsets, whole 128 x L tiles in every
+segment; the runtime takes them for calls whose every segment is whole."""
+from __future__ import annotations
+
+from .spec import Spec, SpecError
+from .targets import Target
+
+
+def gluon_available() -> bool:
+    """Triton's Gluon dialect with Hopper's async warpgroup MMA (Triton 3.6 has it)."""
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper
+    except ImportError:
+        return False
+    return hasattr(hopper, "warpgroup_mma") and hasattr(hopper, "warpgroup_mma_wait")
+
+
+def gluon_fwd(spec: Spec, target: Target, tiles, branches, lattice: int, query_order,
+              tuning: dict) -> tuple[int, int] | None:
+    """The Gluon forward's (keys per block, K/V stages) (KernelConfig.gluon_fwd), or None: the
+    target's default for the head_dim, or the tuning's `gluon_fwd` (true, false, or the pair).
+    A tuning that asks for it where it cannot run is refused with the reason."""
+    want = tuning.get("gluon_fwd", tiles.tile_d in target.gluon_fwd_default)
+    if not want:
+        return None
+    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
+    if isinstance(want, (list, tuple)) and tile is not None:    # a head_dim the target runs
+        tile = tuple(want)
+    why = _refusal(spec, target, tiles, branches, query_order, tile) or _forward_refusal(tiles, target, branches,
+                                                                                         lattice, tile)
+    if why is not None:
+        if "gluon_fwd" in tuning:
+            raise SpecError(f"{spec.name}: tuning gluon_fwd cannot run here: {why}")
+        return None
+    return tile
+
+
+def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
+               tuning: dict) -> int | None:
+    """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None: the target's default
+    for the head_dim, or the tuning's `gluon_dkdv` (true, false, or the stages). A tuning that
+    asks for it where it cannot run is refused with the reason."""
+    want = tuning.get("gluon_dkdv", tiles.tile_d in target.gluon_dkdv_default)
+    if want is False or want is None:
+        return None
+    stages = target.gluon_dkdv_stages if want is True else want
+    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
+    why = _refusal(spec, target, tiles, branches, query_order, tile)
+    if why is None and not fused_dkdv:
+        why = "the backward runs per-branch dK/dV kernels here (the fused one's key tile does not nest)"
+    if why is None:
+        why = _dkdv_refusal(tiles, target, branches, lattice, stages)
+    if why is not None:
+        if "gluon_dkdv" in tuning:
+            raise SpecError(f"{spec.name}: tuning gluon_dkdv cannot run here: {why}")
+        return None
+    return stages
+
+
+def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile) -> str | None:
+    """Why no Gluon kernel can run this plan (one line), or None."""
+    if not target.gluon_fwd_tiles:
+        return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
+    if tile is None:
+        dims = " or ".join(str(d) for d, _, _ in target.gluon_fwd_tiles)
+        return f"it takes head_dim {dims}, not {spec.head_dim}"
+    if not gluon_available():
+        return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
+    checks = [
+        (spec.causal, "causal specs run their branches as lane kernels"),
+        (spec.ring_size > 1, "a ring runs its own window kernels"),
+        (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
+        (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
+         "with head_dim 64 or 128"),
+        (any(b.lanes for b in branches), "a branch runs as lanes (r does not divide w)"),
+        (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
+        (all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so that every "
+         "query class keeps a branch)"),
+    ]
+    for failed, why in checks:
+        if failed:
+            return why
+    return None
+
+
+def _forward_refusal(tiles, target: Target, branches, lattice: int, tile) -> str | None:
+    keys, stages = tile
+    if keys not in (64, 128) or not 2 <= stages <= 8:
+        return f"keys per block must be 64 or 128 and stages 2 to 8 (asked: {list(tile)})"
+    smem = (2 * stages * keys + 2 * 64) * tiles.tile_d * tiles.itemsize + 1024   # K, V ring; Q; barriers
+    if smem > target.smem_bytes:
+        return (f"{stages} stages of {keys} keys at head_dim {tiles.tile_d} need {smem} bytes of shared "
+                f"memory, {target.name} has {target.smem_bytes}: fewer stages or keys")
+    for b in branches:
+        if b.segment_length % (128 * lattice) or (b.segment_length // b.dilation) % keys:
+            return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "
+                    f"128 x L = {128 * lattice} with w / r a multiple of {keys} keys")
+    return None
+
+
+def _dkdv_refusal(tiles, target: Target, branches, lattice: int, stages) -> str | None:
+    if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= 8:
+        return f"gluon_dkdv takes true, false or the stages 2 to 8 (asked: {stages!r})"
+    smem = (2 * 2 + 2 * stages) * 64 * tiles.tile_d * tiles.itemsize + 1024    # K, V; the Q/dO ring; barriers
+    if smem > target.smem_bytes:
+        return (f"{stages} stages at head_dim {tiles.tile_d} need {smem} bytes of shared memory, "
+                f"{target.name} has {target.smem_bytes}: fewer stages")
+    for b in branches:
+        if b.segment_length % (128 * lattice) or (b.segment_length // b.dilation) % 64:
+            return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "
+                    f"128 x L = {128 * lattice} with w / r a multiple of 64 query lanes")
+    return None

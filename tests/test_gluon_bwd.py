@@ -1,0 +1,168 @@
+"""sm90's Gluon dK/dV (KernelConfig.gluon_dkdv, templates/gluon_bwd.py.jinja): when the planner
+takes it and what it refuses by name, the kernel compiled for sm90 without a GPU (its PTX has
+the warpgroup MMAs, the TMA loads and the producer's register budget), its `dilgen build`
+launch; on an sm90 GPU, gradients against the float64 reference with the Gluon kernel launched,
+and the `tl` kernel's where a call cannot take it."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import dilgen
+from dilgen import codegen
+from dilgen.planner import gluon_available, plan
+from dilgen.spec import SpecError
+from dilgen.targets import get_target
+
+from conftest import check_against_reference
+
+GOLDEN = Path(__file__).parent / "golden" / "gluon_bwd_sm90.py"
+MARK = "# ---- sm90: the fused dK, dV in Gluon"
+needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
+on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
+
+
+def _spec(**over):
+    fields = dict(name="gb", num_heads=16, num_kv_heads=4, head_dim=128, segment_lengths=[2048, 4096, 8192],
+                  dilation_rates=[1, 2, 4], dtype="bfloat16")
+    fields.update(over)
+    return dilgen.Spec(**fields)
+
+
+@needs_gluon
+def test_default_at_head_dim_128_and_taken_when_asked():
+    sm90 = get_target("sm90")
+    assert plan(_spec(), sm90).config.gluon_dkdv == 3
+    assert plan(_spec(head_dim=64), sm90).config.gluon_dkdv is None
+    assert plan(_spec(head_dim=64), sm90, {"gluon_dkdv": True}).config.gluon_dkdv == 3
+    assert plan(_spec(), sm90, {"gluon_dkdv": 4}).config.gluon_dkdv == 4
+    assert plan(_spec(), sm90, {"gluon_dkdv": False}).config.gluon_dkdv is None
+    assert plan(_spec(causal=True), sm90).config.gluon_dkdv is None      # where it cannot run: tl
+    assert plan(_spec(), get_target("sm80")).config.gluon_dkdv is None
+
+
+@needs_gluon
+@pytest.mark.parametrize("over, tuning, why", [
+    (dict(causal=True), {}, "causal specs run their branches as lane kernels"),
+    (dict(hilbert={"scope": "segment"}), {}, "Hilbert orders"),
+    (dict(dtype="float32"), {}, "float16 or bfloat16"),
+    (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
+    (dict(), {"fused_dkdv": False}, "per-branch dK/dV kernels"),
+    (dict(segment_lengths=[256, 1024], dilation_rates=[1, 4]), {}, "multiple of 128 x L = 512"),
+    (dict(), {"gluon_dkdv": 8}, "8 stages at head_dim 128 need 328704 bytes"),
+    (dict(), {"gluon_dkdv": 1}, "the stages 2 to 8"),
+])
+def test_refused_by_name_where_it_cannot_run(over, tuning, why):
+    asked = {"gluon_dkdv": True, **tuning}
+    with pytest.raises(SpecError, match=why):
+        plan(_spec(**over), get_target("sm90"), asked)
+    if "gluon_dkdv" not in tuning:
+        assert plan(_spec(**over), get_target("sm90"), tuning).config.gluon_dkdv is None  # not asked: tl
+
+
+@needs_gluon
+def test_generated_source_is_golden_and_stable():
+    text = codegen.emit(plan(_spec(), get_target("sm90")))
+    assert text == codegen.emit(plan(_spec(), get_target("sm90")))
+    section = text[text.index(MARK):]
+    if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(section)
+    assert section == GOLDEN.read_text(), ("the Gluon dK/dV's source changed; if on purpose, "
+                                           "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
+    codegen.check_syntax(text)
+    assert "gluon_kernel=gb_gluon_fwd,\n" in text and "gluon_dkdv=gb_gluon_dkdv)" in text
+
+
+def _module(tmp_path, **over):
+    path = tmp_path / f"gb_{abs(hash(tuple(sorted(over.items())))) % 10**6}.py"
+    path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_dkdv": True})))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_gluon
+@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=16, num_kv_heads=1)])
+def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
+    """Under both CI Tritons (3.9 names its TMA copies differently)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = _module(tmp_path, **over)
+    D = over.get("head_dim", 128)
+    desc = f"tensordesc<bf16[64, 1, {D}],{gl.NVMMASharedLayout.get_default_for([64, 1, D], gl.bfloat16)!r}>"
+    sig = {**{f"{x}{i}": desc for x in ("q", "do") for i in range(3)}, "k_desc": desc, "v_desc": desc,
+           "Lse": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16", "N": "i32"}
+    kernel = triton.compile(GluonASTSource(mod.gb_gluon_dkdv, sig, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+
+
+def _aot_module():
+    from dilgen.compiler import build
+    spec = _spec(name="gb_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
+    return build(spec, get_target("sm90"))
+
+
+@needs_gluon
+def test_launch_model_has_the_gluon_dkdv_and_it_specializes_as_the_runtime_s(cache_dir):
+    """Whole segments only; the model's MockTensors at batch 1 give the specialization of a
+    call's real arguments at batch 2 (one binary serves every batch)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import kernel_roles, predicted_launches
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_args
+    attn = _aot_module().module.attention
+    assert {role: fn for role, fn, _ in kernel_roles(attn)}["gluon_dkdv"] is attn.gluon_dkdv_fn
+    assert "gluon_dkdv" not in [x.role for x in predicted_launches(attn, 768)]   # 768 % 512: short last segment
+    (model,) = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv"]
+    q, do = (torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    lse, delta = torch.randn(2, 4, 1024), torch.randn(2, 4, 1024)
+    real = gluon_dkdv_args(attn.plan, q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v), 2, 1024)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    want = specialize(attn.gluon_dkdv_fn, backend, real, OPTIONS)
+    assert specialize(attn.gluon_dkdv_fn, backend, model.args, model.launch_opts).desc == want.desc
+    assert sum("tensordesc<" in str(t) for t in want.signature.values()) == 2 * 2 + 2
+
+
+# -- on an sm90 GPU: float64 gradients, the Gluon kernel launched --------------------------
+SMALL = dict(segment_lengths=[512, 1024, 2048])     # whole 128 x L tiles; a float64 reference of N^2 per head
+GPU_CASES = [
+    # (id, spec fields, (B, N), tuning)
+    ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {}),
+    ("mha_fp16_stages4", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_dkdv": 4}),
+    ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
+                           dilation_rates=[1, 2]), (2, 2048), {}),
+    ("head_dim_64_two_stages", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096), {"gluon_dkdv": 2}),
+    # a short last segment: the call takes the `tl` fused dK/dV (every segment must be whole)
+    ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
+]
+
+
+@on_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gradients_match_the_float64_reference_on_sm90(case, monkeypatch):
+    from dilgen.runtime import backward
+    name, over, (B, N), tuning = case
+    spec = _spec(name="gb_" + name, **over)
+    taken = []
+    real = backward.gluon_dkdv_launch
+
+    def spy(*args):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(backward, "gluon_dkdv_launch", spy)
+    check_against_reference(spec, B, N, tuning, name)
+    assert taken == [not name.endswith("_tl")], taken
