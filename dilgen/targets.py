@@ -174,7 +174,7 @@ class Target:
     # is the default and its Q/dO stages. H100, bf16, A's dK/dV 3.83 -> 3.53 ms, GQA 4 1.13 -> 0.81
     # (bench/results/gluon_dkdv_fused_probe-2026-11-28-h100.json)
     gluon_dkdv_default: tuple[int, ...] = ()
-    gluon_dkdv_stages: int = 3
+    gluon_dkdv_stages: int = 4
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -214,7 +214,7 @@ class Target:
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=True, lane_ws=True, causal_lanes=True,
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,),
-              gluon_dkdv_default=(128,))
+              gluon_dkdv_default=(64, 128))
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

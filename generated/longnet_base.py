@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 92a7334fbbc16355
-# plan key:      09289831ca5b74c7070e783a30020e0a700cd165d6cdf69cbe41036a26eebd7d
+# template hash: 19a5a4de3cc16696
+# plan key:      cb7c5818a1cf2e4b47d15dd8161022847580711400752f11b94d95d2765efcff
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -88,7 +88,7 @@ PLAN = {
         "dot_precision": None,
         "fold_scale": True,
         "fused_tma": True,
-        "gluon_dkdv": 3,
+        "gluon_dkdv": 4,
         "gluon_fwd": [128, 3],
         "l2_bytes": 52428800,
         "lane_dq": [128, 64, 8, 3],
@@ -1338,7 +1338,7 @@ def longnet_base_gluon_fwd(q_desc, o_desc, k0, k1, k2, v0, v1, v2, Lse, N):
 # on a GPU for fixed-length rows whose every segment is whole, longnet_base_bwd_dkdv_fused otherwise) ----
 
 GLUON_LANES = gl.constexpr(64)          # keys per consumer warpgroup (a program takes two); query lanes per block
-GLUON_BWD_STAGES = gl.constexpr(3)   # Q / dO blocks in flight (the shared-memory ring)
+GLUON_BWD_STAGES = gl.constexpr(4)   # Q / dO blocks in flight (the shared-memory ring)
 
 
 @gluon.jit
@@ -1399,17 +1399,25 @@ def longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, emp
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     if (c - h) % R == 0:
         s_zero = gl.zeros([GLUON_LANES, GLUON_LANES], gl.float32, layout=s_layout)
-        lane0 = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R
-        cols = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
-        for j in range((W // R) // GLUON_LANES):
+        lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
+            + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
+        blocks = (W // R) // GLUON_LANES
+        lse_next = gl.load(Lse + lanes)
+        delta_next = gl.load(Delta + lanes)
+        for j in range(blocks):
+            lse = lse_next * 1.4426950408889634
+            delta = delta_next
             st = it % GLUON_BWD_STAGES
             mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)
             qj = q_smem.index(st).reshape([GLUON_LANES, 128])
             doj = do_smem.index(st).reshape([GLUON_LANES, 128])
             s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse = gl.load(Lse + lane0 + j * (GLUON_LANES * R) + cols) * 1.4426950408889634
-            delta = gl.load(Delta + lane0 + j * (GLUON_LANES * R) + cols)
+            # the next block's lse and Delta (the last block's again at the end): in flight
+            # while this block's products run
+            after = gl.minimum(j + 1, blocks - 1) * (GLUON_LANES * R)
+            lse_next = gl.load(Lse + lanes + after)
+            delta_next = gl.load(Delta + lanes + after)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             pt = gl.exp2(s * 0.12751743082459868 - gl.expand_dims(lse, 0))
             dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)

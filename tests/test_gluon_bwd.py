@@ -38,10 +38,10 @@ def _spec(**over):
 @needs_gluon
 def test_default_at_head_dim_128_and_taken_when_asked():
     sm90 = get_target("sm90")
-    assert plan(_spec(), sm90).config.gluon_dkdv == 3
-    assert plan(_spec(head_dim=64), sm90).config.gluon_dkdv is None
-    assert plan(_spec(head_dim=64), sm90, {"gluon_dkdv": True}).config.gluon_dkdv == 3
-    assert plan(_spec(), sm90, {"gluon_dkdv": 4}).config.gluon_dkdv == 4
+    assert plan(_spec(), sm90).config.gluon_dkdv == 4
+    assert plan(_spec(head_dim=64), sm90).config.gluon_dkdv == 4
+    assert plan(_spec(), sm90, {"gluon_dkdv": True}).config.gluon_dkdv == 4
+    assert plan(_spec(), sm90, {"gluon_dkdv": 3}).config.gluon_dkdv == 3
     assert plan(_spec(), sm90, {"gluon_dkdv": False}).config.gluon_dkdv is None
     assert plan(_spec(causal=True), sm90).config.gluon_dkdv is None      # where it cannot run: tl
     assert plan(_spec(), get_target("sm80")).config.gluon_dkdv is None
@@ -141,7 +141,7 @@ SMALL = dict(segment_lengths=[512, 1024, 2048])     # whole 128 x L tiles; a flo
 GPU_CASES = [
     # (id, spec fields, (B, N), tuning)
     ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {}),
-    ("mha_fp16_stages4", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_dkdv": 4}),
+    ("mha_fp16_stages3", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_dkdv": 3}),
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
                            dilation_rates=[1, 2]), (2, 2048), {}),
     ("head_dim_64_two_stages", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096), {"gluon_dkdv": 2}),

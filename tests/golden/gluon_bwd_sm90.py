@@ -2,7 +2,7 @@
 # on a GPU for fixed-length rows whose every segment is whole, gb_bwd_dkdv_fused otherwise) ----
 
 GLUON_LANES = gl.constexpr(64)          # keys per consumer warpgroup (a program takes two); query lanes per block
-GLUON_BWD_STAGES = gl.constexpr(3)   # Q / dO blocks in flight (the shared-memory ring)
+GLUON_BWD_STAGES = gl.constexpr(4)   # Q / dO blocks in flight (the shared-memory ring)
 
 
 @gluon.jit
@@ -63,17 +63,25 @@ def gb_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, D
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     if (c - h) % R == 0:
         s_zero = gl.zeros([GLUON_LANES, GLUON_LANES], gl.float32, layout=s_layout)
-        lane0 = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R
-        cols = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
-        for j in range((W // R) // GLUON_LANES):
+        lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
+            + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
+        blocks = (W // R) // GLUON_LANES
+        lse_next = gl.load(Lse + lanes)
+        delta_next = gl.load(Delta + lanes)
+        for j in range(blocks):
+            lse = lse_next * 1.4426950408889634
+            delta = delta_next
             st = it % GLUON_BWD_STAGES
             mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)
             qj = q_smem.index(st).reshape([GLUON_LANES, 128])
             doj = do_smem.index(st).reshape([GLUON_LANES, 128])
             s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse = gl.load(Lse + lane0 + j * (GLUON_LANES * R) + cols) * 1.4426950408889634
-            delta = gl.load(Delta + lane0 + j * (GLUON_LANES * R) + cols)
+            # the next block's lse and Delta (the last block's again at the end): in flight
+            # while this block's products run
+            after = gl.minimum(j + 1, blocks - 1) * (GLUON_LANES * R)
+            lse_next = gl.load(Lse + lanes + after)
+            delta_next = gl.load(Delta + lanes + after)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             pt = gl.exp2(s * 0.12751743082459868 - gl.expand_dims(lse, 0))
             dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
