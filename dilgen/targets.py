@@ -171,8 +171,9 @@ class Target:
     gluon_fwd_default: tuple[int, ...] = ()
     # The fused dK/dV as a warp-specialized Gluon kernel (KernelConfig.gluon_dkdv,
     # templates/gluon_bwd.py.jinja) at the head dims of gluon_fwd_tiles: the head dims where it
-    # is the default and its Q/dO stages. H100, bf16, A's dK/dV 3.83 -> 3.53 ms, GQA 4 1.13 -> 0.81
-    # (bench/results/gluon_dkdv_fused_probe-2026-11-28-h100.json)
+    # is the default and its Q/dO stages. H200, bf16, non-causal forward + backward: A 7.90 ->
+    # 7.36 ms, B 36.66 -> 34.80, C (head_dim 64) 4.94 -> 4.70; 4 stages over 3: A 7.54 -> 7.42
+    # (bench/results/backward_gluon_dkdv_default-, gluon_dkdv_stages-2026-11-28-h200.json)
     gluon_dkdv_default: tuple[int, ...] = ()
     gluon_dkdv_stages: int = 4
 
