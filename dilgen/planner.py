@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import reduce
+from functools import lru_cache, reduce
 
 import sympy
 
@@ -272,12 +272,8 @@ def _branch_irs(spec: Spec, orders, query_order, lanes: _Lanes, block_m: int,
     branches = []
     for i, (w, r) in enumerate(spec.branches()):
         order = orders[i]
-        key_map = ir.AffineMap(sympy.expand(s * w + o + r * j))
-        if not lanes.row_membership(i, r, order):
-            keep_map = None
-        else:
-            # Lane offset of the query inside its segment (in the branch's own order).
-            keep_map = ir.AffineMap(sympy.simplify(sympy.Mod(sympy.Mod(u, w), r)))
+        key_map = _key_map(w, r)
+        keep_map = _keep_map(w, r) if lanes.row_membership(i, r, order) else None
         if lanes.block and r > 1:
             head_offset = ir.AffineMap(sympy.floor(h / -(-spec.num_heads // r)))
         else:
@@ -292,6 +288,19 @@ def _branch_irs(spec: Spec, orders, query_order, lanes: _Lanes, block_m: int,
             curve_rows=(curve_rows_on and lanes.lane[i] and (order or query_order) is not None
                         and head_offset is None)))
     return branches
+
+
+@lru_cache(maxsize=1024)
+def _key_map(w: int, r: int) -> ir.AffineMap:
+    """Key u = s*w + o + r*j of lane j of segment s, offset o (SPEC §2)."""
+    return ir.AffineMap(sympy.expand(s * w + o + r * j))
+
+
+@lru_cache(maxsize=1024)
+def _keep_map(w: int, r: int) -> ir.AffineMap:
+    """The lane offset of query u inside its segment, in the branch's own order: (u mod w) mod r
+    (made once per (w, r): sympy's simplify takes milliseconds)."""
+    return ir.AffineMap(sympy.simplify(sympy.Mod(sympy.Mod(u, w), r)))
 
 
 def _query_tiling(branches, lattice: int, block_m: int, query_order) -> ir.QueryTiling:

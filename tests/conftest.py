@@ -31,19 +31,34 @@ def pytest_configure(config):
         os.environ.setdefault(name, "1")
 
 
-# The longest tests (minutes on 2 cores, bench/results/test_suite-*.json): started first, so
-# that with --dist worksteal (pyproject) the other worker takes the short ones meanwhile and
-# no worker is left running a long test alone at the end.
-LONG_FIRST = ("tests/test_ring.py::test_ring_matches", "tests/test_ring.py::test_packed_ring",
-              "tests/test_ring_faults.py", "tests/test_docs.py::test_doc_blocks_run[README.md]",
+# The longest tests (10-50 s each on 2 cores, bench/results/test_suite-*.json), longest
+# first: started before the rest, so that with --dist worksteal (pyproject) the other worker
+# takes the short ones meanwhile and no worker is left running a long test alone at the end.
+LONG_FIRST = ("tests/test_ring.py::test_ring_matches_single_device_reference[P2]",
+              "tests/test_ring.py::test_ring_matches_single_device_reference[P4]",
+              "tests/test_ring.py::test_refused_ring_call", "tests/test_fuzz.py::test_fuzz_load_spec",
+              "tests/test_ring.py::test_packed_ring_matches_single_device_packed_call[P2]",
+              "tests/test_ring_faults.py::test_rank_failing", "tests/test_cache.py::test_eight_processes",
+              "tests/test_ring.py::test_ring_matches", "tests/test_ring_faults.py",
               "tests/test_fused_descriptors.py::test_fused_flags_forward_and_gradients[dual_chain",
+              "tests/test_docs.py::test_doc_blocks_run[transformers.md]",
+              "tests/test_transformers_zoo.py::test_packed_rows_with_batch_two",
+              "tests/test_ring.py::test_packed_ring", "tests/test_cache_vanish.py",
+              "tests/test_docs.py::test_doc_blocks_run[README.md]", "tests/test_bench_varlen.py",
+              "tests/test_cli_build.py::test_build_progress_then",
+              "tests/test_lanes.py::test_lane_branches_forward_and_gradients[hilbert_curve",
               "tests/test_lanes.py::test_lane_branches_forward_and_gradients[tiles_fastest",
-              "tests/test_nonfinite.py", "tests/test_cache.py::test_eight_processes",
-              "tests/test_transformers.py::test_generate", "tests/test_transformers_compile.py")
+              "tests/test_nonfinite.py", "tests/test_transformers.py::test_generate",
+              "tests/test_transformers_compile.py")
+
+
+def _start_rank(item) -> int:
+    """Where a test starts: its LONG_FIRST position, else after all of them (a stable sort)."""
+    return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))    # stable: long first
+    items.sort(key=_start_rank)
 
 
 @pytest.fixture(autouse=True, scope="session")
