@@ -166,3 +166,25 @@ def test_gradients_match_the_float64_reference_on_sm90(case, monkeypatch):
     monkeypatch.setattr(backward, "gluon_dkdv_launch", spy)
     check_against_reference(spec, B, N, tuning, name)
     assert taken == [not name.endswith("_tl")], taken
+
+
+@on_sm90
+def test_replayed_backward_equals_the_tl_plan_bit_for_bit():
+    """A repeated call replays its recorded launches, the Gluon dK/dV's descriptors made again
+    over the call's tensors (replay.Descriptor): every call's gradients equal the `tl` fused
+    dK/dV plan's bit for bit, the first (recording) and the later (replayed) ones alike."""
+    spec = _spec(name="gb_replay", num_heads=8, num_kv_heads=2, **SMALL)
+    gluon, tl = dilgen.Kernel(spec), dilgen.Kernel(spec, None, {"gluon_dkdv": False})
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for call in range(4):
+        q, g = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 2048, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        grads = []
+        for kern in (gluon, tl):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            kern(*leaves).backward(g)
+            grads.append([t.grad for t in leaves])
+        for name, a, b in zip("qkv", *grads):
+            assert not a.isnan().any() and torch.equal(a, b), f"call {call}: d{name} differs from the tl plan's"
+    attn = gluon.compiled_for(torch.device("cuda")).attention
+    assert attn.plan["config"]["gluon_dkdv"] and attn._replays, "no call was recorded for replay"
