@@ -1,6 +1,7 @@
 """The planner's sm90 Gluon choices: whether a plan runs its forward (KernelConfig.gluon_fwd,
-templates/gluon_fwd.py.jinja) and its fused dK/dV (KernelConfig.gluon_dkdv,
-templates/gluon_bwd.py.jinja) as warp-specialized Gluon kernels, and why not (one line).
+templates/gluon_fwd.py.jinja), its fused dK/dV (KernelConfig.gluon_dkdv,
+templates/gluon_bwd.py.jinja) and its dQ (KernelConfig.gluon_dq, templates/gluon_dq.py.jinja) as
+warp-specialized Gluon kernels, and why not (one line).
 
 Both take the same plans: non-causal raster rows of float16 / bfloat16 at head_dim 64 or 128,
 every branch a lattice branch (r | w) with the same head offsets, whole 128 x L tiles in every
@@ -54,10 +55,28 @@ def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_
     if why is None and not fused_dkdv:
         why = "the backward runs per-branch dK/dV kernels here (the fused one's key tile does not nest)"
     if why is None:
-        why = _dkdv_refusal(tiles, target, branches, lattice, stages)
+        why = _backward_refusal("gluon_dkdv", tiles, target, branches, lattice, stages)
     if why is not None:
         if "gluon_dkdv" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_dkdv cannot run here: {why}")
+        return None
+    return stages
+
+
+def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, tuning: dict) -> int | None:
+    """The Gluon dQ's K/V stages (KernelConfig.gluon_dq), or None: the target's default for
+    the head_dim, or the tuning's `gluon_dq` (true, false, or the stages). A tuning that asks
+    for it where it cannot run is refused with the reason."""
+    want = tuning.get("gluon_dq", tiles.tile_d in target.gluon_dq_default)
+    if want is False or want is None:
+        return None
+    stages = target.gluon_dq_stages if want is True else want
+    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
+    why = _refusal(spec, target, tiles, branches, query_order, tile) or \
+        _backward_refusal("gluon_dq", tiles, target, branches, lattice, stages)
+    if why is not None:
+        if "gluon_dq" in tuning:
+            raise SpecError(f"{spec.name}: tuning gluon_dq cannot run here: {why}")
         return None
     return stages
 
@@ -103,15 +122,17 @@ def _forward_refusal(tiles, target: Target, branches, lattice: int, tile) -> str
     return None
 
 
-def _dkdv_refusal(tiles, target: Target, branches, lattice: int, stages) -> str | None:
+def _backward_refusal(name: str, tiles, target: Target, branches, lattice: int, stages) -> str | None:
+    """The dK/dV's and the dQ's own limits: two tiles of 64 rows held (K, V or Q, dO), a ring
+    of stages of two 64-row blocks, 64-row blocks of every branch's lanes."""
     if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= 8:
-        return f"gluon_dkdv takes true, false or the stages 2 to 8 (asked: {stages!r})"
-    smem = (2 * 2 + 2 * stages) * 64 * tiles.tile_d * tiles.itemsize + 1024    # K, V; the Q/dO ring; barriers
+        return f"{name} takes true, false or the stages 2 to 8 (asked: {stages!r})"
+    smem = (2 * 2 + 2 * stages) * 64 * tiles.tile_d * tiles.itemsize + 1024    # held tiles; the ring; barriers
     if smem > target.smem_bytes:
         return (f"{stages} stages at head_dim {tiles.tile_d} need {smem} bytes of shared memory, "
                 f"{target.name} has {target.smem_bytes}: fewer stages")
     for b in branches:
         if b.segment_length % (128 * lattice) or (b.segment_length // b.dilation) % 64:
             return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "
-                    f"128 x L = {128 * lattice} with w / r a multiple of 64 query lanes")
+                    f"128 x L = {128 * lattice} with w / r a multiple of 64 lanes")
     return None

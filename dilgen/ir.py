@@ -230,6 +230,9 @@ class KernelConfig:
     # sm90: the fused dK/dV as the Gluon kernel of templates/gluon_bwd.py.jinja (a producer
     # warp, two consumer warpgroups of 64 keys), its Q/dO stages
     gluon_dkdv: int | None = None
+    # sm90: the dq kernel's lattice branches as the Gluon kernel of templates/gluon_dq.py.jinja
+    # (the Gluon forward's shape), its K/V stages
+    gluon_dq: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -246,6 +249,8 @@ class KernelConfig:
                              f"stages 2 to 8)")
         if self.gluon_dkdv is not None and not (isinstance(self.gluon_dkdv, int) and 2 <= self.gluon_dkdv <= 8):
             raise ValueError(f"KernelConfig.gluon_dkdv = {self.gluon_dkdv!r}: stages 2 to 8")
+        if self.gluon_dq is not None and not (isinstance(self.gluon_dq, int) and 2 <= self.gluon_dq <= 8):
+            raise ValueError(f"KernelConfig.gluon_dq = {self.gluon_dq!r}: stages 2 to 8")
         if self.block_m % self.bwd_dq[0]:
             raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
                              f"{self.block_m} (a dq tile must nest in the forward's tiles)")
@@ -267,6 +272,7 @@ class KernelConfig:
                 **({"lattice_group": self.lattice_group} if self.lattice_group else {}),
                 **({"gluon_fwd": list(self.gluon_fwd)} if self.gluon_fwd else {}),
                 **({"gluon_dkdv": self.gluon_dkdv} if self.gluon_dkdv else {}),
+                **({"gluon_dq": self.gluon_dq} if self.gluon_dq else {}),
                 "decode": list(self.decode)}
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import gluon_available, gluon_dkdv, gluon_fwd  # noqa: F401 (gluon_available: a public name)
+from .gluon_plan import gluon_available, gluon_dkdv, gluon_dq, gluon_fwd  # noqa: F401 (gluon_available: public)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -92,7 +92,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
-           "dual_chain", "gluon_fwd", "gluon_dkdv")
+           "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -116,7 +116,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     dual_chain = _dual_chain(spec, target, tiles, branches, query_order, tuning)
     gluon = gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning)
     fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning)
-    gluon_bwd = gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning)
+    gluon_bwd = (gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning),
+                 gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning))
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:
@@ -359,7 +360,7 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
 
 def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
             dual_chain: bool, tuning: dict, gluon: tuple[int, int] | None = None,
-            gluon_bwd: int | None = None) -> ir.KernelConfig:
+            gluon_bwd: tuple[int | None, int | None] = (None, None)) -> ir.KernelConfig:
     # dq keeps the forward's query tiling, so its rows may only be the block halved
     # (a halved tile still nests in every segment)
     dq_m = tiles.block_m
@@ -401,5 +402,6 @@ def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
         bwd_tma=tiles.bwd_tma,
         decode=tuple(tuning.get("decode", target.decode_table(tiles.tile_d, tiles.itemsize))),
         gluon_fwd=gluon,
-        gluon_dkdv=gluon_bwd,
+        gluon_dkdv=gluon_bwd[0],
+        gluon_dq=gluon_bwd[1],
         dot_precision="ieee" if spec.dtype == "float32" else None)

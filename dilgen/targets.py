@@ -176,6 +176,10 @@ class Target:
     # (bench/results/backward_gluon_dkdv_default-, gluon_dkdv_stages-2026-11-28-h200.json)
     gluon_dkdv_default: tuple[int, ...] = ()
     gluon_dkdv_stages: int = 4
+    # dQ as a warp-specialized Gluon kernel (KernelConfig.gluon_dq, templates/gluon_dq.py.jinja):
+    # the head dims where it is the default and its K/V stages
+    gluon_dq_default: tuple[int, ...] = ()
+    gluon_dq_stages: int = 4
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:

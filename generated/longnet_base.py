@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 19a5a4de3cc16696
+# template hash: 086b45a5a1124883
 # plan key:      cb7c5818a1cf2e4b47d15dd8161022847580711400752f11b94d95d2765efcff
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -45,6 +45,12 @@ def test_default_at_head_dim_128_and_taken_when_asked():
     assert plan(_spec(), sm90, {"gluon_dkdv": False}).config.gluon_dkdv is None
     assert plan(_spec(causal=True), sm90).config.gluon_dkdv is None      # where it cannot run: tl
     assert plan(_spec(), get_target("sm80")).config.gluon_dkdv is None
+    assert plan(_spec(), sm90).config.gluon_dq is None                   # asked for only, for now
+    assert plan(_spec(), sm90, {"gluon_dq": True}).config.gluon_dq == 4
+    with pytest.raises(SpecError, match="gluon_dq takes true, false or the stages 2 to 8"):
+        plan(_spec(), sm90, {"gluon_dq": 9})
+    with pytest.raises(SpecError, match="causal specs run their branches as lane kernels"):
+        plan(_spec(causal=True), sm90, {"gluon_dq": True})
 
 
 @needs_gluon
@@ -81,7 +87,7 @@ def test_generated_source_is_golden_and_stable():
 
 def _module(tmp_path, **over):
     path = tmp_path / f"gb_{abs(hash(tuple(sorted(over.items())))) % 10**6}.py"
-    path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_dkdv": True})))
+    path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True})))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -100,17 +106,20 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     desc = f"tensordesc<bf16[64, 1, {D}],{gl.NVMMASharedLayout.get_default_for([64, 1, D], gl.bfloat16)!r}>"
     sig = {**{f"{x}{i}": desc for x in ("q", "do") for i in range(3)}, "k_desc": desc, "v_desc": desc,
            "Lse": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16", "N": "i32"}
-    kernel = triton.compile(GluonASTSource(mod.gb_gluon_dkdv, sig, {}), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": 168})
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+    dq_sig = {"q_desc": desc, "do_desc": desc, **{f"{x}{i}": desc for x in "kv" for i in range(3)},
+              "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", "N": "i32"}
+    for fn, signature in ((mod.gb_gluon_dkdv, sig), (mod.gb_gluon_dq, dq_sig)):
+        kernel = triton.compile(GluonASTSource(fn, signature, {}), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "maxnreg": 168})
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+        assert kernel.metadata.shared <= get_target("sm90").smem_bytes
 
 
 def _aot_module():
     from dilgen.compiler import build
     spec = _spec(name="gb_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
-    return build(spec, get_target("sm90"))
+    return build(spec, get_target("sm90"), {"gluon_dq": True})
 
 
 @needs_gluon
@@ -123,8 +132,10 @@ def test_launch_model_has_the_gluon_dkdv_and_it_specializes_as_the_runtime_s(cac
     from dilgen.aot.launch_model import kernel_roles, predicted_launches
     from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_args
     attn = _aot_module().module.attention
-    assert {role: fn for role, fn, _ in kernel_roles(attn)}["gluon_dkdv"] is attn.gluon_dkdv_fn
-    assert "gluon_dkdv" not in [x.role for x in predicted_launches(attn, 768)]   # 768 % 512: short last segment
+    roles = {role: fn for role, fn, _ in kernel_roles(attn)}
+    assert roles["gluon_dkdv"] is attn.gluon_dkdv_fn and roles["gluon_dq"] is attn.gluon_dq_fn
+    assert [x.role for x in predicted_launches(attn, 1024)].count("gluon_dq") == 1
+    assert not {"gluon_dkdv", "gluon_dq"} & {x.role for x in predicted_launches(attn, 768)}   # a short last segment
     (model,) = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv"]
     q, do = (torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -140,13 +151,15 @@ def test_launch_model_has_the_gluon_dkdv_and_it_specializes_as_the_runtime_s(cac
 SMALL = dict(segment_lengths=[512, 1024, 2048])     # whole 128 x L tiles; a float64 reference of N^2 per head
 GPU_CASES = [
     # (id, spec fields, (B, N), tuning)
-    ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {}),
-    ("mha_fp16_stages3", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_dkdv": 3}),
+    ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dq": True}),
+    ("mha_fp16_stages3", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096),
+     {"gluon_dkdv": 3, "gluon_dq": 3}),
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
-                           dilation_rates=[1, 2]), (2, 2048), {}),
-    ("head_dim_64_two_stages", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096), {"gluon_dkdv": 2}),
-    # a short last segment: the call takes the `tl` fused dK/dV (every segment must be whole)
-    ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
+                           dilation_rates=[1, 2]), (2, 2048), {"gluon_dq": True}),
+    ("head_dim_64_two_stages", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
+     {"gluon_dkdv": 2, "gluon_dq": 2}),
+    # a short last segment: the call takes the `tl` kernels (every segment must be whole)
+    ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {"gluon_dq": True}),
 ]
 
 
@@ -157,34 +170,38 @@ def test_gradients_match_the_float64_reference_on_sm90(case, monkeypatch):
     name, over, (B, N), tuning = case
     spec = _spec(name="gb_" + name, **over)
     taken = []
-    real = backward.gluon_dkdv_launch
-
-    def spy(*args):
-        got = real(*args)
-        taken.append(got is not None)
-        return got
-    monkeypatch.setattr(backward, "gluon_dkdv_launch", spy)
+    for launch in ("gluon_dkdv_launch", "gluon_dq_launch"):
+        def spy(*args, real=getattr(backward, launch)):
+            got = real(*args)
+            taken.append(got is not None)
+            return got
+        monkeypatch.setattr(backward, launch, spy)
     check_against_reference(spec, B, N, tuning, name)
-    assert taken == [not name.endswith("_tl")], taken
+    assert taken == [not name.endswith("_tl")] * 2, taken       # dK/dV, then dQ
 
 
 @on_sm90
 def test_replayed_backward_equals_the_tl_plan_bit_for_bit():
-    """A repeated call replays its recorded launches, the Gluon dK/dV's descriptors made again
+    """A repeated call replays its recorded launches, the Gluon kernels' descriptors made again
     over the call's tensors (replay.Descriptor): every call's gradients equal the `tl` fused
-    dK/dV plan's bit for bit, the first (recording) and the later (replayed) ones alike."""
+    dK/dV plan's bit for bit, the first (recording) and the later (replayed) ones alike; with
+    the Gluon dQ too (summed in another order: within 1e-2)."""
+    from conftest import rel_error
     spec = _spec(name="gb_replay", num_heads=8, num_kv_heads=2, **SMALL)
     gluon, tl = dilgen.Kernel(spec), dilgen.Kernel(spec, None, {"gluon_dkdv": False})
+    with_dq = dilgen.Kernel(spec, None, {"gluon_dq": True})
     gen = torch.Generator(device="cuda").manual_seed(5)
     for call in range(4):
         q, g = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         k, v = (torch.randn(2, 2048, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         grads = []
-        for kern in (gluon, tl):
+        for kern in (gluon, tl, with_dq):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             kern(*leaves).backward(g)
             grads.append([t.grad for t in leaves])
-        for name, a, b in zip("qkv", *grads):
+        for name, a, b, c in zip("qkv", *grads):
             assert not a.isnan().any() and torch.equal(a, b), f"call {call}: d{name} differs from the tl plan's"
-    attn = gluon.compiled_for(torch.device("cuda")).attention
-    assert attn.plan["config"]["gluon_dkdv"] and attn._replays, "no call was recorded for replay"
+            assert not c.isnan().any() and rel_error(c, b) < 1e-2, f"call {call}: d{name} with the Gluon dQ"
+    for kern, flag in ((gluon, "gluon_dkdv"), (with_dq, "gluon_dq")):
+        attn = kern.compiled_for(torch.device("cuda")).attention
+        assert attn.plan["config"][flag] and attn._replays, "no call was recorded for replay"

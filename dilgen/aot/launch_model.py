@@ -88,6 +88,9 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if getattr(attention, "gluon_dkdv_fn", None) is not None:
         from ..runtime.gluon_launch import OPTIONS
         roles.append(("gluon_dkdv", attention.gluon_dkdv_fn, dict(OPTIONS)))
+    if getattr(attention, "gluon_dq_fn", None) is not None:
+        from ..runtime.gluon_launch import OPTIONS
+        roles.append(("gluon_dq", attention.gluon_dq_fn, dict(OPTIONS)))
     return roles
 
 
@@ -142,6 +145,11 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
                 out.append(Launch(role, fn, gluon_dkdv_args(plan, mock, mock, mock, mock, f32, f32, mock, mock,
                                                             1, N), opts))
+        elif role == "gluon_dq":
+            if all(N % br["w"] == 0 for br in plan["branches"]):
+                from ..runtime.gluon_launch import gluon_dq_args
+                mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
+                out.append(Launch(role, fn, gluon_dq_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N), opts))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)

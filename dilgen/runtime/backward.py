@@ -19,7 +19,7 @@ import math
 import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
-from .gluon_launch import gluon_dkdv_launch
+from .gluon_launch import gluon_dkdv_launch, gluon_dq_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
@@ -247,7 +247,11 @@ class _Launches:
         lane branch adding into it."""
         plan, conf, at = self.plan, self.conf, self.at
         q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
-        if has_fused_q:
+        gluon = None if (self.interpret or at.varlen or not has_fused_q or lanes) else \
+            gluon_dq_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N)
+        if gluon is not None:       # the fused dq's work, in Gluon (sm90)
+            self._run(*gluon)
+        elif has_fused_q:
             bm = conf["dq_block_m"]
             num_m_tiles = math.ceil(math.ceil(N / self.lattice) / bm)
             group_tiles = lattice_group_tiles(plan, num_m_tiles, bm, 2 * k.shape[-1] * k.element_size())

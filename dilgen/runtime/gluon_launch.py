@@ -71,6 +71,16 @@ def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: in
 OPTIONS = {"num_warps": 4, "maxnreg": 168}
 
 
+def gluon_dq_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int):
+    """(kernel, grid, args, options) of the Gluon dQ for this call, or None when the call takes
+    the `tl` dq kernel instead (_takes): program (d + L*t, b*H + h), as the Gluon forward's."""
+    plan = attn.plan
+    if not plan["config"].get("gluon_dq") or not _takes(attn, attn.gluon_dq_fn, N, q, k, v, grad_out, dq):
+        return None
+    return (attn.gluon_dq_kernel, (N // 128, B * plan["num_heads"]),
+            gluon_dq_args(plan, q, k, v, grad_out, lse, delta, dq, B, N), OPTIONS)
+
+
 def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
     """The kernel's arguments: q's and out's descriptors (64-row boxes), each branch's k and
     v descriptors (boxes of the plan's keys per block), lse, N. Tensors may be Triton's
@@ -104,3 +114,20 @@ def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N
     rates = [br["r"] for br in plan["branches"]]
     return (*(box(q, "q", r) for r in rates), *(box(grad_out, "q", r) for r in rates),
             box(k, "kv", L), box(v, "kv", L), lse, delta, dk, dv, N)
+
+
+def gluon_dq_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int) -> tuple:
+    """The Gluon dQ's arguments: q's and dO's descriptors as the forward's q (64-row boxes),
+    each branch's k and v descriptors (64-row boxes), lse, Delta, dq, N. Tensors may be
+    MockTensors (as gluon_args)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    D, L = plan["head_dim"], plan["query"]["lattice"]
+    heads = {"q": plan["num_heads"], "kv": plan["num_kv_heads"]}
+
+    def box(t, kind: str, every: int) -> TensorDescriptor:
+        shape = [B * N // every, every * heads[kind], D]
+        return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [64, 1, D], layout(64, D))
+
+    rates = [br["r"] for br in plan["branches"]]
+    return (box(q, "q", L), box(grad_out, "q", L), *(box(k, "kv", r) for r in rates),
+            *(box(v, "kv", r) for r in rates), lse, delta, dq, N)
