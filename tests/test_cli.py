@@ -96,7 +96,8 @@ def test_compile_sm80_differs_from_sm90_only_in_target_tiles_and_sm90_flags(comp
     assert r90.returncode == 0 and r80.returncode == 0, r80.stderr
     assert "tl.make_tensor_descriptor" in p90.read_text()
     assert "tl.make_tensor_descriptor" not in p80.read_text()
-    flags_off = {"fused_tma": False, "bwd_tma": False, "fold_scale": False, "gluon_fwd": False, "gluon_dkdv": False}
+    flags_off = {"fused_tma": False, "bwd_tma": False, "fold_scale": False, "gluon_fwd": False, "gluon_dkdv": False,
+                 "gluon_dq": False}
     s90 = codegen.emit(planner.plan(spec, SM90, flags_off)).splitlines()
     s80 = p80.read_text().splitlines()
     changed = [line for line in difflib.unified_diff(s90, s80, lineterm="", n=0)

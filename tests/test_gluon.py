@@ -77,7 +77,7 @@ def test_a_tile_that_cannot_run_is_refused_by_name(asked, why):
 
 
 def _source(**over) -> str:
-    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True, "gluon_dkdv": False}))
+    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True, "gluon_dkdv": False, "gluon_dq": False}))
 
 
 @needs_gluon

@@ -22,7 +22,7 @@ from dilgen.targets import get_target
 from conftest import check_against_reference
 
 GOLDEN = Path(__file__).parent / "golden" / "gluon_bwd_sm90.py"
-MARK = "# ---- sm90: the fused dK, dV in Gluon"
+MARK = "# ---- sm90: the fused dK, dV in Gluon"      # to the end: dK/dV, then dQ
 needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
 on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                              reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
@@ -45,8 +45,9 @@ def test_default_at_head_dim_128_and_taken_when_asked():
     assert plan(_spec(), sm90, {"gluon_dkdv": False}).config.gluon_dkdv is None
     assert plan(_spec(causal=True), sm90).config.gluon_dkdv is None      # where it cannot run: tl
     assert plan(_spec(), get_target("sm80")).config.gluon_dkdv is None
-    assert plan(_spec(), sm90).config.gluon_dq is None                   # asked for only, for now
-    assert plan(_spec(), sm90, {"gluon_dq": True}).config.gluon_dq == 4
+    assert plan(_spec(), sm90).config.gluon_dq == 4
+    assert plan(_spec(head_dim=64), sm90).config.gluon_dq is None       # level at head_dim 64: tl
+    assert plan(_spec(head_dim=64), sm90, {"gluon_dq": True}).config.gluon_dq == 4
     with pytest.raises(SpecError, match="gluon_dq takes true, false or the stages 2 to 8"):
         plan(_spec(), sm90, {"gluon_dq": 9})
     with pytest.raises(SpecError, match="causal specs run their branches as lane kernels"):
@@ -82,7 +83,8 @@ def test_generated_source_is_golden_and_stable():
     assert section == GOLDEN.read_text(), ("the Gluon dK/dV's source changed; if on purpose, "
                                            "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
     codegen.check_syntax(text)
-    assert "gluon_kernel=gb_gluon_fwd,\n" in text and "gluon_dkdv=gb_gluon_dkdv)" in text
+    assert "gluon_kernel=gb_gluon_fwd,\n" in text and "gluon_dkdv=gb_gluon_dkdv,\n" in text
+    assert "gluon_dq=gb_gluon_dq)" in text
 
 
 def _module(tmp_path, **over):
