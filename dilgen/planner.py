@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import gluon_available, gluon_dkdv, gluon_dq, gluon_fwd  # noqa: F401 (gluon_available: public)
+from .gluon_plan import gluon_dkdv, gluon_dq, gluon_fwd
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target

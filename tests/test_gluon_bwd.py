@@ -15,7 +15,8 @@ import triton
 
 import dilgen
 from dilgen import codegen
-from dilgen.planner import gluon_available, plan
+from dilgen.gluon_plan import gluon_available
+from dilgen.planner import plan
 from dilgen.spec import SpecError
 from dilgen.targets import get_target
 
