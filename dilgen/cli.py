@@ -55,6 +55,7 @@ def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) 
             f" {'class' if b.keep_map is None else 'row'} membership,"
             f" {'one segment per tile' if b.single_segment else 'tiles span segments'}"
             + (f", table {b.order.name}" if b.order else ""))
+    lines.append("  kernels: " + kernel_families(plan))
     if seq_len:
         from .stats import useful_flops
         lines.append(f"  at N = {seq_len}: {useful_flops(plan, seq_len) / 1e9:.3f} GFLOP useful "
@@ -64,6 +65,25 @@ def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) 
     if plan.ring.ring_size > 1:
         lines.extend(ring_summary(plan, seq_len, cu))
     return "\n".join(lines)
+
+
+def kernel_families(plan) -> str:
+    """Which kernels a plan launches, in words: the forward, its lane branches, dK/dV and dQ,
+    each `tl` or Gluon (sm90, for calls whose every segment is whole; `tl` otherwise)."""
+    cfg = plan.config
+    lanes = [b.index for b in plan.branches if b.lanes]
+    parts = []
+    if cfg.gluon_fwd:
+        parts.append(f"forward Gluon ({cfg.gluon_fwd[0]} keys a block, {cfg.gluon_fwd[1]} stages)")
+    elif len(lanes) < len(plan.branches):
+        parts.append("forward tl (fused)")
+    if lanes:
+        parts.append(f"lanes tl (branch{'es' if len(lanes) > 1 else ''} {', '.join(map(str, lanes))})")
+    parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
+                 "dK/dV tl (" + ("fused" if plan.fused_dkdv else "per branch") + ")")
+    parts.append(f"dQ Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else "dQ tl")
+    gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq
+    return ", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
 
 
 def parse_cu_seqlens(text: str) -> list[int]:

@@ -44,6 +44,19 @@ def test_explain_prints_summary_with_gflop(tmp_path):
     assert value == pytest.approx(_useful_gflop(LONGNET, 4096), rel=1e-3)
 
 
+@pytest.mark.parametrize("arch, want", [
+    ("sm90", "kernels: forward Gluon (128 keys a block, 3 stages), dK/dV Gluon (4 stages), dQ Gluon (4 stages); "
+             "Gluon for whole segments on sm90, tl otherwise"),
+    ("sm80", "kernels: forward tl (fused), dK/dV tl (fused), dQ tl"),
+])
+def test_explain_names_the_kernels_a_plan_launches(tmp_path, arch, want):
+    spec_path = write_spec(tmp_path, dict(LONGNET, head_dim=128, dtype="bfloat16",
+                                          segment_lengths=[2048, 4096], dilation_rates=[1, 2]))
+    res = dilgen_cli(tmp_path, "explain", spec_path, "--arch", arch)
+    assert res.returncode == 0, res.stderr
+    assert want in res.stdout, res.stdout
+
+
 def test_explain_png_draws_the_pattern(tmp_path):
     """README set-up installs matplotlib (the `test` extra; `dilgen[plot]` alone)."""
     pytest.importorskip("matplotlib", reason="matplotlib comes with `pip install -e .[test]`")
