@@ -43,40 +43,35 @@ def gluon_fwd(spec: Spec, target: Target, tiles, branches, lattice: int, query_o
 
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
                tuning: dict) -> int | None:
-    """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None: the target's default
-    for the head_dim, or the tuning's `gluon_dkdv` (true, false, or the stages). A tuning that
-    asks for it where it cannot run is refused with the reason."""
-    want = tuning.get("gluon_dkdv", tiles.tile_d in target.gluon_dkdv_default)
-    if want is False or want is None:
-        return None
-    stages = target.gluon_dkdv_stages if want is True else want
-    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    why = _refusal(spec, target, tiles, branches, query_order, tile)
-    if why is None and not fused_dkdv:
-        why = "the backward runs per-branch dK/dV kernels here (the fused one's key tile does not nest)"
-    if why is None:
-        why = _backward_refusal("gluon_dkdv", tiles, target, branches, lattice, stages)
-    if why is not None:
-        if "gluon_dkdv" in tuning:
-            raise SpecError(f"{spec.name}: tuning gluon_dkdv cannot run here: {why}")
-        return None
-    return stages
+    """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None (_backward_stages);
+    it replaces the fused `tl` dK/dV, so a plan without one runs none."""
+    extra = None if fused_dkdv else \
+        "the backward runs per-branch dK/dV kernels here (the fused one's key tile does not nest)"
+    return _backward_stages("gluon_dkdv", target.gluon_dkdv_default, target.gluon_dkdv_stages, spec, target,
+                            tiles, branches, lattice, query_order, tuning, extra)
 
 
 def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, tuning: dict) -> int | None:
-    """The Gluon dQ's K/V stages (KernelConfig.gluon_dq), or None: the target's default for
-    the head_dim, or the tuning's `gluon_dq` (true, false, or the stages). A tuning that asks
-    for it where it cannot run is refused with the reason."""
-    want = tuning.get("gluon_dq", tiles.tile_d in target.gluon_dq_default)
+    """The Gluon dQ's K/V stages (KernelConfig.gluon_dq), or None (_backward_stages)."""
+    return _backward_stages("gluon_dq", target.gluon_dq_default, target.gluon_dq_stages, spec, target,
+                            tiles, branches, lattice, query_order, tuning)
+
+
+def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, target: Target, tiles, branches,
+                     lattice: int, query_order, tuning: dict, extra: str | None = None) -> int | None:
+    """A Gluon backward kernel's stages, or None: the target's default for the head_dim, or the
+    tuning's `name` (true, false, or the stages). A tuning that asks for it where it cannot run
+    (the reasons shared with the forward, `extra`, its own limits) is refused with the reason."""
+    want = tuning.get(name, tiles.tile_d in default_dims)
     if want is False or want is None:
         return None
-    stages = target.gluon_dq_stages if want is True else want
+    stages = default_stages if want is True else want
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    why = _refusal(spec, target, tiles, branches, query_order, tile) or \
-        _backward_refusal("gluon_dq", tiles, target, branches, lattice, stages)
+    why = (_refusal(spec, target, tiles, branches, query_order, tile) or extra
+           or _backward_refusal(name, tiles, target, branches, lattice, stages))
     if why is not None:
-        if "gluon_dq" in tuning:
-            raise SpecError(f"{spec.name}: tuning gluon_dq cannot run here: {why}")
+        if name in tuning:
+            raise SpecError(f"{spec.name}: tuning {name} cannot run here: {why}")
         return None
     return stages
 

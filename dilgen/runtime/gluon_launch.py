@@ -81,53 +81,43 @@ def gluon_dq_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int):
             gluon_dq_args(plan, q, k, v, grad_out, lse, delta, dq, B, N), OPTIONS)
 
 
-def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
-    """The kernel's arguments: q's and out's descriptors (64-row boxes), each branch's k and
-    v descriptors (boxes of the plan's keys per block), lse, N. Tensors may be Triton's
-    MockTensors (the `dilgen build` launch model): each view is written out from (B, N, heads, D)
-    of contiguous tensors, never asked of the tensor."""
+def _boxes(plan: dict, B: int, N: int):
+    """box(t, kind, every, rows): a TMA descriptor over a contiguous (B, N, heads, D) tensor t
+    (kind "q": H heads, "kv": H_kv) viewed as (B*N/every, every*heads, D), in boxes of
+    (rows, 1, D). Written out from the plan and (B, N), never asked of t, which may be one of
+    Triton's MockTensors (the `dilgen build` launch model)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    D, L, block = plan["head_dim"], plan["query"]["lattice"], plan["config"]["gluon_fwd"][0]
+    D = plan["head_dim"]
     heads = {"q": plan["num_heads"], "kv": plan["num_kv_heads"]}
 
-    def box(t, kind: str, every: int, rows: int) -> TensorDescriptor:
+    def box(t, kind: str, every: int, rows: int = 64) -> TensorDescriptor:
         shape = [B * N // every, every * heads[kind], D]
         return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [rows, 1, D], layout(rows, D))
+    return box
 
+
+def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
+    """The forward's arguments: q's and out's descriptors through the lattice's view (64-row
+    boxes), each branch's k and v descriptors (boxes of the plan's keys per block), lse, N."""
+    box, L, block = _boxes(plan, B, N), plan["query"]["lattice"], plan["config"]["gluon_fwd"][0]
     rates = [br["r"] for br in plan["branches"]]
-    return (box(q, "q", L, 64), box(out, "q", L, 64), *(box(k, "kv", r, block) for r in rates),
+    return (box(q, "q", L), box(out, "q", L), *(box(k, "kv", r, block) for r in rates),
             *(box(v, "kv", r, block) for r in rates), lse, N)
 
 
 def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:
-    """The Gluon dK/dV's arguments: each branch's q and dO lanes as (B*N/r, r*H, D), k and v
-    as the lattice's (B*N/L, L*H_kv, D) (64-row boxes), lse, Delta, dk, dv, N. Tensors may be
-    MockTensors (as gluon_args)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    D, L = plan["head_dim"], plan["query"]["lattice"]
-    heads = {"q": plan["num_heads"], "kv": plan["num_kv_heads"]}
-
-    def box(t, kind: str, every: int) -> TensorDescriptor:
-        shape = [B * N // every, every * heads[kind], D]
-        return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [64, 1, D], layout(64, D))
-
+    """The dK/dV's arguments: each branch's q and dO lanes as (B*N/r, r*H, D), k and v as the
+    lattice's (B*N/L, L*H_kv, D) (64-row boxes), lse, Delta, dk, dv, N."""
+    box, L = _boxes(plan, B, N), plan["query"]["lattice"]
     rates = [br["r"] for br in plan["branches"]]
     return (*(box(q, "q", r) for r in rates), *(box(grad_out, "q", r) for r in rates),
             box(k, "kv", L), box(v, "kv", L), lse, delta, dk, dv, N)
 
 
 def gluon_dq_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int) -> tuple:
-    """The Gluon dQ's arguments: q's and dO's descriptors as the forward's q (64-row boxes),
-    each branch's k and v descriptors (64-row boxes), lse, Delta, dq, N. Tensors may be
-    MockTensors (as gluon_args)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    D, L = plan["head_dim"], plan["query"]["lattice"]
-    heads = {"q": plan["num_heads"], "kv": plan["num_kv_heads"]}
-
-    def box(t, kind: str, every: int) -> TensorDescriptor:
-        shape = [B * N // every, every * heads[kind], D]
-        return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [64, 1, D], layout(64, D))
-
+    """The dQ's arguments: q's and dO's descriptors as the forward's q, each branch's k and v
+    descriptors (64-row boxes), lse, Delta, dq, N."""
+    box, L = _boxes(plan, B, N), plan["query"]["lattice"]
     rates = [br["r"] for br in plan["branches"]]
     return (box(q, "q", L), box(grad_out, "q", L), *(box(k, "kv", r) for r in rates),
             *(box(v, "kv", r) for r in rates), lse, delta, dq, N)
