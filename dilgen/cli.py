@@ -78,11 +78,12 @@ def kernel_families(plan) -> str:
     elif len(lanes) < len(plan.branches):
         parts.append("forward tl (fused)")
     if lanes:
-        parts.append(f"lanes tl (branch{'es' if len(lanes) > 1 else ''} {', '.join(map(str, lanes))})")
+        parts.append(f"lanes {'Gluon' if cfg.gluon_lanes else 'tl'} (branch{'es' if len(lanes) > 1 else ''} "
+                     f"{', '.join(map(str, lanes))})")
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
                  "dK/dV tl (" + ("fused" if plan.fused_dkdv else "per branch") + ")")
     parts.append(f"dQ Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else "dQ tl")
-    gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq
+    gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq or cfg.gluon_lanes
     return ", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
 
 

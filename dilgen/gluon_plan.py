@@ -1,11 +1,13 @@
 """The planner's sm90 Gluon choices: whether a plan runs its forward (KernelConfig.gluon_fwd,
 templates/gluon_fwd.py.jinja), its fused dK/dV (KernelConfig.gluon_dkdv,
-templates/gluon_bwd.py.jinja) and its dQ (KernelConfig.gluon_dq, templates/gluon_dq.py.jinja) as
-warp-specialized Gluon kernels, and why not (one line).
+templates/gluon_bwd.py.jinja), its dQ (KernelConfig.gluon_dq, templates/gluon_dq.py.jinja) and
+its causal lanes (KernelConfig.gluon_lanes, templates/gluon_lanes.py.jinja) as warp-specialized
+Gluon kernels, and why not (one line).
 
-Both take the same plans: non-causal raster rows of float16 / bfloat16 at head_dim 64 or 128,
-every branch a lattice branch (r | w) with the same head offsets, whole 128 x L tiles in every
-segment; the runtime takes them for calls whose every segment is whole."""
+The first three take the same plans: non-causal raster rows of float16 / bfloat16 at head_dim
+64 or 128, every branch a lattice branch (r | w) with the same head offsets, whole 128 x L tiles
+in every segment. The lanes take causal plans of the same rows whose lane branches have r | w
+and whole 128-lane tiles. The runtime takes them for calls whose every segment is whole."""
 from __future__ import annotations
 
 from .spec import Spec, SpecError
@@ -37,6 +39,27 @@ def gluon_fwd(spec: Spec, target: Target, tiles, branches, lattice: int, query_o
     if why is not None:
         if "gluon_fwd" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_fwd cannot run here: {why}")
+        return None
+    return tile
+
+
+def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict) -> tuple[int, int] | None:
+    """The Gluon causal lanes' (keys per block, K/V stages) (KernelConfig.gluon_lanes), or None:
+    the target's default for the head_dim, or the tuning's `gluon_lanes` (true, false, or the
+    pair); the forward's tile by default. A plan with no lane branch runs none."""
+    want = tuning.get("gluon_lanes", tiles.tile_d in target.gluon_lanes_default)
+    if not want:
+        return None
+    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
+    if isinstance(want, (list, tuple)) and tile is not None:
+        tile = tuple(want)
+    lanes = [b for b in branches if b.lanes]
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True)
+           or (None if lanes else "the plan has no lane branch")
+           or _forward_refusal(tiles, target, lanes, 1, tile))
+    if why is not None:
+        if "gluon_lanes" in tuning:
+            raise SpecError(f"{spec.name}: tuning gluon_lanes cannot run here: {why}")
         return None
     return tile
 
@@ -76,8 +99,8 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
     return stages
 
 
-def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile) -> str | None:
-    """Why no Gluon kernel can run this plan (one line), or None."""
+def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False) -> str | None:
+    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the causal lanes."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -86,12 +109,14 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile) -> 
     if not gluon_available():
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
     checks = [
-        (spec.causal, "causal specs run their branches as lane kernels"),
+        (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
+        (lanes and not spec.causal, "non-causal lattice branches run in the Gluon forward (gluon_fwd)"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
         (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
-        (any(b.lanes for b in branches), "a branch runs as lanes (r does not divide w)"),
+        (any(b.lanes and (not lanes or b.segment_length % b.dilation) for b in branches),
+         "a branch runs as lanes (r does not divide w)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
         (all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so that every "
          "query class keeps a branch)"),
@@ -103,6 +128,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile) -> 
 
 
 def _forward_refusal(tiles, target: Target, branches, lattice: int, tile) -> str | None:
+    """The forward's and the lanes' limits (lattice 1: a lane tile is 128 lanes of a segment)."""
     keys, stages = tile
     if keys not in (64, 128) or not 2 <= stages <= 8:
         return f"keys per block must be 64 or 128 and stages 2 to 8 (asked: {list(tile)})"

@@ -233,6 +233,9 @@ class KernelConfig:
     # sm90: the dq kernel's lattice branches as the Gluon kernel of templates/gluon_dq.py.jinja
     # (the Gluon forward's shape), its K/V stages
     gluon_dq: int | None = None
+    # sm90: the causal lane branches as the Gluon kernel of templates/gluon_lanes.py.jinja
+    # (the Gluon forward's shape, one branch a launch), keys per block and K/V stages
+    gluon_lanes: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -243,10 +246,10 @@ class KernelConfig:
         if block < 16 or block & (block - 1) or split % block:
             raise ValueError(f"KernelConfig.decode = {self.decode!r}: the block must be a power "
                              f"of two >= 16 and divide the split")
-        if self.gluon_fwd is not None and (len(self.gluon_fwd) != 2 or self.gluon_fwd[0] not in (64, 128)
-                                           or not 2 <= self.gluon_fwd[1] <= 8):
-            raise ValueError(f"KernelConfig.gluon_fwd = {self.gluon_fwd!r}: (keys per block 64 or 128, "
-                             f"stages 2 to 8)")
+        for name in ("gluon_fwd", "gluon_lanes"):
+            value = getattr(self, name)
+            if value is not None and (len(value) != 2 or value[0] not in (64, 128) or not 2 <= value[1] <= 8):
+                raise ValueError(f"KernelConfig.{name} = {value!r}: (keys per block 64 or 128, stages 2 to 8)")
         if self.gluon_dkdv is not None and not (isinstance(self.gluon_dkdv, int) and 2 <= self.gluon_dkdv <= 8):
             raise ValueError(f"KernelConfig.gluon_dkdv = {self.gluon_dkdv!r}: stages 2 to 8")
         if self.gluon_dq is not None and not (isinstance(self.gluon_dq, int) and 2 <= self.gluon_dq <= 8):
@@ -273,6 +276,7 @@ class KernelConfig:
                 **({"gluon_fwd": list(self.gluon_fwd)} if self.gluon_fwd else {}),
                 **({"gluon_dkdv": self.gluon_dkdv} if self.gluon_dkdv else {}),
                 **({"gluon_dq": self.gluon_dq} if self.gluon_dq else {}),
+                **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
                 "decode": list(self.decode)}
 
 

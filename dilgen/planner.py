@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import gluon_dkdv, gluon_dq, gluon_fwd
+from .gluon_plan import gluon_dkdv, gluon_dq, gluon_fwd, gluon_lanes
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -92,7 +92,7 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
-           "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq")
+           "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -114,10 +114,12 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     branches = _branch_irs(spec, orders, query_order, lanes, tiles.block_m, tuning)
     tiling = _query_tiling(branches, lanes.lattice, tiles.block_m, query_order)
     dual_chain = _dual_chain(spec, target, tiles, branches, query_order, tuning)
-    gluon = gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning)
     fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning)
-    gluon_bwd = (gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning),
-                 gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning))
+    gluon = dict(
+        gluon_fwd=gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
+        gluon_dkdv=gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning),
+        gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
+        gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning))
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:
@@ -139,8 +141,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         spec=spec.to_json(), spec_key=spec.key(), target=target.name,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
-        branches=tuple(branches), config=_config(spec, target, tiles, branches, lanes, dual_chain, tuning,
-                                                         gluon, gluon_bwd),
+        branches=tuple(branches), config=_config(spec, target, tiles, branches, lanes, dual_chain, tuning, gluon),
         ring=_ring(spec, branches), tables=tuple(tables), row_order=_row_order(spec),
         lane_order=lane_order, gap_lane=gap_lane, dkdv_first_writes=dkdv_first_writes,
         head_base=spec.head_base)
@@ -359,8 +360,8 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
 
 
 def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
-            dual_chain: bool, tuning: dict, gluon: tuple[int, int] | None = None,
-            gluon_bwd: tuple[int | None, int | None] = (None, None)) -> ir.KernelConfig:
+            dual_chain: bool, tuning: dict, gluon: dict | None = None) -> ir.KernelConfig:
+    """The kernel config; `gluon`: the sm90 Gluon kernels' fields (gluon_plan), if any."""
     # dq keeps the forward's query tiling, so its rows may only be the block halved
     # (a halved tile still nests in every segment)
     dq_m = tiles.block_m
@@ -401,7 +402,5 @@ def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
         lattice_group=int(tuning.get("lattice_group", 0)),
         bwd_tma=tiles.bwd_tma,
         decode=tuple(tuning.get("decode", target.decode_table(tiles.tile_d, tiles.itemsize))),
-        gluon_fwd=gluon,
-        gluon_dkdv=gluon_bwd[0],
-        gluon_dq=gluon_bwd[1],
+        **(gluon or {}),
         dot_precision="ieee" if spec.dtype == "float32" else None)

@@ -182,6 +182,10 @@ class Target:
     # 64 keeps the `tl` dq (bench/results/backward_gluon_dq-2026-11-28-h200.json)
     gluon_dq_default: tuple[int, ...] = ()
     gluon_dq_stages: int = 4
+    # A causal spec's lane branches as a warp-specialized Gluon kernel (KernelConfig.gluon_lanes,
+    # templates/gluon_lanes.py.jinja) with the tile of gluon_fwd_tiles: the head dims where it
+    # is the default
+    gluon_lanes_default: tuple[int, ...] = ()
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -221,7 +225,8 @@ class Target:
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=True, lane_ws=True, causal_lanes=True,
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,),
-              gluon_dkdv_default=(64, 128), gluon_dq_default=(128,))
+              gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
+              gluon_lanes_default=(64, 128))
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

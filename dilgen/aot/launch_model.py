@@ -91,6 +91,9 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if getattr(attention, "gluon_dq_fn", None) is not None:
         from ..runtime.gluon_launch import OPTIONS
         roles.append(("gluon_dq", attention.gluon_dq_fn, dict(OPTIONS)))
+    if getattr(attention, "gluon_lanes_fn", None) is not None:
+        from ..runtime.gluon_launch import OPTIONS
+        roles.insert(1, ("gluon_lanes", attention.gluon_lanes_fn, dict(OPTIONS)))
     return roles
 
 
@@ -150,6 +153,14 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 from ..runtime.gluon_launch import gluon_dq_args
                 mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
                 out.append(Launch(role, fn, gluon_dq_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N), opts))
+        elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
+            if all(N % br["w"] == 0 for br in plan["branches"]):
+                from ..runtime.gluon_launch import gluon_lanes_args
+                mock = _mock(base["dtype"])
+                fused_q = any(not br["lanes"] for br in plan["branches"])
+                for n, i in enumerate(lane_order(plan)):    # an r = 1 branch first: it writes
+                    out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
+                                                                 1, N, plan["branches"][i], n > 0 or fused_q), opts))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)

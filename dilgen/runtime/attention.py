@@ -42,7 +42,7 @@ class GeneratedAttention:
 
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
                  lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
-                 gluon_dkdv=None, gluon_dq=None) -> None:
+                 gluon_dkdv=None, gluon_dq=None, gluon_lanes=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
@@ -51,6 +51,7 @@ class GeneratedAttention:
         self.gluon_fn = gluon_kernel               # sm90's Gluon forward (@gluon.jit, gluon_launch.py) or None
         self.gluon_dkdv_fn = gluon_dkdv            # sm90's Gluon fused dK/dV (@gluon.jit) or None
         self.gluon_dq_fn = gluon_dq                # sm90's Gluon dQ (@gluon.jit) or None
+        self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon causal lanes (@gluon.jit) or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
         self._jitted: dict[Any, Any] = {}
@@ -118,6 +119,11 @@ class GeneratedAttention:
     def gluon_dq_kernel(self):
         """The Gluon dQ as launched on a GPU (as gluon_kernel); None without one."""
         return self._gluon("gluon_dq", self.gluon_dq_fn)
+
+    @property
+    def gluon_lanes_kernel(self):
+        """The Gluon causal lanes as launched on a GPU (as gluon_kernel); None without one."""
+        return self._gluon("gluon_lanes", self.gluon_lanes_fn)
 
     def _gluon(self, key: str, fn):
         if fn is None:

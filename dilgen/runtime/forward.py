@@ -11,7 +11,7 @@ import torch
 
 from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
-from .gluon_launch import gluon_launch
+from .gluon_launch import gluon_lanes_launch, gluon_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
 from .replay import Recorder, enabled, keep, lookup, recording_into, signature
@@ -125,6 +125,12 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
         accumulate, clear = fused or not (writes_all or clears), clears
         for i in lanes:
             br = plan["branches"][i]
+            gluon = None if (interpret or varlen or clear) else \
+                gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate)
+            if gluon is not None:   # the same work as the lane kernel, in Gluon (sm90)
+                launches.append(gluon)
+                accumulate = True
+                continue
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
             kv, flag = (), ()
             if attn.curve_kernel is not None:   # the plan has curve_rows branches

@@ -1,5 +1,6 @@
 """The launches of sm90's Gluon kernels, the forward (templates/gluon_fwd.py.jinja,
-KernelConfig.gluon_fwd) and the fused dK/dV (templates/gluon_bwd.py.jinja, KernelConfig.gluon_dkdv):
+KernelConfig.gluon_fwd), the causal lanes (gluon_lanes.py.jinja), the fused dK/dV
+(gluon_bwd.py.jinja) and the dQ (gluon_dq.py.jinja):
 their TMA descriptors over strided views of the call's tensors, and when a call takes them.
 
 Views (contiguous (B, N, H, D) q and out, (B, N, H_kv, D) k and v): q and out as
@@ -56,6 +57,17 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
     return attn.gluon_kernel, (N // 128, B * plan["num_heads"]), gluon_args(plan, q, k, v, out, lse, B, N), OPTIONS
 
 
+def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool):
+    """(kernel, grid, args, options) of the Gluon causal lanes of branch `br` for this call, or
+    None when the call takes the `tl` lane kernel instead (_takes): program (s*T + t, b*H + h),
+    T = w/r/128 lane tiles."""
+    plan = attn.plan
+    if plan["config"].get("gluon_lanes") is None or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out):
+        return None
+    return (attn.gluon_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
+            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate), OPTIONS)
+
+
 def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
     """(kernel, grid, args, options) of the Gluon dK/dV for this call, or None when the call
     takes the `tl` fused dK/dV instead (_takes): program (c + L*t, b*H_kv + kvh)."""
@@ -103,6 +115,15 @@ def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
     rates = [br["r"] for br in plan["branches"]]
     return (box(q, "q", L), box(out, "q", L), *(box(k, "kv", r, block) for r in rates),
             *(box(v, "kv", r, block) for r in rates), lse, N)
+
+
+def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool) -> tuple:
+    """The causal lanes' arguments: q's and out's descriptors through the branch's
+    (B*N/r, r*H, D) view (64-row boxes), k's and v's through (B*N/r, r*H_kv, D) (boxes of the
+    plan's keys per block), out, lse, N; the branch's w and r and ACCUMULATE (constexprs)."""
+    box, r, block = _boxes(plan, B, N), br["r"], plan["config"]["gluon_lanes"][0]
+    return (box(q, "q", r), box(out, "q", r), box(k, "kv", r, block), box(v, "kv", r, block),
+            out, lse, N, br["w"], r, bool(accumulate))
 
 
 def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:

@@ -1,0 +1,180 @@
+"""sm90's Gluon causal lanes (KernelConfig.gluon_lanes, templates/gluon_lanes.py.jinja): when the
+planner takes them and what it refuses by name, the kernel compiled for sm90 without a GPU (both
+CI Tritons), its `dilgen build` launches; on an sm90 GPU, out, lse and gradients against the
+float64 reference with the Gluon kernel launched for every lane branch, and the `tl` lane kernel
+where a call cannot take it."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import dilgen
+from dilgen import codegen
+from dilgen.gluon_plan import gluon_available
+from dilgen.planner import plan
+from dilgen.spec import SpecError
+from dilgen.targets import get_target
+
+from conftest import check_against_reference
+
+GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"
+MARK = "# ---- sm90: the causal lanes in Gluon"
+needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
+on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
+
+
+def _spec(**over):
+    fields = dict(name="gla", num_heads=16, num_kv_heads=4, head_dim=128, segment_lengths=[2048, 4096, 8192],
+                  dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
+    fields.update(over)
+    return dilgen.Spec(**fields)
+
+
+@needs_gluon
+def test_default_for_causal_lanes_and_taken_when_asked():
+    sm90 = get_target("sm90")
+    assert plan(_spec(), sm90).config.gluon_lanes == (128, 3)
+    assert plan(_spec(), sm90, {"gluon_lanes": [64, 4]}).config.gluon_lanes == (64, 4)
+    assert plan(_spec(), sm90, {"gluon_lanes": False}).config.gluon_lanes is None
+    assert plan(_spec(), get_target("sm80")).config.gluon_lanes is None
+    low = _spec(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096])
+    assert plan(low, sm90).config.gluon_lanes is None                     # no lane branch: the fused kernel
+    assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
+    assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
+
+
+@needs_gluon
+@pytest.mark.parametrize("over, tuning, why", [
+    (dict(causal=False), {}, "non-causal lattice branches run in the Gluon forward"),
+    (dict(hilbert={"scope": "segment"}), {}, "Hilbert orders"),
+    (dict(dtype="float32"), {}, "float16 or bfloat16"),
+    (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
+    (dict(dilation_rates=[2, 4, 8]), {}, "needs a branch with r = 1"),
+    (dict(dilation_rates=[1, 2, 3]), {}, "r does not divide w"),
+    (dict(segment_lengths=[128, 512], dilation_rates=[1, 8]), {}, "w / r a multiple of 128"),
+    (dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048], dilation_rates=[1, 2]), {}, "no lane branch"),
+    (dict(), {"gluon_lanes": [128, 8]}, "need 558080 bytes"),
+    (dict(), {"gluon_lanes": [32, 3]}, "keys per block must be 64 or 128"),
+])
+def test_refused_by_name_where_it_cannot_run(over, tuning, why):
+    asked = {"gluon_lanes": True, **tuning}
+    with pytest.raises(SpecError, match=why):
+        plan(_spec(**over), get_target("sm90"), asked)
+    if "gluon_lanes" not in tuning:
+        assert plan(_spec(**over), get_target("sm90"), tuning).config.gluon_lanes is None   # not asked: tl
+
+
+@needs_gluon
+def test_generated_source_is_golden_and_stable():
+    text = codegen.emit(plan(_spec(), get_target("sm90")))
+    assert text == codegen.emit(plan(_spec(), get_target("sm90")))
+    section = text[text.index(MARK):]
+    if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(section)
+    assert section == GOLDEN.read_text(), ("the Gluon lanes' source changed; if on purpose, "
+                                           "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
+    codegen.check_syntax(text)
+    assert "gluon_lanes=gla_gluon_lanes)" in text and "gla_gluon_fwd" not in text
+
+
+def _module(tmp_path, **over):
+    path = tmp_path / f"gla_{abs(hash(repr(sorted(over.items())))) % 10**6}.py"
+    path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"),
+                                      {"gluon_lanes": True, **({"lanes": "all"} if over.get("head_dim") == 64 else {})})))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_gluon
+@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]),
+                                  dict(head_base=16, num_kv_heads=1)])
+def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
+    """Both variants (writing, merging) of a branch of rate 2, under both CI Tritons."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = _module(tmp_path, **over)
+    D = over.get("head_dim", 128)
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows}, 1, {D}],{gl.NVMMASharedLayout.get_default_for([rows, 1, D], gl.bfloat16)!r}>"
+    sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "Out": "*bf16",
+           "Lse": "*fp32", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
+    for merge in (False, True):
+        kernel = triton.compile(GluonASTSource(mod.gla_gluon_lanes, sig, {(7,): 4096, (8,): 2, (9,): merge}),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+        assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+
+
+@needs_gluon
+def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
+    """Whole segments only: one launch per lane branch, the r = 1 branch's writing, the others
+    merging, each specialized for its branch's (w, r)."""
+    from dilgen.aot.launch_model import kernel_roles, predicted_launches
+    from dilgen.compiler import build
+    spec = _spec(name="gla_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
+    attn = build(spec, get_target("sm90")).module.attention
+    assert dict((role, fn) for role, fn, _ in kernel_roles(attn))["gluon_lanes"] is attn.gluon_lanes_fn
+    launches = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_lanes"]
+    assert [x.args[-3:] for x in launches] == [(256, 1, False), (512, 2, True)]
+    assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
+
+
+# -- on an sm90 GPU: float64 out, lse and gradients, the Gluon lanes launched ----------------
+SMALL = dict(segment_lengths=[512, 1024, 2048])     # 128-lane tiles in every segment
+GPU_CASES = [
+    # (id, spec fields, (B, N), tuning)
+    ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {}),
+    ("mha_fp16_64_keys", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_lanes": [64, 4]}),
+    ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
+                           dilation_rates=[1, 2]), (2, 2048), {}),
+    ("head_dim_64_all_lanes", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
+     {"lanes": "all", "gluon_lanes": True}),
+    # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
+    ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
+]
+
+
+@on_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
+    from dilgen.runtime import forward
+    name, over, (B, N), tuning = case
+    spec = _spec(name="gla_" + name, **over)
+    taken = []
+
+    def spy(*args, real=forward.gluon_lanes_launch):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(forward, "gluon_lanes_launch", spy)
+    check_against_reference(spec, B, N, tuning, name)
+    assert taken and all(t == (not name.endswith("_tl")) for t in taken), taken
+
+
+@on_sm90
+def test_replayed_forward_is_the_tl_lanes_within_rounding():
+    """A repeated call replays its launches, the descriptors made again over its tensors: every
+    call's out and lse equal the `tl` lane kernels' to rounding (one block order, other tiles)."""
+    from conftest import rel_error
+    spec = _spec(name="gla_replay", num_heads=8, num_kv_heads=2, **SMALL)
+    gluon, tl = dilgen.Kernel(spec), dilgen.Kernel(spec, None, {"gluon_lanes": False})
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for call in range(4):
+        q = torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(2, 2048, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        (out, lse), (out_tl, lse_tl) = (kern(q, k, v, return_lse=True) for kern in (gluon, tl))
+        assert not out.isnan().any() and rel_error(out, out_tl) < 1e-2, f"call {call}: out"
+        assert (lse - lse_tl).abs().max() < 1e-3, f"call {call}: lse"
+    attn = gluon.compiled_for(torch.device("cuda")).attention
+    assert attn.plan["config"]["gluon_lanes"] and attn._replays, "no call was recorded for replay"
