@@ -64,7 +64,7 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
     acc = gl.zeros([GLUON_LANE_ROWS, 128], gl.float32, layout=o_layout)
     q0 = mt * (2 * GLUON_LANE_ROWS) + WG * GLUON_LANE_ROWS
-    T = (mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS
+    T = (q0 + GLUON_LANE_ROWS + GLUON_LANE_KEYS - 1) // GLUON_LANE_KEYS    # blocks up to its last lane
     n_free = (q0 + 1) // GLUON_LANE_KEYS
 
     mbarrier.wait(q_bars.index(WG), 0)
@@ -100,6 +100,13 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(kv_empty.index(lst), count=1)
+    # blocks past its last lane (the first warpgroup's last one at 64 keys a block): let go of
+    # them once their loads landed, so that the producer refills no stage a load still writes
+    for t in range(T, (mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
+        st = t % GLUON_LANE_STAGES
+        mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+        mbarrier.wait(v_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(st), count=1)
 
     rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     out = acc / gl.expand_dims(gl.convert_layout(l_i, rows_l), 1)
