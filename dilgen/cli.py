@@ -81,9 +81,13 @@ def kernel_families(plan) -> str:
         parts.append(f"lanes {'Gluon' if cfg.gluon_lanes else 'tl'} (branch{'es' if len(lanes) > 1 else ''} "
                      f"{', '.join(map(str, lanes))})")
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
+                 f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages)" if cfg.gluon_lanes_bwd else
                  "dK/dV tl (" + ("fused" if plan.fused_dkdv else "per branch") + ")")
-    parts.append(f"dQ Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else "dQ tl")
-    gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq or cfg.gluon_lanes
+    dq = [f"Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else
+          "tl (fused)" if len(lanes) < len(plan.branches) else None,
+          None if not lanes else f"Gluon lanes ({cfg.gluon_lanes_bwd} stages)" if cfg.gluon_lanes_bwd else "tl lanes"]
+    parts.append("dQ " + ", ".join(x for x in dq if x))
+    gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq or cfg.gluon_lanes or cfg.gluon_lanes_bwd
     return ", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
 
 

@@ -64,6 +64,22 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     return tile
 
 
+def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fused_dkdv: bool,
+                    tuning: dict) -> int | None:
+    """The Gluon causal backward's stages (KernelConfig.gluon_lanes_bwd: the per-branch dK/dV,
+    every branch, and the lane dq), or None (_backward_stages, then the branches' tiles)."""
+    extra = "the backward runs the fused dK/dV kernel here" if fused_dkdv else None
+    stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, target.gluon_lanes_bwd_stages,
+                              spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True)
+    bad = [b for b in branches if (b.segment_length // b.dilation) % 128]
+    if stages is not None and bad:
+        if "gluon_lanes_bwd" in tuning:
+            raise SpecError(f"{spec.name}: tuning gluon_lanes_bwd cannot run here: segment length "
+                            f"{bad[0].segment_length} (r = {bad[0].dilation}): w / r must be a multiple of 128")
+        return None
+    return stages
+
+
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
                tuning: dict) -> int | None:
     """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None (_backward_stages);
@@ -81,7 +97,8 @@ def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_or
 
 
 def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, target: Target, tiles, branches,
-                     lattice: int, query_order, tuning: dict, extra: str | None = None) -> int | None:
+                     lattice: int, query_order, tuning: dict, extra: str | None = None,
+                     lanes: bool = False) -> int | None:
     """A Gluon backward kernel's stages, or None: the target's default for the head_dim, or the
     tuning's `name` (true, false, or the stages). A tuning that asks for it where it cannot run
     (the reasons shared with the forward, `extra`, its own limits) is refused with the reason."""
@@ -90,7 +107,7 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
         return None
     stages = default_stages if want is True else want
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    why = (_refusal(spec, target, tiles, branches, query_order, tile) or extra
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes) or extra
            or _backward_refusal(name, tiles, target, branches, lattice, stages))
     if why is not None:
         if name in tuning:
@@ -115,7 +132,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
-        (any(b.lanes and (not lanes or b.segment_length % b.dilation) for b in branches),
+        (any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
         (all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so that every "

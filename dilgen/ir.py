@@ -236,6 +236,9 @@ class KernelConfig:
     # sm90: the causal lane branches as the Gluon kernel of templates/gluon_lanes.py.jinja
     # (the Gluon forward's shape, one branch a launch), keys per block and K/V stages
     gluon_lanes: tuple[int, int] | None = None
+    # sm90: a causal spec's per-branch dK/dV and lane dq as the Gluon kernels of
+    # templates/gluon_lanes_bwd.py.jinja (the Gluon dK/dV's and dQ's shapes), their stages
+    gluon_lanes_bwd: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -252,8 +255,10 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} = {value!r}: (keys per block 64 or 128, stages 2 to 8)")
         if self.gluon_dkdv is not None and not (isinstance(self.gluon_dkdv, int) and 2 <= self.gluon_dkdv <= 8):
             raise ValueError(f"KernelConfig.gluon_dkdv = {self.gluon_dkdv!r}: stages 2 to 8")
-        if self.gluon_dq is not None and not (isinstance(self.gluon_dq, int) and 2 <= self.gluon_dq <= 8):
-            raise ValueError(f"KernelConfig.gluon_dq = {self.gluon_dq!r}: stages 2 to 8")
+        for name in ("gluon_dq", "gluon_lanes_bwd"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 2 <= value <= 8):
+                raise ValueError(f"KernelConfig.{name} = {value!r}: stages 2 to 8")
         if self.block_m % self.bwd_dq[0]:
             raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
                              f"{self.block_m} (a dq tile must nest in the forward's tiles)")
@@ -277,6 +282,7 @@ class KernelConfig:
                 **({"gluon_dkdv": self.gluon_dkdv} if self.gluon_dkdv else {}),
                 **({"gluon_dq": self.gluon_dq} if self.gluon_dq else {}),
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
+                **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 "decode": list(self.decode)}
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import gluon_dkdv, gluon_dq, gluon_fwd, gluon_lanes
+from .gluon_plan import gluon_dkdv, gluon_dq, gluon_fwd, gluon_lanes, gluon_lanes_bwd
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -92,7 +92,8 @@ def _ring(spec: Spec, branches: list[ir.BranchIR]) -> ir.RingIR:
 TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
-           "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes")
+           "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
+           "gluon_lanes_bwd")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -119,7 +120,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_fwd=gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
         gluon_dkdv=gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning),
         gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
-        gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning))
+        gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
+        gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:

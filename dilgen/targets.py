@@ -186,6 +186,11 @@ class Target:
     # templates/gluon_lanes.py.jinja) with the tile of gluon_fwd_tiles: the head dims where it
     # is the default
     gluon_lanes_default: tuple[int, ...] = ()
+    # A causal spec's per-branch dK/dV and lane dq as warp-specialized Gluon kernels
+    # (KernelConfig.gluon_lanes_bwd, templates/gluon_lanes_bwd.py.jinja): the head dims where
+    # they are the default and their stages
+    gluon_lanes_bwd_default: tuple[int, ...] = ()
+    gluon_lanes_bwd_stages: int = 4
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -226,7 +231,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
-              gluon_lanes_default=(64, 128))
+              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128))
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

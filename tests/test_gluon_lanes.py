@@ -1,8 +1,9 @@
-"""sm90's Gluon causal lanes (KernelConfig.gluon_lanes, templates/gluon_lanes.py.jinja): when the
-planner takes them and what it refuses by name, the kernel compiled for sm90 without a GPU (both
-CI Tritons), its `dilgen build` launches; on an sm90 GPU, out, lse and gradients against the
-float64 reference with the Gluon kernel launched for every lane branch, and the `tl` lane kernel
-where a call cannot take it."""
+"""sm90's Gluon causal lanes (KernelConfig.gluon_lanes, templates/gluon_lanes.py.jinja) and causal
+backward per branch (KernelConfig.gluon_lanes_bwd, templates/gluon_lanes_bwd.py.jinja): when the
+planner takes them and what it refuses by name, the kernels compiled for sm90 without a GPU (both
+CI Tritons), their `dilgen build` launches; on an sm90 GPU, out, lse and gradients against the
+float64 reference with the Gluon kernels launched for every branch, and the `tl` kernels where a
+call cannot take them."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,7 @@ from dilgen.targets import get_target
 from conftest import check_against_reference
 
 GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"
-MARK = "# ---- sm90: the causal lanes in Gluon"
+MARK = "# ---- sm90: the causal lanes in Gluon"      # to the end: the lanes, then dK/dV and dq
 needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
 on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                              reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
@@ -47,6 +48,12 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90).config.gluon_lanes is None                     # no lane branch: the fused kernel
     assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
+    assert plan(_spec(), sm90).config.gluon_lanes_bwd == 4
+    assert plan(low, sm90).config.gluon_lanes_bwd == 4                     # its per-branch dK/dV
+    assert plan(_spec(), sm90, {"gluon_lanes_bwd": 2}).config.gluon_lanes_bwd == 2
+    assert plan(_spec(causal=False), sm90).config.gluon_lanes_bwd is None
+    with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: .* must be a multiple of 128"):
+        plan(_spec(segment_lengths=[128, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
 
 
 @needs_gluon
@@ -80,7 +87,8 @@ def test_generated_source_is_golden_and_stable():
     assert section == GOLDEN.read_text(), ("the Gluon lanes' source changed; if on purpose, "
                                            "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
     codegen.check_syntax(text)
-    assert "gluon_lanes=gla_gluon_lanes)" in text and "gla_gluon_fwd" not in text
+    assert "gluon_lanes=gla_gluon_lanes,\n" in text and "gluon_dq_lanes=gla_gluon_dq_lanes)" in text
+    assert "gla_gluon_fwd" not in text
 
 
 def _module(tmp_path, **over):
@@ -114,6 +122,16 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+    box = desc(64)
+    views = {"q_desc": box, "do_desc": box, "k_desc": box, "v_desc": box, "Lse": "*fp32", "Delta": "*fp32"}
+    dkdv = {**views, "DK": "*bf16", "DV": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "NO": "constexpr",
+            "ACCUMULATE": "constexpr"}
+    dq = {**views, "DQ": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
+    for fn, sig, consts in ((mod.gla_gluon_dkdv_lanes, dkdv, {(9,): 4096, (10,): 2, (11,): 2, (12,): True}),
+                            (mod.gla_gluon_dq_lanes, dq, {(8,): 4096, (9,): 2, (10,): True})):
+        kernel = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "maxnreg": 168})
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= get_target("sm90").smem_bytes
 
 
 @needs_gluon
@@ -127,6 +145,9 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     assert dict((role, fn) for role, fn, _ in kernel_roles(attn))["gluon_lanes"] is attn.gluon_lanes_fn
     launches = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_lanes"]
     assert [x.args[-3:] for x in launches] == [(256, 1, False), (512, 2, True)]
+    dkdv = [x.args[-4:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"]
+    dq = [x.args[-3:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dq_lanes"]
+    assert dkdv == [(256, 1, 1, False), (512, 2, 2, True)] and dq == [(256, 1, False), (512, 2, True)]
     assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
 
 
@@ -136,6 +157,7 @@ GPU_CASES = [
     # (id, spec fields, (B, N), tuning)
     ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {}),
     ("mha_fp16_64_keys", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_lanes": [64, 4]}),
+    ("gqa_2_rate_past_group", dict(SMALL, num_heads=8, num_kv_heads=4), (1, 2048), {}),   # r = 4 > 2 heads a group
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
                            dilation_rates=[1, 2]), (2, 2048), {}),
     ("head_dim_64_all_lanes", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
@@ -151,24 +173,28 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
     from dilgen.runtime import forward
     name, over, (B, N), tuning = case
     spec = _spec(name="gla_" + name, **over)
-    taken = []
-
-    def spy(*args, real=forward.gluon_lanes_launch):
-        got = real(*args)
-        taken.append(got is not None)
-        return got
-    monkeypatch.setattr(forward, "gluon_lanes_launch", spy)
+    from dilgen.runtime import backward
+    taken = {}
+    for module, launch in ((forward, "gluon_lanes_launch"), (backward, "gluon_dkdv_lanes_launch"),
+                           (backward, "gluon_dq_lanes_launch")):
+        def spy(*args, real=getattr(module, launch), launch=launch):
+            got = real(*args)
+            taken.setdefault(launch, []).append(got is not None)
+            return got
+        monkeypatch.setattr(module, launch, spy)
     check_against_reference(spec, B, N, tuning, name)
-    assert taken and all(t == (not name.endswith("_tl")) for t in taken), taken
+    assert len(taken) == 3 and all(all(t) == (not name.endswith("_tl")) for t in taken.values()), taken
 
 
 @on_sm90
-def test_replayed_forward_is_the_tl_lanes_within_rounding():
+def test_replayed_calls_are_the_tl_kernels_within_rounding():
     """A repeated call replays its launches, the descriptors made again over its tensors: every
-    call's out and lse equal the `tl` lane kernels' to rounding (one block order, other tiles)."""
+    call's out and lse equal the `tl` lane kernels' to rounding (one block order, other tiles),
+    its gradients the `tl` backward's."""
     from conftest import rel_error
     spec = _spec(name="gla_replay", num_heads=8, num_kv_heads=2, **SMALL)
     gluon, tl = dilgen.Kernel(spec), dilgen.Kernel(spec, None, {"gluon_lanes": False})
+    tl_bwd = dilgen.Kernel(spec, None, {"gluon_lanes_bwd": False})
     gen = torch.Generator(device="cuda").manual_seed(7)
     for call in range(4):
         q = torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -176,5 +202,14 @@ def test_replayed_forward_is_the_tl_lanes_within_rounding():
         (out, lse), (out_tl, lse_tl) = (kern(q, k, v, return_lse=True) for kern in (gluon, tl))
         assert not out.isnan().any() and rel_error(out, out_tl) < 1e-2, f"call {call}: out"
         assert (lse - lse_tl).abs().max() < 1e-3, f"call {call}: lse"
+        g = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        grads = []
+        for kern in (gluon, tl_bwd):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            kern(*leaves).backward(g)
+            grads.append([t.grad for t in leaves])
+        for name, a, b in zip("qkv", *grads):
+            assert not a.isnan().any() and rel_error(a, b) < 1e-2, f"call {call}: d{name}"
     attn = gluon.compiled_for(torch.device("cuda")).attention
-    assert attn.plan["config"]["gluon_lanes"] and attn._replays, "no call was recorded for replay"
+    assert attn.plan["config"]["gluon_lanes"] and attn.plan["config"]["gluon_lanes_bwd"]
+    assert attn._replays, "no call was recorded for replay"

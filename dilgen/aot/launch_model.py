@@ -94,6 +94,10 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if getattr(attention, "gluon_lanes_fn", None) is not None:
         from ..runtime.gluon_launch import OPTIONS
         roles.insert(1, ("gluon_lanes", attention.gluon_lanes_fn, dict(OPTIONS)))
+    for role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):
+        if getattr(attention, role + "_fn", None) is not None:
+            from ..runtime.gluon_launch import OPTIONS
+            roles.append((role, getattr(attention, role + "_fn"), dict(OPTIONS)))
     return roles
 
 
@@ -161,6 +165,9 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 for n, i in enumerate(lane_order(plan)):    # an r = 1 branch first: it writes
                     out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
                                                                  1, N, plan["branches"][i], n > 0 or fused_q), opts))
+        elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
+            if all(N % br["w"] == 0 for br in plan["branches"]):
+                out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)
@@ -216,4 +223,32 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             n_t = math.ceil(math.ceil(N / lattice) / conf["dq_block_m"])
             add(role, fn, opts, num_m_tiles=n_t,
                 group_tiles=lattice_group_tiles(plan, n_t, conf["dq_block_m"], kv_row_bytes))
+    return out
+
+
+def _gluon_lanes_bwd_args(plan: dict, role: str, N: int) -> list[tuple]:
+    """The Gluon causal backward's launches at length N (batch 1): per branch for dK/dV (the
+    first writes unless Plan.dkdv_first_writes is off), per lane branch for dq (the first
+    writes unless a fused dq ran); a first dK/dV launch that must zero keys no head keeps
+    (r > group) is the `tl` kernel's."""
+    import torch
+    from ..runtime.gluon_launch import _boxes
+    from ..runtime.grids import lane_order
+    mock, f32 = _mock({"float16": torch.float16, "bfloat16": torch.bfloat16}[plan["dtype"]]), _mock(torch.float32)
+    box, group = _boxes(plan, 1, N), plan["num_heads"] // plan["num_kv_heads"]
+    out = []
+    if role == "gluon_dkdv_lanes":
+        writes = plan.get("dkdv_first_writes", False)
+        for n, br in enumerate(plan["branches"]):
+            w, r = br["w"], br["r"]
+            if n == 0 and writes and r > group:
+                continue
+            out.append((box(mock, "q", r), box(mock, "q", r), box(mock, "kv", r), box(mock, "kv", r), f32, f32,
+                        mock, mock, N, w, r, min(group, r), not (n == 0 and writes)))
+    else:
+        fused_q = any(not br["lanes"] for br in plan["branches"])
+        for n, i in enumerate(lane_order(plan)):
+            w, r = plan["branches"][i]["w"], plan["branches"][i]["r"]
+            out.append((box(mock, "q", r), box(mock, "q", r), box(mock, "kv", r), box(mock, "kv", r), f32, f32,
+                        mock, N, w, r, n > 0 or fused_q))
     return out

@@ -19,7 +19,7 @@ import math
 import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
-from .gluon_launch import gluon_dkdv_launch, gluon_dq_launch
+from .gluon_launch import gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch, gluon_dq_lanes_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
@@ -221,6 +221,12 @@ class _Launches:
         accumulate, clear = not clears, clears
         for br in per_branch:
             w, r = br["w"], br["r"]
+            gluon = None if (self.interpret or at.varlen) else gluon_dkdv_lanes_launch(
+                self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear)
+            if gluon is not None:   # the same work in Gluon (sm90, causal)
+                self._run(*gluon)
+                accumulate, clear = True, False
+                continue
             n_seg = math.ceil(N / w)
             n_o = min(self.H // self.Hkv, r)
             n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)
@@ -261,6 +267,12 @@ class _Launches:
                 self.interpret, at.varlen)
         for i in lanes:
             br = plan["branches"][i]
+            gluon = None if (self.interpret or at.varlen or clear) else gluon_dq_lanes_launch(
+                self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate)
+            if gluon is not None:   # the same work in Gluon (sm90, causal)
+                self._run(*gluon)
+                accumulate = True
+                continue
             n_seg, n_tiles = lane_grid(br, N, conf["lane_dq_block_m"])
             kv, flag = (), ()
             if self.attn.curve_kernel is not None:    # the plan has curve_rows branches

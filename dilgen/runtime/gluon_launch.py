@@ -1,6 +1,7 @@
 """The launches of sm90's Gluon kernels, the forward (templates/gluon_fwd.py.jinja,
 KernelConfig.gluon_fwd), the causal lanes (gluon_lanes.py.jinja), the fused dK/dV
-(gluon_bwd.py.jinja) and the dQ (gluon_dq.py.jinja):
+(gluon_bwd.py.jinja), the dQ (gluon_dq.py.jinja) and the causal per-branch dK/dV and lane dq
+(gluon_lanes_bwd.py.jinja):
 their TMA descriptors over strided views of the call's tensors, and when a call takes them.
 
 Views (contiguous (B, N, H, D) q and out, (B, N, H_kv, D) k and v): q and out as
@@ -66,6 +67,37 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
         return None
     return (attn.gluon_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
             gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate), OPTIONS)
+
+
+def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
+                            accumulate: bool, clear: bool):
+    """(kernel, grid, args, options) of the Gluon causal dK/dV of branch `br`, or None when the
+    call takes the `tl` per-branch kernel (_takes; a first launch that must also zero the keys
+    no head of a kv group keeps, r > group): program ((s*NO + g0)*J + jt, b*H_kv + kvh)."""
+    plan = attn.plan
+    group = plan["num_heads"] // plan["num_kv_heads"]
+    if (not plan["config"].get("gluon_lanes_bwd") or (clear and br["r"] > group)
+            or not _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out, dk, dv)):
+        return None
+    w, r = br["w"], br["r"]
+    box = _boxes(plan, B, N)
+    args = (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv, N,
+            w, r, min(group, r), bool(accumulate))
+    return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
+            args, OPTIONS)
+
+
+def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool):
+    """(kernel, grid, args, options) of the Gluon causal dq of lane branch `br`, or None when the
+    call takes the `tl` lane dq (_takes): program (s*T + t, b*H + h), as the Gluon lanes'."""
+    plan = attn.plan
+    if not plan["config"].get("gluon_lanes_bwd") or not _takes(attn, attn.gluon_dq_lanes_fn, N, q, k, v, grad_out, dq):
+        return None
+    w, r = br["w"], br["r"]
+    box = _boxes(plan, B, N)
+    args = (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dq, N,
+            w, r, bool(accumulate))
+    return attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]), args, OPTIONS
 
 
 def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
