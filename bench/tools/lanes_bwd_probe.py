@@ -15,6 +15,9 @@ spec = dilgen.Spec(name="probe_a", num_heads=16, num_kv_heads=16, head_dim=128, 
                    dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
 gen = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, g = (torch.randn(1, 32768, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+NCU = os.environ.get("PROBE_NCU") == "1"     # under ncu: one profiled step of two variants
+if NCU:
+    VARIANTS = {k: VARIANTS[k] for k in ("default", "tl_bwd")}
 result = {}
 for name, tuning in VARIANTS.items():
     kern = dilgen.Kernel(spec, None, tuning)
@@ -26,6 +29,13 @@ for name, tuning in VARIANTS.items():
         kern(*leaves).backward(g)
     for _ in range(3):
         step()
+    if NCU:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        continue
     times = []
     for _ in range(7):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,4 +56,5 @@ for name, tuning in VARIANTS.items():
     for key, (ms, n) in sorted(kernels.items(), key=lambda x: -x[1][0])[:10]:
         print(f"   {ms:8.3f} ms  x{n}  {key}")
 result["device"] = torch.cuda.get_device_name()
-json.dump(result, open(os.path.join(os.environ.get("OUT", "."), "lanes_bwd_probe.json"), "w"), indent=1)
+if not NCU:
+    json.dump(result, open(os.path.join(os.environ.get("OUT", "."), "lanes_bwd_probe.json"), "w"), indent=1)
