@@ -81,7 +81,7 @@ def kernel_families(plan) -> str:
         parts.append(f"lanes {'Gluon' if cfg.gluon_lanes else 'tl'} (branch{'es' if len(lanes) > 1 else ''} "
                      f"{', '.join(map(str, lanes))})")
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
-                 f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages)" if cfg.gluon_lanes_bwd else
+                 f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages)" if cfg.gluon_dkdv_lanes else
                  "dK/dV tl (" + ("fused" if plan.fused_dkdv else "per branch") + ")")
     dq = [f"Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else
           "tl (fused)" if len(lanes) < len(plan.branches) else None,

@@ -239,6 +239,8 @@ class KernelConfig:
     # sm90: a causal spec's per-branch dK/dV and lane dq as the Gluon kernels of
     # templates/gluon_lanes_bwd.py.jinja (the Gluon dK/dV's and dQ's shapes), their stages
     gluon_lanes_bwd: int | None = None
+    # with gluon_lanes_bwd: the per-branch dK/dV in Gluon too (else only the lane dq)
+    gluon_dkdv_lanes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -283,6 +285,7 @@ class KernelConfig:
                 **({"gluon_dq": self.gluon_dq} if self.gluon_dq else {}),
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
+                **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
                 "decode": list(self.decode)}
 
 

@@ -93,7 +93,7 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
            "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
-           "gluon_lanes_bwd")
+           "gluon_lanes_bwd", "gluon_dkdv_lanes")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -122,6 +122,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
         gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
+    gluon["gluon_dkdv_lanes"] = bool(gluon["gluon_lanes_bwd"] and tuning.get("gluon_dkdv_lanes", target.gluon_dkdv_lanes))
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:

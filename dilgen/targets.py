@@ -191,6 +191,7 @@ class Target:
     # they are the default and their stages
     gluon_lanes_bwd_default: tuple[int, ...] = ()
     gluon_lanes_bwd_stages: int = 4
+    gluon_dkdv_lanes: bool = False      # the per-branch dK/dV among them (else the lane dq only)
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -231,7 +232,8 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
-              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128))
+              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
+              gluon_dkdv_lanes=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -52,6 +52,9 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90).config.gluon_lanes_bwd == 4                     # its per-branch dK/dV
     assert plan(_spec(), sm90, {"gluon_lanes_bwd": 2}).config.gluon_lanes_bwd == 2
     assert plan(_spec(causal=False), sm90).config.gluon_lanes_bwd is None
+    assert plan(_spec(), sm90).config.gluon_dkdv_lanes
+    assert not plan(_spec(), sm90, {"gluon_dkdv_lanes": False}).config.gluon_dkdv_lanes     # the lane dq only
+    assert not plan(_spec(), sm90, {"gluon_lanes_bwd": False}).config.gluon_dkdv_lanes
     with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: .* must be a multiple of 128"):
         plan(_spec(segment_lengths=[128, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
 

@@ -9,8 +9,7 @@ import torch
 sys.path.insert(0, os.getcwd())
 import dilgen  # noqa: E402
 
-VARIANTS = {"default": {}, "tl_bwd": {"gluon_lanes_bwd": False}, "stages2": {"gluon_lanes_bwd": 2},
-            "stages3": {"gluon_lanes_bwd": 3}}
+VARIANTS = {"default": {}, "dq_only": {"gluon_dkdv_lanes": False}, "tl_bwd": {"gluon_lanes_bwd": False}}
 spec = dilgen.Spec(name="probe_a", num_heads=16, num_kv_heads=16, head_dim=128, segment_lengths=[2048, 4096, 8192],
                    dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
 gen = torch.Generator(device="cuda").manual_seed(0)

@@ -237,7 +237,7 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int) -> list[tuple]:
     mock, f32 = _mock({"float16": torch.float16, "bfloat16": torch.bfloat16}[plan["dtype"]]), _mock(torch.float32)
     box, group = _boxes(plan, 1, N), plan["num_heads"] // plan["num_kv_heads"]
     out = []
-    if role == "gluon_dkdv_lanes":
+    if role == "gluon_dkdv_lanes" and plan["config"].get("gluon_dkdv_lanes"):
         writes = plan.get("dkdv_first_writes", False)
         for n, br in enumerate(plan["branches"]):
             w, r = br["w"], br["r"]

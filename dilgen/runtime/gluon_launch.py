@@ -76,7 +76,7 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
     no head of a kv group keeps, r > group): program ((s*NO + g0)*J + jt, b*H_kv + kvh)."""
     plan = attn.plan
     group = plan["num_heads"] // plan["num_kv_heads"]
-    if (not plan["config"].get("gluon_lanes_bwd") or (clear and br["r"] > group)
+    if (not plan["config"].get("gluon_dkdv_lanes") or (clear and br["r"] > group)
             or not _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out, dk, dv)):
         return None
     w, r = br["w"], br["r"]

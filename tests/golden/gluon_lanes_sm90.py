@@ -228,6 +228,45 @@ def gla_gluon_dkdv_lanes_producer(p):
 
 
 @gluon.jit
+def gla_gluon_dkdv_lanes_block(it, j, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, lanes, lse_next,
+                             delta_next, blocks, R, s_layout: gl.constexpr, DIAGONAL: gl.constexpr):
+    """One query block j of 64 lanes against the warpgroup's keys (the Gluon dK/dV's products:
+    S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q);
+    the DIAGONAL block, of the keys' own lanes, masked to query lane >= key lane. The next
+    block's lse and Delta are loaded while this block's products run."""
+    dtype: gl.constexpr = q_smem.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 128, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+    lse = lse_next * 1.4426950408889634
+    delta = delta_next
+    st = it % GLUON_LBWD_STAGES
+    mbarrier.wait(ready.index(st), (it // GLUON_LBWD_STAGES) & 1)
+    qj = q_smem.index(st).reshape([64, 128])
+    doj = do_smem.index(st).reshape([64, 128])
+    s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    after = gl.minimum(j + 1, blocks - 1) * (64 * R)
+    lse_next = gl.load(Lse + lanes + after)
+    delta_next = gl.load(Delta + lanes + after)
+    scores = warpgroup_mma_wait(1, deps=(s_tok,))
+    if DIAGONAL:
+        keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)), 0) >= \
+            gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)
+        scores = gl.where(keep, scores, float("-inf"))
+    pt = gl.exp2(scores * 0.12751743082459868 - gl.expand_dims(lse, 0))
+    dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
+    dpt = warpgroup_mma_wait(1, deps=(dp_tok,))
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), qj, dk, is_async=True)
+    dv = warpgroup_mma_wait(1, deps=(dv_tok,))
+    dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+    mbarrier.arrive(empty.index(st), count=1)
+    return it + 1, dk, dv, lse_next, delta_next
+
+
+@gluon.jit
 def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     """One consumer warpgroup: key lanes k0 = jt*128 + WG*64 ... of the segment against the
     query blocks as the producer queued them (the Gluon dK/dV's products; the block of the
@@ -239,15 +278,11 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 128, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
     dk = gl.zeros([64, 128], gl.float32, layout=o_layout)
     dv = gl.zeros([64, 128], gl.float32, layout=o_layout)
     o = (kvh * 4 + g0) % R
     k0 = jt * 128 + WG * 64
     blocks = W // R // 64
-    diagonal = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)), 0) >= \
-        gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)    # query lane >= key lane
     mbarrier.wait(kv_bar, 0)
     k = k_smem.index(WG).reshape([64, 128])
     v = v_smem.index(WG).reshape([64, 128])
@@ -257,34 +292,17 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
             mbarrier.wait(ready.index(it % GLUON_LBWD_STAGES), (it // GLUON_LBWD_STAGES) & 1)
             mbarrier.arrive(empty.index(it % GLUON_LBWD_STAGES), count=1)
             it += 1
-        lanes = (b * 16 + kvh * 4 + g).to(gl.int64) * N + s * W + o \
-            + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)) * R
-        lse_next = gl.load(Lse + lanes + k0 * R)
-        delta_next = gl.load(Delta + lanes + k0 * R)
-        for j in range(k0 // 64, blocks):
-            lse = lse_next * 1.4426950408889634
-            delta = delta_next
-            st = it % GLUON_LBWD_STAGES
-            mbarrier.wait(ready.index(st), (it // GLUON_LBWD_STAGES) & 1)
-            qj = q_smem.index(st).reshape([64, 128])
-            doj = do_smem.index(st).reshape([64, 128])
-            s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            after = gl.minimum(j + 1, blocks - 1) * (64 * R)    # the next block's lse, Delta in flight
-            lse_next = gl.load(Lse + lanes + after)
-            delta_next = gl.load(Delta + lanes + after)
-            st_scores = warpgroup_mma_wait(1, deps=(s_tok,))
-            if j * 64 == k0:        # the block of the same lanes: causal mask
-                st_scores = gl.where(diagonal, st_scores, float("-inf"))
-            pt = gl.exp2(st_scores * 0.12751743082459868 - gl.expand_dims(lse, 0))
-            dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=(dp_tok,))
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-            dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), qj, dk, is_async=True)
-            dv = warpgroup_mma_wait(1, deps=(dv_tok,))
-            dk = warpgroup_mma_wait(0, deps=(dk_tok,))
-            mbarrier.arrive(empty.index(st), count=1)
-            it += 1
+        head = (b * 16 + kvh * 4 + g).to(gl.int64) * N    # head h's (B, H, N) row
+        lanes = s * W + o + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)) * R
+        lse_next = gl.load(Lse + head + lanes + k0 * R)
+        delta_next = gl.load(Delta + head + lanes + k0 * R)
+        it, dk, dv, lse_next, delta_next = gla_gluon_dkdv_lanes_block(
+            it, k0 // 64, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse + head, Delta + head, lanes,
+            lse_next, delta_next, blocks, R, s_layout, True)
+        for j in range(k0 // 64 + 1, blocks):
+            it, dk, dv, lse_next, delta_next = gla_gluon_dkdv_lanes_block(
+                it, j, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse + head, Delta + head, lanes,
+                lse_next, delta_next, blocks, R, s_layout, False)
     keys = s * W + o + R * (k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout)))
     dcols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
     offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 4 + kvh) * 128 \
@@ -383,6 +401,37 @@ def gla_gluon_dq_lanes_producer(p):
 
 
 @gluon.jit
+def gla_gluon_dq_lanes_block(t, dq, q, do, k_smem, v_smem, ready, empty, lse, delta, s_layout: gl.constexpr,
+                           DIAGONAL: gl.constexpr):
+    """Key block t of 64 lanes against the warpgroup's queries (the Gluon dQ's products:
+    S = Q K^T, P, dP = dO V^T, dS = P (dP - Delta), dQ += dS K); the DIAGONAL block, of the
+    queries' own lanes, masked to key lane <= query lane."""
+    dtype: gl.constexpr = k_smem.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 128, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+    st = t % GLUON_LBWD_STAGES
+    mbarrier.wait(ready.index(st), (t // GLUON_LBWD_STAGES) & 1)
+    kt = k_smem.index(st).reshape([64, 128])
+    vt = v_smem.index(st).reshape([64, 128])
+    s_tok = warpgroup_mma(q, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, vt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(1, deps=(s_tok,))
+    if DIAGONAL:
+        keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)), 0) <= \
+            gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)
+        scores = gl.where(keep, scores, float("-inf"))
+    pj = gl.exp2(scores * 0.12751743082459868 - lse)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    ds = pj * (dp - delta)
+    dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), kt, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+    mbarrier.arrive(empty.index(st), count=1)
+    return dq
+
+
+@gluon.jit
 def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     """One consumer warpgroup: dQ of query lanes q0 = mt*128 + WG*64 ... over the key blocks up
     to its diagonal (the Gluon dQ's products, the block of the same lanes masked to key lane
@@ -394,8 +443,6 @@ def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 128, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
     dq = gl.zeros([64, 128], gl.float32, layout=o_layout)
     q0 = mt * 128 + WG * 64
     o = h % R
@@ -403,27 +450,12 @@ def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     at = (b * 16 + h).to(gl.int64) * N + rows
     lse = gl.expand_dims(gl.load(Lse + at) * 1.4426950408889634, 1)
     delta = gl.expand_dims(gl.load(Delta + at), 1)
-    diagonal = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)), 0) <= \
-        gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)    # key lane <= query lane
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG).reshape([64, 128])
     do = do_smem.index(WG).reshape([64, 128])
-    for t in range(q0 // 64 + 1):
-        st = t % GLUON_LBWD_STAGES
-        mbarrier.wait(ready.index(st), (t // GLUON_LBWD_STAGES) & 1)
-        kt = k_smem.index(st).reshape([64, 128])
-        vt = v_smem.index(st).reshape([64, 128])
-        s_tok = warpgroup_mma(q, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, vt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(1, deps=(s_tok,))
-        if t * 64 == q0:        # the block of the same lanes: causal mask
-            scores = gl.where(diagonal, scores, float("-inf"))
-        pj = gl.exp2(scores * 0.12751743082459868 - lse)
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-        ds = pj * (dp - delta)
-        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), kt, dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-        mbarrier.arrive(empty.index(st), count=1)
+    for t in range(q0 // 64):
+        dq = gla_gluon_dq_lanes_block(t, dq, q, do, k_smem, v_smem, ready, empty, lse, delta, s_layout, False)
+    dq = gla_gluon_dq_lanes_block(q0 // 64, dq, q, do, k_smem, v_smem, ready, empty, lse, delta, s_layout, True)
     if WG == 0:     # the tile's last block lies past this warpgroup's lanes
         st = (2 * mt + 1) % GLUON_LBWD_STAGES
         mbarrier.wait(ready.index(st), ((2 * mt + 1) // GLUON_LBWD_STAGES) & 1)
