@@ -49,7 +49,8 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
     assert plan(_spec(), sm90).config.gluon_lanes_bwd == 4
-    assert plan(low, sm90).config.gluon_lanes_bwd == 4                     # its per-branch dK/dV
+    assert plan(low, sm90).config.gluon_lanes_bwd is None                  # head_dim 64: tl unless asked
+    assert plan(low, sm90, {"gluon_lanes_bwd": True}).config.gluon_dkdv_lanes    # its per-branch dK/dV
     assert plan(_spec(), sm90, {"gluon_lanes_bwd": 2}).config.gluon_lanes_bwd == 2
     assert plan(_spec(causal=False), sm90).config.gluon_lanes_bwd is None
     assert plan(_spec(), sm90).config.gluon_dkdv_lanes
@@ -97,7 +98,8 @@ def test_generated_source_is_golden_and_stable():
 def _module(tmp_path, **over):
     path = tmp_path / f"gla_{abs(hash(repr(sorted(over.items())))) % 10**6}.py"
     path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"),
-                                      {"gluon_lanes": True, **({"lanes": "all"} if over.get("head_dim") == 64 else {})})))
+                                      {"gluon_lanes": True, "gluon_lanes_bwd": True,
+                                       **({"lanes": "all"} if over.get("head_dim") == 64 else {})})))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -164,7 +166,7 @@ GPU_CASES = [
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
                            dilation_rates=[1, 2]), (2, 2048), {}),
     ("head_dim_64_all_lanes", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
-     {"lanes": "all", "gluon_lanes": True}),
+     {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
