@@ -156,6 +156,37 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
 
 
+@needs_gluon
+def test_build_compiles_each_gluon_lane_kernel_as_the_runtime_specializes_it(cache_dir):
+    """`dilgen build` compiles a binary per branch of each of the three kernels; the model's
+    launch at batch 1 specializes as a call's real arguments at batch 2 do (the branch's w, r
+    and ACCUMULATE are constexprs of both)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.build import compile_job, plan_jobs
+    from dilgen.compiler import build
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_lanes_args
+    spec = _spec(name="gla_build", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
+    compiled = build(spec, get_target("sm90"))
+    jobs, skipped = plan_jobs(compiled, get_target("sm90"), [1024])
+    roles = [j.role for j in jobs]
+    assert not skipped and all(roles.count(r) == 2 for r in ("gluon_lanes", "gluon_dkdv_lanes", "gluon_dq_lanes"))
+    for role in ("gluon_lanes", "gluon_dkdv_lanes", "gluon_dq_lanes"):
+        cubin, meta = compile_job([j for j in jobs if j.role == role][-1])
+        assert cubin[:4] == b"\x7fELF" and '"shared"' in meta
+    attn = compiled.module.attention
+    model = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"][-1]
+    q, do = (torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    real = gluon_dkdv_lanes_args(attn.plan, q, k, v, do, torch.randn(2, 4, 1024), torch.randn(2, 4, 1024),
+                                 torch.empty_like(k), torch.empty_like(v), 2, 1024, attn.plan["branches"][1], True)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    want = specialize(attn.gluon_dkdv_lanes_fn, backend, real, OPTIONS)
+    assert specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc == want.desc
+
+
 # -- on an sm90 GPU: float64 out, lse and gradients, the Gluon lanes launched ----------------
 SMALL = dict(segment_lengths=[512, 1024, 2048])     # 128-lane tiles in every segment
 GPU_CASES = [

@@ -227,28 +227,26 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
 
 
 def _gluon_lanes_bwd_args(plan: dict, role: str, N: int) -> list[tuple]:
-    """The Gluon causal backward's launches at length N (batch 1): per branch for dK/dV (the
-    first writes unless Plan.dkdv_first_writes is off), per lane branch for dq (the first
-    writes unless a fused dq ran); a first dK/dV launch that must zero keys no head keeps
-    (r > group) is the `tl` kernel's."""
+    """The Gluon causal backward's launches at length N (batch 1), as runtime/backward.py makes
+    them: per branch for dK/dV (the first writes where Plan.dkdv_first_writes is on; such a
+    first launch that must zero keys no head keeps, r > group, is the `tl` kernel's), per lane
+    branch for dq (the first writes unless a fused dq ran)."""
     import torch
-    from ..runtime.gluon_launch import _boxes
+    from ..runtime.gluon_launch import gluon_dkdv_lanes_args, gluon_dq_lanes_args
     from ..runtime.grids import lane_order
     mock, f32 = _mock({"float16": torch.float16, "bfloat16": torch.bfloat16}[plan["dtype"]]), _mock(torch.float32)
-    box, group = _boxes(plan, 1, N), plan["num_heads"] // plan["num_kv_heads"]
+    group = plan["num_heads"] // plan["num_kv_heads"]
     out = []
     if role == "gluon_dkdv_lanes" and plan["config"].get("gluon_dkdv_lanes"):
         writes = plan.get("dkdv_first_writes", False)
         for n, br in enumerate(plan["branches"]):
-            w, r = br["w"], br["r"]
-            if n == 0 and writes and r > group:
-                continue
-            out.append((box(mock, "q", r), box(mock, "q", r), box(mock, "kv", r), box(mock, "kv", r), f32, f32,
-                        mock, mock, N, w, r, min(group, r), not (n == 0 and writes)))
-    else:
+            first = n == 0 and writes
+            if not (first and br["r"] > group):
+                out.append(gluon_dkdv_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, mock, 1, N, br,
+                                                 not first))
+    elif role == "gluon_dq_lanes":
         fused_q = any(not br["lanes"] for br in plan["branches"])
         for n, i in enumerate(lane_order(plan)):
-            w, r = plan["branches"][i]["w"], plan["branches"][i]["r"]
-            out.append((box(mock, "q", r), box(mock, "q", r), box(mock, "kv", r), box(mock, "kv", r), f32, f32,
-                        mock, N, w, r, n > 0 or fused_q))
+            out.append(gluon_dq_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N, plan["branches"][i],
+                                           n > 0 or fused_q))
     return out

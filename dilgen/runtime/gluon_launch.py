@@ -80,11 +80,8 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
             or not _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out, dk, dv)):
         return None
     w, r = br["w"], br["r"]
-    box = _boxes(plan, B, N)
-    args = (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv, N,
-            w, r, min(group, r), bool(accumulate))
     return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
-            args, OPTIONS)
+            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate), OPTIONS)
 
 
 def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool):
@@ -94,10 +91,8 @@ def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: in
     if not plan["config"].get("gluon_lanes_bwd") or not _takes(attn, attn.gluon_dq_lanes_fn, N, q, k, v, grad_out, dq):
         return None
     w, r = br["w"], br["r"]
-    box = _boxes(plan, B, N)
-    args = (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dq, N,
-            w, r, bool(accumulate))
-    return attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]), args, OPTIONS
+    return (attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]),
+            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate), OPTIONS)
 
 
 def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
@@ -156,6 +151,26 @@ def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, ac
     box, r, block = _boxes(plan, B, N), br["r"], plan["config"]["gluon_lanes"][0]
     return (box(q, "q", r), box(out, "q", r), box(k, "kv", r, block), box(v, "kv", r, block),
             out, lse, N, br["w"], r, bool(accumulate))
+
+
+def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
+                          accumulate: bool) -> tuple:
+    """The causal dK/dV's arguments for branch `br`: q's and dO's descriptors through its
+    (B*N/r, r*H, D) view, k's and v's through (B*N/r, r*H_kv, D) (64-row boxes), lse, Delta, dk,
+    dv, N; the constexprs w, r, NO = min(group, r) and ACCUMULATE."""
+    box, w, r = _boxes(plan, B, N), br["w"], br["r"]
+    group = plan["num_heads"] // plan["num_kv_heads"]
+    return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv, N,
+            w, r, min(group, r), bool(accumulate))
+
+
+def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict,
+                        accumulate: bool) -> tuple:
+    """The causal dq's arguments for lane branch `br` (views as gluon_dkdv_lanes_args'): q, dO,
+    k, v descriptors, lse, Delta, dq, N; the constexprs w, r and ACCUMULATE."""
+    box, w, r = _boxes(plan, B, N), br["w"], br["r"]
+    return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dq, N,
+            w, r, bool(accumulate))
 
 
 def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:
