@@ -23,8 +23,10 @@ from dilgen.targets import get_target
 
 from conftest import check_against_reference
 
-GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"
-MARK = "# ---- sm90: the causal lanes in Gluon"      # to the end: the lanes, then dK/dV and dq
+GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"           # the lanes
+GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # to the end: dK/dV and dq
+MARK = "# ---- sm90: the causal lanes in Gluon"
+MARK_BWD = "# ---- sm90: the causal dK, dV and dQ per branch in Gluon"
 needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
 on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                              reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
@@ -85,11 +87,11 @@ def test_refused_by_name_where_it_cannot_run(over, tuning, why):
 def test_generated_source_is_golden_and_stable():
     text = codegen.emit(plan(_spec(), get_target("sm90")))
     assert text == codegen.emit(plan(_spec(), get_target("sm90")))
-    section = text[text.index(MARK):]
-    if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(section)
-    assert section == GOLDEN.read_text(), ("the Gluon lanes' source changed; if on purpose, "
-                                           "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
+    for golden, section in ((GOLDEN, text[text.index(MARK):text.index(MARK_BWD)]), (GOLDEN_BWD, text[text.index(MARK_BWD):])):
+        if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
+            golden.write_text(section)
+        assert section == golden.read_text(), (f"the Gluon lanes' source changed ({golden.name}); if on purpose, "
+                                               "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
     codegen.check_syntax(text)
     assert "gluon_lanes=gla_gluon_lanes,\n" in text and "gluon_dq_lanes=gla_gluon_dq_lanes)" in text
     assert "gla_gluon_fwd" not in text
