@@ -122,7 +122,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
         gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
-    gluon["gluon_dkdv_lanes"] = bool(gluon["gluon_lanes_bwd"] and tuning.get("gluon_dkdv_lanes", target.gluon_dkdv_lanes))
+    gluon["gluon_dkdv_lanes"] = bool(gluon["gluon_lanes_bwd"]
+                                     and tuning.get("gluon_dkdv_lanes", target.gluon_dkdv_lanes))
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:

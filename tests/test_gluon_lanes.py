@@ -87,7 +87,8 @@ def test_refused_by_name_where_it_cannot_run(over, tuning, why):
 def test_generated_source_is_golden_and_stable():
     text = codegen.emit(plan(_spec(), get_target("sm90")))
     assert text == codegen.emit(plan(_spec(), get_target("sm90")))
-    for golden, section in ((GOLDEN, text[text.index(MARK):text.index(MARK_BWD)]), (GOLDEN_BWD, text[text.index(MARK_BWD):])):
+    sections = ((GOLDEN, text[text.index(MARK):text.index(MARK_BWD)]), (GOLDEN_BWD, text[text.index(MARK_BWD):]))
+    for golden, section in sections:
         if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
             golden.write_text(section)
         assert section == golden.read_text(), (f"the Gluon lanes' source changed ({golden.name}); if on purpose, "
@@ -194,7 +195,8 @@ SMALL = dict(segment_lengths=[512, 1024, 2048])     # 128-lane tiles in every se
 GPU_CASES = [
     # (id, spec fields, (B, N), tuning)
     ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {}),
-    ("mha_fp16_64_keys", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096), {"gluon_lanes": [64, 4]}),
+    ("mha_fp16_64_keys", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096),
+     {"gluon_lanes": [64, 4]}),
     ("gqa_2_rate_past_group", dict(SMALL, num_heads=8, num_kv_heads=4), (1, 2048), {}),   # r = 4 > 2 heads a group
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
                            dilation_rates=[1, 2]), (2, 2048), {}),
