@@ -70,6 +70,7 @@ def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) 
 def kernel_families(plan) -> str:
     """Which kernels a plan launches, in words: the forward, its lane branches, dK/dV and dQ,
     each `tl` or Gluon (sm90, for calls whose every segment is whole; `tl` otherwise)."""
+    from .gluon_plan import gluon_lane_branch
     cfg = plan.config
     lanes = [b.index for b in plan.branches if b.lanes]
     parts = []
@@ -77,9 +78,11 @@ def kernel_families(plan) -> str:
         parts.append(f"forward Gluon ({cfg.gluon_fwd[0]} keys a block, {cfg.gluon_fwd[1]} stages)")
     elif len(lanes) < len(plan.branches):
         parts.append("forward tl (fused)")
-    if lanes:
-        parts.append(f"lanes {'Gluon' if cfg.gluon_lanes else 'tl'} (branch{'es' if len(lanes) > 1 else ''} "
-                     f"{', '.join(map(str, lanes))})")
+    gluon_lanes = [i for i in lanes if cfg.gluon_lanes and gluon_lane_branch(
+        plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])]
+    for name, which in (("Gluon", gluon_lanes), ("tl", [i for i in lanes if i not in gluon_lanes])):
+        if which:
+            parts.append(f"lanes {name} (branch{'es' if len(which) > 1 else ''} {', '.join(map(str, which))})")
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
                  f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages)" if cfg.gluon_dkdv_lanes else
                  "dK/dV tl (" + ("fused" if plan.fused_dkdv else "per branch") + ")")

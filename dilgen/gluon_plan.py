@@ -46,7 +46,9 @@ def gluon_fwd(spec: Spec, target: Target, tiles, branches, lattice: int, query_o
 def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict) -> tuple[int, int] | None:
     """The Gluon causal lanes' (keys per block, K/V stages) (KernelConfig.gluon_lanes), or None:
     the target's default for the head_dim, or the tuning's `gluon_lanes` (true, false, or the
-    pair); the forward's tile by default. A plan with no lane branch runs none."""
+    pair); the forward's tile by default. It takes the lane branches gluon_lane_branch admits
+    (LongNet's r = 6 and 12, which do not divide w, keep the `tl` lane kernel beside it); a plan
+    with none runs none."""
     want = tuning.get("gluon_lanes", tiles.tile_d in target.gluon_lanes_default)
     if not want:
         return None
@@ -54,14 +56,23 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     if isinstance(want, (list, tuple)) and tile is not None:
         tile = tuple(want)
     lanes = [b for b in branches if b.lanes]
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True)
+    taken = [b for b in lanes if tile and gluon_lane_branch(b.segment_length, b.dilation, tile[0])]
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, divides=False)
            or (None if lanes else "the plan has no lane branch")
-           or _forward_refusal(tiles, target, lanes, 1, tile))
+           or (None if taken else f"no lane branch has r | w with w / r a multiple of 128 and of {tile[0]} "
+                                  "keys")
+           or _forward_refusal(tiles, target, taken, 1, tile))
     if why is not None:
         if "gluon_lanes" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_lanes cannot run here: {why}")
         return None
     return tile
+
+
+def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
+    """Whether the Gluon lanes take a lane branch (w, r): r | w, and a segment's w / r lanes are
+    whole tiles of 128 query lanes and blocks of `keys` key lanes."""
+    return w % r == 0 and (w // r) % 128 == 0 and (w // r) % keys == 0
 
 
 def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fused_dkdv: bool,
@@ -116,8 +127,10 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
     return stages
 
 
-def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False) -> str | None:
-    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the causal lanes."""
+def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
+             divides: bool = True) -> str | None:
+    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the causal lane
+    kernels; `divides`: every branch (every lane branch with `lanes`) must have r | w."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -132,7 +145,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
-        (any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
+        (divides and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
         (all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so that every "

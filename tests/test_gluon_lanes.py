@@ -50,6 +50,9 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90).config.gluon_lanes is None                     # no lane branch: the fused kernel
     assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
+    longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
+    assert plan(longnet, sm90).config.gluon_lanes == (128, 3)             # branch 0 in Gluon, 1 and 2 `tl`
+    assert plan(longnet, sm90).config.gluon_lanes_bwd is None
     assert plan(_spec(), sm90).config.gluon_lanes_bwd == 4
     assert plan(low, sm90).config.gluon_lanes_bwd is None                  # head_dim 64: tl unless asked
     assert plan(low, sm90, {"gluon_lanes_bwd": True}).config.gluon_dkdv_lanes    # its per-branch dK/dV
@@ -69,8 +72,7 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     (dict(dtype="float32"), {}, "float16 or bfloat16"),
     (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
     (dict(dilation_rates=[2, 4, 8]), {}, "needs a branch with r = 1"),
-    (dict(dilation_rates=[1, 2, 3]), {}, "r does not divide w"),
-    (dict(segment_lengths=[128, 512], dilation_rates=[1, 8]), {}, "w / r a multiple of 128"),
+    (dict(segment_lengths=[64, 512], dilation_rates=[1, 8]), {}, "no lane branch has r | w with w / r a multiple"),
     (dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048], dilation_rates=[1, 2]), {}, "no lane branch"),
     (dict(), {"gluon_lanes": [128, 8]}, "need 558080 bytes"),
     (dict(), {"gluon_lanes": [32, 3]}, "keys per block must be 64 or 128"),
@@ -157,6 +159,9 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     dq = [x.args[-3:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dq_lanes"]
     assert dkdv == [(256, 1, 1, False), (512, 2, 2, True)] and dq == [(256, 1, False), (512, 2, True)]
     assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
+    mixed = build(_spec(name="gla_aot6", segment_lengths=[256, 1024], dilation_rates=[1, 6], num_heads=4,
+                        num_kv_heads=2), get_target("sm90")).module.attention
+    assert [x.args[-3:] for x in predicted_launches(mixed, 1024) if x.role == "gluon_lanes"] == [(256, 1, False)]
 
 
 @needs_gluon
@@ -202,6 +207,9 @@ GPU_CASES = [
                            dilation_rates=[1, 2]), (2, 2048), {}),
     ("head_dim_64_all_lanes", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True}),
+    # LongNet's r = 6 does not divide w: that branch runs the `tl` lane kernel after the Gluon one
+    ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
+     (1, 2048), {}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
@@ -223,7 +231,11 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
             return got
         monkeypatch.setattr(module, launch, spy)
     check_against_reference(spec, B, N, tuning, name)
-    assert len(taken) == 3 and all(all(t) == (not name.endswith("_tl")) for t in taken.values()), taken
+    if name == "rate_6_mixed":
+        assert taken == {"gluon_lanes_launch": [True, False], "gluon_dkdv_lanes_launch": [False, False],
+                         "gluon_dq_lanes_launch": [False, False]}, taken
+    else:
+        assert len(taken) == 3 and all(all(t) == (not name.endswith("_tl")) for t in taken.values()), taken
 
 
 @on_sm90

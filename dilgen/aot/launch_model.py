@@ -159,12 +159,17 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 out.append(Launch(role, fn, gluon_dq_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N), opts))
         elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
+                from ..gluon_plan import gluon_lane_branch
                 from ..runtime.gluon_launch import gluon_lanes_args
                 mock = _mock(base["dtype"])
                 fused_q = any(not br["lanes"] for br in plan["branches"])
+                keys = plan["config"]["gluon_lanes"][0]
                 for n, i in enumerate(lane_order(plan)):    # an r = 1 branch first: it writes
-                    out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
-                                                                 1, N, plan["branches"][i], n > 0 or fused_q), opts))
+                    br = plan["branches"][i]
+                    if gluon_lane_branch(br["w"], br["r"], keys):    # the others: the `tl` lane kernel
+                        out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock,
+                                                                     _mock(torch.float32), 1, N, br,
+                                                                     n > 0 or fused_q), opts))
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..gluon_plan import gluon_lane_branch
+
 _SM90: dict[int, bool] = {}      # device index -> compute capability 9.x
 
 
@@ -63,7 +65,9 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
     None when the call takes the `tl` lane kernel instead (_takes): program (s*T + t, b*H + h),
     T = w/r/128 lane tiles."""
     plan = attn.plan
-    if plan["config"].get("gluon_lanes") is None or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out):
+    tile = plan["config"].get("gluon_lanes")
+    if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
+            or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
         return None
     return (attn.gluon_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
             gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate), OPTIONS)
