@@ -51,7 +51,8 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
     longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
-    assert plan(longnet, sm90).config.gluon_lanes == (128, 3)             # branch 0 in Gluon, 1 and 2 `tl`
+    assert plan(longnet, sm90).config.gluon_lanes is None                 # Gluon beside `tl` lanes: asked for
+    assert plan(longnet, sm90, {"gluon_lanes": True}).config.gluon_lanes == (128, 3)   # branch 0 Gluon, 1, 2 `tl`
     assert plan(longnet, sm90).config.gluon_lanes_bwd is None
     assert plan(_spec(), sm90).config.gluon_lanes_bwd == 4
     assert plan(low, sm90).config.gluon_lanes_bwd is None                  # head_dim 64: tl unless asked
@@ -160,7 +161,7 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     assert dkdv == [(256, 1, 1, False), (512, 2, 2, True)] and dq == [(256, 1, False), (512, 2, True)]
     assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
     mixed = build(_spec(name="gla_aot6", segment_lengths=[256, 1024], dilation_rates=[1, 6], num_heads=4,
-                        num_kv_heads=2), get_target("sm90")).module.attention
+                        num_kv_heads=2), get_target("sm90"), {"gluon_lanes": True}).module.attention
     assert [x.args[-3:] for x in predicted_launches(mixed, 1024) if x.role == "gluon_lanes"] == [(256, 1, False)]
 
 
@@ -209,7 +210,7 @@ GPU_CASES = [
      {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True}),
     # LongNet's r = 6 does not divide w: that branch runs the `tl` lane kernel after the Gluon one
     ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
-     (1, 2048), {}),
+     (1, 2048), {"gluon_lanes": True}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
