@@ -84,7 +84,7 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
     extra = "the backward runs the fused dK/dV kernel here" if fused_dkdv else None
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, target.gluon_lanes_bwd_stages,
                               spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True)
-    bad = [b for b in branches if (b.segment_length // b.dilation) % 128]
+    bad = [b for b in branches if not gluon_lane_branch(b.segment_length, b.dilation, 64)]
     if stages is not None and bad:
         if "gluon_lanes_bwd" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_lanes_bwd cannot run here: segment length "

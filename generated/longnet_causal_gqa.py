@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 1ce81197c7042a80
+# template hash: 6668f0d8c0081931
 # plan key:      0a61a81c5e41984b518ec4f0a016f1480d4e238d23298d8c37fc32f8a55c43bd
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -134,22 +134,22 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
 
 
 @gluon.jit
-def gla_gluon_lanes_consumer0(p):
+def gla_gluon_lanes_write0(p):
     gla_gluon_lanes_consume(p, 0, False)
 
 
 @gluon.jit
-def gla_gluon_lanes_consumer1(p):
+def gla_gluon_lanes_write1(p):
     gla_gluon_lanes_consume(p, 1, False)
 
 
 @gluon.jit
-def gla_gluon_lanes_merge0(p):
+def gla_gluon_lanes_add0(p):
     gla_gluon_lanes_consume(p, 0, True)
 
 
 @gluon.jit
-def gla_gluon_lanes_merge1(p):
+def gla_gluon_lanes_add1(p):
     gla_gluon_lanes_consume(p, 1, True)
 
 
@@ -189,9 +189,9 @@ def gla_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr
     p = (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
          b, h, s, mt, N, W, R)
     if ACCUMULATE:
-        gl.warp_specialize([(gla_gluon_lanes_merge0, (p,)), (gla_gluon_lanes_merge1, (p,)),
+        gl.warp_specialize([(gla_gluon_lanes_add0, (p,)), (gla_gluon_lanes_add1, (p,)),
                             (gla_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
     else:
-        gl.warp_specialize([(gla_gluon_lanes_consumer0, (p,)), (gla_gluon_lanes_consumer1, (p,)),
+        gl.warp_specialize([(gla_gluon_lanes_write0, (p,)), (gla_gluon_lanes_write1, (p,)),
                             (gla_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
 
