@@ -93,6 +93,17 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
     return stages
 
 
+def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: dict) -> bool:
+    """Whether the Gluon causal backward (stages `lanes_bwd`) takes the per-branch dK/dV too
+    (KernelConfig.gluon_dkdv_lanes), else only the lane dq. Asked for where the plan runs no
+    Gluon causal backward, refused by name."""
+    want = bool(tuning.get("gluon_dkdv_lanes", target.gluon_dkdv_lanes))
+    if want and lanes_bwd is None and tuning.get("gluon_dkdv_lanes"):
+        raise SpecError(f"{spec.name}: tuning gluon_dkdv_lanes needs the Gluon causal backward, which this plan "
+                        f"does not run; ask for it with {{\"gluon_lanes_bwd\": true}} to see why")
+    return want and lanes_bwd is not None
+
+
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
                tuning: dict) -> int | None:
     """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None (_backward_stages);

@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import gluon_dkdv, gluon_dq, gluon_fwd, gluon_lanes, gluon_lanes_bwd
+from .gluon_plan import gluon_dkdv, gluon_dkdv_lanes, gluon_dq, gluon_fwd, gluon_lanes, gluon_lanes_bwd
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -122,8 +122,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
         gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
-    gluon["gluon_dkdv_lanes"] = bool(gluon["gluon_lanes_bwd"]
-                                     and tuning.get("gluon_dkdv_lanes", target.gluon_dkdv_lanes))
+    gluon["gluon_dkdv_lanes"] = gluon_dkdv_lanes(spec, target, gluon["gluon_lanes_bwd"], tuning)
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:

@@ -62,6 +62,8 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(_spec(), sm90).config.gluon_dkdv_lanes
     assert not plan(_spec(), sm90, {"gluon_dkdv_lanes": False}).config.gluon_dkdv_lanes     # the lane dq only
     assert not plan(_spec(), sm90, {"gluon_lanes_bwd": False}).config.gluon_dkdv_lanes
+    with pytest.raises(SpecError, match="gluon_dkdv_lanes needs the Gluon causal backward"):
+        plan(low, sm90, {"gluon_dkdv_lanes": True})                   # head_dim 64 runs it only when asked
     with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: .* must be a multiple of 128"):
         plan(_spec(segment_lengths=[128, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
 
