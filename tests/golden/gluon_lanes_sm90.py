@@ -36,15 +36,41 @@ def gla_gluon_lanes_producer(p):
 
 
 @gluon.jit
-def gla_gluon_lanes_scores(s, t, q0, s_layout: gl.constexpr, n_free):
-    """A block's scores in the exp2 domain; past the first n_free blocks (those whose every key
-    lane precedes the warpgroup's first query lane q0) key lane j > query lane i is masked."""
+def gla_gluon_lanes_scores(s, t, q0, s_layout: gl.constexpr, MASKED: gl.constexpr):
+    """A block's scores in the exp2 domain; in a MASKED block (the warpgroup's last, the one
+    its diagonal crosses, and block 0) key lane j > query lane i is masked."""
     x = s * 0.12751743082459868
-    if t >= n_free:
+    if MASKED:
         keys = t * GLUON_LANE_KEYS + gl.arange(0, GLUON_LANE_KEYS, layout=gl.SliceLayout(0, s_layout))
         lanes = q0 + gl.arange(0, GLUON_LANE_ROWS, layout=gl.SliceLayout(1, s_layout))
         x = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(lanes, 1), x, float("-inf"))
     return x
+
+
+@gluon.jit
+def gla_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready, kv_empty, q0,
+                        s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr):
+    """Key block t: its scores issued, then block t - 1's P·V while they run, then block t's
+    online softmax (running max m_i, sum l_i; acc rescaled by exp2(m_old - m_new))."""
+    dtype: gl.constexpr = k_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
+    st = t % GLUON_LANE_STAGES
+    pst = (t - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(st).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_LANE_STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
+    x = gla_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
+    m_new = gl.maximum(m_i, gl.max(x, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    pj = gl.exp2(x - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(pj, axis=1)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(kv_empty.index(pst), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return acc, m_new, l_i, gl.convert_layout(pj.to(dtype), p_layout)
 
 
 @gluon.jit
@@ -65,36 +91,25 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     acc = gl.zeros([GLUON_LANE_ROWS, 128], gl.float32, layout=o_layout)
     q0 = mt * (2 * GLUON_LANE_ROWS) + WG * GLUON_LANE_ROWS
     T = (q0 + GLUON_LANE_ROWS + GLUON_LANE_KEYS - 1) // GLUON_LANE_KEYS    # blocks up to its last lane
-    n_free = (q0 + 1) // GLUON_LANE_KEYS
 
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128])
     mbarrier.wait(k_ready.index(0), 0)
     s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-    x = gla_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, n_free)
+    x = gla_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, True)
     m_i = gl.max(x, axis=1)
     pj = gl.exp2(x - gl.expand_dims(m_i, 1))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
-    for t in range(1, T):
-        st = t % GLUON_LANE_STAGES
-        pst = (t - 1) % GLUON_LANE_STAGES
-        mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(st).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_LANE_STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
-        x = gla_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, n_free)
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        pj = gl.exp2(x - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(pj, axis=1)
-        m_i = m_new
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        mbarrier.arrive(kv_empty.index(pst), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op = gl.convert_layout(pj.to(dtype), p_layout)
+    # a warpgroup's diagonal crosses exactly its last block T - 1 (64 query lanes at a
+    # multiple of 64, blocks of 64 or 128 keys): blocks 1 ... T - 2 run unmasked
+    for t in range(1, T - 1):
+        acc, m_i, l_i, p_op = gla_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+                                                  kv_empty, q0, s_layout, o_layout, False)
+    if T > 1:
+        acc, m_i, l_i, p_op = gla_gluon_lanes_block(T - 1, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+                                                  kv_empty, q0, s_layout, o_layout, True)
     lst = (T - 1) % GLUON_LANE_STAGES
     mbarrier.wait(v_ready.index(lst), ((T - 1) // GLUON_LANE_STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
