@@ -47,8 +47,8 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     """The Gluon causal lanes' (keys per block, K/V stages) (KernelConfig.gluon_lanes), or None:
     the target's default for the head_dim, or the tuning's `gluon_lanes` (true, false, or the
     pair); the forward's tile by default. It takes the lane branches gluon_lane_branch admits
-    (LongNet's r = 6 and 12, which do not divide w, keep the `tl` lane kernel beside it: by
-    default only where it takes them all, asked for otherwise); a plan with none runs none."""
+    (LongNet's r = 6 and 12, which do not divide w, keep the `tl` lane kernel beside it in the
+    same call); a plan with none runs none."""
     want = tuning.get("gluon_lanes", tiles.tile_d in target.gluon_lanes_default)
     if not want:
         return None
@@ -66,8 +66,6 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
         if "gluon_lanes" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_lanes cannot run here: {why}")
         return None
-    if len(taken) < len(lanes) and "gluon_lanes" not in tuning:
-        return None     # Gluon beside `tl` lanes in one call: asked for only, until it is measured
     return tile
 
 

@@ -185,15 +185,15 @@ class Target:
     # A causal spec's lane branches as a warp-specialized Gluon kernel (KernelConfig.gluon_lanes,
     # templates/gluon_lanes.py.jinja) with the tile of gluon_fwd_tiles: the head dims where it
     # is the default. H200, bf16, causal forward: A 1.24 -> 1.01 ms, B 5.47 -> 4.48; C with
-    # every branch as lanes (head_dim 64) 1.37 -> 1.03 (bench/results/forward_gluon_lanes-,
+    # every branch as lanes (head_dim 64) 1.37 -> 1.03; E (r = 6, 12 keep the `tl` lane kernel
+    # in the same call) 5.85 -> 4.75 (bench/results/forward_gluon_lanes-,
     # forward_gluon_lanes_tiles-2026-11-28-h200.json)
     gluon_lanes_default: tuple[int, ...] = ()
     # A causal spec's per-branch dK/dV and lane dq as warp-specialized Gluon kernels
     # (KernelConfig.gluon_lanes_bwd, templates/gluon_lanes_bwd.py.jinja): the head dims where
     # they are the default, their stages, and whether the dK/dV is among them. H200, A causal
-    # fwd+bwd 5.48 -> 4.67 ms (dK/dV 2.45 -> 2.19, dq 1.55 -> 1.21); head_dim 64 was level with
-    # the first version and is not measured since, so it keeps the `tl` kernels
-    # (bench/results/lanes_bwd_probe-, backward_gluon_lanes_first-2026-11-28-h200.json)
+    # fwd+bwd 5.48 -> 4.67 ms (dK/dV 2.45 -> 2.19, dq 1.55 -> 1.21); C (head_dim 64) 3.70 -> 3.46
+    # (bench/results/lanes_bwd_probe-, backward_gluon_lanes-2026-11-28-h200.json)
     gluon_lanes_bwd_default: tuple[int, ...] = ()
     gluon_lanes_bwd_stages: int = 4
     gluon_dkdv_lanes: bool = False
@@ -237,7 +237,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
-              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(128,),
+              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
               gluon_dkdv_lanes=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
