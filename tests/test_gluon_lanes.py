@@ -126,10 +126,10 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
 
     def desc(rows):
         return f"tensordesc<bf16[{rows}, 1, {D}],{gl.NVMMASharedLayout.get_default_for([rows, 1, D], gl.bfloat16)!r}>"
-    sig = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "Out": "*bf16",
+    sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "Out": "*bf16",
            "Lse": "*fp32", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
     for merge in (False, True):
-        kernel = triton.compile(GluonASTSource(mod.gla_gluon_lanes, sig, {(6,): 4096, (7,): 2, (8,): merge}),
+        kernel = triton.compile(GluonASTSource(mod.gla_gluon_lanes, sig, {(7,): 4096, (8,): 2, (9,): merge}),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx

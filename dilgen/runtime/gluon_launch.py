@@ -62,14 +62,14 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
 
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool):
     """(kernel, grid, args, options) of the Gluon causal lanes of branch `br` for this call, or
-    None when the call takes the `tl` lane kernel instead (_takes): program (s*P + j, b*H + h),
-    P = ceil(T/2) pairs of the T = w/r/128 lane tiles."""
+    None when the call takes the `tl` lane kernel instead (_takes): program (s*T + t, b*H + h),
+    T = w/r/128 lane tiles."""
     plan = attn.plan
     tile = plan["config"].get("gluon_lanes")
     if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
             or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
         return None
-    return (attn.gluon_lanes_kernel, (N // br["w"] * ((br["w"] // br["r"] // 128 + 1) // 2), B * plan["num_heads"]),
+    return (attn.gluon_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
             gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate), OPTIONS)
 
 
@@ -149,11 +149,11 @@ def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
 
 
 def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool) -> tuple:
-    """The causal lanes' arguments: q's descriptor through the branch's (B*N/r, r*H, D) view
-    (64-row boxes), k's and v's through (B*N/r, r*H_kv, D) (boxes of the plan's keys per
-    block), out, lse, N; the branch's w and r and ACCUMULATE (constexprs)."""
+    """The causal lanes' arguments: q's and out's descriptors through the branch's
+    (B*N/r, r*H, D) view (64-row boxes), k's and v's through (B*N/r, r*H_kv, D) (boxes of the
+    plan's keys per block), out, lse, N; the branch's w and r and ACCUMULATE (constexprs)."""
     box, r, block = _boxes(plan, B, N), br["r"], plan["config"]["gluon_lanes"][0]
-    return (box(q, "q", r), box(k, "kv", r, block), box(v, "kv", r, block),
+    return (box(q, "q", r), box(out, "q", r), box(k, "kv", r, block), box(v, "kv", r, block),
             out, lse, N, br["w"], r, bool(accumulate))
 
 

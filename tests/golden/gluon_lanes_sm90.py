@@ -15,38 +15,24 @@ GLUON_LANE_STAGES = gl.constexpr(3)   # K/V blocks in flight (the shared-memory 
 
 
 @gluon.jit
-def gla_gluon_lanes_tile(j, i, n_tiles):
-    """The program's i-th tile of 128 query lanes: the pair j's long tile n_tiles - 1 - j, then
-    its short tile j (mt + 1 key blocks of 128 each: a pair is n_tiles + 1, every program alike)."""
-    return j + (j * -2 + (n_tiles - 1)) * (i * -1 + 1)
-
-
-@gluon.jit
 def gla_gluon_lanes_producer(p):
-    """One warp, for each of the program's tiles: its two Q blocks (each once its warpgroup let
-    go of the tile before's), then the segment's key blocks 0 ... (mt+1)*128/keys - 1, up to the
-    tile's last query lane (no key past it is ever needed), through the ring."""
-    (q_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
-     b, h, s, j, N, W, R) = p
-    n_tiles = W // R // (2 * GLUON_LANE_ROWS)
+    """One warp: the tile's two Q blocks, then the segment's key blocks 0 ... T - 1, T the
+    blocks up to the tile's last query lane (no key past it is ever needed)."""
+    (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, s, mt, N, W, R) = p
     row0 = b * (N // R) + s * (W // R)
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
+        tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS,
+                          (h % R) * 16 + h, 0], q_bars.index(wg), q_smem.index(wg))
     kcol = (h % R) * 4 + h // 4
-    it = j * 0
-    for i in range(gl.minimum(j * -2 + n_tiles, 2)):
-        mt = gla_gluon_lanes_tile(j, i, n_tiles)
-        for wg in gl.static_range(2):
-            mbarrier.wait(q_empty.index(wg), (i & 1) ^ 1)
-            mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
-            tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS,
-                              (h % R) * 16 + h, 0], q_bars.index(wg), q_smem.index(wg))
-        for t in range((mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
-            st = it % GLUON_LANE_STAGES
-            mbarrier.wait(kv_empty.index(st), ((it // GLUON_LANE_STAGES) & 1) ^ 1)   # both consumers let go of it
-            mbarrier.expect(k_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
-            tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
-            mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
-            tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
-            it += 1
+    for t in range((mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
+        st = t % GLUON_LANE_STAGES
+        mbarrier.wait(kv_empty.index(st), ((t // GLUON_LANE_STAGES) & 1) ^ 1)   # both consumers let go of it
+        mbarrier.expect(k_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
+        tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
+        tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
 
 
 @gluon.jit
@@ -62,20 +48,19 @@ def gla_gluon_lanes_scores(s, t, q0, s_layout: gl.constexpr, MASKED: gl.constexp
 
 
 @gluon.jit
-def gla_gluon_lanes_block(t, base, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready, kv_empty, q0,
+def gla_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready, kv_empty, q0,
                         s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr):
-    """Key block t (the ring's block base + t): its scores issued, then block t - 1's P·V while
-    they run, then block t's online softmax (running max m_i, sum l_i; acc rescaled by
-    exp2(m_old - m_new))."""
+    """Key block t: its scores issued, then block t - 1's P·V while they run, then block t's
+    online softmax (running max m_i, sum l_i; acc rescaled by exp2(m_old - m_new))."""
     dtype: gl.constexpr = k_smem.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
-    st = (base + t) % GLUON_LANE_STAGES
-    pst = (base + t - 1) % GLUON_LANE_STAGES
-    mbarrier.wait(k_ready.index(st), ((base + t) // GLUON_LANE_STAGES) & 1)
+    st = t % GLUON_LANE_STAGES
+    pst = (t - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
     s_tok = warpgroup_mma(q, k_smem.index(st).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(pst), ((base + t - 1) // GLUON_LANE_STAGES) & 1)
+    mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_LANE_STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
     x = gla_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
     m_new = gl.maximum(m_i, gl.max(x, axis=1))
@@ -90,27 +75,12 @@ def gla_gluon_lanes_block(t, base, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_rea
 
 @gluon.jit
 def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
-    """One consumer warpgroup, for each of the program's tiles: query lanes q0 = mt*128 + WG*64 ...
-    of the segment against the stream of key blocks, as the Gluon forward's consumers (block t's
-    scores issued before block t - 1's P·V); key block 0 holds lane 0, so every row's running max
-    is finite from the first. Its Q buffer goes back to the producer after the tile's last
-    scores, so the next tile's Q lands while this one's output is written."""
-    (q_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
-     b, h, s, j, N, W, R) = p
-    n_tiles = W // R // (2 * GLUON_LANE_ROWS)
-    base = j * 0        # blocks of the ring taken by the tiles before
-    for i in range(gl.minimum(j * -2 + n_tiles, 2)):
-        mt = gla_gluon_lanes_tile(j, i, n_tiles)
-        gla_gluon_lanes_one_tile(p, mt, i, base, WG, ACCUMULATE)
-        base += (mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS
-
-
-@gluon.jit
-def gla_gluon_lanes_one_tile(p, mt, i, base, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
-    """Tile mt (the program's i-th) of one consumer warpgroup; its key blocks are the ring's
-    base, base + 1, ..."""
-    (q_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
-     b, h, s, j, N, W, R) = p
+    """One consumer warpgroup: query lanes q0 = mt*128 + WG*64 ... of the segment against the
+    stream of key blocks, as the Gluon forward's consumers (block t's scores issued before
+    block t - 1's P·V); key block 0 holds lane 0, so every row's running max is finite from
+    the first."""
+    (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, s, mt, N, W, R) = p
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, GLUON_LANE_KEYS, 16])
@@ -122,11 +92,11 @@ def gla_gluon_lanes_one_tile(p, mt, i, base, WG: gl.constexpr, ACCUMULATE: gl.co
     q0 = mt * (2 * GLUON_LANE_ROWS) + WG * GLUON_LANE_ROWS
     T = (q0 + GLUON_LANE_ROWS + GLUON_LANE_KEYS - 1) // GLUON_LANE_KEYS    # blocks up to its last lane
 
-    mbarrier.wait(q_bars.index(WG), i & 1)
+    mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128])
-    mbarrier.wait(k_ready.index(base % GLUON_LANE_STAGES), (base // GLUON_LANE_STAGES) & 1)
-    s_tok = warpgroup_mma(q, k_smem.index(base % GLUON_LANE_STAGES).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)),
-                          s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
     x = gla_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, True)
     m_i = gl.max(x, axis=1)
     pj = gl.exp2(x - gl.expand_dims(m_i, 1))
@@ -135,23 +105,22 @@ def gla_gluon_lanes_one_tile(p, mt, i, base, WG: gl.constexpr, ACCUMULATE: gl.co
     # a warpgroup's diagonal crosses exactly its last block T - 1 (64 query lanes at a
     # multiple of 64, blocks of 64 or 128 keys): blocks 1 ... T - 2 run unmasked
     for t in range(1, T - 1):
-        acc, m_i, l_i, p_op = gla_gluon_lanes_block(t, base, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+        acc, m_i, l_i, p_op = gla_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
                                                   kv_empty, q0, s_layout, o_layout, False)
     if T > 1:
-        acc, m_i, l_i, p_op = gla_gluon_lanes_block(T - 1, base, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready,
-                                                  v_ready, kv_empty, q0, s_layout, o_layout, True)
-    mbarrier.arrive(q_empty.index(WG), count=1)     # its scores are all in: the next tile's Q may land
-    lst = (base + T - 1) % GLUON_LANE_STAGES
-    mbarrier.wait(v_ready.index(lst), ((base + T - 1) // GLUON_LANE_STAGES) & 1)
+        acc, m_i, l_i, p_op = gla_gluon_lanes_block(T - 1, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+                                                  kv_empty, q0, s_layout, o_layout, True)
+    lst = (T - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(v_ready.index(lst), ((T - 1) // GLUON_LANE_STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(kv_empty.index(lst), count=1)
     # blocks past its last lane (the first warpgroup's last one at 64 keys a block): let go of
     # them once their loads landed, so that the producer refills no stage a load still writes
     for t in range(T, (mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
-        st = (base + t) % GLUON_LANE_STAGES
-        mbarrier.wait(k_ready.index(st), ((base + t) // GLUON_LANE_STAGES) & 1)
-        mbarrier.wait(v_ready.index(st), ((base + t) // GLUON_LANE_STAGES) & 1)
+        st = t % GLUON_LANE_STAGES
+        mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+        mbarrier.wait(v_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
         mbarrier.arrive(kv_empty.index(st), count=1)
 
     rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -159,9 +128,9 @@ def gla_gluon_lanes_one_tile(p, mt, i, base, WG: gl.constexpr, ACCUMULATE: gl.co
     lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, rows_l)     # natural log
     rows = s * W + h % R + R * (q0 + gl.arange(0, GLUON_LANE_ROWS, layout=rows_l))
     lse_rows = Lse + (b * 16 + h).to(gl.int64) * N + rows
-    offs = ((b * N + gl.expand_dims(rows, 1)).to(gl.int64) * 16 + h) * 128 \
-        + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
     if ACCUMULATE:  # merge with the launches before this one (common.merge_partial)
+        offs = ((b * N + gl.expand_dims(rows, 1)).to(gl.int64) * 16 + h) * 128 \
+            + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
         lse_acc = gl.load(lse_rows)
         top = gl.maximum(lse_acc, lse)              # finite: this launch's lse is
         w_acc = gl.exp(lse_acc - top)
@@ -171,8 +140,12 @@ def gla_gluon_lanes_one_tile(p, mt, i, base, WG: gl.constexpr, ACCUMULATE: gl.co
                            * gl.expand_dims(w_acc, 1), 0.0)
         out = (out_acc + out * gl.expand_dims(w_new, 1)) / gl.expand_dims(total, 1)
         lse = top + gl.log(total)
-    gl.store(Out + offs, out.to(dtype))     # from registers: the Q buffer holds the next tile's Q
+    q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128]).store(out.to(dtype))   # its Q buffer holds its output
+    fence_async_shared()
+    tma_store(o_desc, [b * (N // R) + s * (W // R) + q0, (h % R) * 16 + h, 0],
+              q_smem.index(WG))
     gl.store(lse_rows, lse)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -196,43 +169,40 @@ def gla_gluon_lanes_add1(p):
 
 
 @gluon.jit
-def gla_gluon_lanes(q_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr, R: gl.constexpr,
+def gla_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr, R: gl.constexpr,
                   ACCUMULATE: gl.constexpr):
     """Notation (as in gla_fwd_lanes, whose work this is for one branch).
     W, R             the branch's segment length and rate (W / R a multiple of 128)
-    q_desc           q as (B*N/R, R*H, D): rows b*N/R + s*W/R + j, column o*H + h are the
-                     query lanes u = s*W + o + R*j of head h (o = h mod R); boxes of 64
+    q_desc, o_desc   q and out as (B*N/R, R*H, D): rows b*N/R + s*W/R + j, column o*H + h are
+                     the query lanes u = s*W + o + R*j of head h (o = h mod R); boxes of 64
     k_desc, v_desc   k and v as (B*N/R, R*H_kv, D), column o*H_kv + kv head; boxes of 128
     Out, Lse         (B, N, H, D) and (B, H, N): merged into (ACCUMULATE) or written
-    program          (s*P + j, b*H + h): segment s, the pair j of its lane tiles of 128 lanes,
-                     T - 1 - j then j (T = W/R/128 tiles, P = ceil(T/2) pairs; T odd: the
-                     last pair is one tile), so that every program has T + 1 blocks of work
+    program          (s*T + t, b*H + h): segment s, lane tile mt = T - 1 - t of 128 lanes
+                     (T = W/R/128 tiles, the longest first)
     Two consumer warpgroups of 64 query lanes and one producer warp (gl.warp_specialize), as
     the Gluon forward (gluon_fwd.py.jinja); every segment whole (runtime/forward.py)."""
     dtype: gl.constexpr = q_desc.dtype
-    n_pairs: gl.constexpr = (W // R // (2 * GLUON_LANE_ROWS) + 1) // 2
-    s = gl.program_id(0) // n_pairs
-    j = gl.program_id(0) % n_pairs
+    n_tiles: gl.constexpr = W // R // (2 * GLUON_LANE_ROWS)
+    s = gl.program_id(0) // n_tiles
+    mt = n_tiles - 1 - gl.program_id(0) % n_tiles
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
     q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANE_ROWS, 1, 128], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(GLUON_LANE_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     fence_async_shared()
-    p = (q_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
-         b, h, s, j, N, W, R)
+    p = (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_lanes_add0, (p,)), (gla_gluon_lanes_add1, (p,)),
                             (gla_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
