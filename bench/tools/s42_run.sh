@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device run (issue 42): the benches the Gluon lane defaults move, at the session's last code:
-# GPU 0 forward A, B (causal and not) and E causal; GPU 1 causal fwd+bwd A, B, C. One archive.
+# GPU 0 forward A, B (causal and not) and E causal, then the Gluon lane tests; GPU 1 causal fwd+bwd A, B, C. One archive.
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$OUT/r; mkdir -p $R
 nvidia-smi --query-gpu=name --format=csv > $R/gpus.txt
@@ -10,6 +10,8 @@ nvidia-smi --query-gpu=name --format=csv > $R/gpus.txt
      --tunings '{"tl_lanes": {"gluon_lanes": false}}' --out $R/fwd > $R/fwd.log 2>&1
   python bench/bench_forward.py --configs E --causal-only --methods dilgen --no-plot \
      --tunings '{"tl_e": {"gluon_lanes": false}}' --out $R/fwdE > $R/fwdE.log 2>&1
+  timeout 280 python -m pytest -q -o addopts="" -p no:cacheprovider tests/test_gluon_lanes.py -k "sm90 or replay" -rs > $R/tests.log 2>&1
+  echo "exit $?" >> $R/tests.log
 ) &
 (
   export CUDA_VISIBLE_DEVICES=1
