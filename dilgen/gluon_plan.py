@@ -44,11 +44,12 @@ def gluon_fwd(spec: Spec, target: Target, tiles, branches, lattice: int, query_o
 
 
 def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict) -> tuple[int, int] | None:
-    """The Gluon causal lanes' (keys per block, K/V stages) (KernelConfig.gluon_lanes), or None:
-    the target's default for the head_dim, or the tuning's `gluon_lanes` (true, false, or the
-    pair); the forward's tile by default. It takes the lane branches gluon_lane_branch admits
-    (LongNet's r = 6 and 12, which do not divide w, keep the `tl` lane kernel beside it in the
-    same call); a plan with none runs none."""
+    """The Gluon lanes' (keys per block, K/V stages) (KernelConfig.gluon_lanes), or None: the
+    target's default for the head_dim, or the tuning's `gluon_lanes` (true, false, or the pair);
+    the forward's tile by default. It takes the lane branches gluon_lane_branch admits, causal
+    or not (LongNet's r = 6 and 12, which do not divide w, keep the `tl` lane kernel beside it
+    in the same call; with no r = 1 branch its first launch writes "no branch" into the other
+    offsets' rows); a plan with none runs none."""
     want = tuning.get("gluon_lanes", tiles.tile_d in target.gluon_lanes_default)
     if not want:
         return None
@@ -57,7 +58,7 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
         tile = tuple(want)
     lanes = [b for b in branches if b.lanes]
     taken = [b for b in lanes if tile and gluon_lane_branch(b.segment_length, b.dilation, tile[0])]
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, divides=False)
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, divides=False, forward_lanes=True)
            or (None if lanes else "the plan has no lane branch")
            or (None if taken else f"no lane branch has r | w with w / r a multiple of 128 and of {tile[0]} "
                                   "keys")
@@ -139,9 +140,11 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 
 
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
-             divides: bool = True) -> str | None:
+             divides: bool = True, forward_lanes: bool = False) -> str | None:
     """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the causal lane
-    kernels; `divides`: every branch (every lane branch with `lanes`) must have r | w."""
+    kernels; `divides`: every branch (every lane branch with `lanes`) must have r | w;
+    `forward_lanes`: for the forward lane kernel, which runs causal or not and needs no r = 1
+    branch (its first launch writes "no branch" into the rows its branch does not keep)."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -151,7 +154,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
     checks = [
         (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
-        (lanes and not spec.causal, "non-causal lattice branches run in the Gluon forward (gluon_fwd)"),
+        (lanes and not forward_lanes and not spec.causal, "the Gluon lane backward takes causal specs only"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
         (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
@@ -159,8 +162,8 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (divides and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
-        (all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so that every "
-         "query class keeps a branch)"),
+        (not forward_lanes and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "
+         "that every query class keeps a branch)"),
     ]
     for failed, why in checks:
         if failed:

@@ -25,7 +25,7 @@ from conftest import check_against_reference
 
 GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"           # the lanes
 GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # to the end: dK/dV and dq
-MARK = "# ---- sm90: the causal lanes in Gluon"
+MARK = "# ---- sm90: the lane branches in Gluon"
 MARK_BWD = "# ---- sm90: the causal dK, dV and dQ per branch in Gluon"
 needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
 on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -50,6 +50,10 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90).config.gluon_lanes is None                     # no lane branch: the fused kernel
     assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
+    for causal in (True, False):     # no r = 1 branch: every branch as lanes, the first clears the gaps
+        no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90)
+        assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0
+        assert no_r1.config.gluon_lanes_bwd is None        # the Gluon lane backward needs an r = 1 branch
     longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
     assert plan(longnet, sm90).config.gluon_lanes == (128, 3)             # branch 0 Gluon, 1, 2 `tl`
     assert plan(longnet, sm90).config.gluon_lanes_bwd is None
@@ -69,11 +73,10 @@ def test_default_for_causal_lanes_and_taken_when_asked():
 
 @needs_gluon
 @pytest.mark.parametrize("over, tuning, why", [
-    (dict(causal=False), {}, "non-causal lattice branches run in the Gluon forward"),
+    (dict(causal=False), {}, "the plan has no lane branch"),      # the Gluon forward's work
     (dict(hilbert={"scope": "segment"}), {}, "Hilbert orders"),
     (dict(dtype="float32"), {}, "float16 or bfloat16"),
     (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
-    (dict(dilation_rates=[2, 4, 8]), {}, "needs a branch with r = 1"),
     (dict(segment_lengths=[64, 512], dilation_rates=[1, 8]), {}, "no lane branch has r | w with w / r a multiple"),
     (dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048], dilation_rates=[1, 2]), {}, "no lane branch"),
     (dict(), {"gluon_lanes": [128, 8]}, "need 558080 bytes"),
@@ -105,7 +108,7 @@ def test_generated_source_is_golden_and_stable():
 def _module(tmp_path, **over):
     path = tmp_path / f"gla_{abs(hash(repr(sorted(over.items())))) % 10**6}.py"
     path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"),
-                                      {"gluon_lanes": True, "gluon_lanes_bwd": True,
+                                      {"gluon_lanes": True, **({"gluon_lanes_bwd": True} if over.get("causal", True) else {}),
                                        **({"lanes": "all"} if over.get("head_dim") == 64 else {})})))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
@@ -115,9 +118,10 @@ def _module(tmp_path, **over):
 
 @needs_gluon
 @pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]),
-                                  dict(head_base=16, num_kv_heads=1)])
+                                  dict(head_base=16, num_kv_heads=1), dict(causal=False, dilation_rates=[2, 4, 8])])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
-    """Both variants (writing, merging) of a branch of rate 2, under both CI Tritons."""
+    """The three variants (writing, merging, writing and clearing the gaps) of a branch of rate
+    2, under both CI Tritons."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -127,13 +131,17 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     def desc(rows):
         return f"tensordesc<bf16[{rows}, 1, {D}],{gl.NVMMASharedLayout.get_default_for([rows, 1, D], gl.bfloat16)!r}>"
     sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "Out": "*bf16",
-           "Lse": "*fp32", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
-    for merge in (False, True):
-        kernel = triton.compile(GluonASTSource(mod.gla_gluon_lanes, sig, {(7,): 4096, (8,): 2, (9,): merge}),
+           "Lse": "*fp32", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr",
+           "CLEAR": "constexpr"}
+    for merge, clear in ((False, False), (True, False), (False, True)):
+        kernel = triton.compile(GluonASTSource(mod.gla_gluon_lanes, sig, {(7,): 4096, (8,): 2, (9,): merge,
+                                                                          (10,): clear}),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+    if not over.get("causal", True):
+        return          # the Gluon lane backward is causal only
     box = desc(64)
     views = {"q_desc": box, "do_desc": box, "k_desc": box, "v_desc": box, "Lse": "*fp32", "Delta": "*fp32"}
     dkdv = {**views, "DK": "*bf16", "DV": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "NO": "constexpr",
@@ -156,14 +164,18 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     attn = build(spec, get_target("sm90")).module.attention
     assert dict((role, fn) for role, fn, _ in kernel_roles(attn))["gluon_lanes"] is attn.gluon_lanes_fn
     launches = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_lanes"]
-    assert [x.args[-3:] for x in launches] == [(256, 1, False), (512, 2, True)]
+    assert [x.args[-4:] for x in launches] == [(256, 1, False, False), (512, 2, True, False)]
     dkdv = [x.args[-4:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"]
     dq = [x.args[-3:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dq_lanes"]
     assert dkdv == [(256, 1, 1, False), (512, 2, 2, True)] and dq == [(256, 1, False), (512, 2, True)]
     assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
     mixed = build(_spec(name="gla_aot6", segment_lengths=[256, 1024], dilation_rates=[1, 6], num_heads=4,
                         num_kv_heads=2), get_target("sm90"), {"gluon_lanes": True}).module.attention
-    assert [x.args[-3:] for x in predicted_launches(mixed, 1024) if x.role == "gluon_lanes"] == [(256, 1, False)]
+    assert [x.args[-4:] for x in predicted_launches(mixed, 1024) if x.role == "gluon_lanes"] == [(256, 1, False, False)]
+    no_r1 = build(_spec(name="gla_aot_gap", segment_lengths=[512, 1024], dilation_rates=[2, 4], num_heads=4,
+                        num_kv_heads=2, causal=False), get_target("sm90")).module.attention
+    assert [x.args[-4:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_lanes"] == \
+        [(512, 2, False, True), (1024, 4, True, False)]     # the first writes the other offsets' rows too
 
 
 @needs_gluon
@@ -212,6 +224,10 @@ GPU_CASES = [
     # LongNet's r = 6 does not divide w: that branch runs the `tl` lane kernel after the Gluon one
     ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
      (1, 2048), {}),
+    # no r = 1 branch: the first launch writes "no branch" (0, -inf) into the other offsets' rows
+    ("no_r1_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8]), (2, 2048), {}),
+    ("no_r1_non_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
+     (2, 2048), {}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
@@ -236,6 +252,9 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
     if name == "rate_6_mixed":      # the backward is `tl` (its Gluon kernels need every branch's w / r)
         assert taken["gluon_lanes_launch"] == [True, False] and not any(taken["gluon_dkdv_lanes_launch"]) \
             and taken["gluon_dq_lanes_launch"] == [False, False], taken
+    elif name.startswith("no_r1"):  # Gluon lanes forward; the backward `tl` (its Gluon kernels need r = 1)
+        assert all(taken["gluon_lanes_launch"]) and len(taken["gluon_lanes_launch"]) == 3, taken
+        assert not any(taken.get("gluon_dkdv_lanes_launch", [])) and not any(taken.get("gluon_dq_lanes_launch", []))
     else:
         assert len(taken) == 3 and all(all(t) == (not name.endswith("_tl")) for t in taken.values()), taken
 

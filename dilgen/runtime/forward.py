@@ -125,11 +125,11 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
         accumulate, clear = fused or not (writes_all or clears), clears
         for i in lanes:
             br = plan["branches"][i]
-            gluon = None if (interpret or varlen or clear) else \
-                gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate)
+            gluon = None if (interpret or varlen) else \
+                gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear)
             if gluon is not None:   # the same work as the lane kernel, in Gluon (sm90)
                 launches.append(gluon)
-                accumulate = True
+                accumulate, clear = True, False
                 continue
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])
             kv, flag = (), ()

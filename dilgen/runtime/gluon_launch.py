@@ -60,17 +60,17 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
     return attn.gluon_kernel, (N // 128, B * plan["num_heads"]), gluon_args(plan, q, k, v, out, lse, B, N), OPTIONS
 
 
-def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool):
+def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False):
     """(kernel, grid, args, options) of the Gluon causal lanes of branch `br` for this call, or
     None when the call takes the `tl` lane kernel instead (_takes): program (s*T + t, b*H + h),
-    T = w/r/128 lane tiles."""
+    T = w/r/128 lane tiles; `clear`: also write "no branch" into the other offsets' rows."""
     plan = attn.plan
     tile = plan["config"].get("gluon_lanes")
     if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
             or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
         return None
     return (attn.gluon_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
-            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate), OPTIONS)
+            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear), OPTIONS)
 
 
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
@@ -148,13 +148,14 @@ def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
             *(box(v, "kv", r, block) for r in rates), lse, N)
 
 
-def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool) -> tuple:
+def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool,
+                     clear: bool = False) -> tuple:
     """The causal lanes' arguments: q's and out's descriptors through the branch's
     (B*N/r, r*H, D) view (64-row boxes), k's and v's through (B*N/r, r*H_kv, D) (boxes of the
-    plan's keys per block), out, lse, N; the branch's w and r and ACCUMULATE (constexprs)."""
+    plan's keys per block), out, lse, N; the branch's w and r, ACCUMULATE and CLEAR (constexprs)."""
     box, r, block = _boxes(plan, B, N), br["r"], plan["config"]["gluon_lanes"][0]
     return (box(q, "q", r), box(out, "q", r), box(k, "kv", r, block), box(v, "kv", r, block),
-            out, lse, N, br["w"], r, bool(accumulate))
+            out, lse, N, br["w"], r, bool(accumulate), bool(clear))
 
 
 def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,

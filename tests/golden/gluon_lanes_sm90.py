@@ -1,4 +1,4 @@
-# ---- sm90: the causal lanes in Gluon (KernelConfig.gluon_lanes; runtime/forward.py launches it
+# ---- sm90: the lane branches in Gluon (KernelConfig.gluon_lanes; runtime/forward.py launches it
 # on a GPU for fixed-length rows whose every segment is whole, gla_fwd_lanes otherwise) ----
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -74,7 +74,7 @@ def gla_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_
 
 
 @gluon.jit
-def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
+def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
     """One consumer warpgroup: query lanes q0 = mt*128 + WG*64 ... of the segment against the
     stream of key blocks, as the Gluon forward's consumers (block t's scores issued before
     block t - 1's P·V); key block 0 holds lane 0, so every row's running max is finite from
@@ -145,38 +145,59 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     tma_store(o_desc, [b * (N // R) + s * (W // R) + q0, (h % R) * 16 + h, 0],
               q_smem.index(WG))
     gl.store(lse_rows, lse)
+    if CLEAR:   # the first launch where no branch keeps every row: "no branch" (0, -inf) into
+        # the rows of the tile's span that other offsets c than o keep (common.gap_rows)
+        offs_d = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
+        for c in range(1, R):
+            gap = rows + ((h + c) % R - h % R)
+            gl.store(Out + ((b * N + gl.expand_dims(gap, 1)).to(gl.int64) * 16 + h) * 128 + offs_d,
+                     gl.zeros([GLUON_LANE_ROWS, 128], dtype, layout=o_layout))
+            gl.store(Lse + (b * 16 + h).to(gl.int64) * N + gap,
+                     gl.full([GLUON_LANE_ROWS], float("-inf"), gl.float32, layout=rows_l))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def gla_gluon_lanes_write0(p):
-    gla_gluon_lanes_consume(p, 0, False)
+    gla_gluon_lanes_consume(p, 0, False, False)
 
 
 @gluon.jit
 def gla_gluon_lanes_write1(p):
-    gla_gluon_lanes_consume(p, 1, False)
+    gla_gluon_lanes_consume(p, 1, False, False)
 
 
 @gluon.jit
 def gla_gluon_lanes_add0(p):
-    gla_gluon_lanes_consume(p, 0, True)
+    gla_gluon_lanes_consume(p, 0, True, False)
 
 
 @gluon.jit
 def gla_gluon_lanes_add1(p):
-    gla_gluon_lanes_consume(p, 1, True)
+    gla_gluon_lanes_consume(p, 1, True, False)
+
+
+@gluon.jit
+def gla_gluon_lanes_clear0(p):
+    gla_gluon_lanes_consume(p, 0, False, True)
+
+
+@gluon.jit
+def gla_gluon_lanes_clear1(p):
+    gla_gluon_lanes_consume(p, 1, False, True)
 
 
 @gluon.jit
 def gla_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr, R: gl.constexpr,
-                  ACCUMULATE: gl.constexpr):
+                  ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
     """Notation (as in gla_fwd_lanes, whose work this is for one branch).
     W, R             the branch's segment length and rate (W / R a multiple of 128)
     q_desc, o_desc   q and out as (B*N/R, R*H, D): rows b*N/R + s*W/R + j, column o*H + h are
                      the query lanes u = s*W + o + R*j of head h (o = h mod R); boxes of 64
     k_desc, v_desc   k and v as (B*N/R, R*H_kv, D), column o*H_kv + kv head; boxes of 128
-    Out, Lse         (B, N, H, D) and (B, H, N): merged into (ACCUMULATE) or written
+    Out, Lse         (B, N, H, D) and (B, H, N): merged into (ACCUMULATE) or written; CLEAR
+                     (a first launch whose branch does not keep every row): the tile's span's
+                     rows of other offsets written "no branch" (0, -inf) too
     program          (s*T + t, b*H + h): segment s, lane tile mt = T - 1 - t of 128 lanes
                      (T = W/R/128 tiles, the longest first)
     Two consumer warpgroups of 64 query lanes and one producer warp (gl.warp_specialize), as
@@ -205,6 +226,9 @@ def gla_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr
          b, h, s, mt, N, W, R)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_lanes_add0, (p,)), (gla_gluon_lanes_add1, (p,)),
+                            (gla_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
+    elif CLEAR:
+        gl.warp_specialize([(gla_gluon_lanes_clear0, (p,)), (gla_gluon_lanes_clear1, (p,)),
                             (gla_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
     else:
         gl.warp_specialize([(gla_gluon_lanes_write0, (p,)), (gla_gluon_lanes_write1, (p,)),
