@@ -182,12 +182,13 @@ class Target:
     # 64 keeps the `tl` dq (bench/results/backward_gluon_dq-2026-11-28-h200.json)
     gluon_dq_default: tuple[int, ...] = ()
     gluon_dq_stages: int = 4
-    # A causal spec's lane branches as a warp-specialized Gluon kernel (KernelConfig.gluon_lanes,
+    # A spec's lane branches as a warp-specialized Gluon kernel (KernelConfig.gluon_lanes,
     # templates/gluon_lanes.py.jinja) with the tile of gluon_fwd_tiles: the head dims where it
     # is the default. H200, bf16, causal forward: A 1.24 -> 1.01 ms, B 5.47 -> 4.48; C with
     # every branch as lanes (head_dim 64) 1.37 -> 1.03; E (r = 6, 12 keep the `tl` lane kernel
-    # in the same call) 5.85 -> 4.75 (bench/results/forward_gluon_lanes-,
-    # forward_gluon_lanes_tiles-2026-11-28-h200.json)
+    # in the same call) 5.81 -> 5.18; D non-causal (no r = 1 branch) 0.49 -> 0.47
+    # (bench/results/forward_gluon_lanes-, forward_gluon_lanes_tiles-, forward_mixed_lanes-,
+    # forward_d_gluon_lanes-2026-11-28-h200.json)
     gluon_lanes_default: tuple[int, ...] = ()
     # A causal spec's per-branch dK/dV and lane dq as warp-specialized Gluon kernels
     # (KernelConfig.gluon_lanes_bwd, templates/gluon_lanes_bwd.py.jinja): the head dims where

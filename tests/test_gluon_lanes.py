@@ -51,9 +51,11 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(low, sm90, {"lanes": "all"}).config.gluon_lanes == (128, 3)
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
     for causal in (True, False):     # no r = 1 branch: every branch as lanes, the first clears the gaps
-        no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90)
+        no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"gluon_lanes": True})
         assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0
         assert no_r1.config.gluon_lanes_bwd is None        # the Gluon lane backward needs an r = 1 branch
+    assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90).config.gluon_lanes == (128, 3)
+    assert plan(_spec(dilation_rates=[2, 4, 8]), sm90).config.gluon_lanes is None    # causal: level, asked for
     longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
     assert plan(longnet, sm90).config.gluon_lanes == (128, 3)             # branch 0 Gluon, 1, 2 `tl`
     assert plan(longnet, sm90).config.gluon_lanes_bwd is None
@@ -225,7 +227,8 @@ GPU_CASES = [
     ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
      (1, 2048), {}),
     # no r = 1 branch: the first launch writes "no branch" (0, -inf) into the other offsets' rows
-    ("no_r1_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8]), (2, 2048), {}),
+    ("no_r1_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8]), (2, 2048),
+     {"gluon_lanes": True}),
     ("no_r1_non_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
      (2, 2048), {}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
