@@ -61,7 +61,7 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
 
 
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False):
-    """(kernel, grid, args, options) of the Gluon causal lanes of branch `br` for this call, or
+    """(kernel, grid, args, options) of the Gluon lanes of branch `br` for this call, or
     None when the call takes the `tl` lane kernel instead (_takes): program (s*T + t, b*H + h),
     T = w/r/128 lane tiles; `clear`: also write "no branch" into the other offsets' rows."""
     plan = attn.plan
@@ -150,7 +150,7 @@ def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
 
 def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool,
                      clear: bool = False) -> tuple:
-    """The causal lanes' arguments: q's and out's descriptors through the branch's
+    """The Gluon lanes' arguments: q's and out's descriptors through the branch's
     (B*N/r, r*H, D) view (64-row boxes), k's and v's through (B*N/r, r*H_kv, D) (boxes of the
     plan's keys per block), out, lse, N; the branch's w and r, ACCUMULATE and CLEAR (constexprs)."""
     box, r, block = _boxes(plan, B, N), br["r"], plan["config"]["gluon_lanes"][0]
