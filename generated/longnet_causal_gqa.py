@@ -2,8 +2,8 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 6668f0d8c0081931
-# plan key:      0a61a81c5e41984b518ec4f0a016f1480d4e238d23298d8c37fc32f8a55c43bd
+# template hash: 25a8e17282d217ee
+# plan key:      04295057758c3ae404c02eb5fbebd2fc359f717d066ff4f6dab3aa2e3bbe2677
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -93,6 +93,7 @@ PLAN = {
         "decode": [64, 2048, 4, 3],
         "dot_precision": None,
         "fold_scale": True,
+        "gluon_lanes": [128, 3],
         "l2_bytes": 52428800,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 128, 8, 3],
@@ -1557,9 +1558,246 @@ DECODE_KERNELS = {
     },
 }
 
+# ---- sm90: the lane branches in Gluon (KernelConfig.gluon_lanes; runtime/forward.py launches it
+# on a GPU for fixed-length rows whose every segment is whole, longnet_causal_gqa_fwd_lanes otherwise) ----
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+# TMA copies: Triton 3.9 names them async_load / async_store (3.6: async_copy_*)
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+GLUON_LANE_ROWS = gl.constexpr(64)      # query lanes per consumer warpgroup; a program takes two
+GLUON_LANE_KEYS = gl.constexpr(128)     # key lanes per block
+GLUON_LANE_STAGES = gl.constexpr(3)   # K/V blocks in flight (the shared-memory ring)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_producer(p):
+    """One warp: the tile's two Q blocks, then the segment's key blocks 0 ... T - 1, T the
+    blocks up to the tile's last query lane (no key past it is ever needed)."""
+    (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, s, mt, N, W, R) = p
+    row0 = b * (N // R) + s * (W // R)
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
+        tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS,
+                          (h % R) * 16 + h, 0], q_bars.index(wg), q_smem.index(wg))
+    kcol = (h % R) * 4 + h // 4
+    for t in range((mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
+        st = t % GLUON_LANE_STAGES
+        mbarrier.wait(kv_empty.index(st), ((t // GLUON_LANE_STAGES) & 1) ^ 1)   # both consumers let go of it
+        mbarrier.expect(k_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
+        tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
+        tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_scores(s, t, q0, s_layout: gl.constexpr, MASKED: gl.constexpr):
+    """A block's scores in the exp2 domain; in a MASKED block (the warpgroup's last, the one
+    its diagonal crosses, and block 0) key lane j > query lane i is masked."""
+    x = s * 0.12751743082459868
+    if MASKED:
+        keys = t * GLUON_LANE_KEYS + gl.arange(0, GLUON_LANE_KEYS, layout=gl.SliceLayout(0, s_layout))
+        lanes = q0 + gl.arange(0, GLUON_LANE_ROWS, layout=gl.SliceLayout(1, s_layout))
+        x = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(lanes, 1), x, float("-inf"))
+    return x
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready, kv_empty, q0,
+                        s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr):
+    """Key block t: its scores issued, then block t - 1's P·V while they run, then block t's
+    online softmax (running max m_i, sum l_i; acc rescaled by exp2(m_old - m_new))."""
+    dtype: gl.constexpr = k_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
+    st = t % GLUON_LANE_STAGES
+    pst = (t - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(st).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_LANE_STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
+    x = longnet_causal_gqa_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
+    m_new = gl.maximum(m_i, gl.max(x, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    pj = gl.exp2(x - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(pj, axis=1)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(kv_empty.index(pst), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return acc, m_new, l_i, gl.convert_layout(pj.to(dtype), p_layout)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+    """One consumer warpgroup: query lanes q0 = mt*128 + WG*64 ... of the segment against the
+    stream of key blocks, as the Gluon forward's consumers (block t's scores issued before
+    block t - 1's P·V); key block 0 holds lane 0, so every row's running max is finite from
+    the first."""
+    (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, s, mt, N, W, R) = p
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, GLUON_LANE_KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 128, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
+    acc = gl.zeros([GLUON_LANE_ROWS, 128], gl.float32, layout=o_layout)
+    q0 = mt * (2 * GLUON_LANE_ROWS) + WG * GLUON_LANE_ROWS
+    T = (q0 + GLUON_LANE_ROWS + GLUON_LANE_KEYS - 1) // GLUON_LANE_KEYS    # blocks up to its last lane
+
+    mbarrier.wait(q_bars.index(WG), 0)
+    q = q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128])
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    x = longnet_causal_gqa_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, True)
+    m_i = gl.max(x, axis=1)
+    pj = gl.exp2(x - gl.expand_dims(m_i, 1))
+    l_i = gl.sum(pj, axis=1)
+    p_op = gl.convert_layout(pj.to(dtype), p_layout)
+    # a warpgroup's diagonal crosses exactly its last block T - 1 (64 query lanes at a
+    # multiple of 64, blocks of 64 or 128 keys): blocks 1 ... T - 2 run unmasked
+    for t in range(1, T - 1):
+        acc, m_i, l_i, p_op = longnet_causal_gqa_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+                                                  kv_empty, q0, s_layout, o_layout, False)
+    if T > 1:
+        acc, m_i, l_i, p_op = longnet_causal_gqa_gluon_lanes_block(T - 1, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+                                                  kv_empty, q0, s_layout, o_layout, True)
+    lst = (T - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(v_ready.index(lst), ((T - 1) // GLUON_LANE_STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(kv_empty.index(lst), count=1)
+    # blocks past its last lane (the first warpgroup's last one at 64 keys a block): let go of
+    # them once their loads landed, so that the producer refills no stage a load still writes
+    for t in range(T, (mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
+        st = t % GLUON_LANE_STAGES
+        mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+        mbarrier.wait(v_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(st), count=1)
+
+    rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, rows_l), 1)
+    lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, rows_l)     # natural log
+    rows = s * W + h % R + R * (q0 + gl.arange(0, GLUON_LANE_ROWS, layout=rows_l))
+    lse_rows = Lse + (b * 16 + h).to(gl.int64) * N + rows
+    if ACCUMULATE:  # merge with the launches before this one (common.merge_partial)
+        offs = ((b * N + gl.expand_dims(rows, 1)).to(gl.int64) * 16 + h) * 128 \
+            + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
+        lse_acc = gl.load(lse_rows)
+        top = gl.maximum(lse_acc, lse)              # finite: this launch's lse is
+        w_acc = gl.exp(lse_acc - top)
+        w_new = gl.exp(lse - top)
+        total = w_acc + w_new
+        out_acc = gl.where(gl.expand_dims(w_acc > 0.0, 1), gl.load(Out + offs).to(gl.float32)
+                           * gl.expand_dims(w_acc, 1), 0.0)
+        out = (out_acc + out * gl.expand_dims(w_new, 1)) / gl.expand_dims(total, 1)
+        lse = top + gl.log(total)
+    q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128]).store(out.to(dtype))   # its Q buffer holds its output
+    fence_async_shared()
+    tma_store(o_desc, [b * (N // R) + s * (W // R) + q0, (h % R) * 16 + h, 0],
+              q_smem.index(WG))
+    gl.store(lse_rows, lse)
+    if CLEAR:   # the first launch where no branch keeps every row: "no branch" (0, -inf) into
+        # the rows of the tile's span that other offsets c than o keep (common.gap_rows)
+        offs_d = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
+        for c in range(1, R):
+            gap = rows + ((h + c) % R - h % R)
+            gl.store(Out + ((b * N + gl.expand_dims(gap, 1)).to(gl.int64) * 16 + h) * 128 + offs_d,
+                     gl.zeros([GLUON_LANE_ROWS, 128], dtype, layout=o_layout))
+            gl.store(Lse + (b * 16 + h).to(gl.int64) * N + gap,
+                     gl.full([GLUON_LANE_ROWS], float("-inf"), gl.float32, layout=rows_l))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_write0(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, False)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_write1(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, False)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_add0(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, True, False)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_add1(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, True, False)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_clear0(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, True)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_clear1(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, True)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr, R: gl.constexpr,
+                  ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+    """Notation (as in longnet_causal_gqa_fwd_lanes, whose work this is for one branch).
+    W, R             the branch's segment length and rate (W / R a multiple of 128)
+    q_desc, o_desc   q and out as (B*N/R, R*H, D): rows b*N/R + s*W/R + j, column o*H + h are
+                     the query lanes u = s*W + o + R*j of head h (o = h mod R); boxes of 64
+    k_desc, v_desc   k and v as (B*N/R, R*H_kv, D), column o*H_kv + kv head; boxes of 128
+    Out, Lse         (B, N, H, D) and (B, H, N): merged into (ACCUMULATE) or written; CLEAR
+                     (a first launch whose branch does not keep every row): the tile's span's
+                     rows of other offsets written "no branch" (0, -inf) too
+    program          (s*T + t, b*H + h): segment s, lane tile mt = T - 1 - t of 128 lanes
+                     (T = W/R/128 tiles, the longest first)
+    Two consumer warpgroups of 64 query lanes and one producer warp (gl.warp_specialize), as
+    the Gluon forward (gluon_fwd.py.jinja); every segment whole (runtime/forward.py)."""
+    dtype: gl.constexpr = q_desc.dtype
+    n_tiles: gl.constexpr = W // R // (2 * GLUON_LANE_ROWS)
+    s = gl.program_id(0) // n_tiles
+    mt = n_tiles - 1 - gl.program_id(0) % n_tiles
+    b = gl.program_id(1) // 16
+    h = gl.program_id(1) % 16
+    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANE_ROWS, 1, 128], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(GLUON_LANE_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+    p = (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R)
+    if ACCUMULATE:
+        gl.warp_specialize([(longnet_causal_gqa_gluon_lanes_add0, (p,)), (longnet_causal_gqa_gluon_lanes_add1, (p,)),
+                            (longnet_causal_gqa_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
+    elif CLEAR:
+        gl.warp_specialize([(longnet_causal_gqa_gluon_lanes_clear0, (p,)), (longnet_causal_gqa_gluon_lanes_clear1, (p,)),
+                            (longnet_causal_gqa_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([(longnet_causal_gqa_gluon_lanes_write0, (p,)), (longnet_causal_gqa_gluon_lanes_write1, (p,)),
+                            (longnet_causal_gqa_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
+
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_causal_gqa_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
                                lane_kernel=longnet_causal_gqa_fwd_lanes,
-                               curve_kernel=None)
+                               curve_kernel=None,
+                               gluon_lanes=longnet_causal_gqa_gluon_lanes)
