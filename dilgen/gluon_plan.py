@@ -1,13 +1,15 @@
 """The planner's sm90 Gluon choices: whether a plan runs its forward (KernelConfig.gluon_fwd,
 templates/gluon_fwd.py.jinja), its fused dK/dV (KernelConfig.gluon_dkdv,
 templates/gluon_bwd.py.jinja), its dQ (KernelConfig.gluon_dq, templates/gluon_dq.py.jinja) and
-its causal lanes (KernelConfig.gluon_lanes, templates/gluon_lanes.py.jinja) as warp-specialized
-Gluon kernels, and why not (one line).
+its lane branches (KernelConfig.gluon_lanes, templates/gluon_lanes.py.jinja) and its causal
+backward per branch (KernelConfig.gluon_lanes_bwd, templates/gluon_lanes_bwd.py.jinja) as
+warp-specialized Gluon kernels, and why not (one line).
 
 The first three take the same plans: non-causal raster rows of float16 / bfloat16 at head_dim
 64 or 128, every branch a lattice branch (r | w) with the same head offsets, whole 128 x L tiles
-in every segment. The lanes take causal plans of the same rows whose lane branches have r | w
-and whole 128-lane tiles. The runtime takes them for calls whose every segment is whole."""
+in every segment. The lanes take the lane branches of such rows that have r | w and whole
+128-lane tiles, causal or not; the causal backward per branch needs every branch so and an
+r = 1 branch. The runtime takes them for calls whose every segment is whole."""
 from __future__ import annotations
 
 from .spec import Spec, SpecError
@@ -58,7 +60,7 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
         tile = tuple(want)
     lanes = [b for b in branches if b.lanes]
     taken = [b for b in lanes if tile and gluon_lane_branch(b.segment_length, b.dilation, tile[0])]
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, divides=False, forward_lanes=True)
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, forward_lanes=True)
            or (None if lanes else "the plan has no lane branch")
            or (None if taken else f"no lane branch has r | w with w / r a multiple of 128 and of {tile[0]} "
                                   "keys")
@@ -142,10 +144,10 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 
 
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
-             divides: bool = True, forward_lanes: bool = False) -> str | None:
-    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the causal lane
-    kernels; `divides`: every branch (every lane branch with `lanes`) must have r | w;
-    `forward_lanes`: for the forward lane kernel, which runs causal or not and needs no r = 1
+             forward_lanes: bool = False) -> str | None:
+    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels
+    (every branch r | w, unless `forward_lanes`); `forward_lanes`: for the forward lane kernel,
+    which runs causal or not, takes the r | w branches beside `tl` ones, and needs no r = 1
     branch (its first launch writes "no branch" into the rows its branch does not keep)."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
@@ -161,7 +163,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
-        (divides and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
+        (not forward_lanes and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
         (not forward_lanes and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "

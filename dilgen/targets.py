@@ -193,8 +193,8 @@ class Target:
     # A causal spec's per-branch dK/dV and lane dq as warp-specialized Gluon kernels
     # (KernelConfig.gluon_lanes_bwd, templates/gluon_lanes_bwd.py.jinja): the head dims where
     # they are the default, their stages, and whether the dK/dV is among them. H200, A causal
-    # fwd+bwd 5.48 -> 4.67 ms (dK/dV 2.45 -> 2.19, dq 1.55 -> 1.21); C (head_dim 64) 3.70 -> 3.46
-    # (bench/results/lanes_bwd_probe-, backward_gluon_lanes-2026-11-28-h200.json)
+    # fwd+bwd 5.48 -> 4.67 ms (dK/dV 2.45 -> 2.19, dq 1.55 -> 1.21); C (head_dim 64) 3.70 -> 3.45
+    # (bench/results/lanes_bwd_probe-, backward_gluon_lanes_hd64-2026-11-28-h200.json)
     gluon_lanes_bwd_default: tuple[int, ...] = ()
     gluon_lanes_bwd_stages: int = 4
     gluon_dkdv_lanes: bool = False

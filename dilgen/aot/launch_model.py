@@ -82,22 +82,15 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
                          {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
     if getattr(attention, "curve_kernel", None) is not None:
         roles.insert(1, ("curve_rows", attention.curve_kernel, {"num_warps": 4, "num_stages": 1}))
-    if getattr(attention, "gluon_fn", None) is not None:     # a @gluon.jit function already
-        from ..runtime.gluon_launch import OPTIONS
-        roles.insert(1, ("gluon_forward", attention.gluon_fn, dict(OPTIONS)))
-    if getattr(attention, "gluon_dkdv_fn", None) is not None:
-        from ..runtime.gluon_launch import OPTIONS
-        roles.append(("gluon_dkdv", attention.gluon_dkdv_fn, dict(OPTIONS)))
-    if getattr(attention, "gluon_dq_fn", None) is not None:
-        from ..runtime.gluon_launch import OPTIONS
-        roles.append(("gluon_dq", attention.gluon_dq_fn, dict(OPTIONS)))
-    if getattr(attention, "gluon_lanes_fn", None) is not None:
-        from ..runtime.gluon_launch import OPTIONS
-        roles.insert(1, ("gluon_lanes", attention.gluon_lanes_fn, dict(OPTIONS)))
-    for role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):
-        if getattr(attention, role + "_fn", None) is not None:
+    # the Gluon kernels (@gluon.jit functions already): forwards after the first role, the rest last
+    for role, attr, forward in (("gluon_forward", "gluon_fn", True), ("gluon_dkdv", "gluon_dkdv_fn", False),
+                                ("gluon_dq", "gluon_dq_fn", False), ("gluon_lanes", "gluon_lanes_fn", True),
+                                ("gluon_dkdv_lanes", "gluon_dkdv_lanes_fn", False),
+                                ("gluon_dq_lanes", "gluon_dq_lanes_fn", False)):
+        fn = getattr(attention, attr, None)
+        if fn is not None:
             from ..runtime.gluon_launch import OPTIONS
-            roles.append((role, getattr(attention, role + "_fn"), dict(OPTIONS)))
+            roles.insert(1 if forward else len(roles), (role, fn, dict(OPTIONS)))
     return roles
 
 

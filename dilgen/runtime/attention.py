@@ -52,7 +52,7 @@ class GeneratedAttention:
         self.gluon_fn = gluon_kernel               # sm90's Gluon forward (@gluon.jit, gluon_launch.py) or None
         self.gluon_dkdv_fn = gluon_dkdv            # sm90's Gluon fused dK/dV (@gluon.jit) or None
         self.gluon_dq_fn = gluon_dq                # sm90's Gluon dQ (@gluon.jit) or None
-        self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon causal lanes (@gluon.jit) or None
+        self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon lane branches (@gluon.jit) or None
         self.gluon_dkdv_lanes_fn = gluon_dkdv_lanes    # sm90's Gluon causal dK/dV per branch or None
         self.gluon_dq_lanes_fn = gluon_dq_lanes        # sm90's Gluon causal lane dq or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
@@ -125,7 +125,7 @@ class GeneratedAttention:
 
     @property
     def gluon_lanes_kernel(self):
-        """The Gluon causal lanes as launched on a GPU (as gluon_kernel); None without one."""
+        """The Gluon lane branches as launched on a GPU (as gluon_kernel); None without one."""
         return self._gluon("gluon_lanes", self.gluon_lanes_fn)
 
     @property
