@@ -107,6 +107,19 @@ def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: 
     return want and lanes_bwd is not None
 
 
+def gluon_exp2(spec: Spec, target: Target, tiles, gluon: dict, tuning: dict) -> int:
+    """KernelConfig.gluon_exp2: the target's for the head_dim, or the tuning's `gluon_exp2`
+    (0, 2, 4 or 8); a plan running neither the Gluon forward nor its lanes takes 0, and a
+    tuning asking it of one is refused."""
+    if not (gluon["gluon_fwd"] or gluon["gluon_lanes"]):
+        if tuning.get("gluon_exp2"):
+            raise SpecError(f"{spec.name}: tuning gluon_exp2 needs the Gluon forward or lanes, which this plan "
+                            f"does not run; ask for them with {{\"gluon_fwd\": true}} or {{\"gluon_lanes\": true}} "
+                            f"to see why")
+        return 0
+    return tuning.get("gluon_exp2", dict(target.gluon_exp2).get(tiles.tile_d, 0))
+
+
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
                tuning: dict) -> int | None:
     """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None (_backward_stages);

@@ -241,6 +241,9 @@ class KernelConfig:
     gluon_lanes_bwd: int | None = None
     # with gluon_lanes_bwd: the per-branch dK/dV in Gluon too (else only the lane dq)
     gluon_dkdv_lanes: bool = False
+    # the Gluon forward's and lanes' softmax: one exponential in every gluon_exp2 as a cubic
+    # on the FMA pipe instead of the MUFU unit (0: every one on the MUFU unit)
+    gluon_exp2: int = 0
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -261,6 +264,8 @@ class KernelConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 2 <= value <= 8):
                 raise ValueError(f"KernelConfig.{name} = {value!r}: stages 2 to 8")
+        if self.gluon_exp2 not in (0, 2, 4, 8):
+            raise ValueError(f"KernelConfig.gluon_exp2 = {self.gluon_exp2!r}: 0, 2, 4 or 8")
         if self.block_m % self.bwd_dq[0]:
             raise ValueError(f"KernelConfig: dq rows {self.bwd_dq[0]} must divide block_m "
                              f"{self.block_m} (a dq tile must nest in the forward's tiles)")
@@ -286,6 +291,7 @@ class KernelConfig:
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
+                **({"gluon_exp2": self.gluon_exp2} if self.gluon_exp2 else {}),
                 "decode": list(self.decode)}
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import gluon_dkdv, gluon_dkdv_lanes, gluon_dq, gluon_fwd, gluon_lanes, gluon_lanes_bwd
+from .gluon_plan import gluon_dkdv, gluon_dkdv_lanes, gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -93,7 +93,7 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
            "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
-           "gluon_lanes_bwd", "gluon_dkdv_lanes")
+           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2")
 LANES_CHOICES = ("auto", "all")
 
 
@@ -123,6 +123,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
         gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
     gluon["gluon_dkdv_lanes"] = gluon_dkdv_lanes(spec, target, gluon["gluon_lanes_bwd"], tuning)
+    gluon["gluon_exp2"] = gluon_exp2(spec, target, tiles, gluon, tuning)
     tables = []
     for t in [query_order, *orders]:
         if t is not None and t not in tables:

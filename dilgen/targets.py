@@ -198,6 +198,9 @@ class Target:
     gluon_lanes_bwd_default: tuple[int, ...] = ()
     gluon_lanes_bwd_stages: int = 4
     gluon_dkdv_lanes: bool = False
+    # (head_dim, n): the Gluon forward's and lanes' softmax compute one exponential in n as a
+    # cubic on the FMA pipe (KernelConfig.gluon_exp2), where the MUFU unit bounds it
+    gluon_exp2: tuple[tuple[int, int], ...] = ()
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 25a8e17282d217ee
+# template hash: fdb368372481356c
 # plan key:      8c77eb6af35ffba89bdb25f499bb559026e49245c4102469bc47c3f68dd0bf62
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1178,6 +1178,11 @@ GLUON_STAGES = gl.constexpr(3)    # K/V blocks in flight (the shared-memory ring
 
 
 @gluon.jit
+def longnet_base_gluon_exp2(x):
+    return gl.exp2(x)
+
+
+@gluon.jit
 def longnet_base_gluon_blocks(d):
     """Key blocks of a class-d tile: w / r / GLUON_KEYS for each branch with r | d."""
     t = gl.where(d % 1 == 0, 16, 0)  # branch 0: w = 2048, r = 1
@@ -1249,9 +1254,8 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr):
     s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_KEYS, D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    x = s * 0.12751743082459868
-    m_i = gl.max(x, axis=1)
-    pj = gl.exp2(x - gl.expand_dims(m_i, 1))
+    m_i = gl.max(s, axis=1) * 0.12751743082459868
+    pj = longnet_base_gluon_exp2(s * 0.12751743082459868 - gl.expand_dims(m_i, 1))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     for t in range(1, T):
@@ -1263,10 +1267,9 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr):
         mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
-        x = s * 0.12751743082459868
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
         alpha = gl.exp2(m_i - m_new)
-        pj = gl.exp2(x - gl.expand_dims(m_new, 1))
+        pj = longnet_base_gluon_exp2(s * 0.12751743082459868 - gl.expand_dims(m_new, 1))     # one multiply-add a score
         l_i = l_i * alpha + gl.sum(pj, axis=1)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(o_tok,))

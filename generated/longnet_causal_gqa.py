@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 25a8e17282d217ee
+# template hash: fdb368372481356c
 # plan key:      04295057758c3ae404c02eb5fbebd2fc359f717d066ff4f6dab3aa2e3bbe2677
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1575,6 +1575,11 @@ GLUON_LANE_STAGES = gl.constexpr(3)   # K/V blocks in flight (the shared-memory 
 
 
 @gluon.jit
+def longnet_causal_gqa_gluon_lanes_exp2(x):
+    return gl.exp2(x)
+
+
+@gluon.jit
 def longnet_causal_gqa_gluon_lanes_producer(p):
     """One warp: the tile's two Q blocks, then the segment's key blocks 0 ... T - 1, T the
     blocks up to the tile's last query lane (no key past it is ever needed)."""
@@ -1597,14 +1602,14 @@ def longnet_causal_gqa_gluon_lanes_producer(p):
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_scores(s, t, q0, s_layout: gl.constexpr, MASKED: gl.constexpr):
-    """A block's scores in the exp2 domain; in a MASKED block (the warpgroup's last, the one
-    its diagonal crosses, and block 0) key lane j > query lane i is masked."""
-    x = s * 0.12751743082459868
+    """A block's raw scores q·k (the scale enters exp2's argument); in a MASKED block (the
+    warpgroup's last, the one its diagonal crosses, and block 0) key lane j > query lane i is
+    masked."""
     if MASKED:
         keys = t * GLUON_LANE_KEYS + gl.arange(0, GLUON_LANE_KEYS, layout=gl.SliceLayout(0, s_layout))
         lanes = q0 + gl.arange(0, GLUON_LANE_ROWS, layout=gl.SliceLayout(1, s_layout))
-        x = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(lanes, 1), x, float("-inf"))
-    return x
+        s = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(lanes, 1), s, float("-inf"))
+    return s
 
 
 @gluon.jit
@@ -1623,9 +1628,9 @@ def longnet_causal_gqa_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_sm
     mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_LANE_STAGES) & 1)
     o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_LANE_KEYS, 128]), acc, is_async=True)
     x = longnet_causal_gqa_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
-    m_new = gl.maximum(m_i, gl.max(x, axis=1))
+    m_new = gl.maximum(m_i, gl.max(x, axis=1) * 0.12751743082459868)
     alpha = gl.exp2(m_i - m_new)
-    pj = gl.exp2(x - gl.expand_dims(m_new, 1))
+    pj = longnet_causal_gqa_gluon_lanes_exp2(x * 0.12751743082459868 - gl.expand_dims(m_new, 1))     # one multiply-add a score
     l_i = l_i * alpha + gl.sum(pj, axis=1)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(kv_empty.index(pst), count=1)
@@ -1658,8 +1663,8 @@ def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.c
     s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_LANE_KEYS, 128]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
     x = longnet_causal_gqa_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, True)
-    m_i = gl.max(x, axis=1)
-    pj = gl.exp2(x - gl.expand_dims(m_i, 1))
+    m_i = gl.max(x, axis=1) * 0.12751743082459868
+    pj = longnet_causal_gqa_gluon_lanes_exp2(x * 0.12751743082459868 - gl.expand_dims(m_i, 1))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     # a warpgroup's diagonal crosses exactly its last block T - 1 (64 query lanes at a

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 25a8e17282d217ee
+# template hash: fdb368372481356c
 # plan key:      67cd1c4a8cb00f3bb259050770d3cf6778d224188df51ea4aa99b64cb966acd2
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -77,8 +77,44 @@ def test_a_tile_that_cannot_run_is_refused_by_name(asked, why):
     assert plan(_spec(head_dim=64), get_target("sm90"), {"gluon_fwd": [128, 5]}).config.gluon_fwd == (128, 5)
 
 
-def _source(**over) -> str:
-    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True, "gluon_dkdv": False, "gluon_dq": False}))
+def _source(exp2: int = 0, **over) -> str:
+    return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True, "gluon_dkdv": False,
+                                                                 "gluon_dq": False, "gluon_exp2": exp2}))
+
+
+@needs_gluon
+def test_exp2_on_the_fma_pipe_is_planned_emitted_and_refused_by_name():
+    """gluon_exp2 = n: of each n exponentials a thread holds, n - 1 on the MUFU unit's ex2 and
+    one as a cubic on the FMA pipe (common.jinja's gluon_exp2); 0 emits gl.exp2."""
+    sm90 = get_target("sm90")
+    assert plan(_spec(), sm90).config.gluon_exp2 == dict(sm90.gluon_exp2).get(128, 0)
+    assert plan(_spec(), sm90, {"gluon_exp2": 4}).config.gluon_exp2 == 4
+    text = _source(exp2=4)
+    assert text.count("ex2.approx.ftz.f32") == 3 and "pack=4" in text and "0f3F31798D" in text
+    assert "inline_asm_elementwise" not in _source(exp2=0)
+    with pytest.raises(SpecError, match="gluon_exp2 needs the Gluon forward or lanes"):
+        plan(_spec(), sm90, {"gluon_fwd": False, "gluon_exp2": 2})
+    assert plan(_spec(), sm90, {"gluon_fwd": False, "gluon_exp2": 0}).config.gluon_exp2 == 0
+    with pytest.raises(ValueError, match="gluon_exp2 = 3: 0, 2, 4 or 8"):
+        plan(_spec(), sm90, {"gluon_exp2": 3})
+
+
+def test_the_cubic_is_two_to_the_x_within_bfloat16s_rounding():
+    """The cubic and exponent-bit arithmetic of gluon_exp2's asm, in float32 on the CPU: relative error
+    below 1e-4 on the softmax's range (x <= 0) down to -125, at most 2^-125 below (a masked score's
+    -inf included)."""
+    import struct
+    c3, c2, c1, c0 = (struct.unpack(">f", bytes.fromhex(h))[0] for h in ("3D61FB83", "3E786F02", "3F31798D", "3F7FFB49"))
+    x = torch.cat([torch.linspace(-130, 0, 200001), torch.tensor([float("-inf")])])
+    c = torch.clamp(x, min=-126.0)
+    t = c + 12582912.0
+    f = c - (t - 12582912.0)
+    p = ((c3 * f + c2) * f + c1) * f + c0
+    got = (p.view(torch.int32) + (t.view(torch.int32) << 23)).view(torch.float32).double()
+    want = torch.exp2(c.double())
+    normal = x >= -125
+    assert ((got[normal] / want[normal] - 1).abs().max() < 1e-4).item()
+    assert ((got[~normal] <= 2.0 ** -125) & (got[~normal] >= 0)).all().item()
 
 
 @needs_gluon
@@ -107,7 +143,8 @@ def _module(tmp_path, **over):
 @needs_gluon
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"),
                     reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
-@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=4)])
+@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=4),
+                                  dict(head_dim=64, num_kv_heads=16, exp2=2)])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -124,6 +161,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
                             options={"num_warps": 4, "maxnreg": 168})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert ("0f3F31798D" in ptx) == bool(over.get("exp2"))     # the cubic of gluon_exp2 (its c1)
 
 
 class _Descriptor:

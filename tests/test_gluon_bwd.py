@@ -161,6 +161,10 @@ GPU_CASES = [
                            dilation_rates=[1, 2]), (2, 2048), {"gluon_dq": True}),
     ("head_dim_64_two_stages", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"gluon_dkdv": 2, "gluon_dq": 2}),
+    # one exponential in 2 (head_dim 64) or 4 of the Gluon forward's softmax as a cubic
+    ("head_dim_64_exp2_2", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
+     {"gluon_fwd": True, "gluon_dkdv": True, "gluon_dq": True, "gluon_exp2": 2}),
+    ("a_like_gqa_exp2_4", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dq": True, "gluon_exp2": 4}),
     # a short last segment: the call takes the `tl` kernels (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {"gluon_dq": True}),
 ]

@@ -223,6 +223,8 @@ GPU_CASES = [
                            dilation_rates=[1, 2]), (2, 2048), {}),
     ("head_dim_64_all_lanes", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True}),
+    ("head_dim_64_exp2_4", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
+     {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True, "gluon_exp2": 4}),
     # LongNet's r = 6 does not divide w: that branch runs the `tl` lane kernel after the Gluon one
     ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
      (1, 2048), {}),
@@ -231,6 +233,8 @@ GPU_CASES = [
      {"gluon_lanes": True}),
     ("no_r1_non_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
      (2, 2048), {}),
+    ("no_r1_non_causal_exp2_2", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
+     (2, 2048), {"gluon_exp2": 2}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
