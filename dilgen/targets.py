@@ -165,8 +165,8 @@ class Target:
     # templates/gluon_fwd.py.jinja): (head_dim, keys per block, K/V stages) where this target can
     # run it, and the head dims where it is the default. H200, bf16, non-causal forward, back to
     # back: A 1.876 -> 1.635 ms, B 8.436 -> 7.287 (the classes of a tile launched side by side);
-    # C (head_dim 64) 1.243 -> 1.233, level, so head_dim 64 keeps the `tl` kernel
-    # (bench/results/gluon_ncu_probe-2026-11-27-h200.json)
+    # C (head_dim 64) 1.191 -> 1.140 with one exponential in 8 on the FMA pipe (gluon_exp2)
+    # (bench/results/gluon_ncu_probe-2026-11-27-, forward_gluon_exp2-2026-11-28-h200.json)
     gluon_fwd_tiles: tuple[tuple[int, int, int], ...] = ()
     gluon_fwd_default: tuple[int, ...] = ()
     # The fused dK/dV as a warp-specialized Gluon kernel (KernelConfig.gluon_dkdv,
@@ -199,7 +199,9 @@ class Target:
     gluon_lanes_bwd_stages: int = 4
     gluon_dkdv_lanes: bool = False
     # (head_dim, n): the Gluon forward's and lanes' softmax compute one exponential in n as a
-    # cubic on the FMA pipe (KernelConfig.gluon_exp2), where the MUFU unit bounds it
+    # cubic on the FMA pipe (KernelConfig.gluon_exp2), where the MUFU unit bounds it. H200, C
+    # (head_dim 64) forward 1.194 -> 1.140 ms (n = 8), 1.156 (4), 1.267 (2); A (head_dim 128)
+    # 1.415 -> 1.447 (8), so not there (bench/results/forward_gluon_exp2-2026-11-28-h200.json)
     gluon_exp2: tuple[tuple[int, int], ...] = ()
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
@@ -239,10 +241,10 @@ class Target:
 
 SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=True, lane_ws=True, causal_lanes=True,
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
-              dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(128,),
+              dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(64, 128),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
               gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
-              gluon_dkdv_lanes=True)
+              gluon_dkdv_lanes=True, gluon_exp2=((64, 8),))
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -34,12 +34,16 @@ def _spec(**over):
 
 
 @needs_gluon
-def test_default_at_head_dim_128_and_taken_when_asked():
-    """sm90's default at head_dim 128 (faster there: A, B), not at 64 (level: C)."""
+def test_default_at_head_dim_64_and_128_and_taken_when_asked():
+    """sm90's default at head_dim 128 (faster there: A, B) and 64 (C, with one exponential in
+    8 on the FMA pipe); `{"gluon_fwd": false}` keeps the `tl` kernel."""
     sm90 = get_target("sm90")
     assert plan(_spec(), sm90).config.gluon_fwd == (128, 3)
-    assert plan(_spec(head_dim=64), sm90).config.gluon_fwd is None
-    assert plan(_spec(head_dim=64), sm90, {"gluon_fwd": True}).config.gluon_fwd == (128, 3)
+    assert plan(_spec(), sm90).config.gluon_exp2 == 0
+    assert plan(_spec(head_dim=64), sm90).config.gluon_fwd == (128, 3)
+    assert plan(_spec(head_dim=64), sm90).config.gluon_exp2 == 8
+    assert plan(_spec(head_dim=64), sm90, {"gluon_fwd": False}).config.gluon_fwd is None
+    assert plan(_spec(head_dim=64), sm90, {"gluon_fwd": False}).config.gluon_exp2 == 0
     assert plan(_spec(), sm90, {"gluon_fwd": False}).config.gluon_fwd is None
     assert plan(_spec(), sm90, {"gluon_fwd": [64, 4]}).config.gluon_fwd == (64, 4)
     assert plan(_spec(causal=True), sm90).config.gluon_fwd is None      # where it cannot run: tl

@@ -162,6 +162,8 @@ GPU_CASES = [
     ("head_dim_64_two_stages", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"gluon_dkdv": 2, "gluon_dq": 2}),
     # one exponential in 2 (head_dim 64) or 4 of the Gluon forward's softmax as a cubic
+    ("head_dim_64_default", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),   # gluon_exp2 = 8
+     {"gluon_dkdv": True, "gluon_dq": True}),
     ("head_dim_64_exp2_2", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"gluon_fwd": True, "gluon_dkdv": True, "gluon_dq": True, "gluon_exp2": 2}),
     ("a_like_gqa_exp2_4", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dq": True, "gluon_exp2": 4}),
