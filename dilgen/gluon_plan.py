@@ -29,15 +29,19 @@ def gluon_fwd(spec: Spec, target: Target, tiles, branches, lattice: int, query_o
               tuning: dict) -> tuple[int, int] | None:
     """The Gluon forward's (keys per block, K/V stages) (KernelConfig.gluon_fwd), or None: the
     target's default for the head_dim, or the tuning's `gluon_fwd` (true, false, or the pair).
-    A tuning that asks for it where it cannot run is refused with the reason."""
+    It takes the lattice branches; lane branches beside them (r not dividing w, or a Hilbert
+    curve's) keep their own launches after it. A tuning that asks for it where it cannot run
+    is refused with the reason."""
     want = tuning.get("gluon_fwd", tiles.tile_d in target.gluon_fwd_default)
     if not want:
         return None
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
     if isinstance(want, (list, tuple)) and tile is not None:    # a head_dim the target runs
         tile = tuple(want)
-    why = _refusal(spec, target, tiles, branches, query_order, tile) or _forward_refusal(tiles, target, branches,
-                                                                                         lattice, tile)
+    fused = [b for b in branches if not b.lanes]     # lane branches run in their own launches after it
+    why = (_refusal(spec, target, tiles, fused, query_order, tile, lattice_only=True)
+           or (None if fused else "every branch runs as lanes (gluon_lanes)")
+           or _forward_refusal(tiles, target, fused, lattice, tile))
     if why is not None:
         if "gluon_fwd" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_fwd cannot run here: {why}")
@@ -157,11 +161,13 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 
 
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
-             forward_lanes: bool = False) -> str | None:
+             forward_lanes: bool = False, lattice_only: bool = False) -> str | None:
     """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels
     (every branch r | w, unless `forward_lanes`); `forward_lanes`: for the forward lane kernel,
     which runs causal or not, takes the r | w branches beside `tl` ones, and needs no r = 1
-    branch (its first launch writes "no branch" into the rows its branch does not keep)."""
+    branch (its first launch writes "no branch" into the rows its branch does not keep);
+    `lattice_only`: `branches` are the forward's lattice branches, which read no table even
+    when a Hilbert spec's lane branches do."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -173,13 +179,14 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
         (lanes and not forward_lanes and not spec.causal, "the Gluon lane backward takes causal specs only"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
-        (query_order is not None or spec.hilbert is not None, "Hilbert orders read through tables"),
+        (query_order is not None or (any(b.order is not None for b in branches) if lattice_only
+                                     else spec.hilbert is not None), "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
         (not forward_lanes and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
-        (not forward_lanes and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "
+        (not forward_lanes and branches and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "
          "that every query class keeps a branch)"),
     ]
     for failed, why in checks:

@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: fdb368372481356c
-# plan key:      67cd1c4a8cb00f3bb259050770d3cf6778d224188df51ea4aa99b64cb966acd2
+# template hash: 96afd499fc3007f1
+# plan key:      3f5c3b20e2614a24e716b4d5d329bd0f06099ad78f601ad232a6b1b7fc65d8a7
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -86,6 +86,8 @@ PLAN = {
         "dual_chain": True,
         "fold_scale": True,
         "fused_tma": True,
+        "gluon_exp2": 8,
+        "gluon_fwd": [128, 3],
         "l2_bytes": 52428800,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],
@@ -1277,9 +1279,205 @@ BACKWARD_KERNELS = {
 # scope (dilgen.runtime.decode says which rule this spec breaks).
 DECODE_KERNELS = None
 
+# ---- sm90: the same forward in Gluon (KernelConfig.gluon_fwd; runtime/forward.py launches it
+# on a GPU for fixed-length rows whose every segment is whole, the kernel above otherwise) ----
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+# TMA copies: Triton 3.9 names them async_load / async_store (3.6: async_copy_*)
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+GLUON_ROWS = gl.constexpr(64)       # query rows per consumer warpgroup; a program takes two
+GLUON_KEYS = gl.constexpr(128)      # keys per block
+GLUON_STAGES = gl.constexpr(3)    # K/V blocks in flight (the shared-memory ring)
+
+
+@gluon.jit
+def slide_tiles_gluon_exp2(x):
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .f32 c, t, j, f, p;
+        .reg .b32 e, pb;
+        ex2.approx.ftz.f32 $0, $8;
+        ex2.approx.ftz.f32 $1, $9;
+        ex2.approx.ftz.f32 $2, $10;
+        ex2.approx.ftz.f32 $3, $11;
+        ex2.approx.ftz.f32 $4, $12;
+        ex2.approx.ftz.f32 $5, $13;
+        ex2.approx.ftz.f32 $6, $14;
+        max.ftz.f32 c, $15, 0fC2FC0000;
+        add.rn.ftz.f32 t, c, 0f4B400000;
+        sub.rn.ftz.f32 j, t, 0f4B400000;
+        sub.rn.ftz.f32 f, c, j;
+        fma.rn.ftz.f32 p, f, 0f3D61FB83, 0f3E786F02;
+        fma.rn.ftz.f32 p, p, f, 0f3F31798D;
+        fma.rn.ftz.f32 p, p, f, 0f3F7FFB49;
+        mov.b32 e, t;
+        shl.b32 e, e, 23;
+        mov.b32 pb, p;
+        add.s32 pb, pb, e;
+        mov.b32 $7, pb;
+        }""",
+        "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x], dtype=gl.float32, is_pure=True, pack=8)
+
+
+@gluon.jit
+def slide_tiles_gluon_blocks(d):
+    """Key blocks of a class-d tile: w / r / GLUON_KEYS for each branch with r | d."""
+    t = gl.where(d % 1 == 0, 8, 0)  # branch 0: w = 1024, r = 1
+    return t
+
+
+@gluon.jit
+def slide_tiles_gluon_load_branch(it, kd, vd, k_smem, v_smem, k_ready, v_ready, kv_empty, b, h, d, u0, N,
+                        W: gl.constexpr, R: gl.constexpr):
+    """Queue the key blocks of one branch (w = W, r = R) for a class-d tile whose first row is
+    u0, if the branch keeps the class; `it` counts the blocks queued before. Its lane of
+    segment s is the rows b*N/R + s*W/R + j of the (B*N/R, R*H_kv, D) view, column
+    o*H_kv + h // 4 (o = h mod R): one TMA box per block."""
+    if d % R == 0:
+        krow = b * (N // R) + (u0 // W) * (W // R)
+        kcol = (h % R) * 2 + h // 4
+        for j in range((W // R) // GLUON_KEYS):
+            st = it % GLUON_STAGES
+            mbarrier.wait(kv_empty.index(st), ((it // GLUON_STAGES) & 1) ^ 1)   # both consumers let go of it
+            mbarrier.expect(k_ready.index(st), GLUON_KEYS * 64 * 2)
+            tma_load(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), GLUON_KEYS * 64 * 2)
+            tma_load(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+            it += 1
+    return it
+
+
+@gluon.jit
+def slide_tiles_gluon_producer(p):
+    """One warp: both Q tiles, then every kept branch's key blocks in branch order."""
+    (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, d, c, m0, N) = p
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), GLUON_ROWS * 64 * 2)
+        tma_load(q_desc, [b * (N // 1) + m0 + wg * GLUON_ROWS, c * 8 + h, 0],
+                                        q_bars.index(wg), q_smem.index(wg))
+    u0 = c + 1 * m0
+    it = d * 0
+    it = slide_tiles_gluon_load_branch(it, k_descs[0], v_descs[0], k_smem, v_smem, k_ready, v_ready,
+                                        kv_empty, b, h, d, u0, N, 1024, 1)  # branch 0
+
+
+@gluon.jit
+def slide_tiles_gluon_consume(p, WG: gl.constexpr):
+    """One consumer warpgroup: rows m0 + WG*64 ... of the tile against the stream of key
+    blocks (it never sees the branches). Block t's scores are issued before block t - 1's
+    P·V, and block t's softmax runs while that P·V is on the tensor cores."""
+    (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, d, c, m0, N) = p
+    dtype: gl.constexpr = q_desc.dtype
+    D: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, GLUON_KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([GLUON_ROWS, GLUON_KEYS], gl.float32, layout=s_layout)
+    acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
+    T = slide_tiles_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
+
+    mbarrier.wait(q_bars.index(WG), 0)
+    q = q_smem.index(WG).reshape([GLUON_ROWS, D])
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_KEYS, D]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    m_i = gl.max(s, axis=1) * 0.18033688011112042
+    pj = slide_tiles_gluon_exp2(s * 0.18033688011112042 - gl.expand_dims(m_i, 1))
+    l_i = gl.sum(pj, axis=1)
+    p_op = gl.convert_layout(pj.to(dtype), p_layout)
+    for t in range(1, T):
+        st = t % GLUON_STAGES
+        pst = (t - 1) % GLUON_STAGES
+        mbarrier.wait(k_ready.index(st), (t // GLUON_STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(st).reshape([GLUON_KEYS, D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.18033688011112042)
+        alpha = gl.exp2(m_i - m_new)
+        pj = slide_tiles_gluon_exp2(s * 0.18033688011112042 - gl.expand_dims(m_new, 1))     # one multiply-add a score
+        l_i = l_i * alpha + gl.sum(pj, axis=1)
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(kv_empty.index(pst), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(pj.to(dtype), p_layout)
+    lst = (T - 1) % GLUON_STAGES
+    mbarrier.wait(v_ready.index(lst), ((T - 1) // GLUON_STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([GLUON_KEYS, D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(kv_empty.index(lst), count=1)
+
+    out = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
+    q_smem.index(WG).reshape([GLUON_ROWS, D]).store(out)    # the warpgroup's Q buffer holds its output
+    fence_async_shared()
+    tma_store(o_desc, [b * (N // 1) + m0 + WG * GLUON_ROWS, c * 8 + h, 0],
+                                    q_smem.index(WG))
+    rows = c + 1 * (m0 + WG * GLUON_ROWS + gl.arange(0, GLUON_ROWS, layout=gl.SliceLayout(1, s_layout)))
+    gl.store(Lse + (b * 8 + h).to(gl.int64) * N + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def slide_tiles_gluon_consumer0(p):
+    slide_tiles_gluon_consume(p, 0)
+
+
+@gluon.jit
+def slide_tiles_gluon_consumer1(p):
+    slide_tiles_gluon_consume(p, 1)
+
+
+@gluon.jit
+def slide_tiles_gluon_fwd(q_desc, o_desc, k0, v0, Lse, N):
+    """Notation (as in slide_tiles_fwd_kernel, whose work this is).
+    q_desc, o_desc   q and out as (B*N/L, L*H, D): row b*N/L + m, column c*H + h is row
+                     u = c + L*m of head h (L = 1); boxes of 64 rows
+    k<i>, v<i>       branch i's keys as (B*N/r, r*H_kv, D): its lane of a segment is a box
+    program          (d + L*t, b*H + h): class d of the tile t of 128 lattice rows, c = (h + d) mod L;
+                     the classes of a tile run side by side, as they read the same key lanes (L2)
+    Two consumer warpgroups of 64 rows and one producer warp (gl.warp_specialize); the
+    producer fills a ring of GLUON_STAGES K/V blocks (k_ready / v_ready), a stage returns to
+    it once both consumers arrived on its kv_empty. Every segment whole (runtime/forward.py)."""
+    dtype: gl.constexpr = q_desc.dtype
+    m0 = (gl.program_id(0) // 1) * (2 * GLUON_ROWS)
+    d = gl.program_id(0) % 1
+    b = gl.program_id(1) // 8
+    h = gl.program_id(1) % 8
+    c = (h + d) % 1
+    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_ROWS, 1, 64], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 64], k0.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 64], v0.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(GLUON_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+    p = (q_desc, o_desc, (k0,), (v0,),
+         Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, b, h, d, c, m0, N)
+    gl.warp_specialize([(slide_tiles_gluon_consumer0, (p,)), (slide_tiles_gluon_consumer1, (p,)), (slide_tiles_gluon_producer, (p,))],
+                       [4, 1], [240, 24])
+
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
                                lane_kernel=slide_tiles_fwd_lanes,
-                               curve_kernel=slide_tiles_curve_rows)
+                               curve_kernel=slide_tiles_curve_rows,
+                               gluon_kernel=slide_tiles_gluon_fwd)

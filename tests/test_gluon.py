@@ -53,11 +53,10 @@ def test_default_at_head_dim_64_and_128_and_taken_when_asked():
 @pytest.mark.parametrize("over, arch, why", [
     (dict(causal=True), "sm90", "causal specs run their branches as lane kernels"),
     (dict(ring_size=2), "sm90", "a ring runs its own window kernels"),
-    (dict(hilbert={"scope": "segment"}), "sm90", "Hilbert orders"),
     (dict(dtype="float32"), "sm90", "float16 or bfloat16"),
     (dict(head_dim=48), "sm90", "head_dim 64 or 128"),
     (dict(head_dim=32), "sm90", "head_dim 64 or 128, not 32"),
-    (dict(segment_lengths=[2048, 4096], dilation_rates=[1, 3]), "sm90", "r does not divide w"),
+    (dict(segment_lengths=[2048, 4096], dilation_rates=[1, 3], causal=True), "sm90", "causal specs"),
     (dict(segment_lengths=[4096, 8192], dilation_rates=[2, 4], head_dim=64), "sm90", "a branch with r = 1"),
     (dict(segment_lengths=[256, 1024], dilation_rates=[1, 4]), "sm90", "multiple of 128 x L = 512"),
     (dict(), "sm80", "target sm80 has no Gluon kernels"),
@@ -67,6 +66,28 @@ def test_refused_by_name_where_it_cannot_run(over, arch, why):
         with pytest.raises(SpecError, match=why):
             plan(_spec(**over), get_target(arch), {"gluon_fwd": asked})
     assert plan(_spec(**over), get_target(arch)).config.gluon_fwd is None   # not asked: the tl kernel
+
+
+@needs_gluon
+@pytest.mark.parametrize("over, lanes", [
+    (dict(hilbert={"scope": "segment"}), [False, True, True]),      # F: the r = 1 branch reads no table
+    (dict(segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 6, 12]),
+     [False, False, False, True, True]),                              # E: r = 6, 12 do not divide w
+    (dict(hilbert={"scope": "sequence", "grid": [128, 256]}), [False, False, False]),   # rows permuted around it
+])
+def test_takes_the_lattice_branches_beside_lane_branches(over, lanes):
+    """The Gluon forward runs the lattice branches; lane branches (r not dividing w, a Hilbert
+    segment curve's) keep their launches after it, which add into its output. Its source
+    streams the lattice branches' keys only."""
+    p = plan(_spec(**over), get_target("sm90"))
+    assert p.config.gluon_fwd == (128, 3) and [b.lanes for b in p.branches] == lanes
+    text = codegen.emit(p)
+    section = text[text.index(MARK):]
+    n = lanes.count(False)
+    assert f"k{n - 1}," in section and f"k{n}," not in section and section.count("_load_branch(it, k_descs[") == n
+    if all(lanes[1:]):
+        with pytest.raises(SpecError, match="every branch runs as lanes"):
+            plan(_spec(**over), get_target("sm90"), {"lanes": "all", "gluon_fwd": True})
 
 
 @needs_gluon
@@ -266,3 +287,32 @@ def test_build_compiles_the_gluon_forward_and_the_runtime_finds_it(cache_dir, mo
     attn.gluon_kernel[(8, 12)](*args, **OPTIONS)
     assert jit == [] and len(launched) == 1, aot.FALLBACKS
     assert launched[0].metadata.target == GPUTarget("cuda", 90, 32) and launched[0].asm["cubin"][:4] == b"\x7fELF"
+
+
+# -- on an sm90 GPU: the Gluon forward beside lane launches, float64 out, lse and gradients --
+on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
+SMALL = dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048])
+BESIDE_LANES = [
+    # (id, spec fields, (B, N)): the Gluon forward's rows, then the lane launches adding into them
+    ("hilbert_segment", dict(SMALL, hilbert={"scope": "segment"}), (2, 2048)),
+    ("rate_6_lanes", dict(SMALL, dilation_rates=[1, 2, 6]), (1, 4096)),
+    ("hilbert_sequence", dict(SMALL, hilbert={"scope": "sequence", "grid": [32, 64]}), (2, 2048)),
+]
+
+
+@on_sm90
+@pytest.mark.parametrize("case", BESIDE_LANES, ids=[c[0] for c in BESIDE_LANES])
+def test_beside_lane_branches_matches_the_float64_reference_on_sm90(case, monkeypatch):
+    from conftest import check_against_reference
+    from dilgen.runtime import forward
+    name, over, (B, N) = case
+    taken = []
+
+    def spy(*args, real=forward.gluon_launch):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(forward, "gluon_launch", spy)
+    check_against_reference(_spec(name="gxl_" + name, **over), B, N, {}, name)
+    assert taken and all(taken), taken

@@ -141,9 +141,10 @@ def _boxes(plan: dict, B: int, N: int):
 
 def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
     """The forward's arguments: q's and out's descriptors through the lattice's view (64-row
-    boxes), each branch's k and v descriptors (boxes of the plan's keys per block), lse, N."""
+    boxes), each lattice branch's k and v descriptors (boxes of the plan's keys per block; lane
+    branches run in their own launches), lse, N."""
     box, L, block = _boxes(plan, B, N), plan["query"]["lattice"], plan["config"]["gluon_fwd"][0]
-    rates = [br["r"] for br in plan["branches"]]
+    rates = [br["r"] for br in plan["branches"] if not br["lanes"]]
     return (box(q, "q", L), box(out, "q", L), *(box(k, "kv", r, block) for r in rates),
             *(box(v, "kv", r, block) for r in rates), lse, N)
 
