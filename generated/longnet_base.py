@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 96afd499fc3007f1
+# template hash: 2f1dc0442e5e0015
 # plan key:      8c77eb6af35ffba89bdb25f499bb559026e49245c4102469bc47c3f68dd0bf62
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1255,7 +1255,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
-    pj = longnet_base_gluon_exp2(s * 0.12751743082459868 - gl.expand_dims(m_i, 1))
+    pj = longnet_base_gluon_exp2(gl.fma(s, 0.12751743082459868, -gl.expand_dims(m_i, 1)))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     for t in range(1, T):
@@ -1269,7 +1269,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr):
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
         alpha = gl.exp2(m_i - m_new)
-        pj = longnet_base_gluon_exp2(s * 0.12751743082459868 - gl.expand_dims(m_new, 1))     # one multiply-add a score
+        pj = longnet_base_gluon_exp2(gl.fma(s, 0.12751743082459868, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
         l_i = l_i * alpha + gl.sum(pj, axis=1)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(o_tok,))

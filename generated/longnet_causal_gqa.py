@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 96afd499fc3007f1
+# template hash: 2f1dc0442e5e0015
 # plan key:      04295057758c3ae404c02eb5fbebd2fc359f717d066ff4f6dab3aa2e3bbe2677
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1630,7 +1630,7 @@ def longnet_causal_gqa_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_sm
     x = longnet_causal_gqa_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * 0.12751743082459868)
     alpha = gl.exp2(m_i - m_new)
-    pj = longnet_causal_gqa_gluon_lanes_exp2(x * 0.12751743082459868 - gl.expand_dims(m_new, 1))     # one multiply-add a score
+    pj = longnet_causal_gqa_gluon_lanes_exp2(gl.fma(x, 0.12751743082459868, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
     l_i = l_i * alpha + gl.sum(pj, axis=1)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(kv_empty.index(pst), count=1)
@@ -1664,7 +1664,7 @@ def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.c
                           use_acc=False, is_async=True)
     x = longnet_causal_gqa_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, True)
     m_i = gl.max(x, axis=1) * 0.12751743082459868
-    pj = longnet_causal_gqa_gluon_lanes_exp2(x * 0.12751743082459868 - gl.expand_dims(m_i, 1))
+    pj = longnet_causal_gqa_gluon_lanes_exp2(gl.fma(x, 0.12751743082459868, -gl.expand_dims(m_i, 1)))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     # a warpgroup's diagonal crosses exactly its last block T - 1 (64 query lanes at a

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 96afd499fc3007f1
+# template hash: 2f1dc0442e5e0015
 # plan key:      3f5c3b20e2614a24e716b4d5d329bd0f06099ad78f601ad232a6b1b7fc65d8a7
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1391,7 +1391,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     m_i = gl.max(s, axis=1) * 0.18033688011112042
-    pj = slide_tiles_gluon_exp2(s * 0.18033688011112042 - gl.expand_dims(m_i, 1))
+    pj = slide_tiles_gluon_exp2(gl.fma(s, 0.18033688011112042, -gl.expand_dims(m_i, 1)))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     for t in range(1, T):
@@ -1405,7 +1405,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr):
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.18033688011112042)
         alpha = gl.exp2(m_i - m_new)
-        pj = slide_tiles_gluon_exp2(s * 0.18033688011112042 - gl.expand_dims(m_new, 1))     # one multiply-add a score
+        pj = slide_tiles_gluon_exp2(gl.fma(s, 0.18033688011112042, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
         l_i = l_i * alpha + gl.sum(pj, axis=1)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(o_tok,))

@@ -214,3 +214,36 @@ def test_replayed_backward_equals_the_tl_plan_bit_for_bit():
     for kern, flag in ((gluon, "gluon_dkdv"), (with_dq, "gluon_dq")):
         attn = kern.compiled_for(torch.device("cuda")).attention
         assert attn.plan["config"][flag] and attn._replays, "no call was recorded for replay"
+
+
+@needs_gluon
+def test_dq_by_tma_reduce_add_needs_a_newer_triton():
+    """Issue 42 asked for dQ by TMA reduce-add or a separate pass, whichever measures faster.
+    Gluon's hopper.tma in Triton 3.6 (the GPU machines') has no reduce, so dQ is its own pass
+    (gluon_dq). Triton 3.9 adds tma.async_atomic_add: the smallest kernel using it, a 64 x 64
+    float32 tile added into dq's rows, compiles there for sm90 to cp.reduce.async.bulk.tensor."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+    if triton.__version__.startswith("3.6"):
+        assert not hasattr(tma, "async_atomic_add")
+        return
+
+    @gluon.jit
+    def dq_add(dq_desc, X):
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        m = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        n = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        smem = gl.allocate_shared_memory(gl.float32, [64, 64], dq_desc.layout)
+        smem.store(gl.load(X + gl.expand_dims(m, 1) * 64 + gl.expand_dims(n, 0)))
+        fence_async_shared()
+        tma.async_atomic_add(dq_desc, [0, 0], smem)
+        tma.store_wait(0)
+
+    layout = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32)
+    sig = {"dq_desc": f"tensordesc<fp32[64, 64],{layout!r}>", "X": "*fp32"}
+    kernel = triton.compile(GluonASTSource(dq_add, sig, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in kernel.asm["ptx"]

@@ -92,7 +92,7 @@ def gx_gluon_consume(p, WG: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
-    pj = gx_gluon_exp2(s * 0.12751743082459868 - gl.expand_dims(m_i, 1))
+    pj = gx_gluon_exp2(gl.fma(s, 0.12751743082459868, -gl.expand_dims(m_i, 1)))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     for t in range(1, T):
@@ -106,7 +106,7 @@ def gx_gluon_consume(p, WG: gl.constexpr):
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
         alpha = gl.exp2(m_i - m_new)
-        pj = gx_gluon_exp2(s * 0.12751743082459868 - gl.expand_dims(m_new, 1))     # one multiply-add a score
+        pj = gx_gluon_exp2(gl.fma(s, 0.12751743082459868, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
         l_i = l_i * alpha + gl.sum(pj, axis=1)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(o_tok,))

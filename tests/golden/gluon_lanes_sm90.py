@@ -70,7 +70,7 @@ def gla_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_
     x = gla_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * 0.12751743082459868)
     alpha = gl.exp2(m_i - m_new)
-    pj = gla_gluon_lanes_exp2(x * 0.12751743082459868 - gl.expand_dims(m_new, 1))     # one multiply-add a score
+    pj = gla_gluon_lanes_exp2(gl.fma(x, 0.12751743082459868, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
     l_i = l_i * alpha + gl.sum(pj, axis=1)
     acc = warpgroup_mma_wait(0, deps=(o_tok,))
     mbarrier.arrive(kv_empty.index(pst), count=1)
@@ -104,7 +104,7 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR
                           use_acc=False, is_async=True)
     x = gla_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, True)
     m_i = gl.max(x, axis=1) * 0.12751743082459868
-    pj = gla_gluon_lanes_exp2(x * 0.12751743082459868 - gl.expand_dims(m_i, 1))
+    pj = gla_gluon_lanes_exp2(gl.fma(x, 0.12751743082459868, -gl.expand_dims(m_i, 1)))
     l_i = gl.sum(pj, axis=1)
     p_op = gl.convert_layout(pj.to(dtype), p_layout)
     # a warpgroup's diagonal crosses exactly its last block T - 1 (64 query lanes at a
