@@ -74,8 +74,9 @@ def kernel_families(plan) -> str:
     cfg = plan.config
     lanes = [b.index for b in plan.branches if b.lanes]
     parts = []
+    exp2 = f", 1 exp2 in {cfg.gluon_exp2} on the FMA pipe" if cfg.gluon_exp2 else ""
     if cfg.gluon_fwd:
-        parts.append(f"forward Gluon ({cfg.gluon_fwd[0]} keys a block, {cfg.gluon_fwd[1]} stages)")
+        parts.append(f"forward Gluon ({cfg.gluon_fwd[0]} keys a block, {cfg.gluon_fwd[1]} stages{exp2})")
     elif len(lanes) < len(plan.branches):
         parts.append("forward tl (fused)")
     gluon_lanes = [i for i in lanes if cfg.gluon_lanes and gluon_lane_branch(

@@ -57,6 +57,21 @@ def test_explain_names_the_kernels_a_plan_launches(tmp_path, arch, want):
     assert want in res.stdout, res.stdout
 
 
+@pytest.mark.parametrize("over, want", [
+    # head_dim 64: one exponential in 8 on the FMA pipe; a Hilbert segment curve's branch as `tl` lanes
+    (dict(head_dim=64, hilbert={"scope": "segment"}),
+     "forward Gluon (128 keys a block, 3 stages, 1 exp2 in 8 on the FMA pipe), lanes tl (branch 1)"),
+    (dict(head_dim=128, segment_lengths=[2048, 4096], dilation_rates=[1, 3]),
+     "forward Gluon (128 keys a block, 3 stages), lanes tl (branch 1)"),      # r = 3 does not divide w
+])
+def test_explain_names_the_gluon_forward_beside_lanes(tmp_path, over, want):
+    spec_path = write_spec(tmp_path, dict(LONGNET, dtype="bfloat16", **{"segment_lengths": [1024, 4096],
+                                                                        "dilation_rates": [1, 4], **over}))
+    res = dilgen_cli(tmp_path, "explain", spec_path, "--arch", "sm90")
+    assert res.returncode == 0, res.stderr
+    assert want in res.stdout, res.stdout
+
+
 def test_explain_png_draws_the_pattern(tmp_path):
     """README set-up installs matplotlib (the `test` extra; `dilgen[plot]` alone)."""
     pytest.importorskip("matplotlib", reason="matplotlib comes with `pip install -e .[test]`")
