@@ -12,20 +12,20 @@ in counters.STATS, explained in counters.FALLBACKS). DILGEN_AOT=0 turns the look
 """
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from typing import Any
 
 from . import artifacts, counters
 from .binder import jit_kwargs, make_binder, pack
+from ..knobs import flag
 
 _JIT = object()   # in-memory marker: this specialization runs through triton.jit
 
 
 def enabled() -> bool:
     """DILGEN_AOT=0 turns the run-time lookup off (every launch goes to triton.jit)."""
-    return os.environ.get("DILGEN_AOT", "1") not in ("0", "", "false", "no")
+    return flag("DILGEN_AOT", True)
 
 
 # The GPU calls, one function each (tests/test_aot.py replaces them on a CPU machine).

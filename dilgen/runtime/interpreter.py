@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import os
 import threading
+from ..knobs import flag
 
 _INTERPRET_LOCK = threading.RLock()
 
@@ -100,7 +100,7 @@ def overflow_checks() -> bool:
     kernels) and then drops it, since its device_assert does nothing unless debug is on; the
     compiled kernels wrap, as numpy's int32 does (row offsets past 2**31 are tested on the
     GPU, tests/test_row_offsets.py)."""
-    return os.environ.get("DILGEN_INTERPRET_OVERFLOW_CHECK", "") not in ("", "0")
+    return flag("DILGEN_INTERPRET_OVERFLOW_CHECK", False)
 
 
 def _device_call(fn_self, *args, **kwargs):

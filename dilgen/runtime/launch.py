@@ -4,15 +4,15 @@ dilgen.aot.run) on CUDA, an interpreted one on CPU; the scratch allocator of dev
 tensor descriptors; the test switch that poisons fresh outputs."""
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
 from ..aot.run import launcher
 from .interpreter import interpreting
+from ..knobs import flag
 
-_POISON = os.environ.get("DILGEN_POISON", "") not in ("", "0")
+_POISON = flag("DILGEN_POISON", False)
 _TMA_ALLOCATOR = threading.local()
 
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import threading
 
 import torch
 
 from .launch import direct, ensure_descriptor_allocator, hooked, launch_compiled
+from ..knobs import flag
 
-ENABLED = os.environ.get("DILGEN_REPLAY", "1") not in ("0", "", "false", "no")   # off: every call records nothing
+ENABLED = flag("DILGEN_REPLAY", True)   # off: every call records nothing
 _SLOT = object()
 _MAX_RECIPES = 64      # distinct signatures kept per module (a call of a new shape records again)
 
