@@ -7,9 +7,25 @@ reader never sees half an entry; an entry whose files do not match their manifes
 treated as missing and repaired in place, file by file with os.replace (no locks; see
 store()). Temporaries that a killed writer leaves behind are swept after an hour.
 
+Trust. dilgen imports the modules it finds here, and a manifest is a checksum, not an
+authentication, so the cache trusts only what this user made (dilgen/fsafe.py):
+- the cache folder, each shard `<key[:2]>`, each entry and `tuning/` are used only if
+  lstat shows a real folder (a symlink is never followed) owned by this user that group
+  and others cannot write; dilgen makes them 0700 and its files 0600, whatever the umask;
+- a cache folder or shard that fails this is neither read nor written: the process
+  caches in a temporary folder of its own, with one warning naming the folder and why
+  (`dilgen build`: one CacheError line instead); an entry folder that fails counts as
+  missing and is replaced, never repaired in place;
+- files are read only if they are regular files, opened without following a link and
+  without waiting on a FIFO (fsafe.read_regular);
+- the sweep deletes only hidden temporaries that lstat shows are this user's own regular
+  files or folders, in a folder that passed the check, never through a link.
+(The folders above the cache folder are not checked: the default, ~/.cache/dilgen, sits
+in the user's home.)
+
 A cache folder that cannot be written (a read-only home, a path under /proc, a file in
-its place) is not fatal: the process stores its entries in a temporary folder of its own
-instead, with one warning naming the folder, why, and DILGEN_CACHE_DIR (entries already in
+its place) is not fatal either: the process stores its entries in a temporary folder of
+its own, with one warning naming the folder, why, and DILGEN_CACHE_DIR (entries already in
 the folder are still read). `dilgen build`, whose job is to fill the cache, refuses
 instead (strict()).
 
@@ -27,10 +43,17 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
-import time
 import warnings
 from pathlib import Path
+
+from . import fsafe
+from .cache_fs import STALE_SECONDS, Untrusted, distrusted, trusted_entries   # noqa: F401
+from .cache_fs import discard as _discard, private_folder as _private_folder
+from .cache_fs import sweep as _sweep, write_new as _write_new
+from .fsafe import private_reason, read_regular
+from .knobs import flag
 
 MANIFEST = "manifest.json"
 MODULE = "module.py"
@@ -53,11 +76,13 @@ def cache_dir() -> Path:
 
 
 class CacheError(OSError):
-    """The cache folder cannot be written and no fallback is allowed (`dilgen build`)."""
+    """The cache folder cannot be written or trusted and no fallback is allowed (`dilgen
+    build`)."""
 
 
 class CacheWarning(UserWarning):
-    """The cache folder cannot be written: this process caches in a temporary folder."""
+    """The cache folder cannot be written or trusted: this process caches in a temporary
+    folder."""
 
 
 _FALLBACK: dict[str, Path] = {}     # configured folder -> this process's temporary cache
@@ -66,8 +91,8 @@ _STRICT = [False]
 
 @contextlib.contextmanager
 def strict():
-    """Within it, an unwritable cache folder raises CacheError instead of falling back to
-    a temporary folder (`dilgen build`: the cache is what it makes)."""
+    """Within it, an unwritable or untrusted cache folder raises CacheError instead of
+    falling back to a temporary folder (`dilgen build`: the cache is what it makes)."""
     old, _STRICT[0] = _STRICT[0], True
     try:
         yield
@@ -78,15 +103,19 @@ def strict():
 def unwritable(folder: Path | None = None) -> str | None:
     """Why entries cannot be written under `folder` (default: the cache folder), in a few
     words, or None if they can: it (or a folder above it) is a file, or creating it or a
-    file in it fails (read-only file system, permission, a path under /proc)."""
+    file in it fails (read-only file system, permission, a path under /proc). A folder
+    that fails the trust check (distrusted) is not probed: None, and store() and load()
+    refuse it."""
     folder = Path(folder) if folder is not None else cache_dir()
     for up in (folder, *folder.parents):
         if os.path.lexists(up):
             if not up.is_dir():
                 return f"{up} is a file, not a folder"
             break
+    if distrusted(folder) is not None:
+        return None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        fsafe.make_private_dir(folder)
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
@@ -94,6 +123,18 @@ def unwritable(folder: Path | None = None) -> str | None:
         where = exc.filename if isinstance(exc.filename, str) else str(folder)
         return f"cannot write {where}: {exc.strerror or exc}"
     return None
+
+
+def _fall_back(root: Path, problem: str, advice: str) -> Path:
+    """This process's temporary cache for the cache folder `root`, made now, with the one
+    warning (`problem`; DILGEN_CACHE_DIR `advice`)."""
+    tmp = Path(tempfile.mkdtemp(prefix="dilgen-cache-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    _FALLBACK[str(root)] = tmp
+    warnings.warn(f"dilgen: {problem}; this process caches kernels in {tmp} instead (deleted "
+                  f"at exit, so they compile again next time); set DILGEN_CACHE_DIR to "
+                  f"{advice}", CacheWarning, stacklevel=4)
+    return tmp
 
 
 def _writable_root(root: Path, folder: Path, exc: OSError) -> Path:
@@ -108,25 +149,51 @@ def _writable_root(root: Path, folder: Path, exc: OSError) -> Path:
     if _STRICT[0]:
         raise CacheError(f"the kernel cache {root} is not writable ({reason}); set "
                          f"DILGEN_CACHE_DIR to a writable folder") from None
-    tmp = Path(tempfile.mkdtemp(prefix="dilgen-cache-"))
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    _FALLBACK[str(root)] = tmp
-    warnings.warn(f"dilgen: the kernel cache {root} is not writable ({reason}); this process "
-                  f"caches kernels in {tmp} instead (deleted at exit, so they compile again "
-                  f"next time); set DILGEN_CACHE_DIR to a writable folder", CacheWarning,
-                  stacklevel=3)
-    return tmp
+    return _fall_back(root, f"the kernel cache {root} is not writable ({reason})",
+                      "a writable folder")
+
+
+def _distrust(root: Path, folder: Path, reason: str) -> Path:
+    """This process's temporary cache, now that `folder` (the cache folder `root` or one of
+    its shards) failed the trust check: made with one warning on the first such finding
+    (CacheError under strict())."""
+    fallback = _FALLBACK.get(str(root))
+    if fallback is not None:
+        return fallback
+    if _STRICT[0]:
+        raise CacheError(f"the kernel cache folder {folder} cannot be trusted ({reason}): "
+                         f"dilgen runs the code it finds there; set DILGEN_CACHE_DIR to a "
+                         f"folder that only you can write") from None
+    return _fall_back(root, f"the kernel cache folder {folder} cannot be trusted ({reason}), "
+                      f"so dilgen neither reads nor writes there",
+                      "a folder that only you can write")
 
 
 def _roots() -> list[Path]:
-    """Folders to read entries from: the cache folder, then this process's fallback."""
+    """Folders to read entries from: the cache folder (if it passes the trust check; one
+    that fails it sends this process to its fallback, _distrust), then the fallback."""
     root = cache_dir()
+    reason = distrusted(root)
+    if reason is not None:
+        _distrust(root, root, reason)
     fallback = _FALLBACK.get(str(root))
-    return [root] if fallback is None else [root, fallback]
+    roots = [root] if private_reason(root) is None else []
+    return roots if fallback is None else [*roots, fallback]
+
+
+def _shard_ok(root: Path, shard: Path) -> bool:
+    """Whether entries may be read from `shard` of `root`; one that fails the trust check
+    in the configured cache folder sends this process to its fallback (_distrust)."""
+    if private_reason(shard) is None:
+        return True
+    reason = distrusted(shard)
+    if reason is not None and root == cache_dir():      # not in this process's own fallback
+        _distrust(root, shard, reason)
+    return False
 
 
 def always_compile() -> bool:
-    return os.environ.get("DILGEN_ALWAYS_COMPILE", "") not in ("", "0")
+    return flag("DILGEN_ALWAYS_COMPILE", False)
 
 
 def dump_dir() -> Path | None:
@@ -141,21 +208,19 @@ def make_key(**parts: str) -> str:
 
 
 def _sha_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256(read_regular(path)).hexdigest()
 
 
 def entry_dir(key: str, root: Path | None = None) -> Path:
     return (cache_dir() if root is None else root) / key[:2] / key
 
 
-STALE_SECONDS = 3600   # a hidden temporary this old has no live writer (a writer takes seconds)
-
-
 def _verify(folder: Path, key: str, require: str) -> bool:
     """Whether `folder` is a sound entry for `key`: its manifest names this key and the
-    file `require`, and every file it lists matches its sha256."""
+    file `require`, and every file it lists is a regular file matching its sha256. (The
+    caller checks the folder's trust.)"""
     try:
-        manifest = json.loads((folder / MANIFEST).read_bytes())
+        manifest = json.loads(read_regular(folder / MANIFEST))
         if not isinstance(manifest, dict) or manifest.get("key") != key:
             return False
         files = manifest.get("files")
@@ -166,20 +231,22 @@ def _verify(folder: Path, key: str, require: str) -> bool:
                 return False
             if _sha_file(folder / name) != digest:
                 return False
-    except (OSError, ValueError):      # missing files, not JSON (UnicodeDecodeError too)
+    except (OSError, ValueError):      # missing, a link, a FIFO, not JSON (UnicodeDecodeError)
         return False
     return True
 
 
 def load(key: str, require: str = MODULE) -> Path | None:
-    """The entry folder if it holds `require` and every file matches its manifest, else
-    None. A damaged entry is left where it is, for store() to repair: removing it here
-    could remove the sound entry that a concurrent writer has just put in its place."""
+    """The entry folder if it passes the trust check (with its cache folder and shard), holds
+    `require` and every file matches its manifest, else None. A damaged entry is left where
+    it is, for store() to repair: removing it here could remove the sound entry that a
+    concurrent writer has just put in its place."""
     if always_compile():
         return None
     for root in _roots():
         folder = entry_dir(key, root)
-        if _verify(folder, key, require):
+        if (_shard_ok(root, folder.parent) and private_reason(folder) is None
+                and _verify(folder, key, require)):
             return folder
     return None
 
@@ -196,15 +263,20 @@ def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = Fals
     - a damaged entry: repaired in place, one file at a time with os.replace and the
       manifest last, so its module path never disappears under a process that is
       importing it. An entry's bytes are a function of its key, so concurrent repairs
-      write the same bytes.
+      write the same bytes;
+    - an entry folder that fails the trust check (or a file or link in its place):
+      discarded and written anew.
 
-    A cache folder that cannot be written sends the entry (and this process's later ones)
-    to a temporary folder, with one warning (_writable_root)."""
+    A cache folder or shard that cannot be written or trusted sends the entry (and this
+    process's later ones) to a temporary folder, with one warning (_writable_root,
+    _distrust)."""
     root = cache_dir()
     fallback = _FALLBACK.get(str(root))
     if fallback is None:
         try:
             return _store(entry_dir(key, root), key, files, info, replace)
+        except Untrusted as exc:
+            fallback = _distrust(root, exc.folder, exc.reason)
         except OSError as exc:
             fallback = _writable_root(root, entry_dir(key, root).parent, exc)
     try:
@@ -217,46 +289,60 @@ def store(key: str, files: dict[str, bytes], info: dict, *, replace: bool = Fals
 
 def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: bool) -> Path:
     require = MODULE if MODULE in files else next(iter(files))
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(final.parent)
+    shard = final.parent
+    _private_folder(shard.parent)        # the cache folder, then the shard: Untrusted if not ours
+    _private_folder(shard)
+    _sweep(shard)
     manifest = {**info, "key": key,
                 "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
     blobs = {**files, MANIFEST: json.dumps(manifest, indent=2, sort_keys=True).encode()}
     rewrite = replace or always_compile()
     for _ in range(8):
-        if not rewrite and _verify(final, key, require):
+        trusted = private_reason(final) is None
+        if trusted and not rewrite and _verify(final, key, require):
             return final
-        if final.is_dir() and not final.is_symlink():
+        found = _lstat_mode(final)
+        if trusted:
             _repair(final, blobs)
-        elif os.path.lexists(final):
-            _discard(final, folder=False)   # a file or a link where the folder should be
+        elif found is not None:          # another's folder, a file or a link: never used
+            _discard(final, folder=stat.S_ISDIR(found))
         else:
             try:
                 _publish(final, blobs)
             except FileNotFoundError:    # the cache folder was deleted meanwhile: again
-                final.parent.mkdir(parents=True, exist_ok=True)
+                _private_folder(shard.parent)
+                _private_folder(shard)
         rewrite = False
     raise OSError(f"{final}: could not store a sound cache entry (concurrent writers of "
                   f"different bytes for one key?)")
 
 
+def _lstat_mode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+
+
 def _publish(final: Path, blobs: dict[str, bytes]) -> None:
     """Move a complete new entry into place, unless another writer got there first."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}-", dir=final.parent))   # 0700
     try:
         for name, data in blobs.items():
-            (tmp / name).write_bytes(data)
+            _write_new(tmp / name, data)
         try:
             os.replace(tmp, final)
         except OSError:
             pass                         # an entry appeared meanwhile: the caller checks it
     finally:
-        if tmp.exists():
+        if os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _repair(final: Path, blobs: dict[str, bytes]) -> None:
-    """Rewrite every file of an entry in place, each atomically, the manifest last."""
+    """Rewrite every file of an entry (a folder that passed the trust check) in place, each
+    atomically, the manifest last; os.replace replaces a link or FIFO in the way, never
+    follows it."""
     _sweep(final)
     for name, data in blobs.items():     # MANIFEST is the last key
         try:
@@ -265,8 +351,8 @@ def _repair(final: Path, blobs: dict[str, bytes]) -> None:
             return                       # the folder went away: the caller starts over
         try:
             with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fh.fileno(), 0o600)
                 fh.write(data)
-            os.chmod(tmp, 0o644)
             os.replace(tmp, final / name)
         except OSError:
             _discard(final / name, folder=True)   # a folder where the file should be
@@ -276,57 +362,13 @@ def _repair(final: Path, blobs: dict[str, bytes]) -> None:
                 os.unlink(tmp)
 
 
-def _sweep(folder: Path) -> None:
-    """Delete hidden temporaries (".<key>-*" folders, ".<file>-*" files, ".trash-*")
-    older than STALE_SECONDS in `folder`: what a writer killed mid-store leaves behind."""
-    now = time.time()
-    try:
-        found = [e for e in os.scandir(folder) if e.name.startswith(".")]
-    except OSError:
-        return
-    for e in found:
-        try:
-            if now - e.stat(follow_symlinks=False).st_mtime < STALE_SECONDS:
-                continue
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path, ignore_errors=True)
-            else:
-                os.unlink(e.path)
-        except OSError:
-            pass
-
-
-def _discard(path: Path, *, folder: bool) -> None:
-    """Delete `path` if it is a folder (folder=True) or if it is anything else (a file or a
-    link: folder=False), and leave it where it is otherwise, in one atomic step: it is renamed
-    onto an empty placeholder of the kind asked for, and rename(2) refuses to put a file onto
-    a folder (EISDIR) or a folder onto a file (ENOTDIR). So the sound file or folder that a
-    concurrent writer has just put at `path` is never moved away from under a reader that
-    holds its path (a check, then a move, would leave that window open)."""
-    try:
-        if folder:
-            trash = Path(tempfile.mkdtemp(prefix=f".trash-{path.name[:16]}-", dir=path.parent))
-        else:
-            fd, name = tempfile.mkstemp(prefix=f".trash-{path.name[:16]}-", dir=path.parent)
-            os.close(fd)
-            trash = Path(name)
-    except OSError:
-        return                           # the parent went away: the caller starts over
-    with contextlib.suppress(OSError):
-        os.rename(path, trash)           # fails (nothing moved) if `path` is not of that kind
-    if trash.is_dir() and not trash.is_symlink():
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            trash.unlink()
-
-
 def _tuning_path(key: str, root: Path | None = None) -> Path:
     return (cache_dir() if root is None else root) / "tuning" / f"{key}.json"
 
 
 def load_tuning(key: str) -> dict | None:
-    """A stored autotune winner, or None (a corrupt file counts as none)."""
+    """A stored autotune winner, or None (a corrupt file, or one in a folder that fails the
+    trust check, counts as none)."""
     for root in reversed(_roots()):     # this process's own winner first
         config = _load_tuning(_tuning_path(key, root))
         if config is not None:
@@ -335,8 +377,10 @@ def load_tuning(key: str) -> dict | None:
 
 
 def _load_tuning(path: Path) -> dict | None:
+    if private_reason(path.parent) is not None:
+        return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path))
         config = data["config"]
         def ok(v):  # an int, or a tile row of 4 ints (bwd_kv, bwd_dq)
             return isinstance(v, int) or (isinstance(v, list) and len(v) == 4
@@ -349,25 +393,22 @@ def _load_tuning(path: Path) -> dict | None:
 
 
 def store_tuning(key: str, config: dict, info: dict) -> Path:
-    """Write an autotune winner atomically (to the fallback if the cache is not writable)."""
+    """Write an autotune winner atomically (to the fallback if the cache is not writable or
+    not trusted)."""
     root = cache_dir()
     fallback = _FALLBACK.get(str(root))
     if fallback is None:
         try:
             return _store_tuning(_tuning_path(key, root), config, info)
+        except Untrusted as exc:
+            fallback = _distrust(root, exc.folder, exc.reason)
         except OSError as exc:
             fallback = _writable_root(root, _tuning_path(key, root).parent, exc)
     return _store_tuning(_tuning_path(key, fallback), config, info)
 
 
 def _store_tuning(path: Path, config: dict, info: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tune-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"config": config, **info}, fh, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    return path
+    _private_folder(path.parent.parent)
+    _private_folder(path.parent)
+    return fsafe.write_atomic(path, json.dumps({"config": config, **info}, indent=2,
+                                               sort_keys=True), mode=0o600)

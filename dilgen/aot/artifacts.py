@@ -5,7 +5,12 @@ An entry is a dilgen cache folder (dilgen.cache: written atomically, sha256 mani
 holding `kernel.cubin`, `kernel.json` (Triton's metadata of the compile) and `spec.json`
 (what the key was computed from). An entry that fails its manifest or whose files are
 not what they should be (no ELF binary, no Triton metadata, another kernel) counts as
-missing: the run time falls back to the JIT and the next build rewrites it in place."""
+missing: the run time falls back to the JIT and the next build rewrites it in place.
+
+Entries are found only where dilgen.cache trusts them (a cache folder, shard and entry
+folder that are real folders of this user's that no one else can write; no link
+followed), and their files are read only if they are regular files (fsafe.read_regular:
+no link followed, no FIFO waited on)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +18,7 @@ import json
 from pathlib import Path
 
 from .. import __version__, cache
+from ..fsafe import read_regular
 
 CUBIN, METADATA, SPECJSON = "kernel.cubin", "kernel.json", "spec.json"
 
@@ -28,7 +34,7 @@ def source_fn_module_hash(source_fn) -> str | None:
     if not path:
         return None
     try:
-        return module_hash(Path(path).read_bytes())
+        return module_hash(read_regular(path))
     except OSError:
         return None
 
@@ -73,16 +79,16 @@ def store(key: str, cubin: bytes, meta_json: str, *, kernel: str, role: str, arc
 
 
 def load_entry(key: str, kernel: str | None = None) -> Path | None:
-    """A sound entry folder for `key`, or None: its files match the manifest, the binary
-    is an ELF file, the metadata is Triton's (with a target) and, when `kernel` is given,
-    names that kernel. A refused entry is left where it is (a concurrent writer may be
+    """A sound entry folder for `key`, or None: a trusted entry (cache.load) whose files
+    are regular files matching the manifest, the binary is an ELF file, the metadata is
+    Triton's (with a target) and, when `kernel` is given, names that kernel. A refused entry is left where it is (a concurrent writer may be
     repairing it); the next build rewrites it."""
     folder = cache.load(key, require=CUBIN)
     if folder is None:
         return None
     try:
-        meta = json.loads((folder / METADATA).read_text())
-        if (folder / CUBIN).read_bytes()[:4] != b"\x7fELF" or not isinstance(meta, dict):
+        meta = json.loads(read_regular(folder / METADATA))
+        if read_regular(folder / CUBIN)[:4] != b"\x7fELF" or not isinstance(meta, dict):
             return None
         if not isinstance(meta.get("target"), dict):
             return None
@@ -142,19 +148,19 @@ _BUILDS: dict[str, dict[tuple[str, str], set[str]]] = {}
 def _builds(root: Path) -> dict[tuple[str, str], set[str]]:
     """The Triton versions of every AOT entry under `root`, by (module sha256, kernel):
     the cache's manifests read on the first call, then kept (store() adds what this
-    process writes). Unreadable manifests are skipped."""
+    process writes). Only entries that the cache trusts are read (cache.trusted_entries: no
+    link followed, no other user's folder); unreadable manifests are skipped."""
     found = _BUILDS.get(str(root))
     if found is not None:
         return found
     found = {}
-    if root.is_dir():
-        for manifest in root.glob(f"*/*/{cache.MANIFEST}"):
-            try:
-                info = json.loads(manifest.read_bytes())
-            except (OSError, ValueError):
-                continue
-            if isinstance(info, dict) and info.get("kind") == "aot-kernel":
-                _note(found, info.get("module_sha256"), info.get("kernel"), info.get("triton"))
+    for entry in cache.trusted_entries(root):
+        try:
+            info = json.loads(read_regular(entry / cache.MANIFEST))
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and info.get("kind") == "aot-kernel":
+            _note(found, info.get("module_sha256"), info.get("kernel"), info.get("triton"))
     _BUILDS[str(root)] = found
     return found
 
