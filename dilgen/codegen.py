@@ -16,6 +16,7 @@ import sympy
 
 from . import __version__
 from .ir import AffineMap, Plan, print_expr
+from .plain import check_plain
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 if not TEMPLATE_DIR.is_dir():  # installed as a wheel: templates ship inside the package
@@ -84,7 +85,7 @@ def emit(plan: Plan) -> str:
     template = _environment().get_template(FORWARD_TEMPLATE)
     plan_json = plan.to_json()
     dot_kwargs = f', input_precision="{plan.config.dot_precision}"' if plan.config.dot_precision else ""
-    source = template.render(
+    context = dict(
         plan=plan,
         q=plan.query,
         cfg=plan.config,
@@ -105,6 +106,12 @@ def emit(plan: Plan) -> str:
         pad_d=plan.head_dim_pad is not None,
         dw="HEAD_DIM" if plan.head_dim_pad is None else "HEAD_DIM_PAD",
     )
+    # Everything a template prints is a plain value (int, float, str, bool, None, their
+    # lists, tuples and dicts, the plan's dataclasses of them) or a sympy expression, which
+    # prints itself: a subclass with its own __str__ or __format__ never reaches the source.
+    for name, value in context.items():
+        check_plain(value, name, allow=(sympy.Basic,))
+    source = template.render(**context)
     # Strip trailing spaces that conditional blocks leave behind: byte-stable and tidy.
     lines = [line.rstrip() for line in source.splitlines()]
     return "\n".join(lines).rstrip("\n") + "\n"

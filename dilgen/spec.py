@@ -1,8 +1,13 @@
 """The Spec value (SPEC.md §1): load JSON, validate every rule, canonical key.
 
-Imports only the standard library. Every rule violation raises `SpecError` with one
-line naming the source, the field, the value and the rule, e.g.
-``spec.json: dilation_rates[2] = 0: must be >= 1``.
+Imports only the standard library (and dilgen.plain, dilgen.spec_json). Every rule
+violation raises `SpecError` with one line naming the source, the field, the value and
+the rule, e.g. ``spec.json: dilation_rates[2] = 0: must be >= 1``.
+
+A Spec holds plain values only (exactly int, float, str, bool, None, tuples of them and a
+Hilbert of them; dilgen.plain says why), however it is made: Spec(...),
+dataclasses.replace, Spec.replace, spec_from_dict, load_spec, copy and pickle all run
+the constructor's validation on values copied to those exact types.
 """
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from .plain import plain
+from .spec_json import MAX_SPEC_BYTES, DuplicateKey, LongInt as _LongInt, decode
 
 NAME_RE = re.compile(r"[a-z_][a-z0-9_]*\Z")
 HEAD_DIMS = tuple(range(8, 257, 8))   # SPEC §1: any multiple of 8 from 8 to 256
@@ -44,8 +52,8 @@ class SpecError(ValueError):
 
 def _short(value: Any, limit: int = 60) -> str:
     """A value as one short line of JSON (never raises, never spans lines)."""
-    if isinstance(value, _LongInt):
-        shown = str(value)                       # an integer literal, shown unquoted
+    if type(value) is _LongInt:
+        shown = str.__str__(value)               # an integer literal, shown unquoted
     else:
         try:
             shown = json.dumps(value)
@@ -81,17 +89,13 @@ def _printable(text: Any) -> str:
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
-class _LongInt(str):
-    """An integer literal too long to convert; shown, never used."""
-
-
 def _int(src: str, path: str, value: Any, lo: int = 1, hi: int = MAX_INT,
          too_big: str | None = None) -> int:
     """An int field in [lo, hi]; too_big: the rule a larger value breaks (default <= hi)."""
     too_big = too_big or f"must be <= {hi}"
-    if isinstance(value, _LongInt):
+    if type(value) is _LongInt:
         raise _fail(src, path, value, f"must be >= {lo}" if value.startswith("-") else too_big)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if type(value) is not int:      # exact: bool, and anything but a plain() int, is refused
         raise _fail(src, path, value, _not_an_integer(value))
     if value < lo:
         raise _fail(src, path, value, f"must be >= {lo}")
@@ -161,25 +165,44 @@ class Spec:
     def __new__(cls, *args: Any, **kwargs: Any) -> "Spec":
         # Spec(...) refuses an unknown or a missing field with spec_from_dict's SpecError,
         # word for word, before the dataclass __init__ (whose TypeError would say less).
-        # copy and pickle call Spec.__new__(Spec) with no fields: nothing to check then.
+        # A pickle made by hand may call Spec.__new__(Spec) with no fields: __setstate__
+        # then validates its state.
         if args or kwargs:
             given = {**dict(zip((f.name for f in fields(cls)), args)), **kwargs}
-            _check_field_names(given, given.get("source", "<spec>"), extra=("source",))
+            _check_field_names(given, _source(given.get("source", "<spec>")), extra=("source",))
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        # Normalise containers so that Spec(...) built by hand behaves like a loaded one.
+        # Copy every value to plain types, and normalise containers so that Spec(...)
+        # built by hand behaves like a loaded one; then validate what was copied.
+        src = _source(self.source)
+        object.__setattr__(self, "source", src)
         raw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
         if isinstance(raw["hilbert"], Hilbert):
-            raw["hilbert"] = raw["hilbert"].to_json()
+            raw["hilbert"] = Hilbert.to_json(raw["hilbert"])
+        raw = plain(raw, keep=(_LongInt,))
         if raw["num_kv_heads"] is None:
             raw["num_kv_heads"] = raw["num_heads"]
         for key in ("segment_lengths", "dilation_rates"):
-            if isinstance(raw[key], tuple):
+            if type(raw[key]) is tuple:
                 raw[key] = list(raw[key])
-        checked = _validate(raw, self.source)
-        for key, value in checked.items():
+        for key, value in _validate(raw, src).items():
             object.__setattr__(self, key, value)
+
+    def __reduce__(self) -> tuple:
+        # copy and pickle rebuild a Spec through the constructor, so it is validated again
+        return (Spec, tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __setstate__(self, state: Any) -> None:
+        # a pickle that sets a bare Spec's __dict__ (the default protocol) is validated too
+        state = plain(state, keep=(_LongInt,))
+        if type(state) is not dict:
+            raise SpecError(f"<pickle>: a Spec's state must be a dict of its fields, "
+                            f"got {type(state).__name__}")
+        _check_field_names(state, _source(state.get("source", "<spec>")), extra=("source",))
+        checked = Spec(**state)
+        for f in fields(self):
+            object.__setattr__(self, f.name, getattr(checked, f.name))
 
     # ---- derived values -------------------------------------------------------------
     @property
@@ -242,6 +265,15 @@ _ALLOWED = ("name", "num_heads", "num_kv_heads", "head_dim", "dtype", "segment_l
             "short_segments", "head_base")
 
 
+def _source(value: Any) -> str:
+    """The `source` a Spec names in its messages: a plain string on one line."""
+    value = plain(value)
+    if type(value) is not str:
+        raise SpecError(f"<spec>: source = {_short(value)}: must be a string (where the spec "
+                        f"came from, named in messages)")
+    return _printable(value)
+
+
 def _check_field_names(data: dict, source: str, extra: tuple = ()) -> None:
     """The first unknown field, else the first missing required one, as a SpecError: one
     message for a JSON object (spec_from_dict) and for Spec(**fields) (`extra`: the names
@@ -263,9 +295,11 @@ LIMITS = {   # field: (largest value, the rule a larger one breaks)
 
 
 def _validate(raw: dict, src: str) -> dict:
-    """Check every rule of SPEC §1; return normalised values (tuples, Hilbert objects)."""
+    """Check every rule of SPEC §1 on plain() values; return normalised ones (tuples,
+    Hilbert objects). Types are compared exactly: an object that claims another
+    __class__ is refused."""
     name = raw["name"]
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if type(name) is not str or not NAME_RE.match(name):
         raise _fail(src, "name", name, "must match [a-z_][a-z0-9_]* (it names a Python module)")
     if len(name) > 100:
         raise _fail(src, "name", name, "must be at most 100 characters")
@@ -277,19 +311,19 @@ def _validate(raw: dict, src: str) -> dict:
     if num_heads % num_kv:
         raise _fail(src, "num_kv_heads", num_kv, f"must divide num_heads = {num_heads}")
     head_dim = raw["head_dim"]
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+    if type(head_dim) is not int:
         raise _fail(src, "head_dim", head_dim,
                     _not_an_integer(head_dim, "an integer, a multiple of 8 from 8 to 256"))
     if head_dim not in HEAD_DIMS:
         raise _fail(src, "head_dim", head_dim, "must be a multiple of 8 from 8 to 256 (one of 8, 16, 24, ..., 256)")
     dtype = raw["dtype"]
-    if dtype not in DTYPES or not isinstance(dtype, str):
+    if type(dtype) is not str or dtype not in DTYPES:
         raise _fail(src, "dtype", dtype, 'must be one of "float16", "bfloat16", "float32"')
 
     lists = {}
     for key in ("segment_lengths", "dilation_rates"):
         value = raw[key]
-        if not isinstance(value, list):
+        if type(value) is not list:
             raise _fail(src, key, value, "must be a list of integers")
         if not value:
             raise _fail(src, key, value, "must not be empty")
@@ -302,27 +336,27 @@ def _validate(raw: dict, src: str) -> dict:
         raise _fail(src, "dilation_rates", list(rates),
                     f"must have the same length as segment_lengths ({len(segs)})")
     causal = raw["causal"]
-    if not isinstance(causal, bool):
+    if type(causal) is not bool:
         raise _fail(src, "causal", causal, "must be true or false")
     ring = _int(src, "ring_size", raw["ring_size"], hi=65536)
     scale = raw["softmax_scale"]
     if scale is not None:
-        if isinstance(scale, _LongInt):
+        if type(scale) is _LongInt:
             raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        if type(scale) not in (int, float):
             raise _fail(src, "softmax_scale", scale, "must be a number or null")
-        if isinstance(scale, int) and abs(scale) > 1e4:   # math.isfinite(10**400) overflows
+        if type(scale) is int and abs(scale) > 1e4:   # math.isfinite(10**400) overflows
             raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
         if not math.isfinite(scale) or scale <= 0 or scale > 1e4:
             raise _fail(src, "softmax_scale", scale, "must be a finite number in (0, 1e4]")
         scale = float(scale)
 
     head_offsets = raw["head_offsets"]
-    if not isinstance(head_offsets, str) or head_offsets not in HEAD_OFFSETS:
+    if type(head_offsets) is not str or head_offsets not in HEAD_OFFSETS:
         raise _fail(src, "head_offsets", head_offsets,
                     'must be "mod" (offset h mod r) or "block" (torchscale: offset floor(h / ceil(H / r)))')
     short_segments = raw["short_segments"]
-    if not isinstance(short_segments, str) or short_segments not in SHORT_SEGMENTS:
+    if type(short_segments) is not str or short_segments not in SHORT_SEGMENTS:
         raise _fail(src, "short_segments", short_segments,
                     'must be "exact" (no padding) or "zero_pad" (torchscale: zero keys pad each segment)')
 
@@ -354,7 +388,7 @@ def _validate(raw: dict, src: str) -> dict:
 
 
 def _grid(src: str, path: str, value: Any) -> tuple[int, int]:
-    if not isinstance(value, list) or len(value) != 2:
+    if type(value) is not list or len(value) != 2:
         raise _fail(src, path, value, "must be a [rows, cols] pair")
     return (_int(src, f"{path}[0]", value[0]), _int(src, f"{path}[1]", value[1]))
 
@@ -362,14 +396,14 @@ def _grid(src: str, path: str, value: Any) -> tuple[int, int]:
 def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | None:
     if value is None:
         return None
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         raise _fail(src, "hilbert", value, 'must be null or an object like {"scope": "segment"}')
     unknown = _sorted_keys(set(value) - {"scope", "grids", "grid"})
     if unknown:
         raise _fail(src, f"hilbert.{_key_name(unknown[0])}", value[unknown[0]],
                     "unknown field (allowed: scope, grids, grid)")
     scope = value.get("scope")
-    if scope not in HILBERT_SCOPES or not isinstance(scope, str):
+    if type(scope) is not str or scope not in HILBERT_SCOPES:
         raise _fail(src, "hilbert.scope", scope, 'must be "segment" or "sequence"')
     if scope == "segment":
         if "grid" in value:
@@ -386,7 +420,7 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
                                 'is not a power of two: Hilbert scope "segment" needs '
                                 '"grids": [[rows, cols], ...] with rows*cols = w')
             return Hilbert("segment")
-        if not isinstance(grids_raw, list) or len(grids_raw) != len(segs):
+        if type(grids_raw) is not list or len(grids_raw) != len(segs):
             raise _fail(src, "hilbert.grids", grids_raw,
                         f"must be a list of {len(segs)} [rows, cols] pairs, one per branch")
         grids = tuple(_grid(src, f"hilbert.grids[{i}]", g) for i, g in enumerate(grids_raw))
@@ -413,10 +447,11 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
 
 def spec_from_dict(data: Any, source: str = "<spec>") -> Spec:
     """Validate a decoded JSON object and build a Spec. Raises SpecError."""
-    if not isinstance(data, dict):
+    source = _source(source)
+    raw = plain(data, keep=(_LongInt,))    # exact types (a dict subclass's own items)
+    if type(raw) is not dict:
         raise SpecError(f"{source}: the spec must be a JSON object, got {type(data).__name__}")
-    _check_field_names(data, source)
-    raw = dict(data)
+    _check_field_names(raw, source)
     if "num_kv_heads" not in raw:      # defaults to num_heads, whose own check names it
         raw["num_kv_heads"] = raw["num_heads"]
     elif raw["num_kv_heads"] is None:
@@ -449,36 +484,14 @@ def load_spec(path: str | Path, *, source: str | None = None) -> Spec:
         raise SpecError(f"{_printable(path)}: cannot read the spec: {_printable(exc)}") from None
     text = text.removeprefix("\ufeff")
     try:
-        data = json.loads(text, parse_int=_parse_int, object_pairs_hook=_no_duplicate_keys)
+        data = decode(text)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{src}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise SpecError(f"{src}: not valid JSON: nested too deeply") from None
-    except _DuplicateKey as exc:
+    except DuplicateKey as exc:
         raise SpecError(f"{src}: {_key_name(exc.args[0])} is written twice in one object (the last "
                         f"would win silently): keep one") from None
     except ValueError as exc:
         raise SpecError(f"{src}: not valid JSON: {_short(str(exc), 80)}") from None
     return spec_from_dict(data, source=src)
-
-
-#: the largest spec file read (a spec is a few hundred bytes; a grids list stays far below)
-MAX_SPEC_BYTES = 1 << 20
-
-
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _no_duplicate_keys(pairs) -> dict:
-    """json object hook: a key written twice is refused (the last one would win silently)."""
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _DuplicateKey(key)
-        seen[key] = value
-    return seen
-
-
-def _parse_int(text: str) -> Any:
-    return int(text) if len(text) <= 64 else _LongInt(text[:20] + "...")
