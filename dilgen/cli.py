@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from . import cli_io
+from .cli_io import import_hint
 from .spec import Spec, SpecError, load_spec
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -27,7 +29,7 @@ def _target(name: str, newer: list | None = None):
     except ValueError as exc:
         raise SpecError(str(exc)) from None
     if note is not None:
-        print(f"dilgen: {note}", file=sys.stderr)
+        cli_io.err(f"dilgen: {note}")
     if is_newer and newer is not None:
         newer.append(name)
     return target
@@ -185,12 +187,17 @@ def _load(path) -> Spec:
 
 
 def _check_out(out: str, name: str) -> None:
-    """--out names a folder: refuse a file (or a file above it) in one line."""
+    """--out names a folder: refuse an empty name, and a file (or a file above it), in one
+    line."""
+    if out == "":
+        raise SpecError("--out '' names no folder; give one, new or existing (--out . for "
+                        "the current folder)")
     path = Path(out)
     for up in (path, *path.parents):
         if os.path.lexists(up):
             if not up.is_dir():
-                where = f"--out {out} is a file" if up == path else f"--out {out}: {up} is a file"
+                what = "a symlink to no folder" if up.is_symlink() else "a file"
+                where = f"--out {out} is {what}" if up == path else f"--out {out}: {up} is {what}"
                 raise SpecError(f"{where}; --out takes a folder (the module is written as "
                                 f"<folder>/{name}.py): give a folder, new or existing")
             break
@@ -198,12 +205,16 @@ def _check_out(out: str, name: str) -> None:
 
 def cmd_compile(args) -> int:
     spec = _load(args.spec)                # a bad spec fails before the heavy imports
+    from . import cache
     from .compiler import generated_dir, write_module
+    from .fsafe import UnsafePath
     target = _target(args.arch)
     if args.out is not None:
         _check_out(args.out, spec.name)
     try:
         path, plan = write_module(spec, target, args.out)   # --out default: compiler.generated_dir
+    except (cache.CacheError, UnsafePath) as exc:   # DILGEN_DUMP_DIR; a link or non-file in the way
+        raise SpecError(str(exc)) from None
     except OSError as exc:
         where = args.out if args.out is not None else f"{generated_dir(target)}/ (the default)"
         raise SpecError(f"cannot write the module into {where} ({exc.strerror or exc}"
@@ -211,26 +222,12 @@ def cmd_compile(args) -> int:
                         + "); give a writable folder with --out") from None
     if args.dump_ir:
         print(plan.dumps())
-        print(f"wrote {path}", file=sys.stderr)
+        cli_io.err(f"wrote {path}")
         return EXIT_OK
     print(f"wrote {path}")
     print(import_hint(path))
     print(plan_summary(plan))
     return EXIT_OK
-
-
-def import_hint(path: Path) -> str:
-    """How a program imports the module at `path`: its dotted name through the enclosing
-    packages (folders with an __init__.py), and the folder that must be on sys.path."""
-    path = Path(path).resolve()
-    parts, folder = [path.stem], path.parent
-    while (folder / "__init__.py").is_file() and folder.parent != folder:
-        parts.insert(0, folder.name)
-        folder = folder.parent
-    line = f"import: from {'.'.join(parts)} import attention"
-    if folder == Path.cwd():
-        return f"{line}   (run from this folder, or with it on PYTHONPATH)"
-    return f"{line}   (with PYTHONPATH={folder})"
 
 
 def cmd_build(args) -> int:
@@ -345,6 +342,7 @@ def cmd_explain(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .explain import MAX_DEFAULT
     from .targets import ARCH_HELP
     parser = _Parser(prog="dilgen", description="Compile dilated-attention specs to Triton kernels.")
     parser.add_argument("--version", action="version", version=f"dilgen {__version__}")
@@ -371,10 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="the plan in words, and a picture of the pattern")
     p.add_argument("spec", help="the spec JSON file")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length N for numbers")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length N: adds the useful GFLOP at N (no such line without "
+                        "it), and is the N of a ring spec's schedule (default 65536 per rank) "
+                        "and of the --png picture (default two of the longest segments, at "
+                        f"most {MAX_DEFAULT}); not with --cu-seqlens")
     p.add_argument("--png", default=None, metavar="FILE.png",
                    help="write a picture of who attends to whom (into a folder that exists)")
-    p.add_argument("--heads", type=int, nargs="*", default=None, help="heads to draw")
+    p.add_argument("--heads", type=int, nargs="*", default=None, metavar="H",
+                   help="query heads to draw, with --png only (default 0, 1 and the last head)")
     p.add_argument("--cu-seqlens", default=None, metavar="0,N1,N1+N2,...",
                    help="a packed batch (kernel(q, k, v, cu_seqlens=...)): its sequences and tiles")
     p.add_argument("--arch", default="sm90", help=f"the target (default sm90): {ARCH_HELP}")
@@ -383,8 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refused = cli_io.prepare_streams()      # closed, full and ASCII-only streams: cli_io
     parser = build_parser()
     args = parser.parse_args(argv)
+    if refused is not None:
+        cli_io.err(f"dilgen: error: {refused}")
+        return EXIT_USAGE
     seq = getattr(args, "seq_len", None)
     for n in (seq if isinstance(seq, list) else [seq]):    # build takes a list of them
         if n is not None and n < 1:
@@ -398,16 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # the reader left (`dilgen compile ... | head`): stop quietly with the status of a
         # process ended by SIGPIPE; stdout goes to /dev/null so the flush at exit cannot fail
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        cli_io.silence(sys.stdout)
         return 128 + 13
-    except SpecError as exc:
-        print(f"dilgen: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"dilgen: error: {exc}", file=sys.stderr)
+    except (SpecError, OSError) as exc:
+        cli_io.err(f"dilgen: error: {exc}")
+        cli_io.flushed(sys.stdout)          # a full stdout must not fail again at exit
         return EXIT_USAGE
 
 

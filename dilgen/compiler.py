@@ -11,13 +11,12 @@ import json
 import linecache
 import os
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from . import __version__, cache, codegen, planner
+from . import __version__, cache, codegen, fsafe, planner
 from .ir import Plan
 from .spec import Spec, SpecError, load_spec, spec_from_dict
 from .targets import INTERPRETER, Target, get_target, target_for_capability
@@ -70,20 +69,38 @@ class CompiledModule:
 
 
 def _dump(spec: Spec, plan: Plan, source: str) -> None:
+    """Write the stages of a compile into DILGEN_DUMP_DIR/<name>-<target>/ (0-spec.json,
+    1-plan.json, 2-source.py), each atomically. The dump folder and its subfolder must be
+    real folders of this user that no one else can write (made 0700 when dilgen makes
+    them), and no stage's name may be a symlink or a non-regular file; otherwise nothing is
+    written and one CacheError line names the folder or file and the reason."""
     root = cache.dump_dir()
     if root is None:
         return
+    variable = f"DILGEN_DUMP_DIR={os.environ.get('DILGEN_DUMP_DIR')}"
     folder = root / f"{spec.name}-{plan.target}"
+    stages = {"0-spec.json": json.dumps(spec.to_json(), indent=2) + "\n",
+              "1-plan.json": plan.dumps() + "\n", "2-source.py": source}
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "0-spec.json").write_text(json.dumps(spec.to_json(), indent=2) + "\n")
-        (folder / "1-plan.json").write_text(plan.dumps() + "\n")
-        (folder / "2-source.py").write_text(source)
+        for where in (root, folder):
+            fsafe.make_private_dir(where)
+            reason = fsafe.private_reason(where)
+            if reason is not None:
+                raise cache.CacheError(f"{variable}: cannot write the dump into {where} ({reason}); "
+                                       f"dilgen dumps only into a folder of this user's that no one "
+                                       f"else can write: name another folder or unset it")
+        for name in stages:                     # all refused before any is written
+            fsafe.refuse_non_regular(folder / name)
+        for name, text in stages.items():
+            fsafe.write_atomic(folder / name, text)
+    except cache.CacheError:
+        raise
+    except fsafe.UnsafePath as exc:
+        raise cache.CacheError(f"{variable}: cannot write the dump: {exc}") from None
     except OSError as exc:         # asked for and not written: say so, in one line
         where = exc.filename if isinstance(exc.filename, str) else str(folder)
-        raise cache.CacheError(f"DILGEN_DUMP_DIR={os.environ.get('DILGEN_DUMP_DIR')}: cannot write "
-                               f"{where} ({exc.strerror or exc}); name a writable folder or unset "
-                               f"it") from None
+        raise cache.CacheError(f"{variable}: cannot write {where} ({exc.strerror or exc}); name a "
+                               f"writable folder or unset it") from None
 
 
 def _import_module(path: Path, name: str, source: str) -> ModuleType:
@@ -324,31 +341,30 @@ def generated_dir(target: str | Target, root: str | os.PathLike = "generated") -
 
 def write_module(spec: Spec, target: Target,
                  out_dir: str | os.PathLike | None = None) -> tuple[Path, Plan]:
-    """Emit `out_dir/<spec.name>.py` for `target` (atomically; default folder:
-    generated_dir(target)); return its path and plan. The folder gets an `__init__.py` if
-    it has none, so that it imports as a package (and so does generated/ itself when the
-    default folder is a subpackage of it)."""
+    """Emit `out_dir/<spec.name>.py` for `target` (default folder: generated_dir(target));
+    return its path and plan. The folder gets an `__init__.py` if it has none, so that it
+    imports as a package (and so does generated/ itself when the default folder is a
+    subpackage of it). Every file is written to a temporary name in its folder and moved
+    onto its name (fsafe.write_atomic); a symlink (dangling or not) or a non-regular file
+    at any of the names, or a refused DILGEN_DUMP_DIR, is refused (fsafe.UnsafePath,
+    cache.CacheError) before anything is written."""
+    if out_dir is not None and str(out_dir) == "":
+        raise SpecError("write_module: out_dir '' names no folder; give one ('.' for the "
+                        "current folder)")
     packages = [Path(out_dir)] if out_dir is not None else \
         list(dict.fromkeys([generated_dir(target), generated_dir(DEFAULT_ARCH)]))
-    out_dir = packages[0]
+    out = packages[0]
     plan = planner.plan(spec, target)
     source = codegen.emit(plan)
     codegen.check_syntax(source, f"{spec.name}.py")
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{spec.name}.py"          # the name is validated: no path separators
-    fd, tmp = tempfile.mkstemp(prefix=f".{spec.name}-", suffix=".py", dir=out)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(source)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for folder in packages:
-        init = folder / "__init__.py"
-        if not init.exists():
-            init.write_text('"""Modules generated by `dilgen compile`."""\n')
+    inits = [folder / "__init__.py" for folder in packages]
+    for name in (path, *inits):
+        fsafe.refuse_non_regular(name)
     _dump(spec, plan, source)
+    fsafe.write_atomic(path, source, mode=0o644)
+    for init in inits:
+        if not os.path.lexists(init):        # an existing regular __init__.py is the user's
+            fsafe.write_atomic(init, '"""Modules generated by `dilgen compile`."""\n', mode=0o644)
     return path, plan

@@ -22,6 +22,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import fsafe
 from .spec import Spec, SpecError
 
 MAX_CELLS = 512            # cells per side of a panel; above, a cell is a block of tokens
@@ -284,23 +285,32 @@ def draw_pattern(pattern: Pattern, path: str | Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    try:
-        with open(out, "wb") as f:      # the error of a full or unwritable target surfaces here
-            f.write(buf.getvalue())
+    try:       # a temporary file in the folder, moved onto the name: never a half picture
+        fsafe.write_atomic(out, buf.getvalue(), mode=0o644)
+    except fsafe.UnsafePath as exc:
+        raise SpecError(f"--png {path}: {exc}") from None
     except OSError as exc:
         raise SpecError(f"--png {path}: could not write the picture ({exc.strerror or exc})") from None
     return out
 
 
 def check_png_path(path: str | Path) -> None:
-    """A --png target dilgen can write: a name ending in .png, in a folder that exists."""
+    """A --png target dilgen can write: a name ending in .png, in a folder that exists, not
+    a symlink (dangling or not) or anything but a regular file (never followed)."""
     out = Path(path)
+    if out.is_symlink():
+        raise SpecError(f"--png {path}: is a symlink; dilgen writes only regular files and "
+                        f"does not follow links: remove it or give another name")
     if out.is_dir():
         raise SpecError(f"--png {path}: is a folder; give the PNG file to write")
     if out.suffix.lower() != ".png":
         raise SpecError(f"--png {path}: the picture is a PNG; give a file name ending in .png")
     if not out.parent.is_dir():
         raise SpecError(f"--png {path}: folder {str(out.parent)!r} does not exist; create it first")
+    try:
+        fsafe.refuse_non_regular(out)
+    except fsafe.UnsafePath as exc:
+        raise SpecError(f"--png {path}: {exc}") from None
 
 
 def write_pattern_png(spec: Spec, seq_len: int, path: str | Path, heads: list[int] | None = None,

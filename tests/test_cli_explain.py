@@ -2,6 +2,7 @@
 --png picture (its cells against the reference's pairs, its limits, its target file)."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -135,16 +136,21 @@ def test_explain_png_target_is_checked_before_printing(tmp_path, target, says):
 
 
 def test_explain_png_that_cannot_be_written_is_one_error_not_wrote(tmp_path, monkeypatch):
-    """A full device (here /dev/full under a .png name) fails the write: one line, exit 2,
-    never "wrote"."""
+    """A full device fails the write (here the atomic write raises ENOSPC): one line, exit
+    2, never "wrote", no picture. (A symlink at the name is refused before that:
+    test_output_writes.)"""
     pytest.importorskip("matplotlib")
+    import errno
+    from dilgen import fsafe
+
+    def full_device(path, data, mode=0o600):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(fsafe, "write_atomic", full_device)
     full = tmp_path / "full.png"
-    if not Path("/dev/full").exists():
-        pytest.skip("no /dev/full")
-    full.symlink_to("/dev/full")
     rc, out, err = main_in_process("explain", _tiny_spec_file(tmp_path), "--seq-len", "32", "--png", full)
     line = one_error_line((rc, err))
-    assert "could not write the picture" in line and "wrote" not in out, (line, out)
+    assert "could not write the picture (No space left on device)" in line, line
+    assert "wrote" not in out and not os.path.lexists(full), (line, out)
 
 
 def _tiny_spec_file(tmp_path: Path) -> Path:
