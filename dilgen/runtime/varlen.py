@@ -13,12 +13,12 @@ and zero gradients.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .checks import InputError, check_max_seqlen
+from .readings import remembered
 from .tables import _tables_cpu
 
 
@@ -86,39 +86,12 @@ def _bucketed(starts: list[int], lengths: list[int], covers_all: bool, device: t
                    tuple(starts), tuple(lengths))
 
 
-# A model's layers pass the same cu_seqlens (or padding mask) to every attention call: its
-# Packing is remembered per tensor (so are the transformers doorway's readings of masks and
-# position_ids), so the offsets are read on the host (a device sync when they live on the
-# GPU) once, not once a layer. An entry holds while the tensor is the same object at the same
-# in-place version (torch's _version counter) and goes with the tensor; what is remembered
-# must not hold the tensor itself.
-_SEEN: dict[tuple, tuple] = {}
-
-
-def remembered(t, extra: tuple, make):
-    """make(), or what it gave for this tensor (same object, unchanged) and `extra`."""
-    if type(t) is not torch.Tensor or t.is_inference() or torch.compiler.is_compiling():
-        return make()          # no version counter to trust
-    key = (id(t), extra)
-    hit = _SEEN.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2]
-    value = make()
-    _SEEN[key] = (weakref.ref(t, lambda _, key=key: _SEEN.pop(key, None)), t._version, value)
-    return value
-
-
 def _fail(name: str, msg: str):
     return InputError(f"{name}: {msg}")
 
 
-def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.device,
-                            max_seqlen: int | None = None) -> Packing:
-    """Check FlashAttention-style offsets (int32, B+1 values, cu[0] = 0, non-decreasing,
-    cu[-1] = total rows; zero-length sequences are allowed) and return their packing. The
-    offsets are read on the host, so that nothing is read out of bounds: offsets on the GPU
-    cost one device sync the first time a tensor is seen (then its Packing is remembered,
-    `remembered`), offsets on the CPU none."""
+def _check_cu_tensor(name: str, cu_seqlens, device: torch.device) -> None:
+    """cu_seqlens is a 1-D int32 tensor of B + 1 >= 2 offsets on the CPU or q's device."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise _fail(name, f"cu_seqlens must be a torch.Tensor (int32, B + 1 offsets), got "
                           f"{type(cu_seqlens).__name__}")
@@ -132,13 +105,41 @@ def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.dev
     if at.type != "cpu" and (at.type != device.type or device.index not in (None, at.index)):
         raise _fail(name, f"cu_seqlens is on {cu_seqlens.device} but q is on {device}; "
                           f"move it to {device} (or keep it on the CPU: no device sync)")
+
+
+def packing_from_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.device,
+                            max_seqlen: int | None = None) -> Packing:
+    """Check FlashAttention-style offsets (int32, B+1 values, cu[0] = 0, non-decreasing,
+    cu[-1] = total rows; zero-length sequences are allowed) and return their packing. The
+    offsets are read on the host, so that nothing is read out of bounds, and remembered while
+    the tensor holds them (readings.remembered): offsets on the CPU are compared with that
+    reading every call; offsets on the GPU cost one device sync when first seen (or written
+    in place), then a comparison on the device each call."""
+    _check_cu_tensor(name, cu_seqlens, device)
+    device = torch.device(device)
     limit = None if max_seqlen is None else check_max_seqlen(name, max_seqlen)   # an int >= 0, or refused
     return remembered(cu_seqlens, (total, str(device), limit),
-                      lambda: _check_offsets(name, cu_seqlens.tolist(), total, device, limit))
+                      lambda: _check_offsets(name, cu_seqlens.tolist(), total, device, limit), "cu_seqlens")
+
+
+def read_cu_seqlens(name: str, cu_seqlens, total: int, device: torch.device,
+                    max_seqlen: int | None = None) -> list[int]:
+    """The offsets as packing_from_cu_seqlens checks them, read on the host now (the ring,
+    whose ranks exchange them on the host every call)."""
+    _check_cu_tensor(name, cu_seqlens, device)
+    limit = None if max_seqlen is None else check_max_seqlen(name, max_seqlen)
+    cu = cu_seqlens.tolist()
+    _offset_lengths(name, cu, total, limit)
+    return cu
 
 
 def _check_offsets(name: str, cu: list[int], total: int, device: torch.device,
                    max_seqlen: int | None) -> Packing:
+    return _bucketed(cu[:-1], _offset_lengths(name, cu, total, max_seqlen), True, device)
+
+
+def _offset_lengths(name: str, cu: list[int], total: int, max_seqlen: int | None) -> list[int]:
+    """The sequence lengths of offsets read on the host, or one InputError naming the rule."""
     if cu[0] != 0:
         raise _fail(name, f"cu_seqlens[0] = {cu[0]}: must be 0 (offsets of sequences in the packed rows)")
     for i in range(1, len(cu)):
@@ -154,7 +155,7 @@ def _check_offsets(name: str, cu: list[int], total: int, device: torch.device,
         if max_seqlen < longest:
             raise _fail(name, f"max_seqlen = {max_seqlen} but sequence {lengths.index(longest)} has "
                               f"{longest} rows; pass max_seqlen >= the longest sequence (or omit it)")
-    return _bucketed(cu[:-1], lengths, True, device)
+    return lengths
 
 
 def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: int,
@@ -163,8 +164,8 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
     item b's tokens are one run of rows b*N + [first_b, first_b + valid_b) of the (B*N,
     heads, D) view, after left padding, before right padding, or both; its segments start
     at its first token. Holes (padding between tokens) are refused. The mask is read on the
-    host once per tensor (one device sync for a mask on the GPU, none on the CPU;
-    `remembered`)."""
+    host and remembered while it holds what was read, as cu_seqlens are
+    (packing_from_cu_seqlens)."""
     m = key_padding_mask
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
         got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
@@ -175,7 +176,8 @@ def packing_from_padding_mask(name: str, key_padding_mask, batch: int, seq_len: 
     if m.device.type == "meta":
         raise _fail(name, "key_padding_mask is on the meta device (it has no values); pass the "
                           f"mask on {device}")
-    return remembered(m, (str(device),), lambda: _check_padding(name, m, batch, seq_len, torch.device(device)))
+    return remembered(m, (str(device),), lambda: _check_padding(name, m, batch, seq_len, torch.device(device)),
+                      "key_padding_mask")
 
 
 def _check_padding(name: str, m: torch.Tensor, batch: int, seq_len: int, device: torch.device) -> Packing:
