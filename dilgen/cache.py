@@ -160,6 +160,8 @@ def _distrust(root: Path, folder: Path, reason: str) -> Path:
     fallback = _FALLBACK.get(str(root))
     if fallback is not None:
         return fallback
+    if "can write" in reason:      # this user's own folder made under a loose umask (002)
+        reason += f"; if it is yours, `chmod -R go-w {folder}` makes it private"
     if _STRICT[0]:
         raise CacheError(f"the kernel cache folder {folder} cannot be trusted ({reason}): "
                          f"dilgen runs the code it finds there; set DILGEN_CACHE_DIR to a "

@@ -84,6 +84,9 @@ def _run(script: str, env: dict, ranks: int, timeout: float = 600) -> None:
                              text=True, timeout=timeout)
         assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
         return
+    import torch
+    if torch.cuda.device_count() < ranks:   # a block picks NCCL and a GPU a rank where CUDA is
+        env = dict(env, CUDA_VISIBLE_DEVICES="")   # there: with fewer GPUs, gloo on the CPU
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -41,7 +41,8 @@ def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
     except InputError as exc:
         if not isinstance(q, torch.Tensor) or q.dim() < 2:
             raise
-        out, lse = refused(q, str(exc))
+        # exc.args[0], not str(exc): dynamo (torch 2.11) cannot trace an exception's C str()
+        out, lse = refused(q, exc.args[0] if exc.args else type(exc).__name__)
         return (out, lse) if return_lse else out
 
 
@@ -90,7 +91,8 @@ def traced_decode(spec: dict, key: str, q, k_cache, v_cache, cache_seqlens, retu
     except InputError as exc:
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise
-        out, lse = refused(q, str(exc))
+        # exc.args[0], not str(exc): dynamo (torch 2.11) cannot trace an exception's C str()
+        out, lse = refused(q, exc.args[0] if exc.args else type(exc).__name__)
         return (out, lse) if return_lse else out
     torch._assert_async(((cache_seqlens >= T) & (cache_seqlens <= n_max)).all(),
                         f"{spec['name']}: decode: every cache_seqlens[b] must lie in [T, N_max] = "
