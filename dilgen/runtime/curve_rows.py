@@ -92,16 +92,19 @@ def block_lists(branch: dict, fwd: torch.Tensor, n: int, block_m: int, block_n: 
     For segment s, offset o and query tile mt (lanes mt*block_m + [0, block_m)), the key
     blocks jb (lanes jb*block_n + [0, block_n)) split by the raster positions p = fwd[u]:
     "full" when every key lies at or before every query (no mask), skipped when every key
-    lies after every query, "partial" otherwise. Returns counts (n_seg, r, n_qt, 2) int32
-    (full, partial) and blocks (n_seg, r, n_qt, 2, n_kb) int32, each list ascending.
+    lies after every query, "partial" otherwise. Returns counts (n_seg, n_off, n_qt, 2) int32
+    (full, partial) and blocks (n_seg, n_off, n_qt, 2, n_kb) int32, each list ascending, for
+    the n_off = min(r, w) offsets a segment has (an offset o >= w keeps no lane: the kernels
+    (common.curve_block_lists) give it empty lists without reading these).
     keys_listed=False: the key-major form (the dkdv kernel): tiles of block_m keys, listed
     blocks of block_n queries."""
     w, r = branch["w"], branch["r"]
+    n_off = min(r, w)
     n_seg, lw = math.ceil(n / w), math.ceil(min(w, n) / r)
     n_qt, n_kb = math.ceil(lw / block_m), math.ceil(lw / block_n)
     dev = fwd.device
     s = torch.arange(n_seg, device=dev).view(-1, 1, 1)
-    o = torch.arange(r, device=dev).view(1, -1, 1)
+    o = torch.arange(n_off, device=dev).view(1, -1, 1)
     j = torch.arange(lw, device=dev).view(1, 1, -1)
     n_lanes = ((torch.clamp(n - s * w, max=w) - o + r - 1).clamp(min=0)) // r
     valid = j < n_lanes
@@ -109,8 +112,8 @@ def block_lists(branch: dict, fwd: torch.Tensor, n: int, block_m: int, block_n: 
 
     def tiles(size, count):
         pad = count * size - lw
-        p = torch.nn.functional.pad(pos, (0, pad)).view(n_seg, r, count, size)
-        ok = torch.nn.functional.pad(valid, (0, pad)).view(n_seg, r, count, size)
+        p = torch.nn.functional.pad(pos, (0, pad)).view(n_seg, n_off, count, size)
+        ok = torch.nn.functional.pad(valid, (0, pad)).view(n_seg, n_off, count, size)
         lo = torch.where(ok, p, n).amin(-1)
         hi = torch.where(ok, p, -1).amax(-1)
         return lo, hi, ok.any(-1), ok.all(-1)
