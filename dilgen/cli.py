@@ -260,62 +260,92 @@ def _build(args, cache) -> int:
                           f"sm90 plan) compile on first use" for name in newer]
     from .targets import resolve_arch
     aot = [resolve_arch(a)[0] for a in (args.arch or ["sm90"]) if a not in newer]
-    for spec, target in _progress(jobs, len(jobs), lambda job: f"{job[0].name} [{job[1].name}]"):
+    progress = _Progress(jobs, lambda job: f"{job[0].name} [{job[1].name}]")
+    for spec, target in progress:
         compiled = build(spec, target)
         changed = not compiled.cache_hit
         if target.capability is not None and target in aot:   # a GPU target: its kernels ahead of time
-            report = _compile_ahead(compiled, target, seq_lens, args.jobs)
+            report = _compile_ahead(compiled, target, seq_lens, args.jobs, progress.note)
             binaries += report.compiled
             cached += report.cached
             repaired += report.repaired
             skipped += [s for s in report.skipped if s not in skipped]
             changed = changed or report.compiled > 0
         built += changed
-    if built == 0:
-        print(f"nothing to do: {len(jobs)} kernel(s) already in the cache"
-              + (f" ({cached} compiled binaries)" if cached else ""))
-    else:
-        print(f"built {built} of {len(jobs)} kernel(s); {len(jobs) - built} were up to date"
-              + (f"; compiled {binaries} binaries ahead of time ({cached} already cached"
-                 + (f", {repaired} damaged ones rebuilt" if repaired else "") + ")"
-                 if binaries or cached else ""))
+    print(_build_summary(len(specs), targets, built, binaries, cached, repaired))
     for line in skipped:
         print(f"not compiled ahead of time (runs through the JIT): {line}")
     return EXIT_OK
 
 
-def _compile_ahead(compiled, target, seq_lens, jobs):
-    """Compile the module's Triton kernels for `target` into the cache (dilgen.aot.build)."""
+def _build_summary(n_specs: int, targets: list, built: int, binaries: int, cached: int,
+                   repaired: int) -> str:
+    """The last line of `dilgen build`: how many specs were built (a spec is built once per
+    target: its generated module, and for a GPU target its kernels' binaries, the cubins)
+    and how many binaries were compiled or found in the cache."""
+    names = ", ".join(t.name for t in targets)
+    total = n_specs * len(targets)
+    what = (f"spec(s) for {names}" if len(targets) == 1 else
+            f"spec-target pairs ({n_specs} spec(s) x {len(targets)} targets: {names})")
+    if built == 0:
+        return (f"nothing to do: {total} {what} already in the cache"
+                + (f", with their {cached} binaries" if cached else ""))
+    line = f"built {built} of {total} {what}; {total - built} up to date"
+    if binaries or cached:
+        line += (f"; compiled {binaries} binaries ahead of time ({cached} already in the cache"
+                 + (f", {repaired} damaged ones rebuilt" if repaired else "") + ")")
+    return line
+
+
+def _compile_ahead(compiled, target, seq_lens, jobs, log):
+    """Compile the module's Triton kernels for `target` into the cache (dilgen.aot.build);
+    `log` gets a line per binary."""
     from . import aot
     if aot.ptxas_path() is None:
         raise SpecError(f"--arch {target.name}: ahead-of-time compile needs ptxas (shipped in "
                         f"the triton wheel, triton/backends/nvidia/bin); set TRITON_PTXAS_PATH")
     try:
-        return aot.compile_for_target(compiled, target, seq_lens=seq_lens, jobs=jobs)
+        return aot.compile_for_target(compiled, target, seq_lens=seq_lens, jobs=jobs, log=log)
     except Exception as exc:  # noqa: BLE001 - one line, like every other failure of the CLI
         first = (str(exc).strip().splitlines() or [""])[0]
         raise SpecError(f"{compiled.spec.name} [{target.name}]: ahead-of-time compile failed: "
                         f"{type(exc).__name__}: {first}") from None
 
 
-def _progress(items, total: int, label=str):
-    """Yield `items` while showing progress on stdout: a tqdm bar on a terminal when tqdm is
-    installed (`pip install dilgen[cli]`), else (a log, a pipe) one plain line per item as
-    it starts."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is None or not sys.stdout.isatty():
-        for i, item in enumerate(items, 1):
-            print(f"{i}/{total} {label(item)}", flush=True)
-            yield item
-        return
-    with tqdm(items, total=total, file=sys.stdout, ascii="-#", unit="kernel",
-              bar_format="[{bar:30}] {n_fmt}/{total_fmt} {desc} ({elapsed})") as bar:
-        for item in bar:
-            bar.set_description_str(label(item))
-            yield item
+class _Progress:
+    """Iterate over `items` while showing progress on stdout: a tqdm bar on a terminal when
+    tqdm is installed (`pip install dilgen[cli]`), else (a log, a pipe) one plain line per
+    item as it starts. `note(text)` reports a step inside the current item (a binary
+    compiled): at the bar's end on a terminal, else a line of its own, at once."""
+
+    def __init__(self, items, label=str):
+        self.items, self.label, self.bar = list(items), label, None
+
+    def __iter__(self):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        total = len(self.items)
+        if tqdm is None or not sys.stdout.isatty():
+            for i, item in enumerate(self.items, 1):
+                print(f"spec {i}/{total}: {self.label(item)}", flush=True)
+                yield item
+            return
+        with tqdm(self.items, total=total, file=sys.stdout, ascii="-#", unit="spec",
+                  bar_format="[{bar:30}] {n_fmt}/{total_fmt} {desc} ({elapsed}{postfix})") as bar:
+            self.bar = bar
+            for item in bar:
+                bar.set_description_str(self.label(item))
+                bar.set_postfix_str("")
+                yield item
+        self.bar = None
+
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+        else:
+            print(f"  {text}", flush=True)
 
 
 def cmd_explain(args) -> int:

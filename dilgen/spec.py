@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .plain import plain
-from .spec_json import MAX_SPEC_BYTES, DuplicateKey, LongInt as _LongInt, decode
+from .spec_json import MAX_SPEC_BYTES, DuplicateKey, LongInt as _LongInt, decode, unknown_field
 
 NAME_RE = re.compile(r"[a-z_][a-z0-9_]*\Z")
 HEAD_DIMS = tuple(range(8, 257, 8))   # SPEC §1: any multiple of 8 from 8 to 256
@@ -280,8 +280,7 @@ def _check_field_names(data: dict, source: str, extra: tuple = ()) -> None:
     the Python call takes besides the JSON fields, i.e. source)."""
     unknown = _sorted_keys(set(data) - set(_ALLOWED) - set(extra))
     if unknown:
-        raise _fail(source, _key_name(unknown[0]), data[unknown[0]],
-                    f"unknown field (allowed: {', '.join(_ALLOWED)})")
+        raise _fail(source, _key_name(unknown[0]), data[unknown[0]], unknown_field(unknown[0], _ALLOWED))
     for key in _REQUIRED:
         if key not in data:
             raise SpecError(f"{source}: {key} is missing: it is a required field")
@@ -401,7 +400,7 @@ def _validate_hilbert(value: Any, segs: tuple[int, ...], src: str) -> Hilbert | 
     unknown = _sorted_keys(set(value) - {"scope", "grids", "grid"})
     if unknown:
         raise _fail(src, f"hilbert.{_key_name(unknown[0])}", value[unknown[0]],
-                    "unknown field (allowed: scope, grids, grid)")
+                    unknown_field(unknown[0], ("scope", "grids", "grid")))
     scope = value.get("scope")
     if type(scope) is not str or scope not in HILBERT_SCOPES:
         raise _fail(src, "hilbert.scope", scope, 'must be "segment" or "sequence"')

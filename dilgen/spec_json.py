@@ -3,6 +3,7 @@ literal too long to convert becomes a `LongInt` marker, shown in the message tha
 it and never used. Imports only the standard library."""
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
@@ -35,3 +36,14 @@ def _parse_int(text: str) -> Any:
 def decode(text: str) -> Any:
     """json.loads with the rules above; raises what json.loads raises, or DuplicateKey."""
     return json.loads(text, parse_int=_parse_int, object_pairs_hook=_no_duplicate_keys)
+
+
+def unknown_field(key: Any, allowed) -> str:
+    """The rule an unknown field breaks, naming the allowed field it is closest to when one
+    is close (a misspelling: `segment_length`, `dilatation_rates`, `Causal`)."""
+    close = []
+    if isinstance(key, str):
+        by_lower = {name.lower(): name for name in allowed}
+        close = [by_lower[m] for m in difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.75)]
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"unknown field{hint} (allowed: {', '.join(allowed)})"

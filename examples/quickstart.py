@@ -1,6 +1,10 @@
 """The main job on a bundled spec: compile it, run a forward call, check it against the
-float64 reference. On a GPU it runs the spec as written; without one it runs the same
-generated source in Triton's interpreter on a small input (same heads, fewer tokens).
+float64 reference. On a GPU it runs the spec as written, on N = 4 x its longest segment.
+Without one it runs a shrunk copy of the spec in Triton's interpreter (which runs each tile
+op in numpy): every segment divided by longest // 64, so the longest is about 64 tokens
+(none below 8); at most 4 query heads (fewer kv heads, the same query heads per kv head;
+one kv head's group if that is larger); head_dim at most 32; on N = 2 x the longest segment
++ 5 tokens. The dilation rates, dtype, causality and every other field are kept.
 
     python examples/quickstart.py [examples/specs/longnet_base.json]
 """
@@ -24,12 +28,7 @@ def main(path: str) -> int:
     if gpu:
         device, n, batch = torch.device("cuda"), 4 * max(spec.segment_lengths), 1
     else:
-        # The interpreter runs tiles in numpy: shrink the problem, keep every feature.
-        scale = max(spec.segment_lengths) // 64
-        kv_heads = max(1, min(spec.num_kv_heads, 4 // spec.group_size))
-        spec = spec.replace(segment_lengths=[max(w // scale, 8) for w in spec.segment_lengths],
-                            num_heads=kv_heads * spec.group_size, num_kv_heads=kv_heads,
-                            head_dim=min(spec.head_dim, 32))
+        spec = cpu_spec(spec)
         device, n, batch = torch.device("cpu"), 2 * max(spec.segment_lengths) + 5, 1
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -59,6 +58,15 @@ def main(path: str) -> int:
     ok = check_generated_module(path, device) and ok
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def cpu_spec(spec: dilgen.Spec) -> dilgen.Spec:
+    """The spec shrunk for the interpreter (the module docstring says how); every feature kept."""
+    scale = max(1, max(spec.segment_lengths) // 64)
+    kv_heads = max(1, min(spec.num_kv_heads, 4 // spec.group_size))
+    return spec.replace(segment_lengths=[max(w // scale, 8) for w in spec.segment_lengths],
+                        num_heads=kv_heads * spec.group_size, num_kv_heads=kv_heads,
+                        head_dim=min(spec.head_dim, 32))
 
 
 def check_generated_module(path: str, device: torch.device) -> bool:

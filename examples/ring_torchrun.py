@@ -1,7 +1,7 @@
 """Dilated attention over P GPUs (or P CPU processes) with dilgen's ring.
 
     torchrun --nproc-per-node 4 examples/ring_torchrun.py                # 4 GPUs, NCCL
-    torchrun --nproc-per-node 2 examples/ring_torchrun.py --cpu --tokens 128  # CPU, gloo, interpreter
+    torchrun --nproc-per-node 2 examples/ring_torchrun.py --cpu          # CPU, gloo, interpreter
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank 0 --master-addr HOST0 \
         --master-port 29500 examples/ring_torchrun.py    # on node 0; --node-rank 1 on node 1
 
@@ -52,22 +52,50 @@ def relative_error(spec, q, k, v, out, P: int, rank: int) -> float:
     return (sums[0] / sums[1]).sqrt().item()
 
 
+# The spec every rank compiles (name "ring_example", ring_size = the world size): the GPU's,
+# and the one --cpu runs, shrunk for Triton's interpreter (which runs each tile op in numpy).
+GPU_SPEC = dict(num_heads=16, head_dim=128, dtype="bfloat16",
+                segment_lengths=[2048, 8192, 32768, 131072, 524288], dilation_rates=[1, 2, 4, 8, 16])
+CPU_SPEC = dict(num_heads=2, head_dim=16, dtype="float32", segment_lengths=[16, 64], dilation_rates=[1, 2])
+GPU_TOKENS, CPU_TOKENS = 1 << 20, 128
+
+
+def _words(spec: dict) -> str:
+    return (f"{spec['num_heads']} heads, head_dim {spec['head_dim']}, {spec['dtype']}, "
+            f"w = {spec['segment_lengths']}, r = {spec['dilation_rates']}")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description="Dilated attention over the ranks of torchrun with dilgen's ring: every rank "
+                    "compiles the spec \"ring_example\" (non-causal, ring_size = the world size), "
+                    f"{_words(GPU_SPEC)}, runs forward and backward on its rows of q, k, v and "
+                    "prints their shapes.",
+        epilog="Run it through torchrun, e.g. torchrun --nproc-per-node 2 examples/ring_torchrun.py "
+               "--cpu --check")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help=f"total tokens N over all ranks, a multiple of the rank count (default "
+                         f"{GPU_TOKENS}; {CPU_TOKENS} with --cpu)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="run on the CPU: gloo instead of NCCL, Triton's interpreter instead of "
+                         f"GPU kernels, and a smaller spec ({_words(CPU_SPEC)}) with N = "
+                         f"{CPU_TOKENS} by default (taken without a GPU too)")
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the float64 reference (N <= 8192); exit 1 past the tolerance")
+    return ap
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=1 << 20, help="total tokens N")
-    ap.add_argument("--cpu", action="store_true", help="gloo + Triton's interpreter")
-    ap.add_argument("--check", action="store_true", help="compare with the float64 reference")
-    args = ap.parse_args()
+    args = parser().parse_args()
     cpu = args.cpu or not torch.cuda.is_available()
+    if args.tokens is None:
+        args.tokens = CPU_TOKENS if cpu else GPU_TOKENS
     dist.init_process_group("gloo" if cpu else "nccl")
     P, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if not cpu:
         torch.cuda.set_device(dev)
-    spec = dilgen.Spec(name="ring_example", num_heads=2 if cpu else 16, head_dim=16 if cpu else 128,
-                       dtype="float32" if cpu else "bfloat16",
-                       segment_lengths=[16, 64] if cpu else [2048, 8192, 32768, 131072, 524288],
-                       dilation_rates=[1, 2] if cpu else [1, 2, 4, 8, 16], ring_size=P)
+    spec = dilgen.Spec(name="ring_example", ring_size=P, **(CPU_SPEC if cpu else GPU_SPEC))
     if args.tokens % P:
         raise SystemExit(f"--tokens {args.tokens} is not divisible by the {P} ranks")
     kernel = dilgen.compile(spec)

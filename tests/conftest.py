@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import warnings
 
 import pytest
@@ -18,17 +20,54 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
-    """With xdist workers on the CPU (one per core), each worker's numpy (OpenBLAS) and
-    torch keep to one thread: two threads a worker on as many cores as workers spin against
-    each other (10 % of the interpreter tests' time). Set before the workers start, so they
-    and the processes they start inherit it; a value already set is kept."""
+    """Ctrl-C and SIGTERM end the run in this process, pytest's or an xdist worker's
+    (_take_interrupts). With xdist workers on the CPU (one per core), each worker's numpy
+    (OpenBLAS) and torch keep to one thread: two threads a worker on as many cores as
+    workers spin against each other (10 % of the interpreter tests' time); and Inductor
+    compiles in the worker, not in a pool of compile processes of its own. Set before the
+    workers start, so they and the processes they start inherit it; a value already set is
+    kept."""
+    _take_interrupts()
     if not getattr(config.option, "numprocesses", None):     # no xdist, or -n 0
         return
     import torch
     if torch.cuda.is_available():
         return
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                 "TORCHINDUCTOR_COMPILE_THREADS"):
         os.environ.setdefault(name, "1")
+
+
+# -- Ctrl-C: the run stops within seconds and leaves no process ---------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be: the run ends as on Ctrl-C."""
+
+
+def _terminated(signum, frame):
+    raise Terminated("SIGTERM")
+
+
+def _take_interrupts() -> None:
+    """SIGINT raises KeyboardInterrupt here even when this process started with SIGINT
+    ignored - as a shell without job control starts `python -m pytest &`, and the xdist
+    workers inherit: Python then never raises it, and the whole suite runs on through
+    Ctrl-C. SIGTERM raises Terminated, so that the processes this one started are ended
+    too (pytest_keyboard_interrupt) instead of left running without it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def pytest_keyboard_interrupt(excinfo):
+    """Ctrl-C (or SIGTERM) stopped the run in this process: end every process it started,
+    whose own children go with them - xdist workers (in pytest's process), ring ranks and
+    their fork server, Inductor's compile workers, CLI runs. Several of those ignore SIGINT
+    by design (the fork server, Inductor's workers) and a worker's ending otherwise waits on
+    a collective or a 15-s grace period: they are killed, not asked."""
+    from proc_tree import end_descendants
+    end_descendants()
 
 
 # The longest tests (10-50 s each on 2 cores, bench/results/test_suite-*.json), longest
@@ -134,8 +173,8 @@ def check_against_reference(spec, batch: int, n: int, tuning, seed_name: str) ->
 
 def run_cli(argv) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of dilgen.cli.main(argv) run in this process, as the
-    console script runs it: an escaping exception is printed as the interpreter would
-    print it (a traceback) and gives exit code 1."""
+    console script runs it: an escaping exception (KeyboardInterrupt excepted) is printed as
+    the interpreter would print it (a traceback) and gives exit code 1."""
     import contextlib
     import io
     import traceback
@@ -146,6 +185,8 @@ def run_cli(argv) -> tuple[int, str, str]:
             rc = main([str(a) for a in argv])
         except SystemExit as exc:
             rc = exc.code if isinstance(exc.code, int) else 1
+        except KeyboardInterrupt:
+            raise                      # Ctrl-C stops the run, not just this call
         except BaseException:  # noqa: BLE001 - reported as the interpreter would
             traceback.print_exc()
             rc = 1

@@ -26,7 +26,7 @@ def test_build_progress_then_nothing_to_do(tmp_path):
     assert "Traceback" not in first.stderr
     # a pipe or a log, not a terminal: one plain line per kernel, no bar frames
     assert not re.search(r"\[#+-*\]", first.stdout), first.stdout
-    assert "\r" not in first.stdout and "2/2 " in first.stdout, first.stdout
+    assert "\r" not in first.stdout and "spec 2/2: " in first.stdout, first.stdout
     assert "nothing to do" not in first.stdout
     assert "built 2" in first.stdout
     assert any((tmp_path / "cache").rglob("*.py")), "nothing was written to the kernel cache"
@@ -41,6 +41,47 @@ def test_build_progress_then_nothing_to_do(tmp_path):
     assert third.returncode == 0, third.stderr
     assert "nothing to do" not in third.stdout
     assert "built 1 of 2" in third.stdout
+
+
+def test_build_prints_a_line_per_binary_as_it_is_stored(tmp_path, cache_dir, monkeypatch):
+    """Issue 57: through a pipe, `dilgen build --arch sm90` printed its spec's line and then
+    nothing for minutes, while the binaries compiled. Now a line says how many binaries
+    there are, one per binary as it is stored (each printed before the next compile starts,
+    with the seconds elapsed), and the summary counts specs and binaries as such. The
+    compile itself (ptxas, minutes) is replaced: the launch model, the binder and the CLI
+    are the real ones."""
+    import contextlib
+    import io
+
+    from dilgen import aot
+    from dilgen.aot import build as aot_build
+    from dilgen.cli import main
+    out = io.StringIO()                                  # not a terminal: plain lines
+    seen: list[str] = []
+
+    def compile_job(job):
+        seen.append(out.getvalue())
+        return b"", "{}"
+
+    monkeypatch.setattr(aot_build, "compile_job", compile_job)
+    monkeypatch.setattr(aot_build, "store_job", lambda job, cubin, meta: None)
+    for module in (aot, aot_build):                      # a wheel without ptxas builds too
+        monkeypatch.setattr(module, "ptxas_path", lambda: "ptxas")
+    write_spec(tmp_path / "specs", dict(TINY, name="aot_pipe", dtype="float16"))
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(["build", str(tmp_path / "specs"), "--arch", "sm90", "--seq-len", "64"])
+    lines = out.getvalue().splitlines()
+    assert rc == 0 and lines[0] == "spec 1/1: aot_pipe [sm90]", lines
+    n = int(re.fullmatch(r"  (\d+) binaries to compile for sm90", lines[1]).group(1))
+    assert n == len(seen) >= 4, lines
+    per_binary = lines[2:2 + n]
+    for i, line in enumerate(per_binary, 1):
+        assert re.fullmatch(rf"  binary {i}/{n}: aot_pipe_\w+ \[\w+\] for sm90, \d+\.\d s elapsed",
+                            line), line
+    for i, before in enumerate(seen):                    # printed as stored, not at the end
+        assert before.count("  binary ") == i, before
+    assert lines[2 + n:] == [f"built 1 of 1 spec(s) for sm90; 0 up to date; compiled {n} "
+                             f"binaries ahead of time (0 already in the cache)"], lines
 
 
 def test_build_progress_bar_on_a_terminal(tmp_path, cache_dir):
@@ -73,14 +114,14 @@ def test_build_progress_without_tqdm_prints_plain_lines(tmp_path, cache_dir, mon
     write_spec(specs, dict(TINY_GQA_CAUSAL, name="plain_b"))
     rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
     assert rc == 0, err
-    assert out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
-                                    "2/2 plain_b [interpreter]"], out
+    assert out.splitlines()[:2] == ["spec 1/2: plain_a [interpreter]",
+                                    "spec 2/2: plain_b [interpreter]"], out
     assert "built 2 of 2" in out and not re.search(r"\[#+-*\]", out), out
     from dilgen import compiler
     monkeypatch.setattr(compiler, "_MODULES", {})          # as a second process would start
     rc, out, err = main_in_process("build", specs, "--arch", "interpreter")
-    assert rc == 0 and out.splitlines()[:2] == ["1/2 plain_a [interpreter]",
-                                                "2/2 plain_b [interpreter]"], out
+    assert rc == 0 and out.splitlines()[:2] == ["spec 1/2: plain_a [interpreter]",
+                                                "spec 2/2: plain_b [interpreter]"], out
     assert "nothing to do" in out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -171,7 +172,9 @@ def compile_for_target(module_or_plan, target, *, seq_lens: Iterable[int] | None
     """Compile every kernel of a generated module (or Spec) for `target` (a dilgen Target,
     sm80/sm90) and every specialization that `seq_lens` produce; store them in the cache.
     Sound entries are kept; missing ones are compiled, and damaged or unusable ones
-    (artifacts.load_entry refuses them) are compiled and rewritten in place."""
+    (artifacts.load_entry refuses them) are compiled and rewritten in place. `log` gets a
+    line before the first compile (how many binaries) and one as each binary is stored
+    (its number, kernel, role, and the seconds since the first compile began)."""
     if target.capability is None:
         return BuildReport()
     if ptxas_path() is None:
@@ -188,12 +191,17 @@ def compile_for_target(module_or_plan, target, *, seq_lens: Iterable[int] | None
             report.repaired += os.path.lexists(cache.entry_dir(job.key))
     if not todo:
         return report
+    start = time.monotonic()
+    if log:
+        log(f"{len(todo)} binaries to compile for sm{todo[0].arch}"
+            + (f" ({report.cached} already in the cache)" if report.cached else ""))
 
     def done(job, cubin, meta):
         store_job(job, cubin, meta)
         report.compiled += 1
         if log:
-            log(f"compiled {job.fn_name} [{job.role}] for sm{job.arch}")
+            log(f"binary {report.compiled}/{len(todo)}: {job.fn_name} [{job.role}] for "
+                f"sm{job.arch}, {time.monotonic() - start:.1f} s elapsed")
 
     workers = max(1, min(int(jobs or 1), len(todo)))
     if workers == 1:

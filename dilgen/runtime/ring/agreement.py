@@ -15,10 +15,18 @@ import torch
 
 from ...schedule import CHUNK_ORDERS
 from ..checks import InputError, check_inputs, check_varlen_inputs
-from ..varlen import packing_from_cu_seqlens
+from ..varlen import read_cu_seqlens
 from .faults import PeerLost, RingError, _group_name, collective, fault_key, new_key, refuse_closed
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_DTYPE_NAMES = {0: "another dtype", **{code: str(t).replace("torch.", "") for t, code in _DTYPE_CODE.items()}}
+
+
+def _named(names, code: int) -> str:
+    """A gathered code as the name it stands for (CHUNK_ORDERS: quoted, as it is passed)."""
+    if isinstance(names, dict):
+        return names.get(code, f"code {code}")
+    return repr(names[code]) if 0 <= code < len(names) else f"code {code}"
 _TRANSPORTS = ("auto", "ring", "allgather", "heads")
 
 
@@ -154,8 +162,7 @@ def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqle
             raise InputError(f"{name}: cu_seqlens[-1] = {total} but this rank holds {n_loc} rows "
                              f"({P} x {n_loc} = {n_loc * P} in all): cu_seqlens covers the whole "
                              f"packed row and every rank passes its {total // P} rows")
-    packing_from_cu_seqlens(name, cu_seqlens, n_loc * P, q.device, max_seqlen)
-    return cu_seqlens.tolist()
+    return read_cu_seqlens(name, cu_seqlens, n_loc * P, q.device, max_seqlen)   # read now, every call
 
 
 def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
@@ -249,6 +256,15 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
                 return (f"{name}: the ranks are in different ring calls ({calls}); every rank must "
                         f"run the same forward and backward calls in the same order (did one rank "
                         f"skip a backward?)")
+            if label == "chunk order":
+                orders = ", ".join(f"rank {r}: {_named(CHUNK_ORDERS, x)}" for r, x in enumerate(values))
+                return (f"{name}: the ranks disagree on the chunk order ({orders}); every rank must "
+                        f"pass the same chunk_order= ({' or '.join(map(repr, CHUNK_ORDERS))}), which "
+                        f"decides the rows each rank holds (shard them with that order)")
+            if label == "dtype":
+                dtypes = ", ".join(f"rank {r}: {_named(_DTYPE_NAMES, x)}" for r, x in enumerate(values))
+                return (f"{name}: the ranks disagree on the dtype of q ({dtypes}); every rank must "
+                        f"pass q, k, v of the spec's dtype")
             if label == "DILGEN_RING_TRANSPORT":
                 names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "

@@ -54,12 +54,15 @@ def _forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     acc = out if q.dtype == torch.float32 or max(todo) <= 1 else torch.empty(
         q.shape, dtype=torch.float32, device=dev)
     poison(out, lse, acc)
-    # pieces that several windows write merge from lse = -inf (rows a pruned window
-    # skipped are then merged as empty)
+    # pieces that several windows write merge from the empty partial, lse = -inf and
+    # out = 0 (rows a pruned window skipped are then merged as empty): the merge weighs the
+    # accumulator's rows by e^lse = 0, so they hold zeros, not the allocation's leftovers
+    # (0 * inf is NaN, and a numpy RuntimeWarning in the interpreter)
     merged = [n > 1 for n in todo]
     for qi, several in enumerate(merged):
         if several:
             lse.narrow(2, run.rows0[qi], run.pieces[run.me][qi][1]).fill_(float("-inf"))
+            run.piece(acc, qi).zero_()
     kernel = attn._kernel(run.interpret)
     opts = {} if run.interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg.get("fused_tma") and not run.interpret:

@@ -1,0 +1,69 @@
+"""The processes a test run started, read from /proc (Linux) or `ps` (elsewhere), and the
+ending of them on Ctrl-C (tests/conftest.py) - ring ranks and their fork server, Inductor's
+compile workers, CLI runs: several of them ignore SIGINT by design, so the terminal's Ctrl-C
+alone does not end them."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+# multiprocessing's resource tracker ignores SIGINT and SIGTERM and ends by itself once every
+# process holding its pipe is gone, unlinking what they leaked: it is left to do that.
+_SPARED = "multiprocessing.resource_tracker"
+
+
+def _table() -> list[tuple[int, int, int, str, str]]:
+    """(pid, parent pid, process group, state, command line) of every live process."""
+    rows = []
+    if os.path.isdir("/proc/self"):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:                        # ended meanwhile
+                continue
+            state, ppid, pgid = stat[stat.rindex(")") + 2:].split()[:3]
+            rows.append((int(name), int(ppid), int(pgid), state, cmd))
+        return rows
+    out = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,pgid=,stat=,command="],
+                         capture_output=True, text=True, timeout=30).stdout
+    for line in out.splitlines():
+        pid, ppid, pgid, state, *cmd = line.split(None, 4)
+        rows.append((int(pid), int(ppid), int(pgid), state[:1], " ".join(cmd)))
+    return rows
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process below `pid`, parents before children."""
+    rows = _table()
+    children: dict[int, list[tuple[int, str]]] = {}
+    for p, ppid, _, state, cmd in rows:
+        if state != "Z":
+            children.setdefault(ppid, []).append((p, cmd))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live (not zombie) process of process group `pgid`."""
+    return [(p, cmd) for p, _, g, state, cmd in _table() if g == pgid and state != "Z"]
+
+
+def end_descendants() -> None:
+    """SIGKILL every process below this one (the tree read once, first, so that a child
+    whose parent ends meanwhile is still found), resource trackers excepted (see _SPARED)."""
+    for pid, cmd in descendants(os.getpid()):
+        if _SPARED not in cmd:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
