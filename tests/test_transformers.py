@@ -35,11 +35,15 @@ def _config(**kw) -> LlamaConfig:
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          is_causal=None, **kwargs):
     """SPEC §2 in float64, per item / packed sequence / cached prefix: what the dilated model
-    means, independently of dilgen's runtime."""
+    means, independently of dilgen's runtime (causal as the layer is: is_causal, or the
+    module's; a bidirectional mask of hf.dilgen_mask gives its padding)."""
+    if isinstance(attention_mask, hf.Bidirectional):
+        attention_mask = attention_mask.mask
     spec = dilgen.spec_from_dict({"name": "hf_ref", **module.config.dilgen_spec,
                                   "num_heads": query.shape[1], "num_kv_heads": key.shape[1],
                                   "head_dim": query.shape[3], "dtype": "float32",
-                                  "causal": True, "softmax_scale": scaling})
+                                  "causal": bool(getattr(module, "is_causal", True) if is_causal is None
+                                                 else is_causal), "softmax_scale": scaling})
     q, k, v = (t.transpose(1, 2).double() for t in (query, key, value))
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     runs = [(0, S)] * B
