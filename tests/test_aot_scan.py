@@ -6,7 +6,6 @@ re-reading a cache of 3,000 entries every time cost each of 4 ranks about 7 s on
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ def _fake_entry(i: int, **info) -> None:
 @pytest.fixture
 def scans(tmp_path, monkeypatch):
     """A private cache holding modules and AOT entries of an older Triton; counts how many
-    times anything lists the cache's manifests."""
+    times anything lists the cache's entries (cache.trusted_entries)."""
     monkeypatch.setenv("DILGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(artifacts, "_BUILDS", {}, raising=False)
     for i in range(20):
@@ -39,13 +38,13 @@ def scans(tmp_path, monkeypatch):
     for i, kernel in enumerate(("fwd", "dq")):
         _fake_entry(100 + i, kind="aot-kernel", kernel=kernel, module_sha256="sha", triton="0.0.0-old")
     count = [0]
-    glob = pathlib.Path.glob
+    listing = cache.trusted_entries
 
-    def counted(self, pattern, *args, **kwargs):
-        count[0] += pattern.endswith(cache.MANIFEST)
-        return glob(self, pattern, *args, **kwargs)
+    def counted(root):
+        count[0] += 1
+        return listing(root)
 
-    monkeypatch.setattr(pathlib.Path, "glob", counted)
+    monkeypatch.setattr(cache, "trusted_entries", counted)
     return count
 
 
