@@ -42,8 +42,11 @@ def test_unset_is_the_default_and_a_stray_word_is_one_line(monkeypatch, variable
     ("DILGEN_REPLAY", "ENABLED", "dilgen.runtime.replay")])
 def test_import_time_knobs_parse_false_as_off(variable, attr, module):
     """Read once at import (in a fresh process): DILGEN_POISON=false used to turn it on."""
-    for value, want in (("false", False), ("no", False), ("off", False), ("yes", True)):
-        env = {**os.environ, variable: value}
-        out = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.{attr})"],
-                             env=env, capture_output=True, text=True, check=True).stdout
-        assert out.strip() == str(want), (variable, value, out)
+    values = ("false", "no", "off", "yes")
+    code = (f"import importlib, os, {module} as m\n"
+            f"for value in {values!r}:\n"
+            f"    os.environ[{variable!r}] = value\n"
+            f"    print(importlib.reload(m).{attr})")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", "False", "False", "True"], (variable, out)
