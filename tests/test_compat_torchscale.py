@@ -296,7 +296,6 @@ def _one_line(exc) -> str:
 @pytest.mark.parametrize("extra,word", [
     ({"xpos_rel_pos": True}, "xpos"),
     ({"multiway": True}, "multiway"),
-    ({"seq_parallel": True}, "seq_parallel"),
 ])
 def test_unsupported_configurations_are_named(extra, word):
     args = tm.make_args([8, 16], [1, 2], embed_dim=96, heads=2, **extra)

@@ -268,6 +268,12 @@ GIGAPATH_CONFIGS = {     # gigapath/torchscale/model/LongNetConfig.py's format, 
         "encoder_attention_heads": 16, "dilated_ratio": "[1, 2, 4, 8, 16]",
         "segment_length": "[1024, 2048, 4096, 8192, 16384]", "block_shift": True,
         "flash_attention": True, "use_xmoe": False, "moe_freq": 0},
+    # smaller still, for the 2-rank seq_parallel tests (tests/test_torchscale_seq_parallel.py)
+    "LongNet_1_layers_64_dim": {
+        "encoder_layers": 1, "encoder_embed_dim": 64, "encoder_ffn_embed_dim": 128,
+        "encoder_attention_heads": 4, "dilated_ratio": "[1, 2, 4, 8, 16]",
+        "segment_length": "[1024, 2048, 4096, 8192, 16384]", "block_shift": True,
+        "flash_attention": True, "use_xmoe": False, "moe_freq": 0},
 }
 
 
@@ -330,6 +336,7 @@ class LongNetViT(nn.Module):
                  max_wsi_size=262144, dropout=0.25, drop_path_rate=0.1, segment_length=None):
         super().__init__()
         self.patch_embed = PatchEmbed(in_chans, embed_dim)
+        self.tile_size = tile_size
         self.slide_ngrids = slide_ngrids
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.register_buffer("pos_embed", torch.randn(1, slide_ngrids ** 2 + 1, embed_dim), persistent=False)
@@ -339,11 +346,14 @@ class LongNetViT(nn.Module):
                                               drop_path_rate=drop_path_rate)
         self.norm = LayerNorm(embed_dim, eps=1e-6)
 
+    def coords_to_pos(self, coords, tile_size: int = 256):
+        """Tile coordinates (pixels) -> position indices into pos_embed (+ 1: the cls token)."""
+        cells = torch.floor(coords / tile_size)
+        return (cells[..., 0] * self.slide_ngrids + cells[..., 1]).long() + 1
+
     def forward(self, x, coords):
         x = self.patch_embed(x)
-        pos = (torch.floor(coords / 256.0)[..., 0] * self.slide_ngrids
-               + torch.floor(coords / 256.0)[..., 1]).long() + 1      # + 1: the cls token
-        x = x + self.pos_embed[:, pos, :].squeeze(0)
+        x = x + self.pos_embed[:, self.coords_to_pos(coords, self.tile_size), :].squeeze(0)
         cls = (self.cls_token + self.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)
         x = torch.cat((cls, x), dim=1)
         x = self.encoder(src_tokens=None, token_embeddings=x)["encoder_out"]

@@ -18,9 +18,16 @@ them under no_grad: same forward, different gradients).
 
 What is refused, with one line naming it: torchscale's xpos (`args.xpos_rel_pos`),
 `incremental_state`, `attn_mask`, `rel_pos`, multiway projections (`args.multiway`),
-sequence parallelism (`args.seq_parallel`), cross-attention, attention dropout while
-training, and torchscale's layout slip (min(w, N) not a multiple of r with two or more
-segments, where torchscale's outputs land on shifted rows).
+cross-attention, attention dropout while training, and torchscale's layout slip (min(w, N)
+not a multiple of r with two or more segments, where torchscale's outputs land on shifted
+rows).
+
+`args.seq_parallel` (read at every forward, as torchscale does) with torch.distributed set
+up and more than one rank in `module.seq_parallel_group` (None: the default group, which
+torchscale's `get_data_parallel_group()` spans too): each rank passes its contiguous chunk
+of the sequence (`chunk_rows(x)`) and gets its rows of the one-process result, through
+dilgen's ring (dilgen/compat/torchscale_seq.py says how). A key_padding_mask with padding
+is refused there; parameter gradients are each rank's share (the caller sums them).
 
 Which code: `DilatedAttention(MultiheadAttention)` of microsoft/torchscale's
 `torchscale/component/dilated_attention.py` (from commit da3d79c, "LongNet release",
@@ -60,11 +67,13 @@ from torch.nn import LayerNorm
 
 from ..spec import Spec
 from ..support import unsupported_by_kernels, zero_pad_layout_slip
+from . import torchscale_seq as seq
+from .torchscale_seq import chunk_rows
 
-__all__ = ["DilatedAttention", "patch", "is_torchscale_dilated_attention", "spec_for"]
+__all__ = ["DilatedAttention", "chunk_rows", "patch", "is_torchscale_dilated_attention", "spec_for"]
 
-PREFIX = "dilgen.compat.torchscale"
-_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+PREFIX = seq.PREFIX
+_DTYPES = seq._DTYPES
 
 
 def _unsupported(feature: str, hint: str) -> NotImplementedError:
@@ -153,9 +162,6 @@ class DilatedAttention(nn.Module):
         if getattr(args, "xpos_rel_pos", False) and self_attention:
             raise _unsupported("args.xpos_rel_pos = True (xpos rotary positions)",
                                "dilgen's kernels take q and k as they are; build the model without xpos")
-        if getattr(args, "seq_parallel", False):
-            raise _unsupported("args.seq_parallel = True (torchscale's sequence parallelism)",
-                               "run one sequence per GPU, or dilgen's own ring (spec ring_size)")
         if encoder_decoder_attention:
             raise _unsupported("encoder_decoder_attention=True (cross-attention)",
                                "dilated attention here is self-attention")
@@ -180,6 +186,9 @@ class DilatedAttention(nn.Module):
                               if subln and self_attention else None)
         self.dropout_module = nn.Dropout(dropout)
         self.xpos = None
+        # args.seq_parallel: the ranks the sequence is split over (None: the default group,
+        # the world, as torchscale's get_data_parallel_group)
+        self.seq_parallel_group = None
 
     @classmethod
     def from_torchscale(cls, module: nn.Module) -> "DilatedAttention":
@@ -237,19 +246,27 @@ class DilatedAttention(nn.Module):
         if E != self.embed_dim:
             raise ValueError(f"{PREFIX}: query has {E} features but embed_dim = {self.embed_dim}")
         H, D = self.num_heads, self.head_dim
-        mask = _key_padding(key_padding_mask, B, N)
-        longest = N if mask is None else int((~mask).sum(1).max())
+        layout = mask = None
+        if getattr(self.args, "seq_parallel", False) and seq.group_size(self.seq_parallel_group) > 1:
+            # this rank holds rows of the sequence: every rank agrees, or all raise
+            layout = seq.agree(B, N, key_padding_mask, query.device, self.seq_parallel_group)
+            longest = layout.N
+        else:
+            mask = _key_padding(key_padding_mask, B, N)
+            longest = N if mask is None else int((~mask).sum(1).max())
         slip = zero_pad_layout_slip(self.spec, longest)
         if slip:                    # it names its source: "dilgen.compat.torchscale args: ..."
             raise ValueError(slip)
         q = self.q_proj(query).view(B, N, H, D)
         k = self.k_proj(key).view(B, N, H, D)
         v = self.v_proj(value).view(B, N, H, D)
-        spec = self._spec(q.dtype, is_causal)
-        if mask is None:
-            out = _attend(q, k, v, spec)
+        if layout is not None:
+            out = seq.attend(q, k, v, layout, self.spec.segment_lengths, self.spec.dilation_rates,
+                             causal=is_causal, group=self.seq_parallel_group)
+        elif mask is None:
+            out = _attend(q, k, v, self._spec(q.dtype, is_causal))
         else:
-            out = _attend_padded(q, k, v, mask, spec)
+            out = _attend_padded(q, k, v, mask, self._spec(q.dtype, is_causal))
         attn = out.reshape(B, N, E)
         if self.inner_attn_ln is not None:
             attn = self.inner_attn_ln(attn)
@@ -284,10 +301,12 @@ def is_torchscale_dilated_attention(module) -> bool:
             and hasattr(module.args, "segment_length") and hasattr(module.args, "dilated_ratio"))
 
 
-def patch(model: nn.Module, *, verbose: bool = True) -> list[str]:
+def patch(model: nn.Module, *, verbose: bool = True, seq_parallel_group=None) -> list[str]:
     """Replace, in place, every torchscale DilatedAttention inside `model` by dilgen's,
     keeping its weights (device, dtype, train/eval mode); return the dotted names of the
-    replaced modules (and print them unless verbose=False). A second call finds none."""
+    replaced modules (and print them unless verbose=False). A second call finds none.
+    seq_parallel_group: the process group args.seq_parallel splits the sequence over
+    (None: the default group)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{PREFIX}: patch(model) takes a torch.nn.Module, got "
                         f"{type(model).__name__}")
@@ -303,6 +322,7 @@ def patch(model: nn.Module, *, verbose: bool = True) -> list[str]:
             new = done.get(id(child))
             if new is None:
                 new = done[id(child)] = DilatedAttention.from_torchscale(child)
+                new.seq_parallel_group = seq_parallel_group
             setattr(parent, child_name, new)
             replaced.append(f"{parent_name}.{child_name}" if parent_name else child_name)
     if verbose:
