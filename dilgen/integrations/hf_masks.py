@@ -20,6 +20,10 @@ read as padding when it is one, (B, 1, 1, keys) with 0 / -inf (or True / False) 
 from __future__ import annotations
 
 import torch
+# at import, not in read_mask_function: that runs while dynamo traces a model, and torch
+# 2.11's dynamo refuses an import whose result is transformers' _LazyModule ("Bad import
+# result"). dilgen.integrations.transformers imports this module after transformers.
+import transformers.masking_utils as mu
 
 #: a window or chunk of at least this many tokens covers every sequence dilgen runs (its
 #: offsets and positions are int32): no window. full_attention(config) sets it.
@@ -151,7 +155,6 @@ def read_mask_function(fn, config):
     True (bidirectional) or a MaskRefusal. dilgen implements causal and bidirectional masks
     with packed sequences (read from position_ids), padding (the 2-D mask) and windows of
     NO_WINDOW or more."""
-    import transformers.masking_utils as mu
     model = str(getattr(config, "model_type", "") or "the model")
     todo, bidirectional = [fn], False
     while todo:
