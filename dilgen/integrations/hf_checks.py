@@ -37,9 +37,11 @@ _DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "attn_pdrop", "dropout_p"
 REFUSED_KWARGS = ("position_bias", "sinks", "s_aux", "indices", "block_indices", "alibi", "attn_bias",
                   "head_mask", "layer_head_mask", "relative_position_bias", "attention_bias")
 #: keyword arguments transformers passes that dilgen reads or that do not change the math
+#: (shift_labels, num_items_in_batch: the loss's, which a model's forward hands to every layer)
 KNOWN_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                 "cache_position", "output_attentions", "use_cache", "past_key_values", "cache",
-                "position_embeddings", "is_causal", "layer_idx", "token_type_ids")
+                "position_embeddings", "is_causal", "layer_idx", "token_type_ids", "shift_labels",
+                "num_items_in_batch")
 
 
 def _configs(config) -> list:

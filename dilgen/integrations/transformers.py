@@ -21,6 +21,9 @@ transformers passes q (B, H, T, D) and k, v (B, H_kv, S, D); dilgen reads (B, T,
 views of them, with no copy, and returns out (B, T, H, D) as transformers expects. Under
 torch.autocast, q, k and v are cast to the autocast dtype first (what sdpa does).
 
+Over several GPUs, dilgen.integrations.context_parallel places the attention layers on a
+process group: each call then runs the ring on the rank's rows (hf_ring).
+
 What dilgen does not implement is refused in one line (hf_checks: at each call, and when a
 model is built; hf_masks: the masks), never dropped.
 """
@@ -33,7 +36,7 @@ import torch
 
 from ..compiler import Kernel
 from ..spec import SpecError, spec_from_dict
-from . import hf_rows
+from . import hf_ring, hf_rows
 from .hf_rows import valid_runs  # noqa: F401  (public: the token run of each row of a mask)
 
 try:
@@ -111,17 +114,19 @@ class _TracedKernel:
 def _kernel_key(call) -> str:
     """The registry key of the Kernel of a traced call, from constants only (what
     torch.compiler.assume_constant_result takes): _build's arguments, dtype by name."""
-    model_type, pattern, H, H_kv, D, dtype, causal, scaling = call
-    return _build(model_type, pattern, H, H_kv, D, getattr(torch, dtype), causal, scaling)._op_key
+    model_type, pattern, H, H_kv, D, dtype, causal, scaling, ring_size = call
+    return _build(model_type, pattern, H, H_kv, D, getattr(torch, dtype), causal, scaling, ring_size)._op_key
 
 
 def _model_type(config) -> str:
     return str(getattr(config, "model_type", "") or "model")
 
 
-def _build(model_type: str, pattern, H: int, H_kv: int, D: int, dtype, causal: bool, scaling) -> Kernel:
+def _build(model_type: str, pattern, H: int, H_kv: int, D: int, dtype, causal: bool, scaling,
+           ring_size: int = 1) -> Kernel:
     """The dilgen Kernel of the pattern (config.dilgen_spec) with these heads, head_dim,
-    dtype, causality and scale (one per spec across modules)."""
+    dtype, causality and scale (one per spec across modules); ring_size > 1: the same spec
+    over the ranks of a context-parallel group (hf_ring)."""
     pattern = _pattern(pattern)
     if dtype not in _DTYPES:
         raise SpecError(f"attn_implementation='dilgen' takes float16, bfloat16 or float32 "
@@ -131,6 +136,8 @@ def _build(model_type: str, pattern, H: int, H_kv: int, D: int, dtype, causal: b
               "head_dim": D, "dtype": _DTYPES[dtype], "causal": bool(causal)}
     if scaling is not None:
         fields["softmax_scale"] = float(scaling)
+    if ring_size > 1:
+        fields["ring_size"] = int(ring_size)
     spec = spec_from_dict(fields, source="config.dilgen_spec")
     key = spec.key()
     if key not in _KERNELS:
@@ -138,7 +145,7 @@ def _build(model_type: str, pattern, H: int, H_kv: int, D: int, dtype, causal: b
     return _KERNELS[key]
 
 
-def _prepared(module, query, key, scaling, causal):
+def _prepared(module, query, key, scaling, causal, ring_size: int = 1):
     """(Kernel, its GeneratedAttention for query's device), kept per module (_PREPARED): a
     decode step pays one lookup and one tuple comparison. Traced by torch.compile: (a _TracedKernel, None)."""
     if torch.compiler.is_compiling():
@@ -146,17 +153,17 @@ def _prepared(module, query, key, scaling, causal):
         config = module.config
         call = (_model_type(config), getattr(config, "dilgen_spec", None), query.shape[1],
                 key.shape[1], query.shape[3], str(query.dtype).removeprefix("torch."), bool(causal),
-                scaling)
+                scaling, int(ring_size))
         return _TracedKernel(constant_key(_kernel_key, call)), None
     pattern = getattr(module.config, "dilgen_spec", None)
     # repr, not id: a config.dilgen_spec changed in place after a call makes a new kernel
     sig = (repr(pattern), query.dtype, query.device, causal, scaling, query.shape[1], key.shape[1],
-           query.shape[3])
+           query.shape[3], ring_size)
     hit = _PREPARED.get(module)
     if hit is not None and hit[0] == sig:
         return hit[1]
     kernel = _build(_model_type(module.config), pattern, query.shape[1], key.shape[1],
-                    query.shape[3], query.dtype, causal, scaling)
+                    query.shape[3], query.dtype, causal, scaling, ring_size)
     prepared = (kernel, kernel.compiled_for(query.device).attention)
     _PREPARED[module] = (sig, prepared)
     return prepared
@@ -188,9 +195,12 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
         scaling = dq ** -0.5 if scaling is None else scaling
         width = max(dq, dv)
         query, key, value = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
-    kernel, attention = _prepared(module, query, key, scaling, causal)
+    ring = hf_ring.placement(module)          # context parallelism: this rank's rows of each sequence
+    kernel, attention = _prepared(module, query, key, scaling, causal, 1 if ring is None else ring.size)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, T, heads, D) views
-    if k.shape[1] == q.shape[1]:
+    if ring is not None:
+        out = hf_ring.attention(kernel, ring, q, k, v, attention_mask, kwargs, causal)
+    elif k.shape[1] == q.shape[1]:
         out = hf_rows.prefill(kernel, q, k, v, attention_mask, kwargs)
     elif not causal:
         raise ValueError("attn_implementation='dilgen': fewer queries than keys (a KV cache) "
