@@ -34,9 +34,11 @@ class RingPlacement:
 
     def __init__(self, group, size: int, rank: int, order: str, default_group: bool):
         self.group, self.size, self.rank, self.order = group, size, rank, order
-        #: the group holds every rank of the default group: a traced call (torch.compile)
-        #: runs the ring as torch.ops.dilgen.ring_attention_fwd, which takes the default group
+        #: the group holds every rank of the default group: calls pass group=None
         self.default_group = default_group
+        #: what a traced call passes: the group's name (the ring's torch op takes no
+        #: ProcessGroup, and dynamo keeps a string as a constant)
+        self.group_name = "" if default_group or group is None else group.group_name
 
     def __deepcopy__(self, memo):
         return self                       # an EMA copy trains on the same group
@@ -48,16 +50,11 @@ class RingPlacement:
         return f"RingPlacement(size={self.size}, rank={self.rank}, order={self.order!r})"
 
     def call_group(self):
-        """The group= a call passes: None for the default group (eager or traced)."""
+        """The group= a call passes: None for the default group; a sub-group itself, or its
+        name while torch.compile traces."""
         if self.default_group:
             return None
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "attn_implementation='dilgen' under context parallelism and torch.compile runs the ring over "
-                "the default process group (its torch op takes no group); this model was placed on a "
-                f"sub-group of {self.size} ranks: place it on the whole world (context_parallel(model)), or "
-                "compile the layers outside the attention, or run eagerly")
-        return self.group
+        return self.group_name if torch.compiler.is_compiling() else self.group
 
 
 def placement(module) -> RingPlacement | None:

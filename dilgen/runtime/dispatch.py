@@ -66,11 +66,10 @@ def _traced_call(kernel, q, k, v, *, return_lse, group, chunk_order, cu_seqlens,
         out, lse = attention_varlen_fwd(q, k, v, starts, lens, longest, True, [], key)
         return (out, lse) if return_lse else out
     if spec["ring_size"] > 1:
-        if group is not None:
-            raise NotImplementedError(
-                f"{spec['name']}: under torch.compile the ring runs over the default process "
-                f"group; call with group=None (or call the kernel outside torch.compile)")
-        out, lse = ring_attention_fwd(q, k, v, key, chunk_order)
+        # the group travels as its name (a torch op takes no ProcessGroup); a caller that
+        # holds the name as a string (group=placement.group_name) keeps the trace free of it
+        name = group if isinstance(group, str) else "" if group is None else group.group_name
+        out, lse = ring_attention_fwd(q, k, v, key, chunk_order, name)
         return (out, lse) if return_lse else out
     if chunk_order != "contiguous":
         raise InputError(f"{spec['name']}: chunk_order applies only to ring_size > 1 specs")

@@ -1,14 +1,15 @@
 """The ring's doors: `ring_attention` and `ring_varlen_attention`, autograd-aware.
 
-Over the default process group the ring runs as torch ops, so that a ring model traces
-under torch.compile as one graph with the P2P steps inside the opaque op:
+Traced, the ring runs as torch ops, so that a ring model traces under torch.compile as one
+graph with the P2P steps inside the opaque op; the group travels as its name (a torch op
+takes no ProcessGroup; "" is the default group), as torch's functional collectives pass it:
 
-    torch.ops.dilgen.ring_attention_fwd(q, k, v, key, chunk_order) -> (out, lse)
-    torch.ops.dilgen.ring_attention_bwd(..., key, chunk_order) -> (dq, dk, dv)
+    torch.ops.dilgen.ring_attention_fwd(q, k, v, key, chunk_order, group_name) -> (out, lse)
+    torch.ops.dilgen.ring_attention_bwd(..., key, chunk_order, group_name) -> (dq, dk, dv)
 
-On an explicit group, for packed rows, and for plain eager tensors on the default group
-(nothing traced: the op's dispatch would only add host time), an autograd Function runs
-the same passes eagerly."""
+For packed rows, and for plain eager tensors (nothing traced: the op's dispatch would only
+add host time), an autograd Function runs the same passes eagerly. `group=` takes a
+ProcessGroup or its name (`group.group_name`), which a traced caller can hold as a string."""
 from __future__ import annotations
 
 from typing import Optional
@@ -23,52 +24,67 @@ from .executor import ring_backward, ring_forward
 from .run import RingRun
 
 
-def ring_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, chunk_order: str) -> tuple[Tensor, Tensor]:
-    """(out, lse) of my rows through torch.ops.dilgen.ring_attention_fwd (default group)."""
+def resolve_group(group):
+    """The ProcessGroup of `group=`: None (the default group), a ProcessGroup, or a group's
+    name (`group.group_name`)."""
+    if isinstance(group, str):
+        if not group:
+            return None
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(group)
+    return group
+
+
+def ring_attention_op(attn, q: Tensor, k: Tensor, v: Tensor, chunk_order: str,
+                      group_name: str = "") -> tuple[Tensor, Tensor]:
+    """(out, lse) of my rows through torch.ops.dilgen.ring_attention_fwd."""
     key = op_key(attn)
     if not torch.compiler.is_compiling():
         register(attn)
-    return ring_attention_fwd(q, k, v, key, chunk_order)
+    return ring_attention_fwd(q, k, v, key, chunk_order, group_name)
 
 
 @torch.library.custom_op("dilgen::ring_attention_fwd", mutates_args=())
-def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, key: str, chunk_order: str) -> tuple[Tensor, Tensor]:
-    """My rows of out (B, N/P, H, D) and lse (B, H, N/P): every rank of the default group calls it."""
+def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, key: str, chunk_order: str,
+                       group_name: str) -> tuple[Tensor, Tensor]:
+    """My rows of out (B, N/P, H, D) and lse (B, H, N/P): every rank of the group calls it."""
     attn = attention_for(key, q.device)
-    return ring_forward(RingRun(attn, q, k, v, None, chunk_order), q, k, v)
+    return ring_forward(RingRun(attn, q, k, v, resolve_group(group_name), chunk_order), q, k, v)
 
 
 @ring_attention_fwd.register_fake
-def _ring_attention_fwd_fake(q, k, v, key, chunk_order):
+def _ring_attention_fwd_fake(q, k, v, key, chunk_order, group_name):
     return _attention_fwd_fake(q, k, v, key)
 
 
 @torch.library.custom_op("dilgen::ring_attention_bwd", mutates_args=())
 def ring_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
-                       grad_lse: Optional[Tensor], key: str, chunk_order: str) -> tuple[Tensor, Tensor, Tensor]:
+                       grad_lse: Optional[Tensor], key: str, chunk_order: str,
+                       group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of my rows; the partial dK, dV of remote keys travel to their owners."""
     attn = attention_for(key, q.device)
-    run = RingRun(attn, q, k, v, None, chunk_order, kind="backward")
+    run = RingRun(attn, q, k, v, resolve_group(group_name), chunk_order, kind="backward")
     return ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
 
 
 @ring_attention_bwd.register_fake
-def _ring_attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key, chunk_order):
+def _ring_attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key, chunk_order, group_name):
     return _attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key)
 
 
 def _ring_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
-    q, k, v, key, chunk_order = inputs
+    q, k, v, key, chunk_order, group_name = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.key, ctx.chunk_order = key, chunk_order
+    ctx.key, ctx.chunk_order, ctx.group_name = key, chunk_order, group_name
 
 
 def _ring_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_bwd(q, k, v, out, lse, grad_out, grad_lse, ctx.key, ctx.chunk_order)
-    return dq, dk, dv, None, None
+    dq, dk, dv = ring_attention_bwd(q, k, v, out, lse, grad_out, grad_lse, ctx.key, ctx.chunk_order,
+                                    ctx.group_name)
+    return dq, dk, dv, None, None, None
 
 
 ring_attention_fwd.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -105,13 +121,18 @@ def _op_takes(q, k, v, chunk_order) -> bool:
 def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
                    chunk_order: str = "contiguous"):
     """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
-    rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring")."""
-    if group is None and not _op_takes(q, k, v, chunk_order):
-        RingRun(attn, q, k, v, None, chunk_order)     # refused on every rank by the agreement
-    if group is None and not plain_eager(q, k, v):
-        # the default group, traced: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so
-        # that a ring model traces under torch.compile as one graph
-        out, lse = ring_attention_op(attn, q, k, v, chunk_order)
+    rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring"). `group` is a
+    ProcessGroup, its name, or None (the default group)."""
+    name = group if isinstance(group, str) else None
+    group = resolve_group(group)
+    if not _op_takes(q, k, v, chunk_order):
+        RingRun(attn, q, k, v, group, chunk_order)    # refused on every rank by the agreement
+    if not plain_eager(q, k, v):
+        # traced: the ring as torch.ops.dilgen.ring_attention_fwd/bwd, so that a ring model
+        # traces under torch.compile as one graph
+        if name is None:
+            name = "" if group is None else group.group_name
+        out, lse = ring_attention_op(attn, q, k, v, chunk_order, name)
         return (out, lse) if return_lse else out
     run = RingRun(attn, q, k, v, group, chunk_order)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -128,8 +149,9 @@ def ring_varlen_attention(attn, q, k, v, cu_seqlens, *, group=None, max_seqlen=N
     passes its contiguous N/P rows q (N/P, H, D), k, v (N/P, H_kv, D) and the same
     cu_seqlens over the whole row of N rows (sequences may span rank borders). Returns its
     rows of out (and lse (H, N/P)), autograd-aware, equal to the single-device packed call.
-    Runs eagerly (not as a torch.ops op) on `group` or the default group."""
-    run = RingRun(attn, q, k, v, group, chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    Runs eagerly (not as a torch.ops op) on `group` (or its name) or the default group."""
+    run = RingRun(attn, q, k, v, resolve_group(group), chunk_order, cu_seqlens=cu_seqlens,
+                  max_seqlen=max_seqlen)
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad:
