@@ -238,6 +238,21 @@ def _verify(folder: Path, key: str, require: str) -> bool:
     return True
 
 
+def read_verified(folder: Path, name: str = MODULE) -> bytes | None:
+    """The bytes of `name` in an entry that load() returned, read once and checked against
+    its manifest's sha256, or None: what the caller runs is exactly what was verified (a
+    second read of the path could see other bytes)."""
+    try:
+        manifest = json.loads(read_regular(folder / MANIFEST))
+        data = read_regular(folder / name)
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or hashlib.sha256(data).hexdigest() != files.get(name):
+        return None
+    return data
+
+
 def load(key: str, require: str = MODULE) -> Path | None:
     """The entry folder if it passes the trust check (with its cache folder and shard), holds
     `require` and every file matches its manifest, else None. A damaged entry is left where

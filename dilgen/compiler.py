@@ -147,11 +147,12 @@ def _cached_source(key: str) -> tuple[Path | None, str | None]:
     """(entry folder, module text) of a sound cache entry, or (None, None). An entry that
     vanishes between its check and its read (the cache folder deleted) is a miss."""
     folder = cache.load(key)
-    if folder is None:
+    data = None if folder is None else cache.read_verified(folder)   # the bytes that were checked
+    if data is None:
         return None, None
     try:
-        return folder, (folder / cache.MODULE).read_text()
-    except FileNotFoundError:
+        return folder, data.decode("utf-8")
+    except UnicodeDecodeError:
         return None, None
 
 

@@ -137,23 +137,27 @@ def as_jit(fn):
     return fn if isinstance(fn, JITFunction) else triton.jit(fn)
 
 
-def _import_path(path: str):
-    import importlib.util
-    name = "dilgen_aot_build." + hashlib.sha256(path.encode()).hexdigest()[:16]
+def _import_path(path: str, sha: str):
+    """The generated module at `path` (a cache entry's module.py, or a file the caller
+    named), run from bytes read once without following a link and checked against `sha`
+    (the hash the jobs were planned from): a file changed since is refused, never run."""
+    from ..compiler import _import_module
+    from ..fsafe import read_regular
+    name = "dilgen_aot_build." + hashlib.sha256(f"{path}:{sha}".encode()).hexdigest()[:16]
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    data = read_regular(path)
+    if artifacts.module_hash(data) != sha:
+        raise RuntimeError(f"{path} changed since its kernels were planned (sha256 "
+                           f"{artifacts.module_hash(data)[:12]} != {sha[:12]}); build again")
+    return _import_module(Path(path), name, data.decode("utf-8"))
 
 
 def compile_job(job: Job) -> tuple[bytes, str]:
     """Compile one job: (cubin bytes, metadata json). Runs in a worker process too."""
     import triton
     from triton.backends.compiler import GPUTarget
-    module = _import_path(job.module_path)
+    module = _import_path(job.module_path, job.module_sha)
     jit_fn = as_jit(getattr(module, job.fn_name))
     src = artifacts.source_of(jit_fn, dict(job.signature), dict(job.constexprs), dict(job.attrs))
     compiled = triton.compile(src, target=GPUTarget("cuda", job.arch, 32), options=dict(job.options))
