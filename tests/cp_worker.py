@@ -112,7 +112,15 @@ def run_lm(case: dict, rank: int, world: int) -> dict:
     loss = cp.loss(out.logits, labels)
     loss.backward()
     cp.reduce_gradients()
-    return {"loss": loss.item(), "grads": _grads(model), "order": cp.order}
+    result = {"loss": loss.item(), "grads": _grads(model), "order": cp.order}
+    if case.get("bad_positions"):          # refused by a device-side assert in the graph
+        ids, pos = batch["input_ids"], batch["position_ids"]
+        restart = pos.clone()
+        restart[:, 5] = 0                  # a packed row without cu_seq_lens_q, on every rank
+        local = torch.arange(ids.shape[1])[None].expand_as(ids)      # a per-rank arange
+        result["refused"] = {"restart": _message(lambda: step(input_ids=ids, position_ids=restart)),
+                             "local": _message(lambda: step(input_ids=ids, position_ids=local))}
+    return result
 
 
 def run_fsdp(case: dict, rank: int, world: int) -> dict:
@@ -187,6 +195,19 @@ def run_refusals(case: dict, rank: int, world: int) -> dict:
     cp_bert = context_parallel(bert)
     rows_bert = cp_bert.shard({"input_ids": ids, "labels": ids})
     out["masked_lm_labels"] = _message(lambda: bert(**rows_bert))
+    local = torch.arange(rows["input_ids"].shape[1])[None].expand_as(rows["input_ids"])
+    restart = rows["position_ids"].clone()
+    restart[:, 5] = 0
+    out["local_positions"] = _message(lambda: model(input_ids=rows["input_ids"], position_ids=local))
+    out["restarting_positions"] = _message(lambda: model(input_ids=rows["input_ids"], position_ids=restart))
+    # a parameter with a gradient on one rank only joins with zeros elsewhere; one with a
+    # gradient on no rank keeps None (an optimizer skips it, as in one process)
+    tiny = torch.nn.Linear(2, 2)
+    if rank == world - 1:
+        tiny.weight.grad = torch.full_like(tiny.weight, 3.0)
+    cp.reduce_gradients(tiny)
+    out["grad_one_rank"] = tiny.weight.grad.tolist()
+    out["grad_no_rank"] = None if tiny.bias.grad is None else tiny.bias.grad.tolist()
     cp.remove()
     out["after_remove"] = _message(lambda: model(input_ids=rows["input_ids"]))   # one device again
     return out

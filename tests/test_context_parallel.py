@@ -13,6 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import cp_worker  # noqa: E402
+import torch  # noqa: E402
 
 pytestmark = pytest.mark.slow     # several processes each
 
@@ -67,7 +68,7 @@ def test_p2_packed_rows_and_right_padding(tmp_path):
         _check(case, results[case["name"]])
 
 
-COMPILED = [{"name": "compiled", "compile": True},
+COMPILED = [{"name": "compiled", "compile": True, "bad_positions": True},
             {"name": "compiled_subgroup", "compile": True, "subgroup": True}]
 
 
@@ -78,6 +79,11 @@ def test_p2_under_torch_compile(tmp_path):
     results = cp_worker.spawn(2, COMPILED, tmp_path, timeout_s=240)
     for case in COMPILED:
         _check(case, results[case["name"]])
+    # position_ids that restart (no cu_seq_lens_q) or are a per-rank arange: a device-side
+    # assert in the traced pre-hook (no host sync), on every rank
+    for rank in (0, 1):
+        for key, got in results["compiled"][rank]["refused"].items():
+            assert got is not None and "not each rank's global positions" in got, (key, rank, got)
 
 
 def test_fsdp2_on_a_2x2_mesh(tmp_path):
@@ -103,10 +109,58 @@ def test_refusals_on_every_rank(tmp_path):
               "mask_on_one_rank": "padding on some rank", "generation": "generation",
               "output_attentions": "does not return attention weights", "sdpa_model": "runs attn_implementation='sdpa'",
               "placed_twice": "placed already", "unknown_token_key": "'pixel_mask'",
-              "labels_unshifted": "labels without shift_labels", "masked_lm_labels": "cp.loss(outputs.logits"}
+              "labels_unshifted": "labels without shift_labels", "masked_lm_labels": "cp.loss(outputs.logits",
+              "local_positions": "not each rank's global positions", "restarting_positions": "restart inside a row"}
     for key, words in expect.items():
         for rank in (0, 1):
             assert got[rank][key] is not None and words in got[rank][key], (key, rank, got[rank][key])
             assert "\n" not in got[rank][key], (key, got[rank][key])
     assert got[0]["after_remove"] is None          # cp.remove(): a one-device model again
     assert got[0]["saved_is_one_device"] is None and got[0]["copy_on_the_ring"] is None
+    # reduce_gradients: zeros joined where another rank has a gradient, None where no rank has
+    assert got[0]["grad_one_rank"] == [[3.0, 3.0], [3.0, 3.0]] and got[0]["grad_no_rank"] is None
+
+
+def _tiny_qwen3_next():
+    """A tiny Qwen3-Next (a Gated DeltaNet layer, layer_types 'linear_attention', then a full
+    attention layer) with attn_implementation='dilgen', or None without Qwen3NextConfig."""
+    config_cls = getattr(transformers, "Qwen3NextConfig", None)
+    if config_cls is None:
+        return None
+    config = config_cls(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=2,
+                        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"])
+    config.dilgen_spec = dict(cp_worker.PATTERN)
+    return transformers.Qwen3NextForCausalLM._from_config(config, attn_implementation="dilgen")
+
+
+def test_sequence_mixers_other_than_attention_refused():
+    """A token-mixing layer the ring does not split (a Gated DeltaNet, a Mamba mixer, a
+    token Conv1d) would mix this rank's rows alone: context_parallel(model) refuses it in one
+    line, before it looks for a process group (none here)."""
+    from dilgen.integrations.context_parallel import context_parallel
+    qwen = _tiny_qwen3_next()
+    if qwen is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3NextConfig")
+    with pytest.raises(ValueError, match="'linear_attention'") as info:
+        context_parallel(qwen)
+    assert "\n" not in str(info.value)
+    qwen.config.layer_types = ["full_attention", "full_attention"]       # the module is still there
+    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet"):
+        context_parallel(qwen)
+
+    class FakeMambaMixer(torch.nn.Module):
+        pass
+
+    for extra, words in ((FakeMambaMixer(), "FakeMambaMixer"), (torch.nn.Conv1d(4, 4, 3), "Conv1d of kernel 3")):
+        llama = cp_worker.build("causal")
+        llama.model.layers[0].mixer = extra
+        with pytest.raises(ValueError, match=words) as info:
+            context_parallel(llama)
+        assert "\n" not in str(info.value)
+    llama = cp_worker.build("causal")
+    llama.config.layer_types = ["full_attention", "mamba"]
+    with pytest.raises(ValueError, match="'mamba'"):
+        context_parallel(llama)

@@ -41,6 +41,7 @@ Whatever the one-device integration refuses is refused (the same attention funct
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -70,6 +71,33 @@ def _group_of(group, mesh, mesh_dim: str):
                            "torch.distributed.init_process_group() first")
     default = group is None or group is dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group), default
+
+
+#: layer_types entries the ring computes: full attention, and the sliding / chunked layers of
+#: full_attention(config) (which keeps layer_types; a real window is refused at the call)
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: class names of token-mixing layers that are not softmax attention (state-space, linear and
+#: convolutional mixers): each would mix only this rank's rows
+_MIXER_NAME = re.compile(r"DeltaNet|Mamba|Mixer$|Ssm|SSM|ShortConv|Rwkv|RWKV|LinearAttention|Retention|Hyena")
+
+
+def _refuse_sequence_mixers(model) -> None:
+    """Refuse a model with a token-mixing layer other than attention: the ring splits only the
+    attention layers, and such a layer would run on this rank's rows alone."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        other = sorted({t for t in getattr(cfg, "layer_types", None) or () if t not in ATTENTION_TYPES})
+        if other:
+            raise ValueError(f"context_parallel: {type(model).__name__} has layers of type {', '.join(map(repr, other))} "
+                             f"(config.layer_types): dilgen's ring splits only attention ({', '.join(ATTENTION_TYPES)}), "
+                             f"and any other token-mixing layer would run on this rank's rows alone")
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        conv = isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1
+        if conv or _MIXER_NAME.search(kind):
+            what = f"a Conv1d of kernel {module.kernel_size[0]}" if conv else "a token-mixing layer that is not attention"
+            raise ValueError(f"context_parallel: {type(model).__name__}'s {name} is {kind} ({what}): dilgen's ring "
+                             f"splits only attention layers, and this one would mix this rank's rows alone")
 
 
 def _attention_modules(model) -> list:
@@ -224,14 +252,25 @@ class ContextParallel:
         """All-reduce SUM over the group of every parameter's gradient (after backward of
         cp.loss): every rank then holds the gradient one process computes on the whole
         sequence. With data_parallel_group, then the mean over it (plain data parallelism
-        over the replicas of a dp x cp layout). One flat all-reduce per call; a parameter
-        without a gradient joins with zeros (so that every rank sends the same sizes)."""
+        over the replicas of a dp x cp layout). One flat all-reduce per dtype, after one of a
+        has-gradient flag per parameter: a parameter without a gradient joins with zeros where
+        another rank has one, and keeps .grad = None where no rank has one (as one process:
+        an optimizer then skips it)."""
         import torch.distributed as dist
         model = self.model if model is None else model
         params = [p for p in model.parameters() if p.requires_grad]
         if any(type(p).__name__ == "DTensor" for p in params):
             raise ValueError("cp.reduce_gradients: the parameters are sharded (FSDP2): FSDP reduces the "
                              "gradients itself over its ranks, averaging; backward `loss * cp.size` instead")
+        if not params:
+            return
+        dp = data_parallel_group if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1 \
+            else None
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+        self._all_reduce(has)
+        if dp is not None:
+            dist.all_reduce(has, group=dp)
+        params = [p for p, h in zip(params, has.tolist()) if h > 0]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -239,9 +278,9 @@ class ContextParallel:
             grads = [p.grad for p in params if p.grad.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in grads])
             self._all_reduce(flat)
-            if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
-                dist.all_reduce(flat, group=data_parallel_group)
-                flat /= dist.get_world_size(data_parallel_group)
+            if dp is not None:
+                dist.all_reduce(flat, group=dp)
+                flat /= dist.get_world_size(dp)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -271,6 +310,7 @@ def context_parallel(model, group=None, *, mesh=None, mesh_dim: str = "cp",
     nothing changes but the handle (a one-process run of the same script). shift_labels:
     whether cp.shard makes shift_labels (default: the model's loss is transformers'
     causal-LM loss, as Trainer decides; a masked LM's labels are cut as they are)."""
+    _refuse_sequence_mixers(model)
     group, size, rank, default = _group_of(group, mesh, mesh_dim)
     modules = _attention_modules(model)
     causal = {bool(getattr(m, "is_causal", True)) for m in modules if hasattr(m, "is_causal")} or {True}

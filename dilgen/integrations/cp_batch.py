@@ -148,6 +148,17 @@ def _labels_count(cp, kwargs) -> torch.Tensor | None:
     return (shifted != IGNORE_INDEX).sum()
 
 
+_POSITIONS = ("a context-parallel model got position_ids that are not each rank's global positions (a per-rank "
+              "arange, or positions that restart without cu_seq_lens_q): shard the full batch with cp.shard, or "
+              "pass no position_ids")
+
+
+def _global_positions(cp, pos: torch.Tensor, T: int) -> torch.Tensor:
+    """Whether each of position_ids (..., T) is this rank's global position (as cp.positions,
+    made afresh: nothing cached while torch.compile traces)."""
+    return pos.reshape(-1, T) == cp.rows(torch.arange(T * cp.size, device=pos.device)[None])
+
+
 def pre_forward(cp, args, kwargs):
     """ContextParallel._pre_forward: (args, kwargs) the model's forward runs with. Every
     refusal that depends on a rank's own rows is decided by one all-reduce, so that every
@@ -170,15 +181,21 @@ def pre_forward(cp, args, kwargs):
                              "batch with cp.shard")
         kwargs["position_ids"] = cp.positions(B, T, ref.device)
     count = _labels_count(cp, kwargs)
+    # position_ids given without cu_seq_lens_q must be this rank's global positions: ones that
+    # restart (packed sequences) or a per-rank arange would run as one sequence, or rotate wrong
+    check_pos = pos is not None and not packed
     if torch.compiler.is_compiling():
-        return args, kwargs                  # traced: nothing read on the host (hf_ring refuses a mask)
-    restart_check = pos is not None and not packed
-    if mask is None and not restart_check and count is None:
+        # traced: nothing read on the host (hf_ring refuses a mask); positions asserted on the device
+        if check_pos:
+            torch._assert_async(_global_positions(cp, pos, T).all(), _POSITIONS)
+        return args, kwargs
+    if mask is None and not check_pos and count is None:
         return args, kwargs
     padded = int(mask is not None and not bool(mask.bool().all()))
-    restarts = int(restart_check and bool((pos.reshape(-1, T)[:, 1:] == 0).any()))
-    padded, restarts, total = _sums_everywhere(cp, [padded, restarts, 0 if count is None else int(count)],
-                                               ref.device)
+    restarts = int(check_pos and bool((pos.reshape(-1, T)[:, 1:] == 0).any()))
+    wrong = int(check_pos and not restarts and not bool(_global_positions(cp, pos, T).all()))
+    padded, restarts, wrong, total = _sums_everywhere(
+        cp, [padded, restarts, wrong, 0 if count is None else int(count)], ref.device)
     if padded:
         raise ValueError("a context-parallel model got an attention_mask with padding on some rank: shard the "
                          "full batch with cp.shard (it takes a causal model's right padding as labels -100) or "
@@ -187,6 +204,8 @@ def pre_forward(cp, args, kwargs):
         raise ValueError("a context-parallel model got position_ids that restart inside a row (packed "
                          "sequences) without cu_seq_lens_q, so no rank knows where the other ranks' sequences "
                          "start: shard the full batch with cp.shard (it passes the offsets over the whole row)")
+    if wrong:
+        raise ValueError(f"{_POSITIONS} (given position_ids differ on some rank)")
     if mask is not None:
         kwargs["attention_mask"] = None       # all ones on every rank: no padding
     if count is not None:
