@@ -32,3 +32,15 @@ def test_build_runs_only_the_module_it_planned(tmp_path):
     with pytest.raises(RuntimeError, match="changed since its kernels were planned"):
         _import_path(str(other), sha)
     assert not marker.exists()
+
+
+def test_a_binary_is_looked_up_for_the_source_that_ran(tmp_path):
+    """The AOT key hashes the module text that was executed (kept in linecache by
+    compiler._import_module), not whatever the file at its path holds later."""
+    from dilgen.compiler import _import_module
+    path = tmp_path / "module.py"
+    source = "def kernel():\n    return 1\n"
+    path.write_text(source)
+    module = _import_module(path, "dilgen_test_verified_module", source)
+    path.write_text("def kernel():\n    return 2\n")       # changed after it ran
+    assert artifacts.source_fn_module_hash(module.kernel) == artifacts.module_hash(source)

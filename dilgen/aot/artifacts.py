@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import linecache
 from pathlib import Path
 
 from .. import __version__, cache
@@ -29,10 +30,15 @@ def module_hash(source: str | bytes) -> str:
 
 
 def source_fn_module_hash(source_fn) -> str | None:
-    """sha256 of the file that defines a generated kernel (its module), or None."""
+    """sha256 of the source that defines a generated kernel (its module), or None: the text
+    that ran (compiler._import_module keeps it in linecache under the module's path), else
+    the file at that path, so a stored binary is looked up for the source that runs."""
     path = getattr(source_fn, "__globals__", {}).get("__file__")
     if not path:
         return None
+    entry = linecache.cache.get(path)
+    if entry is not None and entry[1] is None and entry[2]:    # mtime None: set by dilgen
+        return module_hash("".join(entry[2]))
     try:
         return module_hash(read_regular(path))
     except OSError:
