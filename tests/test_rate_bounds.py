@@ -198,7 +198,10 @@ def _loop_bounds(source: str) -> list[tuple[str, int]]:
         bounds = call.args[:2]
         literals = [c.value for a in bounds for c in ast.walk(a)
                     if isinstance(c, ast.Constant) and type(c.value) is int]
-        out.append((ast.unparse(call), max(literals, default=0)))
+        # a rate reaches a kernel as a literal of its branch, or as the Gluon lanes'
+        # constexpr R: a bound naming R counts as unbounded
+        names = {c.id for a in bounds for c in ast.walk(a) if isinstance(c, ast.Name)}
+        out.append((ast.unparse(call), float("inf") if "R" in names else max(literals, default=0)))
     return out
 
 
