@@ -145,6 +145,18 @@ def check_against_reference(spec, batch: int, n: int, tuning, seed_name: str) ->
     """Kernel(spec, tuning) on fresh random (batch, n) inputs against the float64 reference
     (outputs poisoned by the session fixture): out and lse (-inf exactly where no branch keeps
     a row), then dq, dk, dv of a random output gradient."""
+    import torch
+    (q, k, v), ref_in = forward_and_gradients_against_reference(spec, batch, n, tuning, seed_name)
+    for mine, ref in zip((q, k, v), ref_in):
+        assert not torch.isnan(mine.grad).any()
+        if ref.grad.norm() > 0:
+            assert rel_error(mine.grad, ref.grad) < 2 * TOL[spec.dtype]
+
+
+def forward_and_gradients_against_reference(spec, batch: int, n: int, tuning, seed_name: str):
+    """The forward half of check_against_reference (out, and lse = -inf exactly where no
+    branch keeps a row, asserted), then the backward of one random output gradient through
+    the kernel and the float64 reference: ((q, k, v), reference inputs), each with .grad."""
     import zlib
     import torch
     from dilgen.compiler import Kernel
@@ -166,10 +178,7 @@ def check_against_reference(spec, batch: int, n: int, tuning, seed_name: str) ->
     grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     (ref_out * grad).sum().backward()
     (out * grad.to(dt).to(out.device)).sum().backward()
-    for mine, ref in zip((q, k, v), ref_in):
-        assert not torch.isnan(mine.grad).any()
-        if ref.grad.norm() > 0:
-            assert rel_error(mine.grad, ref.grad) < 2 * tol
+    return (q, k, v), ref_in
 
 
 def run_cli(argv) -> tuple[int, str, str]:

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 
 from ring_worker import _leave, write_json
+from proc_tree import free_port as _free_port  # noqa: E402
 
 PATTERN = {"segment_lengths": [16, 64], "dilation_rates": [1, 2]}
 LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -271,11 +272,6 @@ def worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) ->
 
 
 # -- the parent's side: spawn the ranks, read what they saved ---------------------------------
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _forkserver() -> str:

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 
 # multiprocessing's resource tracker ignores SIGINT and SIGTERM and ends by itself once every
 # process holding its pipe is gone, unlinking what they leaked: it is left to do that.
 _SPARED = "multiprocessing.resource_tracker"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's rank 0 to listen on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _table() -> list[tuple[int, int, int, str, str]]:

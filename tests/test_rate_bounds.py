@@ -27,7 +27,7 @@ from dilgen.compiler import Kernel
 from dilgen.planner import plan
 from dilgen.targets import INTERPRETER, SM80, SM90
 
-from conftest import TOL, device, rel_error
+from conftest import TOL, device, forward_and_gradients_against_reference, rel_error
 
 MAX_RATE = (1 << 24) - 1
 
@@ -64,25 +64,8 @@ def check_against_reference(spec, batch: int, n: int, tuning, seed_name: str) ->
     dv) and each alone where it is not vanishing: with r >= w a branch keeps one lane of a
     segment per offset, so a query it alone keeps attends to itself (P = 1) and its dq, dk
     are 0 but for rounding, which no relative error of that tensor alone can measure."""
-    import zlib
-    from dilgen.reference import differentiable_reference
-    gen = torch.Generator().manual_seed(zlib.crc32(seed_name.encode()))
-    dt = getattr(torch, spec.dtype)
-    shapes = [(batch, n, spec.num_heads, spec.head_dim)] + 2 * [(batch, n, spec.num_kv_heads, spec.head_dim)]
-    q, k, v = (torch.randn(s, generator=gen).to(dt).to(device()).requires_grad_() for s in shapes)
-    out, lse = Kernel(spec, None, tuning)(q, k, v, return_lse=True)
-    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = differentiable_reference(*ref_in, spec)
+    (q, k, v), ref_in = forward_and_gradients_against_reference(spec, batch, n, tuning, seed_name)
     tol = TOL[spec.dtype]
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten rows"
-    assert rel_error(out, ref_out) < tol
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isneginf(lse.cpu()), ~finite), "rows no branch keeps: lse = -inf"
-    if finite.any():
-        assert (lse.cpu().double()[finite] - ref_lse.detach()[finite]).abs().max() < 20 * tol
-    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    (ref_out * grad).sum().backward()
-    (out * grad.to(dt).to(out.device)).sum().backward()
     mine = torch.cat([t.grad.detach().double().cpu().flatten() for t in (q, k, v)])
     ref = torch.cat([t.grad.flatten() for t in ref_in])
     assert not torch.isnan(mine).any()

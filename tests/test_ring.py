@@ -4,7 +4,6 @@ single-device reference (tests/ring_worker.py)."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import warnings
 
@@ -18,6 +17,7 @@ from dilgen.runtime.ring import RingError, shard, unshard
 from dilgen.targets import get_target
 
 import ring_worker
+from proc_tree import free_port as _free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
@@ -207,10 +207,6 @@ def plan_of(spec):
 
 
 # -- real rings: torch.multiprocessing + gloo ---------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_errors(P: int, tmp_path) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import ring_worker
+from proc_tree import free_port as _free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
@@ -25,10 +25,6 @@ P = 4
 SECONDS = 20          # each rank raises within this after its call began (group timeout: 60 s)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True) -> list[tuple[int, str]]:

@@ -4,7 +4,6 @@ accumulator rows no window has written yet (their leftovers made numpy RuntimeWa
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dilgen.runtime.ring.agreement import _FIELDS, _verdict
+from proc_tree import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,9 +77,7 @@ dist.destroy_process_group()
 @pytest.mark.timeout(300)
 def test_ring_forward_never_computes_on_unwritten_accumulator_rows(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILGEN_")}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env.update(DILGEN_CACHE_DIR=str(tmp_path / "cache"), DILGEN_RING_TRANSPORT="ring",
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), WORLD_SIZE="2")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torchscale_model as tm  # noqa: E402
 
 from dilgen.compat import torchscale as compat  # noqa: E402
+from proc_tree import free_port as _free_port  # noqa: E402
 
 P = 2
 TOL = 1e-4                 # float32 against float64 (SPEC §2.4; gradients: twice)
@@ -180,10 +180,6 @@ def rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 # --------------------------------------------------------------------------- this process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
