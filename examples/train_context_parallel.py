@@ -100,7 +100,7 @@ def windows(n: int, seed: int):
 def build(cpu: bool, dtype, device, seed: int):
     import dilgen.integrations.transformers  # noqa: F401  registers "dilgen"
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**(CPU_MODEL if cpu else MODEL), max_position_embeddings=1 << 22)
+    config = LlamaConfig(**(CPU_MODEL if cpu else MODEL), max_position_embeddings=1 << 24)
     config.dilgen_spec = dict(CPU_PATTERN if cpu else PATTERN)
     config.use_cache = False
     torch.manual_seed(seed)
