@@ -77,11 +77,9 @@ def part_losses(res) -> None:
 
 
 def part_scale(res, gib: float) -> None:
-    longest = {}
-    for P in (1, 2):
-        fit = [train(P, c * P, 5) for c in (4 * UNIT, 8 * UNIT)]
-        for row in fit:
-            res.add(dict(row, part="scale"))
+    longest, fits = {}, {P: [res.add(dict(train(P, c * P, 5), part="scale")) for c in (4 * UNIT, 8 * UNIT)]
+                         for P in (1, 2)}           # both P's rates first, then the long runs
+    for P, fit in fits.items():
         if any("error" in r for r in fit):
             continue
         (c0, m0), (c1, m1) = [(r["context"], r["peak_gib"]) for r in fit]
