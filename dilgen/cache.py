@@ -52,7 +52,7 @@ from . import fsafe
 from .cache_fs import STALE_SECONDS, Untrusted, distrusted, trusted_entries   # noqa: F401
 from .cache_fs import discard as _discard, private_folder as _private_folder
 from .cache_fs import sweep as _sweep, write_new as _write_new
-from .fsafe import private_reason, read_regular
+from .fsafe import private_reason, read_regular, stat_reason
 from .knobs import flag
 
 MANIFEST = "manifest.json"
@@ -315,14 +315,14 @@ def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: 
     blobs = {**files, MANIFEST: json.dumps(manifest, indent=2, sort_keys=True).encode()}
     rewrite = replace or always_compile()
     for _ in range(8):
-        trusted = private_reason(final) is None
+        found = _lstat(final)            # one look decides both trust and kind
+        trusted = found is not None and stat_reason(found) is None
         if trusted and not rewrite and _verify(final, key, require):
             return final
-        found = _lstat_mode(final)
         if trusted:
             _repair(final, blobs)
         elif found is not None:          # another's folder, a file or a link: never used
-            _discard(final, folder=stat.S_ISDIR(found))
+            _discard(final, folder=stat.S_ISDIR(found.st_mode), seen=found)
         else:
             try:
                 _publish(final, blobs)
@@ -334,9 +334,9 @@ def _store(final: Path, key: str, files: dict[str, bytes], info: dict, replace: 
                   f"different bytes for one key?)")
 
 
-def _lstat_mode(path: Path) -> int | None:
+def _lstat(path: Path) -> os.stat_result | None:
     try:
-        return os.lstat(path).st_mode
+        return os.lstat(path)
     except FileNotFoundError:
         return None
 

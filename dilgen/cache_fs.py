@@ -117,14 +117,18 @@ def sweep(folder: Path) -> None:
             pass
 
 
-def discard(path: Path, *, folder: bool) -> None:
+def discard(path: Path, *, folder: bool, seen: os.stat_result | None = None) -> None:
     """Delete `path` if it is a folder (folder=True) or if it is anything else (a file or a
     link: folder=False), and leave it where it is otherwise, in one atomic step: it is renamed
     onto an empty placeholder of the kind asked for, and rename(2) refuses to put a file onto
     a folder (EISDIR) or a folder onto a file (ENOTDIR). So the sound file or folder that a
     concurrent writer has just put at `path` is never moved away from under a reader that
     holds its path (a check, then a move, would leave that window open). A link is renamed,
-    never followed."""
+    never followed.
+
+    A folder renamed onto an empty folder is the one case rename(2) does not sort by kind:
+    with `seen` (the lstat that found the folder untrusted), a folder that turns out to be
+    another (a concurrent writer's sound entry, put there after that lstat) is renamed back."""
     try:
         if folder:
             trash = Path(tempfile.mkdtemp(prefix=f".trash-{path.name[:16]}-", dir=path.parent))
@@ -134,10 +138,18 @@ def discard(path: Path, *, folder: bool) -> None:
             trash = Path(name)
     except OSError:
         return                           # the parent went away: the caller starts over
+    placeholder = os.lstat(trash)
     with contextlib.suppress(OSError):
         os.rename(path, trash)           # fails (nothing moved) if `path` is not of that kind
     with contextlib.suppress(OSError):
-        if stat.S_ISDIR(os.lstat(trash).st_mode):
+        st = os.lstat(trash)
+        moved = (st.st_ino, st.st_dev) != (placeholder.st_ino, placeholder.st_dev)
+        if moved and seen is not None and stat.S_ISDIR(st.st_mode) and \
+                (st.st_ino, st.st_dev) != (seen.st_ino, seen.st_dev):
+            with contextlib.suppress(OSError):
+                os.rename(trash, path)   # not the folder that was judged: back (unless a newer one is there)
+                return
+        if stat.S_ISDIR(st.st_mode):
             shutil.rmtree(trash, ignore_errors=True)
         else:
             trash.unlink()

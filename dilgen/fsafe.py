@@ -43,6 +43,12 @@ def private_reason(folder: str | os.PathLike) -> str | None:
         st = os.lstat(folder)
     except OSError as exc:
         return f"cannot stat it ({exc.strerror or exc})"
+    return stat_reason(st)
+
+
+def stat_reason(st: os.stat_result) -> str | None:
+    """private_reason of what one lstat saw (a caller that acts on the kind it saw as well
+    asks once: two lstats could see two different things at one path)."""
     if stat.S_ISLNK(st.st_mode):
         return "it is a symlink"
     if not stat.S_ISDIR(st.st_mode):

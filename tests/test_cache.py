@@ -249,6 +249,29 @@ def test_discard_removes_only_the_kind_it_is_asked_to(tmp_path, kind, folder):
         assert path.read_bytes() == b"sound"
 
 
+def test_discard_of_a_judged_folder_keeps_the_folder_that_replaced_it(tmp_path):
+    """A folder judged untrusted, then replaced by a writer's sound entry before the discard
+    runs (rename(2) puts a folder onto an empty folder whatever it holds): the discard sees
+    another inode than the one it judged and puts the sound entry back. (The race that a
+    24-worker run of the eight-process repair test found, where trust and kind were two looks.)"""
+    path = tmp_path / "entry"
+    path.mkdir()
+    judged = os.lstat(path)
+    path.rename(tmp_path / "old")                 # a concurrent writer: discards, publishes
+    path.mkdir()
+    (path / "module.py").write_bytes(b"sound")
+    cache._discard(path, folder=True, seen=judged)
+    assert (path / "module.py").read_bytes() == b"sound"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".trash")] == []
+    cache._discard(tmp_path / "old", folder=True, seen=os.lstat(tmp_path / "old"))    # the judged one goes
+    assert not os.path.lexists(tmp_path / "old")
+    (tmp_path / "gone").mkdir()
+    seen = os.lstat(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    cache._discard(tmp_path / "gone", folder=True, seen=seen)                      # nothing there: nothing made
+    assert not os.path.lexists(tmp_path / "gone")
+
+
 # --------------------------------------------------------------------------- (b) damage
 
 
