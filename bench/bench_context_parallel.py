@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,13 +38,24 @@ UNIT = 1 << 17           # contexts tried in steps of UNIT * P tokens
 
 
 def torchrun(P: int, script, args, timeout: int) -> tuple[int, str]:
+    """(exit code, the run's output; 124 past `timeout`, with what it printed until then)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={P}",
            str(script), *map(str, args)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return 124, f"timed out after {timeout} s: {(e.stdout or '')[-400:]}"
-    return done.returncode, (done.stdout + done.stderr)[-3000:]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:    # SIGTERM: torchrun stops its ranks (their own sessions)
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = 124
+        log.seek(0)
+        text = log.read()
+    return rc, (f"timed out after {timeout} s; " if rc == 124 else "") + text
 
 
 def train(P: int, context: int, steps: int, *extra, timeout: int = 420) -> dict:
@@ -53,14 +65,14 @@ def train(P: int, context: int, steps: int, *extra, timeout: int = 420) -> dict:
         rc, text = torchrun(P, EXAMPLE, ["--context", context, "--steps", steps, "--json", out, *extra], timeout)
         row = json.loads(out.read_text()) if rc == 0 and out.exists() else {"gpus": P, "context": context}
     if rc != 0:
-        row["error"] = "out of memory" if "out of memory" in text.lower() else text[-600:]
+        row["error"] = "out of memory" if "out of memory" in text.lower() else text[:60] + " ... " + text[-600:]
     tk.log(f"  P={P} context {context}: " + (row.get("error") or f"{row['tokens_per_s_per_gpu']} tokens/s "
                                               f"per GPU, peak {row['peak_gib']} GiB"))
     return row
 
 
 def part_check(res) -> None:
-    res.add(dict(train(2, 65536, 3, "--check"), part="check"))
+    res.add(dict(train(2, 16384, 3, "--check", timeout=300), part="check"))
 
 
 def part_losses(res) -> None:
