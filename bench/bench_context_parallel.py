@@ -199,9 +199,10 @@ def main(argv=None) -> int:
             globals()[f"part_{name}"](res)
         res.save()
     table = [[r["part"], r["gpus"], r.get("context", r.get("tiles")), r.get("tokens_per_s_per_gpu", "—"),
-              r.get("peak_gib", "—"), r.get("fwd_ms", "—"), r.get("error", "")] for r in res.all_rows()]
+              r.get("peak_gib", "—"), r.get("fwd_ms", "—"), r.get("fwd+bwd_ms", "—"), r.get("error", "")[:40]]
+             for r in res.all_rows()]
     res.data["table_md"] = tk.markdown_table(["part", "gpus", "context / tiles", "tokens/s per GPU", "peak GiB",
-                                              "slide fwd ms", "error"], table)
+                                              "slide fwd ms", "slide fwd+bwd ms", "error"], table)
     tk.log(f"\n{res.data['table_md']}\n\nwrote {res.save()}")
     return 0
 
