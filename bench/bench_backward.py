@@ -77,7 +77,7 @@ class Bench:
                      f"dilated attention {what}, bf16 — {data.get('device')}, torch {data.get('torch')}, "
                      f"triton {data.get('triton')}, {data.get('date')}")
 
-    def __init__(self, args, results=True):
+    def __init__(self, args):
         import torch
         import dilgen
         import peers
@@ -88,23 +88,11 @@ class Bench:
         peers.FLEX_MASK_METHOD = getattr(args, "flex_mask", "analytic")
         self.methods = list(self.METHODS) + [f"dilgen:{n}" for n in args.tunings]
         self.variants = [(c, causal) for c in args.configs for causal in args.causals]
-        if not results:
-            return
         head = tk.header(self.dev, self.dry, {
             "args": vars(args), "configs": {c: self.configs[c] for c in args.configs},
             "timing": f"{'wall clock' if self.dry else 'CUDA events'}{' around forward + backward(g)' * self.fwd_bwd}"
                       f", median of {args.reps} after {args.warmup} warm-ups", "notes": self.NOTES, "check": []})
         self.res = tk.Results(tk.result_path(args.out, self.kind, self.dry), head, append=args.append)
-
-    def selected(self, m):
-        return m in self.a.methods or m.startswith("dilgen:")
-
-    def kernel(self, m, spec):
-        if (m, spec.name) not in self.kernels:
-            from dilgen.compiler import Kernel
-            tuning = self.a.tunings[m[7:]] if m.startswith("dilgen:") else None
-            self.kernels[(m, spec.name)] = Kernel(spec, None, tuning) if tuning else self.dilgen.compile(spec)
-        return self.kernels[(m, spec.name)]
 
     def check_n(self, cname):
         return self.a.check_n or 1024
@@ -119,7 +107,11 @@ class Bench:
     def attend(self, m, spec, lse=False):
         """(q, k, v) -> out, or (out, lse), of dilgen, a variant dilgen:<name> or a peer."""
         if m.startswith("dilgen"):
-            kern = self.kernel(m, spec)
+            if (m, spec.name) not in self.kernels:     # a variant dilgen:<name> compiles with its --tunings entry
+                from dilgen.compiler import Kernel
+                tuning = self.a.tunings[m[7:]] if m.startswith("dilgen:") else None
+                self.kernels[(m, spec.name)] = Kernel(spec, None, tuning) if tuning else self.dilgen.compile(spec)
+            kern = self.kernels[(m, spec.name)]
             return lambda q, k, v: kern(q, k, v, return_lse=lse)
         peer = self.peers.PEERS["dense_sdpa" if m == "dense" else m]
         return lambda q, k, v: peer(q, k, v, spec) if lse else peer(q, k, v, spec)[0]
@@ -150,7 +142,7 @@ class Bench:
 
     def skip_reason(self, m, cfg):
         a, took = self.a, time.time() - self.t0
-        if not self.selected(m):
+        if not (m in a.methods or m.startswith("dilgen:")):
             return "not selected (--methods)"
         if m == "dense" and cfg["N"] > a.dense_max_n:
             return f"skipped: N={cfg['N']} > --dense-max-n={a.dense_max_n} (reference point only)"
@@ -160,7 +152,6 @@ class Bench:
             return f"skipped: N={cfg['N']} > --flex-max-n={a.flex_max_n}"
         if m == "flex" and took > a.budget_s:
             return f"skipped: time budget --budget-s={a.budget_s:.0f} spent ({took:.0f} s)"
-        return None
 
     def check_case(self, spec, x, methods, tol=None):
         """out, dq, dk, dv of `methods` against autograd through the float64 reference."""
@@ -171,15 +162,12 @@ class Bench:
         ro.backward(g.cpu().double())
         want, recs, got = [ro.detach()] + [t.grad for t in ref], [], {}
         for m in methods:
-            rec = {"method": m}
-            try:
+            with tk.failsoft(rec := {"method": m}, passed=False):
                 out = self.attend(m, spec)(q, k, v)
                 got[m] = list(self.torch.autograd.grad(out, (q, k, v), g))
                 errs = rec["rel_err_out_dq_dk_dv"] = [tk.rel_err(a.cpu(), b) for a, b in zip([out] + got[m], want)]
                 rec["passed"] = bool(errs[0] < BOUND_OUT and max(errs[1:]) < BOUND_GRAD)
                 rec["_detail"] = "out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs)
-            except Exception as e:  # noqa: BLE001
-                rec.update(error=tk.short_err(e), passed=False)
             recs.append(rec)
         if "dilgen" in got and "gather_cudnn" in got:
             errs = [tk.rel_err(a, b) for a, b in zip(got["dilgen"], got["gather_cudnn"])]
@@ -189,13 +177,17 @@ class Bench:
 
     def check(self):
         tk.log("== correctness (B=1, bf16) against the float64 reference (dilgen.reference) ==")
-        checked = [m for m in self.methods if m in self.CHECKED and self.selected(m) or m.startswith("dilgen:")]
+        checked = [m for m in self.methods if m in self.CHECKED and m in self.a.methods or m.startswith("dilgen:")]
         for i, (cname, causal) in enumerate(self.variants):
             cfg, spec = self.configs[cname], tk.make_spec(cname, self.configs[cname], causal, prefix=self.prefix)
             n = min(self.check_n(cname), cfg["N"])
             for rec in self.check_case(spec, self.inputs(cfg, self.a.seed + 1000 + i, n=n, b=1), checked):
                 rec.update(config=cname, causal=causal, N=n)
-                self.log_check(rec, f"{cname} causal={causal!s:5s} N={n}")
+                detail = rec.pop("_detail", None)
+                self.res.data["check"].append(rec)
+                tk.log(f"  {'ok  ' if rec['passed'] else 'FAIL'} {cname} causal={causal!s:5s} N={n} "
+                       f"{rec['method']:15s} {rec.get('error') or rec.get('detail') or detail}")
+                self.check_failed |= rec["method"] in ("dilgen", "reference") and not rec["passed"]
             self.peers.clear_caches()
             tk.cleanup(self.dev)
         if any(r["method"] == "flex_block_mask" and not r["passed"] for r in self.res.data["check"]):
@@ -206,18 +198,10 @@ class Bench:
         self.res.data["check_passed"] = not self.check_failed
         self.res.save()
 
-    def log_check(self, rec, where):
-        detail = rec.pop("_detail", None)
-        self.res.data["check"].append(rec)
-        tk.log(f"  {'ok  ' if rec['passed'] else 'FAIL'} {where} {rec['method']:15s} "
-               f"{rec.get('error') or rec.get('detail') or detail}")
-        self.check_failed |= rec["method"] in ("dilgen", "reference") and not rec["passed"]
-
     def run_method(self, row, m, spec, x, base, say, against="dilgen"):
         """Time one method on inputs x, fail soft; its first call compared with base; returns
         the first call's result for dilgen (the base of the others)."""
-        reason = self.skip_reason(m, self.configs[row["config"]])
-        if reason:
+        if reason := self.skip_reason(m, self.configs[row["config"]]):
             row["errors"][m] = reason
             return say(f"    {m:12s} {reason}")
         try:
@@ -250,15 +234,6 @@ class Bench:
                 t_.grad = None
             tk.cleanup(self.dev)
 
-    def finish(self, row):
-        d = row.get("dilgen_ms")
-        row["useful_tflops"] = row["useful_gflop"] / d if d else None
-        for m in self.methods[1:]:
-            row[f"speedup_vs_{m}"] = row[f"{m}_ms"] / d if (row.get(f"{m}_ms") and d) else None
-        if row.get("dense_ms") and "dense_gflop" in row:
-            row["dense_tflops"] = row["dense_gflop"] / row["dense_ms"]
-        self.res.save()
-
     def timing(self):
         a = self.a
         tk.log(f"\n== timing (median of {a.reps} after {a.warmup} warm-ups; flex skipped after {a.budget_s:.0f} s) ==")
@@ -283,7 +258,13 @@ class Bench:
                     base, against = kept, m
             del x, base
             self.peers.clear_caches()
-            self.finish(row)
+            d = row.get("dilgen_ms")
+            row["useful_tflops"] = row["useful_gflop"] / d if d else None
+            for m in self.methods[1:]:
+                row[f"speedup_vs_{m}"] = row[f"{m}_ms"] / d if (row.get(f"{m}_ms") and d) else None
+            if row.get("dense_ms") and "dense_gflop" in row:
+                row["dense_tflops"] = row["dense_gflop"] / row["dense_ms"]
+            self.res.save()
             prog.step(f"{cname} causal={causal}: dilgen {tk.fmt(row['dilgen_ms'], '.3f')} ms")
 
 
@@ -312,8 +293,7 @@ def report(data: dict, rows: list, path, draw=None) -> None:
     for r in rows:
         parts = [f"{m} " + ("/".join(f"{x:.1e}" for x in e) if isinstance(e, list) else f"{e:.1e}")
                  + ("" if k.endswith("_vs_dilgen") else " (vs gather_cudnn)")
-                 for k in ("rel_err_vs_dilgen", "rel_err_vs_gather_cudnn", "grad_rel_err_vs_dilgen",
-                           "grad_rel_err_vs_gather_cudnn")
+                 for k in (f"{g}rel_err_vs_{p}" for g in ("", "grad_") for p in ("dilgen", "gather_cudnn"))
                  for m, e in (r.get(k) or {}).items() if e is not None]
         tk.log(f"  {r['config']} causal={r['causal']!s:5s} " + (", ".join(parts) or "-"))
         for m, e in (r.get("errors") or {}).items():
@@ -339,8 +319,7 @@ def merge_rerun(committed, rerun, methods=("dilgen",), draw=None) -> list:
     by_key, merged = {key(r): r for r in old["rows"]}, [key(r) for r in new["rows"]]
     stamp = {k: new.get(k) for k in ("time", "device", "torch", "triton", "commit")} | {"methods": list(methods)}
     for row in new["rows"]:
-        target = by_key.get(key(row))
-        if target is None:
+        if (target := by_key.get(key(row))) is None:
             old["rows"].append(row)
             continue
         for m in methods:

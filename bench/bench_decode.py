@@ -114,8 +114,7 @@ class Bench:
             with torch.cuda.graph(graph):         # synchronises first
                 step()
             return graph.replay
-        B, _, H, D = q.shape
-        Hkv = k.shape[2]
+        (B, _, H, D), Hkv = q.shape, k.shape[2]
         if method == "dense":
             N = int(seqlens.max())
             qd, kd, vd = q.view(B, Hkv, H // Hkv, D), k[:, :N].transpose(1, 2), v[:, :N].transpose(1, 2)
@@ -127,8 +126,7 @@ class Bench:
         def step():
             P, idx, ok = (seqlens.long() - 1)[:, None, None], [], []
             for (w, r), j in zip(zip(self.cfg["ws"], self.cfg["rs"]), lanes):
-                seg = (P // w) * w
-                res = (P - seg) % r
+                seg, res = (P // w) * w, P % w % r
                 pos = seg + res + r * j[None, None, :]                # (B, 1, K_i)
                 idx.append(pos.expand(B, H, -1))
                 ok.append(((heads[None, :, None] % r) == res) & (pos <= P))
@@ -175,12 +173,9 @@ class Bench:
 
     def record_check(self, rec, measure):
         """rec + measure()'s {name: error}, passed when each is under TOL (or the exception); logged."""
-        try:
-            with self.torch.no_grad():
-                rec.update(errs := measure())
+        with tk.failsoft(rec, passed=False), self.torch.no_grad():
+            rec.update(errs := measure())
             rec["passed"] = max(errs.values()) < TOL[self.cfg["dtype"]]
-        except Exception as e:  # noqa: BLE001
-            rec.update(error=tk.short_err(e), passed=False)
         self.res.data["check"].append(rec)
         self.check_failed |= not rec["passed"]
         tk.log(f"  {'ok  ' if rec['passed'] else 'FAIL'} dilgen vs {rec['against']}: "
@@ -189,8 +184,7 @@ class Bench:
 
     def copy_bandwidth(self):
         n = (64 << 20) if self.a.dry_run_cpu else (4 << 30)
-        src = self.torch.empty(n, dtype=self.torch.uint8, device=self.dev)
-        dst = self.torch.empty_like(src)
+        src, dst = (self.torch.empty(n, dtype=self.torch.uint8, device=self.dev) for _ in range(2))
         t = tk.time_ms(lambda: dst.copy_(src), 3, 10, self.dev)
         bw = self.res.data["copy_GB_per_s"] = 2 * n / (t["median"] * 1e-3) / 1e9
         self.res.data["copy_timing_ms"] = t
@@ -209,11 +203,10 @@ class Bench:
 
     def time_row(self, B, ctx, method, q, k, v, sl, kept, **kw):
         row = {"batch": B, "context": ctx, "method": method, "kept_bytes": kept}
-        try:
-            with self.torch.no_grad():
-                fn = self.fn(method.split("=")[0].replace("_split", "").replace("_tile", ""), q, k, v, sl, **kw)
-                fn()
-                t = tk.time_ms(fn, self.a.warmup, self.a.reps, self.dev)
+        with tk.failsoft(row), self.torch.no_grad():
+            fn = self.fn(method.split("=")[0].replace("_split", "").replace("_tile", ""), q, k, v, sl, **kw)
+            fn()
+            t = tk.time_ms(fn, self.a.warmup, self.a.reps, self.dev)
             row.update(us_per_step=1e3 * t["median"], GB_per_s=kept / (t["median"] * 1e-3) / 1e9, timing_ms=t)
             if method.startswith("dilgen"):
                 from dilgen.runtime.decode import choose_split
@@ -223,8 +216,7 @@ class Bench:
                 row["tile"] = att.plan["config"]["decode"]
             if self.res.data.get("copy_GB_per_s"):
                 row["fraction_of_copy_bw"] = row["GB_per_s"] / self.res.data["copy_GB_per_s"]
-        except Exception as e:  # noqa: BLE001
-            row["error"] = tk.short_err(e)
+        if "error" in row:
             tk.cleanup(self.dev)
         self.res.add(row)
         tk.log(f"  B={B:3d} ctx={ctx:8d} {method:28s} " + (f"{row['us_per_step']:9.1f} us  {row['GB_per_s']:7.0f} GB/s"
@@ -243,8 +235,7 @@ class Bench:
                     continue
                 q, k, v = self.cache(B, ctx, a.seed + B + ctx)
                 sl = self.torch.full((B,), ctx, dtype=self.torch.int32, device=self.dev)
-                kept = self.kept_bytes([ctx] * B)
-                K = sum(-(-w // r) for w, r in zip(c["ws"], c["rs"]))
+                kept, K = self.kept_bytes([ctx] * B), sum(-(-w // r) for w, r in zip(c["ws"], c["rs"]))
                 for m in a.methods:
                     extra = {"gather_sdpa": 3 * B * c["H"] * K * c["D"] * item + B * c["H"] * K * 9,
                              "dense": B * c["H"] * c["D"] * 4}.get(m, 0)
@@ -278,9 +269,8 @@ def report(res, a):
     tk.log(f"\n== decode, us per step ({res.data['device']}) ==")
     tk.log(tk.markdown_table(["batch", "context", "dilgen us", "dilgen (CUDA graph) us", "dense us", "gather_sdpa us",
                               "dilgen GB/s", "graph GB/s", "graph / copy BW", "dense / dilgen"],
-                             [[B, c, get(B, c, "dilgen"), get(B, c, "dilgen_graph"), get(B, c, "dense"),
-                               get(B, c, "gather_sdpa"), get(B, c, "dilgen", "GB_per_s", ".0f"),
-                               get(B, c, "dilgen_graph", "GB_per_s", ".0f"),
+                             [[B, c, *(get(B, c, m) for m in ("dilgen", "dilgen_graph", "dense", "gather_sdpa")),
+                               get(B, c, "dilgen", "GB_per_s", ".0f"), get(B, c, "dilgen_graph", "GB_per_s", ".0f"),
                                get(B, c, "dilgen_graph", "fraction_of_copy_bw", ".2f"), tk.fmt(ratio(B, c), ".1f")]
                               for B in a.batches for c in a.contexts]))
     series = {(m, B): sorted((r["context"], r["us_per_step"]) for r in rows if r["method"] == m and r["batch"] == B)

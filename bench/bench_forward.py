@@ -71,8 +71,7 @@ class Bench(bench_backward.Bench):
             return [{"method": "reference", "error": tk.short_err(e), "passed": False}]
         recs = []
         for m in methods:
-            rec = {"method": m if isinstance(m, str) else m[0]}
-            try:
+            with tk.failsoft(rec := {"method": m if isinstance(m, str) else m[0]}, passed=False):
                 out, lse = (self.callables(m, spec, x)[1] if isinstance(m, str) else m[1])()
                 rec["rel_err_vs_ref"] = tk.rel_err(out.cpu(), ref_out)
                 rec["max_abs_lse_err"], rec["lse_inf_pattern_ok"] = (0.0, True) if lse is None else \
@@ -82,8 +81,6 @@ class Bench(bench_backward.Bench):
                                      and rec["lse_inf_pattern_ok"] and zero)
                 rec["_detail"] = (f"rel_err {rec['rel_err_vs_ref']:.2e}  max|dlse| {rec['max_abs_lse_err']:.2e}  "
                                   f"-inf pattern (out 0) ok {rec['lse_inf_pattern_ok'] and zero}")
-            except Exception as e:  # noqa: BLE001
-                rec.update(error=tk.short_err(e), passed=False)
             recs.append(rec)
         if "flex" in self.a.methods and self.peers.FLEX_MASK_METHOD == "analytic" and spec.hilbert is None:
             recs.append(self.check_block_mask(spec, x[0].shape[1]))
@@ -91,16 +88,13 @@ class Bench(bench_backward.Bench):
 
     def check_block_mask(self, spec, n):
         from torch.nn.attention.flex_attention import create_block_mask
-        rec = {"method": "flex_block_mask"}
-        try:
+        with tk.failsoft(rec := {"method": "flex_block_mask"}, passed=False):
             bm_a, mask_mod, _, _ = self.peers.flex_block_mask(spec, n, self.dev, "analytic")
             bm_c = create_block_mask(mask_mod, B=None, H=spec.num_heads, Q_LEN=n, KV_LEN=n, device=self.dev)
             (a_ne, a_full), (c_ne, c_full) = self.peers.block_sets_of(bm_a), self.peers.block_sets_of(bm_c)
             rec.update(nonempty_equal=self.torch.equal(a_ne, c_ne), full_equal=self.torch.equal(a_full, c_full))
             rec["passed"] = rec["nonempty_equal"] and rec["full_equal"]
             rec["detail"] = f"analytic == create_block_mask: nonempty {rec['nonempty_equal']}, full {rec['full_equal']}"
-        except Exception as e:  # noqa: BLE001
-            rec.update(error=tk.short_err(e), passed=False)
         return rec
 
     def timing(self):
@@ -116,26 +110,22 @@ class Bench(bench_backward.Bench):
 
     @staticmethod
     def draw(data, rows, path):
-        """The bars, and the roofline: useful TFLOP/s against the matmul ceiling."""
+        """The bars, and the roofline: useful TFLOP/s per (config, causal) of the exact methods (rows'
+        useful_tflops_by_method) under the measured matmul ceiling."""
         bench_backward.Bench.draw(data, rows, path)
-        title = f"{data.get('device')}, torch {data.get('torch')}, triton {data.get('triton')}, {data.get('date')}"
-        plot_roofline(rows, ("dilgen", "gather_cudnn", "gather_flash", "flex"),
-                      (data.get("matmul_ceiling") or {}).get("tflops"),
-                      Path(path).with_name(Path(path).name.replace("forward", "roofline", 1)).with_suffix(".png"),
-                      f"useful TFLOP/s of the exact methods, bf16 forward — {title}")
+        top = (data.get("matmul_ceiling") or {}).get("tflops")
 
-
-def plot_roofline(rows, methods, ceiling_tflops, path, title: str):
-    """Useful TFLOP/s per (config, causal) and method (rows' useful_tflops_by_method), under the
-    measured matmul ceiling."""
-    def ceiling(ax):
-        if ceiling_tflops:
-            ax.axhline(ceiling_tflops, color="black", linestyle="--", linewidth=1)
-            ax.text(len(rows) - 0.5, ceiling_tflops, f"bf16 matmul ceiling {ceiling_tflops:.3g} TFLOP/s",
-                    ha="right", va="bottom", fontsize=8)
-    return tk.plot_bars(rows, methods, path, "useful TFLOP/s (same work figure for every method)", title,
-                        lambda r, m: (r.get("useful_tflops_by_method") or {}).get(m), log_scale=False, extra=ceiling)
-
+        def ceiling(ax):
+            if top:
+                ax.axhline(top, color="black", linestyle="--", linewidth=1)
+                ax.text(len(rows) - 0.5, top, f"bf16 matmul ceiling {top:.3g} TFLOP/s", ha="right", va="bottom",
+                        fontsize=8)
+        roof = Path(path).with_name(Path(path).name.replace("forward", "roofline", 1)).with_suffix(".png")
+        return tk.plot_bars(rows, ("dilgen", "gather_cudnn", "gather_flash", "flex"), roof, "useful TFLOP/s (same "
+                            "work figure for every method)", "useful TFLOP/s of the exact methods, bf16 forward — "
+                            f"{data.get('device')}, torch {data.get('torch')}, triton {data.get('triton')}, "
+                            f"{data.get('date')}", lambda r, m: (r.get("useful_tflops_by_method") or {}).get(m),
+                            log_scale=False, extra=ceiling)
 
 
 def host_us(torch, fn, calls: int = 20, rounds: int = 5) -> dict:
@@ -226,26 +216,20 @@ def host_bench(a) -> int:
     failed = False
     for name, of, B, N in cases:
         c = {**tk.CONFIGS[of], "B": B, "N": N}
-        kernel = dilgen.compile(tk.make_spec(of, c, False, "host"))
-        causal = dilgen.compile(tk.make_spec(of, c, True, "host"))
+        kernel, causal = (dilgen.compile(tk.make_spec(of, c, x, "host")) for x in (False, True))
         calls, peer, tensors = host_calls(torch, kernel, causal, B, N, c, dev)
-        try:
-            chk = host_checks(torch, kernel, tensors, dev)
-        except Exception as e:  # noqa: BLE001
-            chk = {"error": tk.short_err(e)}
+        with tk.failsoft(chk := {}):
+            chk.update(host_checks(torch, kernel, tensors, dev))
         failed |= not chk.get("replay_equal")
         tk.log(f"{name} {res.add({'config': name, 'pass': 'check', 'method': 'dilgen', 'B': B, 'N': N, **chk})}")
         for method, fns in [("dilgen", calls), ("peer", peer)]:
             for p, fn in fns.items():
-                row = {"config": name, "pass": p, "method": method, "B": B, "N": N}
-                try:
+                with tk.failsoft(row := {"config": name, "pass": p, "method": method, "B": B, "N": N}):
                     fn()
                     row.update(host_us(torch, fn))
                     if p in ("fwd", "decode"):
                         row.update(one_call_ms=tk.time_ms(fn, 0, 20, dev, alone=True)["median"],
                                    back_to_back_ms=tk.time_ms(fn, 3, 10, dev)["median"])
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = tk.short_err(e)
                 tk.log(f"  {name:9s} {p:8s} {method:7s} {json.dumps(res.add(row))}")
         del calls, peer, tensors
         tk.cleanup(dev)

@@ -19,9 +19,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # device README: no NVLink multicast
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+for _var, _off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_var, _off)                   # device README: no NVLink multicast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit as tk  # noqa: E402
@@ -91,8 +90,7 @@ class Rank:
         """bf16 ring vs the float64 reference on a small N (every rank's rows)."""
         import dilgen
         from dilgen.reference import reference_attention
-        torch, P = self.torch, self.P
-        n, h, d = self.geo["small"]
+        torch, P, (n, h, d) = self.torch, self.P, self.geo["small"]
         spec = make_spec(self.geo, order, n, P, H=h, D=d, name=f"ring_err_{order}_p{P}")
         gen = torch.Generator().manual_seed(7)
         q, k, v = (torch.randn(1, n, x, d, generator=gen) for x in (h, spec.num_kv_heads, spec.num_kv_heads))
@@ -118,9 +116,8 @@ class Rank:
         torch, P, rank, a, geo = self.torch, self.P, self.rank, self.args, self.geo
         N = (T := a.tokens_per_gpu or geo["tokens"]) * P
         row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": hilbert_for(order, N) and order,
-               "hilbert_spec": hilbert_for(order, N), "order": order}
+               "hilbert_spec": hilbert_for(order, N), "order": order, "bf16_rel_error_vs_fp64": self.bf16_error(order)}
         spec, one = make_spec(geo, order, N, P), make_spec(geo, order, N, 1, name=f"ring_{order}_one")
-        row["bf16_rel_error_vs_fp64"] = self.bf16_error(order)
         # the single-device kernel on the full N (the same tensors on every rank): its rows, T_1(N)
         g = torch.Generator(device=self.dev).manual_seed(1234)
         full = [torch.randn(1, N, h, geo["D"], device=self.dev, dtype=torch.bfloat16, generator=g)
@@ -351,8 +348,7 @@ def parse_args(argv=None):
     add("--predict-only", action="store_true", help="no run: the cost model's predictions on H200s (predict())")
     a = ap.parse_args(argv)
     a.orders = tk.pick(a.orders, ORDERS, "--orders")
-    if a.max_tokens is not None and not a.max_tokens:
-        a.max_tokens = [1 << 20, 3 << 19, 2 << 20]
+    a.max_tokens = [1 << 20, 3 << 19, 2 << 20] if a.max_tokens == [] else a.max_tokens      # the bare flag
     a.reps = a.reps or (1 if a.dry_run_cpu else 4)
     a.transports = tk.pick(a.transports, TRANSPORTS, "--transports")
     a.geo = DRY if a.dry_run_cpu else dict(GPU, **LONG, tokens=2 << 20) if a.long else GPU

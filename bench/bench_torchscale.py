@@ -28,9 +28,8 @@ SMOKE = dict(tiles=[40, 72], layers=1, embed=32, heads=2, segments=[16, 32], rat
 
 
 def parse_args(argv=None):
-    ap = tk.parser(__doc__, "warmup", "reps", "seed", "out", methods=METHODS,
-                   warmup=dict(help="warm-up calls (default 2; smoke 0)"),
-                   reps=dict(help="timed calls, median taken (default 5; smoke 1)"))
+    ap = tk.parser(__doc__, "warmup", "reps", "seed", "out", methods=METHODS, warmup=dict(help="warm-up calls "
+                   "(default 2; smoke 0)"), reps=dict(help="timed calls, median taken (default 5; smoke 1)"))
     add = ap.add_argument
     add("--tiles", default="10000,30000,70000", help="slide lengths N (tokens = tiles)")
     add("--layers", type=int, default=12)
@@ -58,17 +57,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
-
     import torchscale_model as tm
     import peers
     from dilgen.compat import torchscale as compat
-
     if tk.no_gpu(a.smoke, "bench_torchscale.py", "--smoke"):
         return 2
-    device = torch.device("cpu" if a.smoke else "cuda")
-    dtype = torch.bfloat16
+    device, dtype = torch.device("cpu" if a.smoke else "cuda"), torch.bfloat16
     tm.ATTENTION = peers._attn_cudnn        # cuDNN SDPA with LSE (the fp32 math on the CPU)
-
     args = tm.make_args(a.seg_list, a.ratio_list, embed_dim=a.embed, heads=a.heads,
                         ffn_dim=4 * a.embed, layers=a.layers)
     ts_model = tm.make_encoder(args, seed=a.seed, dtype=dtype).to(device)
@@ -78,20 +73,17 @@ def main(argv=None) -> int:
 
     def identity_attend(q, k, v, spec):
         return v            # no attention core: what remains is the time both models share
-
     head = tk.header(device, dry=a.smoke, extra={
         "bench": "torchscale", "args": vars(a) | {"replaced": replaced},
-        "model": {"layers": a.layers, "embed_dim": a.embed, "heads": a.heads,
-                  "head_dim": a.embed // a.heads, "ffn_dim": 4 * a.embed,
-                  "segment_length": a.seg_list, "dilated_ratio": a.ratio_list, "dtype": "bfloat16"},
+        "model": {"layers": a.layers, "embed_dim": a.embed, "heads": a.heads, "head_dim": a.embed // a.heads,
+                  "ffn_dim": 4 * a.embed, "segment_length": a.seg_list, "dilated_ratio": a.ratio_list,
+                  "dtype": "bfloat16"},
         "torchscale_attention": "aten._scaled_dot_product_cudnn_attention (LSE)" if device.type == "cuda"
         else "fp32 math fallback (CPU smoke)", "dilgen_attention": "dilgen kernels"})
     res = tk.Results(tk.result_path(a.out, "torchscale", tag="cpu-smoke" if a.smoke else tk.gpu_tag(head["device"])),
                      head, key=("tiles", "pass", "method"))
     tk.log(f"{head.get('device')}: {len(replaced)} DilatedAttention modules patched; w {a.seg_list} r {a.ratio_list}")
-
-    real_attend = compat._attend
-    gen = torch.Generator(device="cpu").manual_seed(a.seed)
+    real_attend, gen = compat._attend, torch.Generator(device="cpu").manual_seed(a.seed)
     progress = tk.Progress(len(a.tiles_list) * len(a.passes) * len(a.methods))
     for n in a.tiles_list:
         x, cot = (torch.randn(1, n, a.embed, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
@@ -106,11 +98,10 @@ def main(argv=None) -> int:
                 if pas == "fwd":
                     with torch.no_grad():
                         return model(token_embeddings=xg)["encoder_out"]
-                for p in model.parameters():
-                    p.grad = None
+                model.zero_grad(set_to_none=True)
                 xg.grad = None
                 model(token_embeddings=xg)["encoder_out"].backward(cot)
-            try:
+            with tk.failsoft(row):
                 t1, first = tk.first_call_s(fn, device)
                 row["first_call_s"] = round(t1, 3)
                 if pas == "fwd":
@@ -120,8 +111,6 @@ def main(argv=None) -> int:
                 row["ms"], row["timing_ms"] = t["median"], t
                 if (pk := tk.peak_extra_gib(fn, device, with_peak=True)) is not None:
                     row["peak_GiB"], row["extra_GiB"] = round(pk[0], 3), round(pk[1], 3)
-            except Exception as e:  # noqa: BLE001 - OOM and friends: the row says so
-                row["error"] = tk.short_err(e)
             compat._attend = real_attend
             res.add(row)
             progress.step(f"{n} {pas} {method}: {tk.fmt(row['ms'])} ms, "

@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toolkit  # noqa: E402
 
 PATTERN = {"segment_lengths": [2048, 4096, 8192, 16384, 32768], "dilation_rates": [1, 2, 4, 8, 16]}
-MODEL = dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-             num_attention_heads=16, num_key_value_heads=4, head_dim=64, attention_dropout=0.0,
-             tie_word_embeddings=False)
+MODEL = dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=4, head_dim=64, attention_dropout=0.0, tie_word_embeddings=False)
 DRY_PATTERN = {"segment_lengths": [16, 32], "dilation_rates": [1, 2]}
 DRY_MODEL = dict(MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -69,10 +68,9 @@ def train_one(impl: str, n: int, data: bytes, seconds: float, dry: bool, device)
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
-        losses, t_steps, stream = [], [], batches(data, n, seed=1)
+        losses, t_steps, stream, start = [], [], batches(data, n, seed=1), None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        start = None
         while True:
             ids = next(stream).to(device)
             t0 = time.perf_counter()
@@ -109,25 +107,22 @@ def decode_one(impl: str, batch: int, S: int, graph: bool, dry: bool, device) ->
     import torch
     from transformers import AttentionInterface
     model = make_model(impl, S + 1, dry, device)
-    attn = model.model.layers[0].self_attn
-    fn = AttentionInterface().get_interface(impl, None)
+    attn, fn = model.model.layers[0].self_attn, AttentionInterface().get_interface(impl, None)
     H, Hkv, D = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
     dtype = next(model.parameters()).dtype
-    q = torch.randn(batch, H, 1, D, device=device, dtype=dtype)
-    k, v = (torch.randn(batch, Hkv, S, D, device=device, dtype=dtype) for _ in range(2))
+    q, k, v = (torch.randn(batch, h, s, D, device=device, dtype=dtype) for h, s in ((H, 1), (Hkv, S), (Hkv, S)))
     call = lambda: fn(attn, q, k, v, None, scaling=attn.scaling)[0]  # noqa: E731
-    reps = 3 if dry else 500
     with torch.inference_mode():
         for _ in range(3):
             call()
-        n, run, per = reps, call, 1
+        n, run, per = 3 if dry else 500, call, 1
         if graph:                    # one replay: 20 calls
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 for _ in range(20):
                     call()
             g.replay()
-            n, run, per = reps // 20 + 1, g.replay, 20
+            n, run, per = n // 20 + 1, g.replay, 20
         rounds = []                  # the best of three: host time is noisy
         for _ in range(3):
             toolkit.sync(device)
@@ -169,8 +164,7 @@ def main(argv=None) -> None:
     import transformers
     if toolkit.no_gpu(args.dry_run_cpu, "bench_transformers.py"):
         raise SystemExit(2)
-    dry = args.dry_run_cpu
-    device = torch.device("cpu" if dry else "cuda")
+    dry, device = args.dry_run_cpu, torch.device("cpu" if args.dry_run_cpu else "cuda")
     impls = [i for i in toolkit.pick(args.impls, IMPLS, "--impls") if not (dry and i == "flex_attention")]
     result = {**toolkit.header(device, dry, {"transformers": transformers.__version__}),
               "model": DRY_MODEL if dry else MODEL, "dilgen_spec": DRY_PATTERN if dry else PATTERN,

@@ -83,8 +83,7 @@ class Case:
         import torch
         import dilgen
         self.b, self.pack, self.causal, self.pas, self.grad = b, pack, causal, pas, pas == "fwd_bwd"
-        cfg, dev = b.cfg, b.dev
-        self.lengths = b.packs[pack]
+        cfg, dev, self.lengths = b.cfg, b.dev, b.packs[pack]
         self.T, self.L = sum(self.lengths), max(self.lengths)
         self.spec = tk.make_spec("varlen", cfg, causal, dtype="float32" if b.dry else "bfloat16")   # bench_varlen_*
         self.kernel = dilgen.compile(self.spec)
@@ -96,8 +95,7 @@ class Case:
              for _ in range(3 + self.grad)]
         self.q, self.k, self.v, self.do = x + [None] * (not self.grad)
         self.ref = None                # dilgen_varlen's out (fwd) or (dq, dk, dv) (fwd_bwd)
-        self.flops = packing_flops(self.lengths, cfg, causal, self.grad)
-        self.one_flops = packing_flops([self.T], cfg, causal, self.grad)
+        self.flops, self.one_flops = (packing_flops(ls, cfg, causal, self.grad) for ls in (self.lengths, [self.T]))
 
     def leaves(self, *ts):
         return [t.detach().requires_grad_(self.grad) for t in ts]
@@ -144,12 +142,11 @@ class Case:
                        "checks and times its forward only")
         if b.dev.type == "cuda" and time.time() - b.t0 > b.args.flex_budget_s:
             raise Skip(f"skipped: time budget --flex-budget-s={b.args.flex_budget_s:.0f} spent")
-        hg = flex_head_group(H, b.cfg["rs"], self.T, D)
-        if hg is None:
+        if (hg := flex_head_group(H, b.cfg["rs"], self.T, D)) is None:
             raise Skip(f"skipped: one head of the packed row ({self.T} x {D}) is past int32 offsets")
         bm, _, score_mod, build_s = peers.document_block_mask(self.spec, self.lengths, b.dev)
         self.extra.update(flex_mask_build_s=round(build_s, 3), flex_head_groups=H // hg)
-        fn, scale = peers.flex_fn(b.dev), peers.scale_of(self.spec, D)
+        fn, scale = peers.flex_fn(b.dev), self.spec.scale
         # flex's own layout, (1, heads, T, D) contiguous per head group, made before timing
         group = lambda t, h0: t[:, h0:h0 + hg].permute(1, 0, 2).unsqueeze(0).contiguous()  # noqa: E731
         groups = [(slice(h0, h0 + hg), *self.leaves(group(self.q, h0), group(self.k, h0), group(self.v, h0)),
@@ -164,11 +161,9 @@ class Case:
     def dilgen_padded(self):
         """Right-padded to the longest, in chunks of whole items; drops the packed inputs."""
         import torch
-        b, cfg = self.b, self.b.cfg
-        B, L = len(self.lengths), self.L
+        b, cfg, B, L = self.b, self.b.cfg, len(self.lengths), self.L
         item = L * cfg["H"] * cfg["D"] * self.q.element_size()      # bytes of one padded item
-        n_in, per_item = 3 + self.grad, (10 if self.grad else 1) * item
-        chunks = 1
+        n_in, per_item, chunks = 3 + self.grad, (10 if self.grad else 1) * item, 1
         if b.dev.type == "cuda":
             free = (torch.cuda.mem_get_info(b.dev)[0] + torch.cuda.memory_reserved(b.dev)
                     - torch.cuda.memory_allocated(b.dev))
@@ -181,8 +176,7 @@ class Case:
             if chunks is None:
                 raise Skip(f"skipped: out of memory: the padded batch ({B} x {L} rows) needs "
                            f"{(n_in * B * item + per_item) / 2**30:.1f} GiB at least, {free / 2**30:.1f} GiB free")
-        per = -(-B // chunks)
-        pieces = []
+        per, pieces = -(-B // chunks), []
         for items in [list(range(i, min(i + per, B))) for i in range(0, B, per)]:
             def pad(t, items=items):
                 x = t.new_zeros((len(items), L) + tuple(t.shape[1:]))
@@ -258,7 +252,7 @@ class Case:
 class Bench:
     def __init__(self, args):
         import torch
-        self.args, self.dry, self.t0 = args, args.dry_run_cpu, time.time()
+        self.args, self.dry, self.t0, self.failed = args, args.dry_run_cpu, time.time(), False
         self.dev = torch.device("cpu" if self.dry else "cuda")
         self.cfg, self.dtype = (DRY, torch.float32) if self.dry else (SPEC, torch.bfloat16)
         self.reps = 1 if self.dry and args.reps is None else (args.reps or 10)
@@ -283,7 +277,6 @@ class Bench:
         self.res = tk.Results(tk.result_path(args.out, "varlen", self.dry), head,
                               key=("packing", "causal", "method", "pass"), append=args.append, lists=())
         self.res.data["summary"] = summarize(self.res.all_rows())
-        self.failed = False
 
     def run(self):
         todo = [(p, c, s) for p in self.names for c in self.causals for s in self.passes]

@@ -12,37 +12,25 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import math
 import operator
 import time
 
 import torch
 import torch.nn.functional as F
 
-_TABLES: dict = {}
-_ROWS: dict = {}
-_BLOCK_MASKS: dict = {}
+_TABLES, _ROWS, _BLOCK_MASKS = {}, {}, {}      # curve tables, kept rows, block masks (clear_caches())
 _FLEX_COMPILED = None
 FLEX_MASK_METHOD = "analytic"   # bench_forward.py sets it from --flex-mask (Hilbert specs: "create")
 
 
-def branches_of(spec) -> list[tuple[int, int]]:
-    return [(int(w), int(r)) for w, r in zip(spec.segment_lengths, spec.dilation_rates)]
-
-
-def scale_of(spec, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if spec.softmax_scale is None else float(spec.softmax_scale)
-
-
 def virtual_tables(spec, N: int, device) -> list:
     """Per branch None (raster) or pi_i, int64 (N,) on `device`: virtual -> raster position."""
-    hil = spec.hilbert
-    if hil is None:
+    if (hil := spec.hilbert) is None:
         return [None] * len(spec.segment_lengths)
     from dilgen.runtime.tables import table_tensors
     from dilgen.spec import default_grid
     out = []
-    for i, (w, _) in enumerate(branches_of(spec)):
+    for i, (w, _) in enumerate(spec.branches()):
         grid = hil.grid if hil.scope == "sequence" else hil.grids[i] if hil.grids else default_grid(w)
         desc = {"scope": hil.scope, "grid": [int(x) for x in grid]}
         key = (json.dumps(desc, sort_keys=True), int(N), str(device))
@@ -95,10 +83,8 @@ def _gather(x, rows, start: int, nseg: int, seglen: int, g: int, r: int, heads):
     """Rows start + s·seglen + g + j·r of x (B, N, Hx, D) (Hilbert: the raster rows `rows`, nseg·m of
     them), heads `heads`, as (B·nseg, Hg, m, D)."""
     B, _, Hx, D = x.shape
-    if rows is None:
-        y = x[:, start:start + nseg * seglen].view(B, nseg, seglen, Hx, D)[:, :, g::r]
-    else:
-        y = x.index_select(1, rows).view(B, nseg, -1, Hx, D)
+    y = (x[:, start:start + nseg * seglen].view(B, nseg, seglen, Hx, D)[:, :, g::r] if rows is None
+         else x.index_select(1, rows).view(B, nseg, -1, Hx, D))
     y = y[:, :, :, heads] if isinstance(heads, slice) else y.index_select(3, heads)
     return y.permute(0, 1, 3, 2, 4).reshape(B * nseg, y.shape[3], y.shape[2], D)
 
@@ -118,11 +104,9 @@ def _kept_rows(pi, start: int, nseg: int, seglen: int, g: int, r: int):
 def _dilated_gather(attn, q, k, v, spec):
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    G, causal, scale, dev = H // Hkv, bool(spec.causal), scale_of(spec, D), q.device
-    outs, lses = [], []
-    for (w, r), pi in zip(branches_of(spec), virtual_tables(spec, N, dev)):
-        w_eff = min(w, N)
-        nfull, tail = N // w_eff, N % w_eff
+    G, causal, scale, dev, outs, lses = H // Hkv, bool(spec.causal), spec.scale, q.device, [], []
+    for (w, r), pi in zip(spec.branches(), virtual_tables(spec, N, dev)):
+        nfull, tail = divmod(N, w_eff := min(w, N))
         pieces = [(0, nfull, w_eff)] + ([(nfull * w_eff, 1, tail)] if tail else [])   # (start, nseg, seglen)
         o_b = torch.zeros(q.shape, dtype=q.dtype, device=dev)    # rows the branch does not keep stay 0
         l_b = torch.full((B, H, N), float("-inf"), device=dev, dtype=torch.float32)
@@ -168,7 +152,7 @@ gather_flash = functools.partial(_dilated_gather, _attn_flash)
 def dense_sdpa(q, k, v, spec):
     """REFERENCE POINT, not the same math: dense SDPA over the whole sequence (lse None)."""
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
-    kw = {"is_causal": bool(spec.causal), "scale": scale_of(spec, D)} | ({"enable_gqa": True} if Hkv != H else {})
+    kw = {"is_causal": bool(spec.causal), "scale": spec.scale} | ({"enable_gqa": True} if Hkv != H else {})
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw
                                           ).transpose(1, 2), None
 
@@ -181,7 +165,7 @@ def lane_floor(spec, B: int, N: int, device, grad: bool = False, seed: int = 0):
     gen = torch.Generator(device=device).manual_seed(seed)
     ts = [[torch.randn(B * -(-N // min(w, N)), spec.num_heads, -(-min(w, N) // r), spec.head_dim, device=device,
                        dtype=torch.bfloat16, generator=gen).requires_grad_(grad) for _ in range(4)]
-          for w, r in branches_of(spec)]
+          for w, r in spec.branches()]
     backend = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
 
     def run():
@@ -245,12 +229,10 @@ def analytic_block_sets(branches, causal: bool, H: int, N: int, block: int = 128
     """Exact (nonempty, full) block pairs, bool (H, nb, nb), of the union mask in O(H·(N/block)² + N):
     qb < kb share a segment only through the one holding qb's last and kb's first row; full: an
     r = 1 branch holds both blocks, complete, in one segment (kb < qb when causal)."""
-    nb = -(-N // block)
-    pos = torch.arange(N)
+    nb, pos = -(-N // block), torch.arange(N)
     blk, first = pos // block, torch.arange(nb) * block
     last, complete = torch.clamp(first + block - 1, max=N - 1), (first + block - 1) < N
-    nonempty = torch.zeros(H, nb, nb, dtype=torch.bool)
-    full = torch.zeros(nb, nb, dtype=torch.bool)
+    nonempty, full = torch.zeros(H, nb, nb, dtype=torch.bool), torch.zeros(nb, nb, dtype=torch.bool)
     upper = torch.ones(nb, nb, dtype=torch.bool).triu(1)
 
     def per_block(x):
@@ -301,7 +283,7 @@ def flex_block_mask(spec, N: int, device, method: str = "analytic"):
     "analytic": the same block sets from analytic_block_sets (checked equal by bench_forward.py).
     Hilbert specs always use "create"."""
     from torch.nn.attention.flex_attention import create_block_mask
-    H, causal, branches, device, hil = int(spec.num_heads), bool(spec.causal), branches_of(spec), \
+    H, causal, branches, device, hil = int(spec.num_heads), bool(spec.causal), spec.branches(), \
         torch.device(device), None if spec.hilbert is None else spec.hilbert.to_json()
     method = "create" if hil is not None else method
     key = (tuple(branches), causal, H, int(N), str(device), method, json.dumps(hil or {}, sort_keys=True))
@@ -341,7 +323,7 @@ def flex(q, k, v, spec, method: str | None = None):
     """FlexAttention: mask_mod = union of branches (+ causal), score_mod = + log(multiplicity)."""
     B, N, H, Hkv, D = _check_shapes(q, k, v, spec)
     bm, _, score_mod, _ = flex_block_mask(spec, N, q.device, method or FLEX_MASK_METHOD)
-    kw = dict(score_mod=score_mod, block_mask=bm, scale=scale_of(spec, D), enable_gqa=Hkv != H)
+    kw = dict(score_mod=score_mod, block_mask=bm, scale=spec.scale, enable_gqa=Hkv != H)
     qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     from torch.nn.attention import flex_attention as fa
     if "return_lse" in inspect.signature(fa.flex_attention).parameters:    # deprecated, still there
@@ -399,7 +381,7 @@ def block_sets(branches, causal: bool, lengths, block: int = 128, device="cpu"):
 
 def document_block_mask(spec, lengths, device, block: int = 128):
     """(BlockMask, mask_mod, score_mod, build s) of flex on a packed row of sequences of `lengths`."""
-    t0, branches = time.perf_counter(), branches_of(spec)
+    t0, branches = time.perf_counter(), spec.branches()
     mask_mod, score_mod = document_mods(branches, bool(spec.causal), lengths, device)
     bm = _block_mask(*(x[None, None] for x in block_sets(branches, bool(spec.causal), lengths, block, device)),
                      sum(lengths), mask_mod, device, block)

@@ -22,8 +22,7 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
+REPO, RESULTS = HERE.parent, HERE / "results"
 for _p in (str(REPO), str(HERE)):      # `import dilgen` (this checkout) and `import peers` from any cwd
     if _p not in sys.path:
         sys.path.insert(0, _p)
@@ -73,11 +72,9 @@ def make_spec(name: str, cfg: dict, causal: bool, prefix: str = "bench", dtype: 
 
 
 def useful_flops(cfg: dict, causal: bool, fwd_bwd: bool = False) -> float:
-    """Σ_i 4·B·H·(N/w_i)·(w_i/r_i)²·D (w_i capped at N), halved when causal; x3.5 fwd+bwd."""
-    N = cfg["N"]
-    total = sum(4 * cfg["B"] * cfg["H"] * (N / min(w, N)) * (min(w, N) / r) ** 2 * cfg["D"]
-                for w, r in zip(cfg["ws"], cfg["rs"]))
-    return total / (2 if causal else 1) * (3.5 if fwd_bwd else 1)
+    """Σ_i 4·B·H·(N/w_i)·(w_i/r_i)²·D (w_i capped at N), halved when causal (dilgen.stats); x3.5 fwd+bwd."""
+    from dilgen.stats import forward_flops
+    return forward_flops(cfg["ws"], cfg["rs"], cfg["H"], cfg["D"], causal, cfg["N"], cfg["B"]) * (3.5 if fwd_bwd else 1)
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -88,6 +85,15 @@ def log(msg: str = "") -> None:
 def short_err(e: BaseException, limit: int = 400) -> str:
     s = f"{type(e).__name__}: {e}".replace("\n", " ")
     return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def failsoft(rec: dict, limit: int = 400, **extra):
+    """Fail soft: an exception in the block goes into rec (error: short_err, then `extra`), the run goes on."""
+    try:
+        yield rec
+    except Exception as e:  # noqa: BLE001 - recorded; the next row runs
+        rec.update(error=short_err(e, limit), **extra)
 
 
 def sanitize(obj):

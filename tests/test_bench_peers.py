@@ -61,9 +61,10 @@ BLOCK_CASES = BLOCK_CASES if FULL else BLOCK_CASES[:2] + BLOCK_CASES[-3:]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    a = bench_forward.Bench.parse(["--dry-run-cpu", "--methods", "dilgen,gather_cudnn,gather_flash,flex"])
-    return bench_forward.Bench(a, results=False)
+def bench(tmp_path_factory):
+    a = bench_forward.Bench.parse(["--dry-run-cpu", "--methods", "dilgen,gather_cudnn,gather_flash,flex",
+                                   "--out", str(tmp_path_factory.mktemp("bench"))])
+    return bench_forward.Bench(a)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -146,7 +146,7 @@ def test_roofline_and_bar_plots(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [{"config": "A", "causal": c, "dilgen_ms": 2.0, "gather_cudnn_ms": 3.0,
              "useful_tflops_by_method": {"dilgen": 400.0, "gather_cudnn": 300.0}} for c in (False, True)]
-    roof = bench_forward.plot_roofline(rows, ["dilgen", "gather_cudnn", "flex"], 700.0, tmp_path / "roof.png", "t")
+    roof = bench_forward.Bench.draw({"matmul_ceiling": {"tflops": 700.0}}, rows, tmp_path / "forward-x.json")
     bars = tk.plot_bars(rows, ["dilgen", "gather_cudnn"], tmp_path / "bars.png", "ms", "t")
     for p in (roof, bars):
         assert p is not None and p.read_bytes()[:4] == b"\x89PNG"
