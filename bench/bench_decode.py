@@ -6,10 +6,8 @@ CUDA graph), dense (SDPA over the whole cache: the cost of reading it, not the s
 gather_sdpa (the exact peer: the kept keys gathered, SDPA with a validity mask). us_per_step
 (CUDA-event median) and GB_per_s of the kept K, V rows beside the device's copy rate. Checked
 first: dilgen against the float64 reference (a scaled-down spec) and gather_sdpa at full size.
---sweep adds dilgen's split and decode tile at a few points.
 
   python bench/bench_decode.py                      # the grid above, JSON + PNG in bench/results
-  python bench/bench_decode.py --sweep --out /tmp/x
 """
 from __future__ import annotations
 
@@ -41,10 +39,8 @@ def parse_args(argv=None):
     add("--contexts", default=None, help="comma list (default 16384,131072,1048576)")
     add("--mem-frac", type=float, default=0.85,
         help="skip a (batch, context, method) whose tensors exceed this fraction of GPU memory")
-    add("--sweep", action="store_true", help="also sweep dilgen's split and tile")
     add("--split", type=int, default=None, help="force dilgen's split (default: the runtime's)")
     add("--tile", default=None, help="dilgen decode tile block,split,warps,stages (tuning)")
-    add("--budget-s", type=float, default=270.0, help="stop sweeps after this many seconds")
     a = ap.parse_args(argv)
     cfg = DRY if a.dry_run_cpu else GPU
     a.batches = [int(x) for x in a.batches.split(",")] if a.batches else cfg["batches"]
@@ -100,14 +96,14 @@ class Bench:
                 rows += sum(any((kvh * G + g) % r == x_q % r for g in range(G)) for kvh in range(Hkv)) * (x_q // r + 1)
         return rows * 2 * D * self.dtype.itemsize
 
-    def fn(self, method, q, k, v, seqlens, split=None, kernel=None):
+    def fn(self, method, q, k, v, seqlens):
         torch, F = self.torch, self.torch.nn.functional
         if method == "dilgen":
             from dilgen.runtime.decode import decode
-            att = (kernel or self.kernel).compiled_for(q.device).attention
-            return lambda: decode(att, q, k, v, seqlens, validate=False, split=split or self.a.split)
+            att = self.kernel.compiled_for(q.device).attention
+            return lambda: decode(att, q, k, v, seqlens, validate=False, split=self.a.split)
         if method == "dilgen_graph":          # without the host's launch work
-            step = self.fn("dilgen", q, k, v, seqlens, split=split, kernel=kernel)
+            step = self.fn("dilgen", q, k, v, seqlens)
             for _ in range(3):
                 step()
             graph = torch.cuda.CUDAGraph()
@@ -201,17 +197,17 @@ class Bench:
         tk.log(f"  B={B:3d} ctx={ctx:8d} {methods[0] + ': ' if len(methods) == 1 else ''}skipped: {msg}")
         self.res.save()
 
-    def time_row(self, B, ctx, method, q, k, v, sl, kept, **kw):
+    def time_row(self, B, ctx, method, q, k, v, sl, kept):
         row = {"batch": B, "context": ctx, "method": method, "kept_bytes": kept}
         with tk.failsoft(row), self.torch.no_grad():
-            fn = self.fn(method.split("=")[0].replace("_split", "").replace("_tile", ""), q, k, v, sl, **kw)
+            fn = self.fn(method, q, k, v, sl)
             fn()
             t = tk.time_ms(fn, self.a.warmup, self.a.reps, self.dev)
             row.update(us_per_step=1e3 * t["median"], GB_per_s=kept / (t["median"] * 1e-3) / 1e9, timing_ms=t)
             if method.startswith("dilgen"):
                 from dilgen.runtime.decode import choose_split
-                att = (kw.get("kernel") or self.kernel).compiled_for(q.device).attention
-                row["split"] = kw.get("split") or self.a.split or choose_split(
+                att = self.kernel.compiled_for(q.device).attention
+                row["split"] = self.a.split or choose_split(
                     att.decode_kernels["config"], B * self.cfg["Hkv"], q.device)
                 row["tile"] = att.plan["config"]["decode"]
             if self.res.data.get("copy_GB_per_s"):
@@ -224,7 +220,6 @@ class Bench:
 
     def timing(self):
         a, c, item = self.a, self.cfg, self.dtype.itemsize
-        sweep = lambda: a.sweep and time.time() - self.t0 < a.budget_s  # noqa: E731
         tk.log("\n== timing ==")
         for ctx in a.contexts:
             for B in a.batches:
@@ -245,17 +240,6 @@ class Bench:
                         self.time_row(B, ctx, m, q, k, v, sl, kept)
                 if "dilgen" in a.methods and self.dev.type == "cuda":
                     self.time_row(B, ctx, "dilgen_graph", q, k, v, sl, kept)
-                    for split in (256, 512, 1024, 2048, 4096) if sweep() else ():
-                        self.time_row(B, ctx, f"dilgen_graph_split={split}", q, k, v, sl, kept, split=split)
-                if "dilgen" in a.methods and sweep():
-                    for split in (512, 2048):
-                        self.time_row(B, ctx, f"dilgen_split={split}", q, k, v, sl, kept, split=split)
-                    for tile in ((64, 2048, 4, 3), (32, 2048, 4, 3), (32, 2048, 2, 3), (64, 2048, 4, 2)) \
-                            if (B, ctx) == (64, 131072) else ():
-                        if time.time() - self.t0 > a.budget_s:
-                            break
-                        kern = self.dilgen.compiler.Kernel(self.spec, tuning={"decode": tile})
-                        self.time_row(B, ctx, f"dilgen_tile={','.join(map(str, tile))}", q, k, v, sl, kept, kernel=kern)
                 del q, k, v
                 tk.cleanup(self.dev)
 

@@ -265,25 +265,6 @@ def finish(rows, geo):
                 r[f"efficiency_{kind}"] = r[f"useful_tflops_per_gpu_{kind}"] / base[f"useful_tflops_per_gpu_{kind}"]
 
 
-def predict(args) -> list[dict]:
-    """--predict-only (no run): per problem and P, the transport the cost model picks, every transport's ms."""
-    import types
-    from dilgen import Kernel, planner, schedule, targets
-    geo, T, rows = args.geo, args.tokens_per_gpu or args.geo["tokens"], []
-    for order, P in ((o, p) for o in args.orders for p in args.gpus):
-        one, spec = (make_spec(geo, order, T * P, x) for x in (1, P))
-        Kernel(spec)                # a Kernel made in the process: the "heads" and "local" twins can be built
-        attn, attn1 = (types.SimpleNamespace(spec=x.to_json(), plan=planner.plan(x, targets.get_target("sm90")).to_json())
-                       for x in (spec, one))
-        got = alone = predicted(attn1, one, T * P, "single")
-        if P > 1:
-            costs = {t: {"fwd_bwd_s": ms} for t, ms in predicted(attn, spec, T * P, "ring")["predicted_fwd_bwd_ms_by_transport"].items()}
-            got = dict(predicted(attn, spec, T * P, tr := schedule.pick_transport(costs)), transport=tr)
-        rows.append(dict(gpus=P, order=order, tokens_per_gpu=T, N=T * P, **got, fwd_ms=got["predicted_fwd_ms"], fwd_bwd_ms=got[
-            "predicted_fwd_bwd_ms"], **{f"single_device_{k}_ms": alone[f"predicted_{k}_ms"] for k in ("fwd", "fwd_bwd")}))
-    return rows
-
-
 def report(rows):
     k = lambda x: f"{x // 1024}K" if x % 1024 == 0 else str(x)  # noqa: E731
     body = []
@@ -345,7 +326,6 @@ def parse_args(argv=None):
     add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
         "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
-    add("--predict-only", action="store_true", help="no run: the cost model's predictions on H200s (predict())")
     a = ap.parse_args(argv)
     a.orders = tk.pick(a.orders, ORDERS, "--orders")
     a.max_tokens = [1 << 20, 3 << 19, 2 << 20] if a.max_tokens == [] else a.max_tokens      # the bare flag
@@ -362,28 +342,26 @@ def main(argv=None):
         return 0
     import torch
     import torch.multiprocessing as mp
-    dry, geo, gpus, model = args.dry_run_cpu, args.geo, args.gpus, args.predict_only
-    if not model and tk.no_gpu(dry, "bench_ring.py", "--dry-run-cpu (gloo)"):
+    dry, geo, gpus = args.dry_run_cpu, args.geo, args.gpus
+    if tk.no_gpu(dry, "bench_ring.py", "--dry-run-cpu (gloo)"):
         return 2
-    if not dry and not model and [p for p in gpus if p > torch.cuda.device_count()]:
+    if not dry and [p for p in gpus if p > torch.cuda.device_count()]:
         gpus = [p for p in gpus if p <= torch.cuda.device_count()]
         tk.log(f"only {torch.cuda.device_count()} GPU(s): running --gpus {gpus}")
-    head = tk.header("cpu" if dry or model else "cuda", dry, {
+    head = tk.header("cpu" if dry else "cuda", dry, {
         "args": vars(args), "spec": {"segment_lengths": geo["ws"], "dilation_rates": geo["rs"], "num_heads": geo["H"],
                                      "head_dim": geo["D"], "dtype": "bfloat16", "batch": 1},
         "notes": ["strong_scaling_eff = T_1(N) / (P * T_P(N)), N = tokens_per_gpu * P, T_1 the single-device "
                   "kernel (ring_size 1) on the full N (fwd+bwd; _fwd: forward only)",
                   "efficiency_*: weak scaling, useful TFLOP/s per GPU against the 1-GPU row of the same order",
                   "check_*: every rank's rows of out, dq, dk, dv against the single-device kernel's same rows",
-                  "useful FLOPs: sum_i 4*B*H*(N/w_i)*(w_i/r_i)^2*D (w_i capped at N), x3.5 fwd+bwd, / P per GPU"]
-        + [" ".join(predict.__doc__.split())] * model})
-    if model or not dry:
-        head["device"] = "model only, no run" if model else f"{len(gpus) and max(gpus)} x {head['device']}"
-    res = tk.Results(tk.result_path(args.out, ("ring_predictions" if model else "ring") + "_long" * args.long, dry), head,
+                  "useful FLOPs: sum_i 4*B*H*(N/w_i)*(w_i/r_i)^2*D (w_i capped at N), x3.5 fwd+bwd, / P per GPU"]})
+    if not dry:
+        head["device"] = f"{len(gpus) and max(gpus)} x {head['device']}"
+    res = tk.Results(tk.result_path(args.out, "ring" + "_long" * args.long, dry), head,
                      key=("gpus", "order", "tokens_per_gpu", "forced_transport"), append=args.append, lists=())
     failed = False
-    res.rows.extend(predict(args) if model else [])
-    for i, P in enumerate([] if model else gpus):
+    for i, P in enumerate(gpus):
         tk.log(f"[{i + 1}/{len(gpus)}] {P} {'process' if dry else 'GPU'}(s), "
                f"{args.tokens_per_gpu or geo['tokens']} tokens each, orders {args.orders} ...")
         path, t0 = Path(args.out) / f"ring_{P}.partial.json", time.time()    # kept if the run is cut short
@@ -405,7 +383,7 @@ def main(argv=None):
     finish(rows, geo)
     res.save()
     report(rows)
-    if not args.no_plot and not model:
+    if not args.no_plot:
         plot({**res.data, "rows": rows}, tk.result_path(args.out, "ring", dry, ext="png"))
     tk.log(f"json: {res.path}")
     bad = [f"P={r['gpus']} {r.get('order')}: {r.get('error', 'check failed')[:160]}" for r in res.rows

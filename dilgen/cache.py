@@ -379,53 +379,62 @@ def _repair(final: Path, blobs: dict[str, bytes]) -> None:
                 os.unlink(tmp)
 
 
-def _tuning_path(key: str, root: Path | None = None) -> Path:
-    return (cache_dir() if root is None else root) / "tuning" / f"{key}.json"
+def _record_path(kind: str, key: str, root: Path | None = None) -> Path:
+    return (cache_dir() if root is None else root) / kind / f"{key}.json"
+
+
+def load_record(kind: str, key: str, parse):
+    """parse(the JSON of the record `kind`/`key`), or None: none stored, or one that is
+    corrupt (parse raises ValueError, KeyError or TypeError), not a regular file, or in a
+    folder that fails the trust check. This process's own fallback is read first."""
+    for root in reversed(_roots()):
+        path = _record_path(kind, key, root)
+        if private_reason(path.parent) is not None:
+            continue
+        try:
+            return parse(json.loads(read_regular(path)))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def store_record(kind: str, key: str, data: dict) -> Path:
+    """Write the JSON record `kind`/`key` atomically, 0600 in a 0700 folder (to the fallback
+    if the cache is not writable or not trusted)."""
+    root = cache_dir()
+    fallback = _FALLBACK.get(str(root))
+    if fallback is None:
+        try:
+            return _store_record(_record_path(kind, key, root), data)
+        except Untrusted as exc:
+            fallback = _distrust(root, exc.folder, exc.reason)
+        except OSError as exc:
+            fallback = _writable_root(root, _record_path(kind, key, root).parent, exc)
+    return _store_record(_record_path(kind, key, fallback), data)
+
+
+def _store_record(path: Path, data: dict) -> Path:
+    _private_folder(path.parent.parent)
+    _private_folder(path.parent)
+    return fsafe.write_atomic(path, json.dumps(data, indent=2, sort_keys=True), mode=0o600)
+
+
+def _tuning_config(data: dict) -> dict:
+    config = data["config"]
+    def ok(v):  # an int, or a tile row of 4 ints (bwd_kv, bwd_dq)
+        return isinstance(v, int) or (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) for x in v))
+    if not isinstance(config, dict) or not all(ok(v) for v in config.values()):
+        raise ValueError("not a tuning record")
+    return config
 
 
 def load_tuning(key: str) -> dict | None:
     """A stored autotune winner, or None (a corrupt file, or one in a folder that fails the
     trust check, counts as none)."""
-    for root in reversed(_roots()):     # this process's own winner first
-        config = _load_tuning(_tuning_path(key, root))
-        if config is not None:
-            return config
-    return None
-
-
-def _load_tuning(path: Path) -> dict | None:
-    if private_reason(path.parent) is not None:
-        return None
-    try:
-        data = json.loads(read_regular(path))
-        config = data["config"]
-        def ok(v):  # an int, or a tile row of 4 ints (bwd_kv, bwd_dq)
-            return isinstance(v, int) or (isinstance(v, list) and len(v) == 4
-                                          and all(isinstance(x, int) for x in v))
-        if not isinstance(config, dict) or not all(ok(v) for v in config.values()):
-            raise ValueError
-        return config
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return load_record("tuning", key, _tuning_config)
 
 
 def store_tuning(key: str, config: dict, info: dict) -> Path:
     """Write an autotune winner atomically (to the fallback if the cache is not writable or
     not trusted)."""
-    root = cache_dir()
-    fallback = _FALLBACK.get(str(root))
-    if fallback is None:
-        try:
-            return _store_tuning(_tuning_path(key, root), config, info)
-        except Untrusted as exc:
-            fallback = _distrust(root, exc.folder, exc.reason)
-        except OSError as exc:
-            fallback = _writable_root(root, _tuning_path(key, root).parent, exc)
-    return _store_tuning(_tuning_path(key, fallback), config, info)
-
-
-def _store_tuning(path: Path, config: dict, info: dict) -> Path:
-    _private_folder(path.parent.parent)
-    _private_folder(path.parent)
-    return fsafe.write_atomic(path, json.dumps({"config": config, **info}, indent=2,
-                                               sort_keys=True), mode=0o600)
+    return store_record("tuning", key, {"config": config, **info})

@@ -370,6 +370,13 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+def cmd_calibrate(args) -> int:
+    from .calibrate import command
+    for line in command(args.link_mib):
+        print(line)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .explain import MAX_DEFAULT
@@ -412,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a packed batch (kernel(q, k, v, cu_seqlens=...)): its sequences and tiles")
     p.add_argument("--arch", default="sm90", help=f"the target (default sm90): {ARCH_HELP}")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("calibrate", help="measure the ring cost model's rates on this machine "
+                                         "(under torchrun: every rank, links too)")
+    p.add_argument("--link-mib", type=int, default=256, help="MiB per rank of each link measurement (default 256)")
+    p.set_defaults(func=cmd_calibrate)
     return parser
 
 

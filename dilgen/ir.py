@@ -316,17 +316,11 @@ class RingIR:
     The schedule depends on N, known at call time, so the IR holds the rule and
     `ring_schedule(ring_json, n, ...)` below instantiates it: the same pure function
     runs in `dilgen explain` and in the runtime, on every rank, with the same answer.
-    link_gbytes_s and step_latency_us parametrise the transport cost model."""
+    The transport cost model's rates are the machine's (dilgen.calibration), not the IR's."""
     ring_size: int
     causal: bool = False
     branches: tuple[RingBranch, ...] = ()
     one_kv_head_per_query_head: bool = True
-    # link rates measured on 4 x H200 at 1 GiB per rank (bench/results/ring_profile-2026-11-27-p4.json):
-    # a P2P ring shift, an all-gather's received bytes, an all-to-all's sent bytes
-    link_gbytes_s: float = 357.0
-    allgather_gbytes_s: float = 338.0
-    alltoall_gbytes_s: float = 334.0
-    step_latency_us: float = 30.0
     # Hilbert scope "sequence": the rows the ranks hold are runs of the curve over a
     # rows x cols image (dilgen.runtime.ring.shard orders them), and the schedule works
     # on curve positions
@@ -338,10 +332,6 @@ class RingIR:
         return {"ring_size": self.ring_size, "causal": self.causal,
                 "branches": [b.to_json() for b in self.branches],
                 "one_kv_head_per_query_head": self.one_kv_head_per_query_head,
-                "link_gbytes_s": self.link_gbytes_s,
-                "allgather_gbytes_s": self.allgather_gbytes_s,
-                "alltoall_gbytes_s": self.alltoall_gbytes_s,
-                "step_latency_us": self.step_latency_us,
                 "curve": None if self.curve is None else list(self.curve)}
 
 

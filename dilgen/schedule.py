@@ -191,23 +191,6 @@ def ring_schedule_packed(ring: dict, cu: list[int], order: str = "contiguous") -
             "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
 
 
-# Rates of the cost model, fitted on 4 x H200 (torch 2.11, Triton 3.6) from
-# bench/results/ring_profile-2026-11-27-p4.json (kernel times per rank over useful_flops)
-# and ring-2026-11-27.json: useful forward TFLOP/s of a ring window (the fused kernel on a
-# window's rows: raster 298, causal GQA 278) and of the single-device kernels a "local" or
-# "heads" call runs (fused raster 308; the lane kernels, which Hilbert segment and causal
-# specs take on one device, 475-512); backward over forward (raster windows 3.0, causal
-# windows 3.2, windows through a curve table 1.39 (their forward runs rows the dK/dV
-# kernels skip), single device 3.05-3.15, causal lanes 4.0); what a ring call costs over
-# the model's per-step kernels (idle steps, merges, fills: 1.04); and the
-# head-parallel call's kernels on H/(P C) heads beside its all-to-alls (1.10 fused, 1.06
-# lanes; the all-to-alls themselves are counted whole: chunking hid little of them).
-RATES = dict(window_tflops=298.0, twin_fused_tflops=308.0, twin_lanes_tflops=490.0,
-             window_bwd=3.0, causal_window_bwd=3.2, table_window_bwd=1.39, twin_bwd=3.1,
-             twin_causal_bwd=4.0, ring_overhead=1.04, heads_fused_slowdown=1.10,
-             heads_lanes_slowdown=1.06)
-
-
 def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int,
                part: str = "all") -> list[float]:
     """Per step, the FLOPs the kernels of the rank with the most run: a launch of a query
@@ -245,45 +228,47 @@ def useful_flops(ring: dict, n: int, batch: int, heads: int, head_dim: int) -> f
 
 
 def single_device_times(ring: dict, n: int, batch: int, heads: int, head_dim: int,
-                        lanes: bool) -> tuple[float, float]:
+                        lanes: bool, rates) -> tuple[float, float]:
     """(forward s, backward s) of the single-device kernels on the whole problem: useful_flops
-    at RATES' fused rate, or the lanes rate (lanes: causal or Hilbert segment specs)."""
+    at the fused rate, or the lanes rate (lanes: causal or Hilbert segment specs); `rates` a
+    dilgen.calibration.Rates."""
     fwd = useful_flops(ring, n, batch, heads, head_dim) / (
-        RATES["twin_lanes_tflops" if lanes else "twin_fused_tflops"] * 1e12)
-    return fwd, fwd * RATES["twin_causal_bwd" if ring["causal"] and lanes else "twin_bwd"]
+        (rates.twin_lanes_tflops if lanes else rates.twin_fused_tflops) * 1e12)
+    return fwd, fwd * (rates.twin_causal_bwd if ring["causal"] and lanes else rates.twin_bwd)
 
 
 def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int,
                     head_dim: int, itemsize: int, lanes: bool, heads_ok: bool,
-                    local_ok: bool) -> dict:
+                    local_ok: bool, rates) -> dict:
     """The cost model's {transport: {"fwd_s", "fwd_bwd_s"}} of one call (every rank gets the
-    same): "ring" and "allgather" run the window kernels (step_flops at RATES' window rate,
+    same), priced by `rates` (a dilgen.calibration.Rates: this machine's calibration or the
+    committed profile): "ring" and "allgather" run the window kernels (step_flops at the window rate,
     transfers by transport_times); "heads" runs the single-device kernels on H/P heads of
     the whole sequence (useful_flops / P at the fused or the lanes rate) plus its
     all-to-alls ((P-1)/P of the rank's q, k, v, out forward; q, k, v, out, dO in and dq, dk,
     dv out backward); "local" (every branch inside a rank) the single-device kernels alone.
     heads_ok / local_ok: whether those can run this call."""
     P, n = ring["ring_size"], schedule["n"]
-    lat = ring["step_latency_us"] * 1e-6
-    rate = RATES["window_tflops"] * 1e12 / RATES["ring_overhead"]
+    lat = rates.step_latency_us * 1e-6
+    rate = rates.window_tflops * 1e12 / rates.ring_overhead
     raster, table = (step_flops(ring, schedule, batch, heads, head_dim, part) for part in ("raster", "table"))
     comp = [(a + b) / rate for a, b in zip(raster, table)]
     kv_row = 2 * batch * kv_heads * head_dim * itemsize
-    ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp)
+    ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp, rates=rates)
     # backward: the dK/dV kernels walk kept lanes only, so table windows cost less over their
     # forward; keys travel again and fp32 dK, dV go home: 3x the bytes
-    up = RATES["causal_window_bwd" if ring["causal"] else "window_bwd"]
-    bwd = [(a * up + b * RATES["table_window_bwd"]) / rate for a, b in zip(raster, table)]
-    ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd)
+    up = rates.causal_window_bwd if ring["causal"] else rates.window_bwd
+    bwd = [(a * up + b * rates.table_window_bwd) / rate for a, b in zip(raster, table)]
+    ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd, rates=rates)
     costs = {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
              "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
-    twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes))
+    twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes, rates))
     if heads_ok and P > 1:
         row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
-        a2a = ring["alltoall_gbytes_s"] * 1e9
+        a2a = rates.alltoall_gbytes_s * 1e9
         fwd_bytes = row * (2 * heads + 2 * kv_heads)
         bwd_bytes = row * (3 * heads + 2 * kv_heads + heads + 2 * kv_heads)
-        slow = RATES["heads_lanes_slowdown" if lanes else "heads_fused_slowdown"]
+        slow = rates.heads_lanes_slowdown if lanes else rates.heads_fused_slowdown
         costs["heads"] = {"fwd_s": slow * twin_f + fwd_bytes / a2a + 4 * lat,
                           "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 13 * lat}
     if local_ok:
@@ -292,7 +277,7 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
 
 
 def transport_times(ring: dict, schedule: dict, *, bytes_per_row: int,
-                    step_compute_s: list[float]) -> tuple[float, float, list[int]]:
+                    step_compute_s: list[float], rates) -> tuple[float, float, list[int]]:
     """The cost model's (ring pass s, all-gather pass s, bytes of each remote step): a ring
     pass overlaps each step's transfer with the previous step's kernels (time ~ sum
     max(compute, bytes / link) + a latency per step); LongNet's all-gather moves all the
@@ -301,27 +286,27 @@ def transport_times(ring: dict, schedule: dict, *, bytes_per_row: int,
     remote = [s for s in schedule["steps"] if s["offset"]]
     if not remote:
         return comp[0], comp[0], []
-    lat = ring["step_latency_us"] * 1e-6
+    lat = rates.step_latency_us * 1e-6
     per_step_bytes = []
     for s in remote:        # the most rows a receiving rank takes in the step
         rows = max((sum(kp[1] // g for kp, g in zip(schedule["pieces"][(j - s["offset"]) % ring["ring_size"]],
                                                      r["stride"]))
                     for j, r in enumerate(s["ranks"]) if r["recv"]), default=0)
         per_step_bytes.append(rows * bytes_per_row)
-    ring_t = comp[0] + sum(max(c, b / (ring["link_gbytes_s"] * 1e9)) + lat
+    ring_t = comp[0] + sum(max(c, b / (rates.link_gbytes_s * 1e9)) + lat
                            for c, b in zip(comp[1:], per_step_bytes))
-    gather_t = sum(per_step_bytes) / (ring["allgather_gbytes_s"] * 1e9) + lat + sum(comp)
+    gather_t = sum(per_step_bytes) / (rates.allgather_gbytes_s * 1e9) + lat + sum(comp)
     return ring_t, gather_t, per_step_bytes
 
 
 def choose_transport(ring: dict, schedule: dict, *, bytes_per_row: int,
-                     step_compute_s: list[float], free_bytes: int | None = None) -> str:
+                     step_compute_s: list[float], rates, free_bytes: int | None = None) -> str:
     """Cost model (transport_times): "allgather" when it is faster and the gathered rows
     fit in free_bytes, else "ring"."""
     if not any(s["offset"] for s in schedule["steps"]):
         return "ring"
     ring_t, gather_t, per_step = transport_times(ring, schedule, bytes_per_row=bytes_per_row,
-                                                 step_compute_s=step_compute_s)
+                                                 step_compute_s=step_compute_s, rates=rates)
     if free_bytes is not None and sum(per_step) > free_bytes:
         return "ring"
     return "allgather" if gather_t < ring_t else "ring"

@@ -12,6 +12,7 @@ import torch
 
 import dilgen
 from dilgen import schedule
+from dilgen.calibration import DEFAULT
 from dilgen.planner import plan
 from dilgen.runtime.ring import RingError, shard, unshard
 from dilgen.targets import get_target
@@ -83,12 +84,15 @@ def test_transport_cost_model_prefers_overlap_when_compute_dominates():
     sched = schedule.ring_schedule(ring, 256)
     # 32 MB per step under 1 ms of kernels: the ring hides it, an all-gather waits for it
     slow_compute = [1e-3] * len(sched["steps"])
-    assert schedule.choose_transport(ring, sched, bytes_per_row=2_000_000, step_compute_s=slow_compute) == "ring"
+    assert schedule.choose_transport(ring, sched, bytes_per_row=2_000_000, step_compute_s=slow_compute,
+                                     rates=DEFAULT) == "ring"
     # tiny messages and no compute to hide them behind: one collective beats 3 latencies
     tiny = [0.0] * len(sched["steps"])
-    assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny) == "allgather"
+    assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny,
+                                     rates=DEFAULT) == "allgather"
     # not enough memory to hold every rank's rows: ring
-    assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, free_bytes=10) == "ring"
+    assert schedule.choose_transport(ring, sched, bytes_per_row=256, step_compute_s=tiny, rates=DEFAULT,
+                                     free_bytes=10) == "ring"
 
 
 def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
@@ -100,7 +104,7 @@ def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
     attn = types.SimpleNamespace(spec=spec.to_json(), plan=plan(spec, get_target("sm90")).to_json())
     from dilgen.runtime.ring.run import call_costs
     sched = schedule.ring_schedule(attn.plan["ring"], T * P, "zigzag" if causal else "contiguous")
-    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2)
+    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2, rates=DEFAULT)
     return costs, schedule.pick_transport(costs)
 
 

@@ -44,15 +44,27 @@ def _group_info(spec: dict, group) -> tuple[int, int, Any]:
     return P, dist.get_rank(group), dist
 
 
-def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: str) -> list[int]:
-    """The compared fields of a call (_FIELDS, but the input error) as ints."""
+def rates_code(dist, group, P: int, q) -> int:
+    """56 bits of the digest of the cost model's rates this rank prices the call with
+    (dilgen.calibration.rates_for: this machine's calibration, or the committed profile)."""
+    from ...calibration import rates_for
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    try:
+        return int(rates_for(P, dist.get_backend(group), device).key()[:14], 16)
+    except Exception:  # noqa: BLE001 - a rank that cannot price is told apart, never raises alone
+        return 0
+
+
+def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: str, rates: int) -> list[int]:
+    """The compared fields of a call (_FIELDS, but the input error) as ints; `rates`:
+    rates_code."""
     key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
         (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
     def shape(t, i):
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
     return [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            _cu_key(cu), _transport_code(), CALLS.index(kind)]
+            _cu_key(cu), _transport_code(), rates, CALLS.index(kind)]
 
 
 def _fingerprint(fields: list[int], error: str | None, device, free: int = -1) -> torch.Tensor:
@@ -78,7 +90,7 @@ def _agreed_key(dist, group, q, fields: list[int]) -> tuple:
 
 
 def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kind: str,
-                   local_check) -> tuple[None, str, int | None]:
+                   local_check, P: int) -> tuple[None, str, int | None]:
     """A ring call inside a CUDA-graph capture: the capture may not read the device back, so
     the call cannot gather fingerprints; it runs on the agreement of the same call made
     eagerly before (the warm-up a capture needs anyway: NCCL's communicators, the kernels'
@@ -98,7 +110,8 @@ def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kin
     check_inputs(spec, q, k, v)
     if local_check is not None:
         local_check(q.shape[1])
-    hit = _AGREED.get(_agreed_key(dist, group, q, _call_fields(spec, q, k, v, order, None, kind)))
+    fields = _call_fields(spec, q, k, v, order, None, kind, rates_code(dist, group, P, q))
+    hit = _AGREED.get(_agreed_key(dist, group, q, fields))
     if hit is None:
         raise RingError(f"{name}: a ring {kind} is captured in a CUDA graph only after the same "
                         f"call (shapes, dtype, chunk order) ran eagerly on every rank: the ranks "
@@ -109,7 +122,7 @@ def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kin
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
            "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
-           "DILGEN_RING_TRANSPORT", "call", "input error"]
+           "DILGEN_RING_TRANSPORT", "cost model rates", "call", "input error"]
 #: the passes a ring call agrees on: a rank in a forward never pairs with one in a backward
 CALLS = ("forward", "backward")
 
@@ -179,7 +192,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     earlier call, or a rank died) raises RingAborted (faults.py)."""
     name = spec["name"]
     if _capturing(q):
-        return _agreed_before(spec, q, k, v, order, group, dist, cu_seqlens, kind, local_check)
+        return _agreed_before(spec, q, k, v, order, group, dist, cu_seqlens, kind, local_check, P)
     error = cu = None
     try:
         if order not in CHUNK_ORDERS:
@@ -213,7 +226,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     # agrees), and reading it back would leave the GPU idle until the host queued more
     with _side_stream(device):
         fields = _call_fields(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous",
-                              cu if cu_seqlens is not None else None, kind)
+                              cu if cu_seqlens is not None else None, kind, rates_code(dist, group, P, q))
         mine = _fingerprint(fields, error, device, free)
         every = [torch.empty_like(mine) for _ in range(P)]
         try:
@@ -265,6 +278,12 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
                 dtypes = ", ".join(f"rank {r}: {_named(_DTYPE_NAMES, x)}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on the dtype of q ({dtypes}); every rank must "
                         f"pass q, k, v of the spec's dtype")
+            if label == "cost model rates":
+                return (f"{name}: the ranks price the ring's transports with different cost-model "
+                        f"rates (digest by rank: {by_rank}; 0: none could be read), so they could "
+                        f"pick different transports; calibrate every node alike (`torchrun ... -m "
+                        f"dilgen calibrate` over the whole group) or remove the calibration records "
+                        f"(the `calibration` folder of each node's dilgen cache)")
             if label == "DILGEN_RING_TRANSPORT":
                 names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ...calibration import rates_for
 from ...schedule import (pick_transport, ring_schedule, ring_schedule_packed, single_device_times,
                          transport_costs)
 from ..checks import InputError, check_positions
@@ -96,17 +97,24 @@ def _single_device_lanes(plan: dict) -> bool:
 
 
 def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_dim: int,
-               itemsize: int, packed: bool = False) -> dict:
+               itemsize: int, packed: bool = False, rates=None) -> dict:
     """schedule.transport_costs of a call of `attn` over `sched` (ring_schedule of its N and
-    chunk order): what the runtime decides by, and what bench_ring prints beside each row."""
+    chunk order) priced by `rates` (default: calibration.rates_for this machine over
+    NCCL): what the runtime decides by, and what bench_ring prints beside each row."""
     plan = attn.plan
+    P = plan["ring"]["ring_size"]
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
-                           heads_ok=heads_refusal(attn, plan["ring"]["ring_size"], packed) is None,
-                           local_ok=local_possible(attn, sched, packed))
+                           heads_ok=heads_refusal(attn, P, packed) is None,
+                           local_ok=local_possible(attn, sched, packed), rates=rates or _default_rates(P))
 
 
-def predicted_ms(attn, n: int, transport: str, order: str = "contiguous") -> dict:
+def _default_rates(P: int):
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return rates_for(P, "nccl", device)
+
+
+def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=None) -> dict:
     """What the cost model says of a call of `attn` (a GeneratedAttention, or anything with
     its .spec and .plan JSON) on n tokens, batch 1, by `transport` ("single" for a ring_size 1
     spec): predicted_fwd_ms, predicted_fwd_bwd_ms (NaN where that transport cannot run), and
@@ -116,10 +124,10 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous") -> dic
     item = 4 if spec["dtype"] == "float32" else 2
     if plan["ring"]["ring_size"] == 1:
         ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
-        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan))
+        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates or _default_rates(1))
         return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
     sched = ring_schedule(plan["ring"], n, order)
-    costs = call_costs(attn, sched, 1, heads, kv, d, item)
+    costs = call_costs(attn, sched, 1, heads, kv, d, item, rates=rates)
     mine = costs.get(transport, {"fwd_s": math.nan, "fwd_bwd_s": math.nan})
     return {"predicted_fwd_ms": mine["fwd_s"] * 1e3, "predicted_fwd_bwd_ms": mine["fwd_bwd_s"] * 1e3,
             "predicted_fwd_bwd_ms_by_transport": {t: c["fwd_bwd_s"] * 1e3 for t, c in costs.items()},
@@ -213,12 +221,14 @@ class RingRun:
 
     def costs(self, q) -> dict:
         """The cost model's {transport: {fwd_s, fwd_bwd_s}} of this call (the same on every
-        rank: the schedule, shapes and dtype are agreed), kept per shape."""
+        rank: the schedule, shapes, dtype and the rates' digest are agreed), kept per shape
+        and rates."""
         cache = self.sched.setdefault("_costs", {})
-        key = (self.B, self.H, self.Hkv, self.D, q.element_size())
-        if key not in cache:
-            cache[key] = call_costs(self.attn, self.sched, *key, packed=self.packed)
-        return cache[key]
+        rates = rates_for(self.P, self.dist.get_backend(self.group), q.device)
+        shape = (self.B, self.H, self.Hkv, self.D, q.element_size())
+        if (shape, rates.key()) not in cache:
+            cache[shape, rates.key()] = call_costs(self.attn, self.sched, *shape, packed=self.packed, rates=rates)
+        return cache[shape, rates.key()]
 
     def gather_bytes(self, q) -> int:
         """Bytes of the all-gather transport's gathered key rows on one rank."""

@@ -1,0 +1,151 @@
+"""`dilgen calibrate`: measure the ring cost model's rates on this machine and keep them
+(dilgen.calibration: what a Rates holds, the machine key, the records)."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from . import cache
+from .calibration import DEFAULT, Machine, Rates, store
+
+
+def _timed(fn, sync, reps: int) -> float:
+    """Median seconds of fn() over `reps` calls after one warm-up (sync() around each)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_links(group, device, nbytes: int, reps: int = 5) -> dict:
+    """GB/s of a ring shift (send to the next rank, receive from the previous), of an
+    all-gather (bytes received per rank) and an all-to-all (bytes sent per rank), and the
+    latency (µs) of a 4-byte shift: each the slowest rank's (one all-reduce MAX of the
+    times), so every rank holds the same numbers."""
+    import torch
+    import torch.distributed as dist
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    if P == 1:
+        return {}
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P))
+    nxt, prv = ranks[(me + 1) % P], ranks[(me - 1) % P]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    n = max(nbytes // P * P, P)
+    send, recv = torch.ones(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    tiny_s, tiny_r = send[:4].clone(), recv[:4].clone()
+    gathered = torch.empty(n * P, dtype=torch.uint8, device=device)
+
+    def shift(a, b):
+        ops = [dist.P2POp(dist.isend, a, nxt, group), dist.P2POp(dist.irecv, b, prv, group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    times = torch.tensor([_timed(lambda: shift(send, recv), sync, reps),
+                          _timed(lambda: dist.all_gather_into_tensor(gathered, send, group=group), sync, reps),
+                          _timed(lambda: dist.all_to_all_single(recv, send, group=group), sync, reps),
+                          _timed(lambda: shift(tiny_s, tiny_r), sync, reps)], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    ring_s, gather_s, a2a_s, lat_s = times.tolist()
+    return {"link_gbytes_s": n / ring_s / 1e9, "allgather_gbytes_s": n * (P - 1) / gather_s / 1e9,
+            "alltoall_gbytes_s": n * (P - 1) / P / a2a_s / 1e9, "step_latency_us": lat_s * 1e6}
+
+
+def measure_kernels(device, shape: dict, world_size: int, reps: int = 3) -> dict:
+    """The single-device rates on `shape` (B, H, N, D, dtype): the fused kernels (a raster,
+    non-causal spec) and the lane kernels (its causal twin), forward TFLOP/s (useful FLOPs,
+    schedule.useful_flops) and backward over forward; a window's rate: the fused kernel's on
+    N / world_size rows (a rank's), the rows a ring window runs."""
+    import torch
+
+    from .compiler import compile as compile_spec
+    from .schedule import useful_flops
+    B, H, N, D = (shape[k] for k in ("B", "H", "N", "D"))
+    dtype = getattr(torch, shape.get("dtype", "bfloat16"))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def rate(n: int, causal: bool) -> tuple[float, float]:
+        ws = [max(n // 4, 1), max(n // 2, 1)]
+        spec = {"name": f"calibrate_{n}_{int(causal)}", "num_heads": H, "num_kv_heads": H, "head_dim": D,
+                "segment_lengths": ws, "dilation_rates": [1, 2], "causal": causal,
+                "dtype": str(dtype).removeprefix("torch.")}
+        kernel = compile_spec(spec)
+        g = torch.Generator(device="cpu").manual_seed(n)
+        q, k, v = (torch.randn(B, n, H, D, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+                   for _ in range(3))
+        dout = torch.randn(B, n, H, D, generator=g).to(device=device, dtype=dtype)
+        fwd = _timed(lambda: kernel(q, k, v), sync, reps)
+        both = _timed(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
+        flops = useful_flops({"causal": causal, "branches": [{"w": w, "r": r} for w, r in zip(ws, [1, 2])]},
+                             n, B, H, D)
+        return flops / fwd / 1e12, max(both - fwd, 1e-9) / fwd
+
+    fused, fused_bwd = rate(N, False)
+    lanes, lanes_bwd = rate(N, True)
+    window = rate(max(N // world_size, 2), False)[0] if world_size > 1 else fused
+    return {"twin_fused_tflops": fused, "twin_bwd": fused_bwd, "twin_lanes_tflops": lanes,
+            "twin_causal_bwd": lanes_bwd, "window_tflops": window, "window_bwd": fused_bwd}
+
+
+def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes: int = 256 << 20,
+              store_result: bool = True) -> Rates:
+    """Measure this machine (every rank of `group` calls it: the links are collectives), merge
+    the measured fields over DEFAULT, keep them in the cache for rates_for and return them.
+    Every rank ends with rank 0's numbers (broadcast), so every rank prices alike."""
+    import torch
+    import torch.distributed as dist
+    on = dist.is_available() and dist.is_initialized()
+    P = dist.get_world_size(group) if on else 1
+    backend = dist.get_backend(group) if on else "none"
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if shape is None:
+        shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16") if device.type == "cuda"
+                 else dict(B=1, H=2, N=64, D=16, dtype="float32"))
+    found = measure_kernels(device, shape, P)
+    if on and P > 1:
+        found |= measure_links(group, device if backend != "gloo" else torch.device("cpu"), link_bytes)
+        row = [found]
+        dist.broadcast_object_list(row, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        found = row[0]
+    rates = dataclasses.replace(DEFAULT, **found, measured=tuple(sorted(found)),
+                                source=f"dilgen calibrate, {time.strftime('%Y-%m-%d %H:%M')}, shape {shape}")
+    if store_result:
+        machine = Machine.current(P, backend, device)
+        store(machine, rates)
+    return rates
+
+
+def command(link_mib: int = 256) -> list[str]:
+    """`dilgen calibrate`: under torchrun, every rank of the world (links and kernels); alone,
+    this process's device (kernels only). The lines rank 0 prints."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    started = False
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        started = True
+    try:
+        rates = calibrate(None, device, link_bytes=link_mib << 20)
+        P = dist.get_world_size() if dist.is_initialized() else 1
+        machine = Machine.current(P, dist.get_backend() if dist.is_initialized() else "none", device)
+        lines = [f"calibrated {machine.device} x {P} ({machine.backend}); record {machine.key()} "
+                 f"in {cache.cache_dir() / 'calibration'}"]
+        lines += [f"  {name:22s} {getattr(rates, name):12.4g}   (profile {getattr(DEFAULT, name):g})"
+                  for name in rates.measured]
+        return lines if not dist.is_initialized() or dist.get_rank() == 0 else []
+    finally:
+        if started:
+            dist.destroy_process_group()

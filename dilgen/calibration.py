@@ -1,0 +1,179 @@
+"""The ring cost model's rates, and their measurement on the user's machine (`dilgen calibrate`).
+
+schedule.transport_costs prices a ring call from a `Rates`: the useful TFLOP/s of the kernel
+families (the single-device fused kernels, the lane kernels, a ring window), each pass's
+backward over its forward, what a ring call and a head-parallel call add over their kernels,
+and the links (a P2P ring shift, an all-gather's received bytes, an all-to-all's sent bytes,
+in GB/s; a step's latency in µs).
+
+`DEFAULT` is the profile committed in bench/results (4 x H200, ring_profile-2026-11-27-p4.json
+and ring-2026-11-27.json). A calibration measures on this machine what it can (the links over
+the group; the single-device rates, fused and lanes, forward and backward; a window's rate as
+the fused kernel's on one rank's rows) and keeps the measured fields in the cache, keyed by
+`Machine` (GPU, capability, CUDA and driver, torch, Triton, backend, world size, the templates'
+hash): a kernel change, a new driver, GPU or group size each make a new key, and the old record
+is never read again (the measuring is dilgen/calibrate.py's). `rates_for(P)` is what the runtime prices with: the record of this
+machine, else DEFAULT; the ring's agreement compares its digest across ranks, so ranks pricing
+with different rates (a node calibrated, another not) are refused in one line, never left to
+choose different transports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, fields
+
+from . import cache
+
+DEFAULT_SOURCE = ("profile of 4 x H200, bench/results/ring_profile-2026-11-27-p4.json and "
+                  "ring-2026-11-27.json (not measured on this machine: `dilgen calibrate`)")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The cost model's numbers (schedule.transport_costs says where each enters).
+
+    The defaults were fitted on 4 x H200 (torch 2.11, Triton 3.6) from kernel times per rank
+    over useful FLOPs: a ring window (the fused kernel on a window's rows: raster 298, causal
+    GQA 278), the single-device kernels a "local" or "heads" call runs (fused raster 308; the
+    lane kernels, which Hilbert segment and causal specs take on one device, 475-512);
+    backward over forward (raster windows 3.0, causal windows 3.2, windows through a curve
+    table 1.39 (their forward runs rows the dK/dV kernels skip), single device 3.05-3.15,
+    causal lanes 4.0); a ring call over its per-step kernels (idle steps, merges, fills:
+    1.04); the head-parallel call's kernels on H/(P C) heads beside its all-to-alls (1.10
+    fused, 1.06 lanes; the all-to-alls are counted whole); the links at 1 GiB per rank."""
+    window_tflops: float = 298.0          # a ring window: the fused kernel on the window's rows
+    twin_fused_tflops: float = 308.0      # one device, the fused kernels (raster)
+    twin_lanes_tflops: float = 490.0      # one device, the lane kernels (causal, curve tables)
+    window_bwd: float = 3.0               # backward / forward, raster windows
+    causal_window_bwd: float = 3.2
+    table_window_bwd: float = 1.39        # windows read through a curve table
+    twin_bwd: float = 3.1
+    twin_causal_bwd: float = 4.0
+    ring_overhead: float = 1.04           # a ring call over its per-step kernels
+    heads_fused_slowdown: float = 1.10    # the head-parallel call's kernels on H / P heads
+    heads_lanes_slowdown: float = 1.06
+    link_gbytes_s: float = 357.0
+    allgather_gbytes_s: float = 338.0
+    alltoall_gbytes_s: float = 334.0
+    step_latency_us: float = 30.0
+    source: str = DEFAULT_SOURCE
+    measured: tuple[str, ...] = ()        # the fields this machine's calibration measured
+
+    def __post_init__(self) -> None:
+        for name in self.numbers():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"Rates.{name} = {value!r}: a rate is a finite number > 0")
+        unknown = [m for m in self.measured if m not in self.numbers()]
+        if unknown:
+            raise ValueError(f"Rates.measured names {unknown}, not rates of the model")
+        if not isinstance(self.source, str):
+            raise ValueError("Rates.source must be a string")
+
+    @staticmethod
+    def numbers() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(Rates) if f.name not in ("source", "measured"))
+
+    def to_json(self) -> dict:
+        return {**{n: getattr(self, n) for n in self.numbers()}, "source": self.source,
+                "measured": list(self.measured)}
+
+    @classmethod
+    def from_json(cls, data) -> "Rates":
+        """The Rates a record holds (ValueError when it is not one: a corrupt record)."""
+        if not isinstance(data, dict) or set(data) - {*cls.numbers(), "source", "measured"}:
+            raise ValueError("not a Rates record")
+        measured = data.get("measured", [])
+        if not isinstance(measured, list) or not all(isinstance(m, str) for m in measured):
+            raise ValueError("Rates.measured must be a list of names")
+        return cls(**{**data, "measured": tuple(measured)})
+
+    def key(self) -> str:
+        """A stable digest of the numbers (what the ring's agreement compares)."""
+        text = json.dumps({n: float(getattr(self, n)) for n in self.numbers()}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+DEFAULT = Rates()
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a calibration holds for: change any field and the record is another's."""
+    device: str
+    capability: tuple[int, ...]
+    cuda: str
+    driver: str
+    torch: str
+    triton: str
+    backend: str
+    world_size: int
+    templates: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Machine.world_size = {self.world_size!r}: a positive int")
+
+    def key(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return "calib-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    @classmethod
+    def current(cls, world_size: int, backend: str = "nccl", device=None) -> "Machine":
+        import torch
+        import triton
+
+        from .codegen import template_hash
+        if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+            index = torch.device(device).index
+            index = torch.cuda.current_device() if index is None else index
+            name = torch.cuda.get_device_name(index)
+            cap = tuple(torch.cuda.get_device_capability(index))
+        else:
+            name, cap = "cpu (Triton's interpreter)", ()
+        return cls(device=name, capability=cap, cuda=str(torch.version.cuda), driver=_driver(),
+                   torch=torch.__version__, triton=triton.__version__, backend=backend,
+                   world_size=int(world_size), templates=template_hash())
+
+
+def _driver() -> str:
+    """The NVIDIA driver's version line (Linux), or "none"."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as fh:
+            return " ".join(fh.readline().split()[-4:]) or "none"
+    except OSError:
+        return "none"
+
+
+# --------------------------------------------------------------------------- records
+
+_MEMO: dict[tuple, Rates] = {}          # (machine key, cache folder) -> the rates read there
+_MACHINES: dict[tuple, Machine] = {}    # (world size, backend, device) -> this process's Machine
+
+def load(machine: Machine) -> Rates | None:
+    """This machine's calibration, or None (none yet, another machine's, or corrupt)."""
+    return cache.load_record("calibration", machine.key(), lambda data: Rates.from_json(data["rates"]))
+
+
+def store(machine: Machine, rates: Rates) -> None:
+    """Keep `rates` as this machine's calibration (the cache, and this process's memory)."""
+    cache.store_record("calibration", machine.key(), {"rates": rates.to_json(), "machine": dataclasses.asdict(machine)})
+    _MEMO[machine.key(), str(cache.cache_dir())] = rates
+
+
+
+
+def rates_for(world_size: int, backend: str = "nccl", device=None) -> Rates:
+    """The rates a ring call of `world_size` ranks prices with: this machine's calibration,
+    else DEFAULT (read once per process and machine key)."""
+    where = (world_size, backend, None if device is None else str(device))
+    if where not in _MACHINES:
+        _MACHINES[where] = Machine.current(world_size, backend, device)
+    key = (_MACHINES[where].key(), str(cache.cache_dir()))
+    if key not in _MEMO:
+        _MEMO[key] = load(_MACHINES[where]) or DEFAULT
+    return _MEMO[key]

@@ -1,0 +1,136 @@
+"""The ring cost model's rates (issue 59 §1, dilgen/calibration.py, dilgen/calibrate.py): a `Rates` refuses what is
+not a rate; a calibration is kept in the cache under its machine's key and read back by
+`rates_for`, and any change of that key (templates, world size, device) or a corrupt or
+untrusted record gives the committed profile again; the rates decide the transport; ranks
+pricing with different rates are refused in one line; `dilgen calibrate` under torchrun
+measures the links over gloo."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dilgen import calibrate as measure
+from dilgen import calibration as cal
+from dilgen import schedule
+from dilgen.runtime.ring.agreement import _FIELDS, _verdict
+from proc_tree import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = {"twin_fused_tflops": 111.0, "twin_bwd": 2.5, "twin_lanes_tflops": 222.0, "twin_causal_bwd": 3.5,
+        "window_tflops": 99.0, "window_bwd": 2.5}
+
+
+@pytest.fixture
+def fresh(cache_dir, monkeypatch):
+    """An empty cache, no remembered rates, and kernel measurements that return FAKE."""
+    monkeypatch.setattr(cal, "_MEMO", {})
+    monkeypatch.setattr(cal, "_MACHINES", {})
+    monkeypatch.setattr(measure, "measure_kernels", lambda device, shape, P: dict(FAKE))
+    return cache_dir
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), "3", True])
+def test_a_rate_is_a_finite_positive_number(bad):
+    with pytest.raises(ValueError, match="link_gbytes_s"):
+        cal.Rates(link_gbytes_s=bad)
+
+
+def test_rates_round_trip_and_their_key_follows_the_numbers_only():
+    r = dataclasses.replace(cal.DEFAULT, window_tflops=5.0, measured=("window_tflops",), source="x")
+    assert cal.Rates.from_json(json.loads(json.dumps(r.to_json()))) == r
+    assert r.key() == dataclasses.replace(r, source="y").key() != cal.DEFAULT.key()
+    with pytest.raises(ValueError, match="measured"):
+        cal.Rates(measured=("no_such_rate",))
+    for bad in ([], {"window_tflops": 1.0, "extra": 2}, {"measured": "window_tflops"}):
+        with pytest.raises((ValueError, TypeError)):
+            cal.Rates.from_json(bad)
+
+
+def test_a_calibration_is_read_back_under_its_machine_key_only(fresh, monkeypatch):
+    assert cal.rates_for(1, "none") is cal.DEFAULT
+    rates = measure.calibrate(None, "cpu")
+    assert rates.twin_fused_tflops == 111.0 and set(rates.measured) == set(FAKE)
+    assert rates.link_gbytes_s == cal.DEFAULT.link_gbytes_s              # not measured alone
+    records = list((fresh / "calibration").iterdir())
+    assert len(records) == 1 and oct(records[0].stat().st_mode & 0o777) == "0o600"
+    assert oct((fresh / "calibration").stat().st_mode & 0o777) == "0o700"
+    monkeypatch.setattr(cal, "_MEMO", {})
+    assert cal.rates_for(1, "none") == rates                             # read from the cache
+    assert cal.rates_for(2, "none") is cal.DEFAULT                       # another world size
+    monkeypatch.setattr(cal, "_MACHINES", {})
+    import dilgen.codegen
+    monkeypatch.setattr(dilgen.codegen, "template_hash", lambda: "0123456789abcdef")
+    assert cal.rates_for(1, "none") is cal.DEFAULT                       # a kernel change
+
+
+@pytest.mark.parametrize("damage", ["garbage", "not_rates", "negative", "group_writable_folder", "link"])
+def test_a_corrupt_or_untrusted_record_is_not_read(fresh, monkeypatch, damage, tmp_path):
+    measure.calibrate(None, "cpu")
+    folder = fresh / "calibration"
+    (record,) = folder.iterdir()
+    data = json.loads(record.read_text())
+    if damage == "garbage":
+        record.write_bytes(b"\x00{not json")
+    elif damage == "not_rates":
+        record.write_text(json.dumps({"rates": [1, 2]}))
+    elif damage == "negative":
+        data["rates"]["link_gbytes_s"] = -3.0
+        record.write_text(json.dumps(data))
+    elif damage == "group_writable_folder":
+        folder.chmod(0o770)
+    else:
+        elsewhere = tmp_path / "theirs.json"
+        elsewhere.write_text(json.dumps(data))
+        record.unlink()
+        record.symlink_to(elsewhere)
+    monkeypatch.setattr(cal, "_MEMO", {})
+    assert cal.rates_for(1, "none") is cal.DEFAULT
+
+
+def test_the_rates_decide_the_transport():
+    ring = {"ring_size": 4, "causal": False, "branches": [{"index": 0, "w": 256, "r": 4, "raster": True}],
+            "one_kv_head_per_query_head": True, "curve": None}
+    sched = schedule.ring_schedule(ring, 256)
+    tiny = [0.0] * len(sched["steps"])
+    fast_gather = dataclasses.replace(cal.DEFAULT, allgather_gbytes_s=1e4, link_gbytes_s=1.0)
+    slow_gather = dataclasses.replace(cal.DEFAULT, allgather_gbytes_s=1e-3, link_gbytes_s=1e4)
+    pick = [schedule.choose_transport(ring, sched, bytes_per_row=1 << 20, step_compute_s=tiny, rates=r)
+            for r in (fast_gather, slow_gather)]
+    assert pick == ["allgather", "ring"]
+
+
+def test_ranks_pricing_with_different_rates_are_refused_by_name():
+    rows = [[0] * len(_FIELDS) for _ in range(2)]
+    rows[1][_FIELDS.index("cost model rates")] = 12345
+    message = _verdict("ring_x", rows, None, 2)
+    assert "different cost-model rates" in message and "dilgen calibrate" in message, message
+
+
+def test_calibrate_under_torchrun_measures_the_links_over_gloo(tmp_path):
+    env = dict(os.environ, DILGEN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "dilgen.cli", "calibrate", "--link-mib", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "x 2 (gloo)" in done.stdout and "link_gbytes_s" in done.stdout, done.stdout
+    (record,) = (tmp_path / "cache" / "calibration").iterdir()
+    data = json.loads(record.read_text())
+    assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
+    rates = cal.Rates.from_json(data["rates"])
+    assert {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us"} <= set(rates.measured)
+
+
+def test_no_rate_is_priced_without_a_rates_object():
+    """The model's numbers live in Rates only: schedule keeps none of its own, and every
+    function that prices takes its rates with no default."""
+    import inspect
+    assert not hasattr(schedule, "RATES")
+    for fn in (schedule.transport_costs, schedule.transport_times, schedule.choose_transport,
+               schedule.single_device_times):
+        assert inspect.signature(fn).parameters["rates"].default is inspect.Parameter.empty, fn.__name__
