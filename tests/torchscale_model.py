@@ -268,7 +268,7 @@ GIGAPATH_CONFIGS = {     # gigapath/torchscale/model/LongNetConfig.py's format, 
         "encoder_attention_heads": 16, "dilated_ratio": "[1, 2, 4, 8, 16]",
         "segment_length": "[1024, 2048, 4096, 8192, 16384]", "block_shift": True,
         "flash_attention": True, "use_xmoe": False, "moe_freq": 0},
-    # GigaPath's own (bench/bench_context_parallel.py's slide part)
+    # GigaPath's own (its slide encoder on 2 GPUs: bench/bench_context_parallel.py@0f0ec80)
     "LongNet_12_layers_768_dim": {
         "encoder_layers": 12, "encoder_embed_dim": 768, "encoder_ffn_embed_dim": 3072,
         "encoder_attention_heads": 16, "dilated_ratio": "[1, 2, 4, 8, 16]",
