@@ -10,6 +10,9 @@ from . import cache
 from .calibration import DEFAULT, Machine, Rates, store
 
 
+KERNEL_RATES = ("twin_fused_tflops", "twin_bwd", "twin_lanes_tflops", "twin_causal_bwd", "window_tflops", "window_bwd")
+
+
 def _timed(fn, sync, reps: int) -> float:
     """Median seconds of fn() over `reps` calls after one warm-up (sync() around each)."""
     fn()
@@ -101,7 +104,7 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     import torch.distributed as dist
     on = dist.is_available() and dist.is_initialized()
     P = dist.get_world_size(group) if on else 1
-    backend = dist.get_backend(group) if on else "none"
+    backend = dist.get_backend(group) if on and P > 1 else "none"
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -117,8 +120,11 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     rates = dataclasses.replace(DEFAULT, **found, measured=tuple(sorted(found)),
                                 source=f"dilgen calibrate, {time.strftime('%Y-%m-%d %H:%M')}, shape {shape}")
     if store_result:
-        machine = Machine.current(P, backend, device)
-        store(machine, rates)
+        store(Machine.current(P, backend, device), rates)
+        if P > 1:        # the kernels' rates hold for one process of this machine too
+            kernels = {k: v for k, v in found.items() if k in KERNEL_RATES}
+            store(Machine.current(1, "none", device),
+                  dataclasses.replace(DEFAULT, **kernels, measured=tuple(sorted(kernels)), source=rates.source))
     return rates
 
 
@@ -140,7 +146,7 @@ def command(link_mib: int = 256) -> list[str]:
     try:
         rates = calibrate(None, device, link_bytes=link_mib << 20)
         P = dist.get_world_size() if dist.is_initialized() else 1
-        machine = Machine.current(P, dist.get_backend() if dist.is_initialized() else "none", device)
+        machine = Machine.current(P, dist.get_backend() if P > 1 else "none", device)
         lines = [f"calibrated {machine.device} x {P} ({machine.backend}); record {machine.key()} "
                  f"in {cache.cache_dir() / 'calibration'}"]
         lines += [f"  {name:22s} {getattr(rates, name):12.4g}   (profile {getattr(DEFAULT, name):g})"

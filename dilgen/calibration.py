@@ -128,6 +128,8 @@ class Machine:
         import triton
 
         from .codegen import template_hash
+        if device is None and torch.cuda.is_available():        # this process's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
             index = torch.device(device).index
             index = torch.cuda.current_device() if index is None else index
@@ -167,9 +169,11 @@ def store(machine: Machine, rates: Rates) -> None:
 
 
 
-def rates_for(world_size: int, backend: str = "nccl", device=None) -> Rates:
+def rates_for(world_size: int, backend: str | None = None, device=None) -> Rates:
     """The rates a ring call of `world_size` ranks prices with: this machine's calibration,
-    else DEFAULT (read once per process and machine key)."""
+    else DEFAULT (read once per process and machine key). backend: the group's (default
+    "nccl"; one process: "none"); device: the call's (default this process's GPU, if any)."""
+    backend = backend or ("none" if world_size == 1 else "nccl")
     where = (world_size, backend, None if device is None else str(device))
     if where not in _MACHINES:
         _MACHINES[where] = Machine.current(world_size, backend, device)

@@ -364,6 +364,9 @@ def cmd_explain(args) -> int:
     print(plan_summary(plan, args.seq_len, cu))
     if cu is not None:
         print("\n".join(packed_summary(plan, cu)))
+    if args.ring is not None:
+        from .forecast import forecast_lines
+        print("\n".join(forecast_lines(spec, args.seq_len or 65536 * args.ring, args.ring)))
     if pattern is not None:
         from .explain import draw_pattern
         print(f"wrote {draw_pattern(pattern, args.png)}")
@@ -417,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query heads to draw, with --png only (default 0, 1 and the last head)")
     p.add_argument("--cu-seqlens", default=None, metavar="0,N1,N1+N2,...",
                    help="a packed batch (kernel(q, k, v, cu_seqlens=...)): its sequences and tiles")
+    p.add_argument("--ring", type=int, default=None, metavar="P",
+                   help="the cost model's forecast on 1 .. P GPUs at --seq-len (default 65536 x P): "
+                        "transport, ms, efficiency, memory per GPU")
     p.add_argument("--arch", default="sm90", help=f"the target (default sm90): {ARCH_HELP}")
     p.set_defaults(func=cmd_explain)
 
@@ -440,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seq-len {n}: must be >= 1")
     if getattr(args, "jobs", 1) < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1")
+    if getattr(args, "ring", None) is not None and args.ring < 1:
+        parser.error(f"--ring {args.ring}: must be >= 1")
     try:
         rc = args.func(args)
         sys.stdout.flush()

@@ -54,7 +54,7 @@ def test_rates_round_trip_and_their_key_follows_the_numbers_only():
 
 def test_a_calibration_is_read_back_under_its_machine_key_only(fresh, monkeypatch):
     assert cal.rates_for(1, "none") is cal.DEFAULT
-    rates = measure.calibrate(None, "cpu")
+    rates = measure.calibrate(None)
     assert rates.twin_fused_tflops == 111.0 and set(rates.measured) == set(FAKE)
     assert rates.link_gbytes_s == cal.DEFAULT.link_gbytes_s              # not measured alone
     records = list((fresh / "calibration").iterdir())
@@ -71,7 +71,7 @@ def test_a_calibration_is_read_back_under_its_machine_key_only(fresh, monkeypatc
 
 @pytest.mark.parametrize("damage", ["garbage", "not_rates", "negative", "group_writable_folder", "link"])
 def test_a_corrupt_or_untrusted_record_is_not_read(fresh, monkeypatch, damage, tmp_path):
-    measure.calibrate(None, "cpu")
+    measure.calibrate(None)
     folder = fresh / "calibration"
     (record,) = folder.iterdir()
     data = json.loads(record.read_text())
@@ -119,11 +119,29 @@ def test_calibrate_under_torchrun_measures_the_links_over_gloo(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "x 2 (gloo)" in done.stdout and "link_gbytes_s" in done.stdout, done.stdout
-    (record,) = (tmp_path / "cache" / "calibration").iterdir()
-    data = json.loads(record.read_text())
-    assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
-    rates = cal.Rates.from_json(data["rates"])
-    assert {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us"} <= set(rates.measured)
+    records = {(d["machine"]["world_size"], d["machine"]["backend"]): cal.Rates.from_json(d["rates"])
+               for d in (json.loads(p.read_text()) for p in (tmp_path / "cache" / "calibration").iterdir())}
+    assert set(records) == {(2, "gloo"), (1, "none")}, records      # the kernels' rates hold for one process too
+    links = {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us"}
+    assert links <= set(records[2, "gloo"].measured)
+    assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
+
+
+def test_explain_forecasts_every_gpu_count_with_the_rates_it_names(fresh, capsys):
+    from dilgen.cli import main
+    spec = ROOT / "examples" / "specs" / "longnet_base.json"
+    assert main(["explain", str(spec), "--ring", "4", "--seq-len", "262144"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "GiB" in line]
+    assert [r[0] for r in rows] == ["1", "2", "4"], out
+    assert rows[0][1:3] == ["single", "device"] and rows[0][-3] == "1.00", out
+    assert "the committed 4 x H200 profile" in out
+    from dilgen import forecast
+    spec_obj = __import__("dilgen").load_spec(spec)
+    assert forecast.call_bytes(spec_obj, 262144, 2) * 2 == forecast.call_bytes(spec_obj, 262144, 1)
+    measure.calibrate(None)                                       # a record for one process
+    assert main(["explain", str(spec), "--ring", "2", "--seq-len", "262144"]) == 0
+    assert "this machine's calibration" in capsys.readouterr().out
 
 
 def test_no_rate_is_priced_without_a_rates_object():

@@ -110,8 +110,7 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
 
 
 def _default_rates(P: int):
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    return rates_for(P, "nccl", device)
+    return rates_for(P)
 
 
 def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=None) -> dict:
