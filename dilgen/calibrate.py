@@ -95,6 +95,59 @@ def measure_kernels(device, shape: dict, world_size: int, reps: int = 3) -> dict
             "twin_causal_bwd": lanes_bwd, "window_tflops": window, "window_bwd": fused_bwd}
 
 
+def _fit(predict, measured: float, lo: float = 0.25, hi: float = 8.0) -> float:
+    """The x in [lo, hi] with predict(x) = measured (predict grows with x), by bisection."""
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predict(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) -> dict:
+    """What a ring call adds over the model's kernels and links, fitted on one call of a raster
+    spec over the group whose long branch crosses every rank: ring_overhead from the ring
+    transport, heads_fused_slowdown from the head-parallel one, each the value that makes the
+    model's fwd+bwd time (schedule.transport_costs under `rates`) equal the measured one (the
+    slowest rank's, every rank timing the same calls)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .compiler import compile as compile_spec
+    from .runtime.ring import shard
+    from .runtime.ring.run import predicted_ms
+    P = dist.get_world_size(group)
+    B, H, N, D = (shape[k] for k in ("B", "H", "N", "D"))
+    dtype = getattr(torch, shape.get("dtype", "bfloat16"))
+    spec = {"name": f"calibrate_ring_{P}", "num_heads": H, "num_kv_heads": H, "head_dim": D, "ring_size": P,
+            "segment_lengths": [max(N // (2 * P), 1), N], "dilation_rates": [1, 4],
+            "dtype": str(dtype).removeprefix("torch.")}
+    compile_spec(dict(spec, name=f"calibrate_twin_{P}", ring_size=1))      # the heads transport's twins
+    kernel = compile_spec(spec)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q, k, v, dout = (shard(torch.randn(B, N, H, D, generator=g), P, dist.get_rank(group)).to(device=device, dtype=dtype)
+                     for _ in range(4))
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    before, found = os.environ.get("DILGEN_RING_TRANSPORT"), {}
+    try:
+        for transport, field in (("ring", "ring_overhead"), ("heads", "heads_fused_slowdown")):
+            os.environ["DILGEN_RING_TRANSPORT"] = transport
+            took = torch.tensor([_timed(lambda: torch.autograd.backward(kernel(*leaves, group=group), dout), sync, reps)],
+                                dtype=torch.float64, device=device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+            attn = kernel.compiled_for(device).attention
+            found[field] = _fit(lambda x: predicted_ms(attn, N, transport, rates=dataclasses.replace(
+                rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took.item())
+    finally:
+        if before is None:
+            os.environ.pop("DILGEN_RING_TRANSPORT", None)
+        else:
+            os.environ["DILGEN_RING_TRANSPORT"] = before
+    return found
+
+
 def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes: int = 256 << 20,
               store_result: bool = True) -> Rates:
     """Measure this machine (every rank of `group` calls it: the links are collectives), merge
@@ -114,6 +167,9 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     found = measure_kernels(device, shape, P)
     if on and P > 1:
         found |= measure_links(group, device if backend != "gloo" else torch.device("cpu"), link_bytes)
+        row = [found]               # rank 0's kernels and links, then the factors fitted on them
+        dist.broadcast_object_list(row, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        found = row[0] | measure_transports(group, device, shape, dataclasses.replace(DEFAULT, **row[0]))
         row = [found]
         dist.broadcast_object_list(row, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         found = row[0]

@@ -3,7 +3,8 @@ not a rate; a calibration is kept in the cache under its machine's key and read 
 `rates_for`, and any change of that key (templates, world size, device) or a corrupt or
 untrusted record gives the committed profile again; the rates decide the transport; ranks
 pricing with different rates are refused in one line; `dilgen calibrate` under torchrun
-measures the links over gloo."""
+measures the links over gloo and fits the ring's and the head-parallel call's factors on a
+call of each; `dilgen explain --ring` forecasts with the rates it names."""
 from __future__ import annotations
 
 import dataclasses
@@ -122,7 +123,8 @@ def test_calibrate_under_torchrun_measures_the_links_over_gloo(tmp_path):
     records = {(d["machine"]["world_size"], d["machine"]["backend"]): cal.Rates.from_json(d["rates"])
                for d in (json.loads(p.read_text()) for p in (tmp_path / "cache" / "calibration").iterdir())}
     assert set(records) == {(2, "gloo"), (1, "none")}, records      # the kernels' rates hold for one process too
-    links = {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us"}
+    links = {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us", "ring_overhead",
+             "heads_fused_slowdown"}
     assert links <= set(records[2, "gloo"].measured)
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
@@ -142,6 +144,11 @@ def test_explain_forecasts_every_gpu_count_with_the_rates_it_names(fresh, capsys
     measure.calibrate(None)                                       # a record for one process
     assert main(["explain", str(spec), "--ring", "2", "--seq-len", "262144"]) == 0
     assert "this machine's calibration" in capsys.readouterr().out
+
+
+def test_a_factor_is_fitted_where_the_model_meets_the_measured_time():
+    assert abs(measure._fit(lambda x: 3.0 * x + 1.0, 7.0) - 2.0) < 1e-6
+    assert measure._fit(lambda x: x, 100.0) == pytest.approx(8.0, abs=1e-6)     # clamped to the bracket
 
 
 def test_no_rate_is_priced_without_a_rates_object():
