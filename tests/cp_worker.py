@@ -239,7 +239,31 @@ def run_trainer(case: dict, rank: int, world: int) -> dict:
     return {"loss": out.training_loss, "grads": grads}
 
 
-RUN = {"lm": run_lm, "fsdp": run_fsdp, "refusals": run_refusals, "trainer": run_trainer}
+def run_trainer_eval(case: dict, rank: int, world: int) -> dict:
+    """ContextParallelTrainer.evaluate on the case's batch (both examples, one eval batch):
+    the eval_loss; then what it refuses: compute_metrics (each rank holds its rows of the
+    logits) and predict()."""
+    import tempfile
+    from transformers import TrainingArguments
+    from dilgen.integrations.context_parallel import context_parallel
+    from dilgen.integrations.cp_trainer import ContextParallelTrainer
+    model = build("causal")
+    cp = context_parallel(model)
+    full = full_batch(case)
+    data = [{"input_ids": full["input_ids"][i], "labels": full["labels"][i]} for i in range(2)]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=2, report_to=[],
+                             use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = ContextParallelTrainer(model=model, args=args, eval_dataset=data, context_parallel=cp)
+    out = {"eval_loss": trainer.evaluate()["eval_loss"]}
+    trainer.compute_metrics = lambda p: {"n": 0.0}
+    out["compute_metrics"] = _message(trainer.evaluate)
+    trainer.compute_metrics = None
+    out["predict"] = _message(lambda: trainer.predict(data))
+    return out
+
+
+RUN = {"lm": run_lm, "fsdp": run_fsdp, "refusals": run_refusals, "trainer": run_trainer,
+       "trainer_eval": run_trainer_eval}
 
 
 def worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:

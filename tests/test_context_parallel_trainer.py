@@ -36,6 +36,22 @@ def test_trainer_step_equals_one_process(tmp_path):
         assert errors[worst] <= 1e-5, (rank, worst, errors[worst])
 
 
+def test_trainer_evaluates_the_loss_of_one_process_and_refuses_split_logits(tmp_path):
+    """Trainer.evaluate under context parallelism: eval_loss is the mean over every token of
+    the batch (one process's), not a rank's share; compute_metrics and predict(), which
+    would see each rank's rows of the logits as if they were whole sequences, are refused in
+    one line on every rank."""
+    pytest.importorskip("accelerate")
+    case = {"name": "trainer_eval", "kind": "trainer_eval"}
+    got = cp_worker.spawn(2, [case], tmp_path, timeout_s=180)["trainer_eval"]
+    want = cp_worker.reference(case)["loss"]
+    for rank, result in enumerate(got):
+        assert abs(result["eval_loss"] - want) <= 1e-5 * want, (rank, result["eval_loss"], want)
+        assert result["compute_metrics"].startswith("NotImplementedError: ContextParallelTrainer: compute_metrics"), \
+            result["compute_metrics"]
+        assert result["predict"].startswith("NotImplementedError: ContextParallelTrainer.predict"), result["predict"]
+
+
 def test_trainer_refuses_what_it_cannot_keep_exact(tmp_path):
     """Settings under which each rank's loss would be a mean over its own tokens are refused
     in one line before training (checked without a process group: the refusal comes first)."""

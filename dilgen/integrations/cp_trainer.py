@@ -26,7 +26,9 @@ What it changes, and why the result is one process's:
 
 Refused in one line: average_tokens_across_devices=False, a model whose forward takes no
 num_items_in_batch, label smoothing or a compute_loss_func (each computes a rank-local
-mean), and accelerate's cp_size > 1.
+mean), and accelerate's cp_size > 1; at evaluation, compute_metrics,
+preprocess_logits_for_metrics and predict() (each rank holds its rows of the logits, not
+whole sequences). evaluate() gives the loss of one process on the same batches.
 """
 from __future__ import annotations
 
@@ -105,6 +107,22 @@ class ContextParallelTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         return self._cp_loader(self.train_dataset, self._train_batch_size, True, "training")
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss only: each rank holds its rows of the logits (the ring's chunk order), so
+        metrics over them would read a rank's rows as whole sequences; refused by name."""
+        if not prediction_loss_only and (self.compute_metrics is not None
+                                         or self.preprocess_logits_for_metrics is not None):
+            raise NotImplementedError(
+                "ContextParallelTrainer: compute_metrics and preprocess_logits_for_metrics see each rank's "
+                "rows of the logits, not whole sequences, under context parallelism; evaluate the loss "
+                "(compute_metrics=None), or compute metrics on one device after cp.remove()")
+        return super().prediction_step(model, inputs, True, ignore_keys)
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError(
+            "ContextParallelTrainer.predict: the predictions would be each rank's rows of the logits, not "
+            "whole sequences; predict on one device after cp.remove() (evaluate() gives the loss)")
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
