@@ -4,8 +4,9 @@ For each GPU count p (1, the powers of two below P, and P) that divides the rows
 transport the runtime would pick (runtime.ring.run.predicted_ms, the same model the ring call
 decides by), its predicted forward and forward + backward ms at N tokens (batch 1), the
 strong-scaling efficiency that implies, T(1) / (p T(p)), and the bytes of the call's tensors
-on one GPU (q, k, v, out and their gradients, the LSE). Priced with calibration.rates_for: this
-machine's calibration, else the committed profile, and the lines say which. A spec that fits
+on one GPU (q, k, v, out and their gradients, the LSE). Priced with one set of rates for every
+count, calibration.rates_for(P): this machine's calibration over P ranks (its kernels' rates
+too), else the committed profile, and the lines say which. A spec that fits
 one GPU's memory and gains little on more can run on fewer ranks.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def forecast(spec: Spec, n: int, P: int) -> list[dict]:
     from .targets import get_target
     Kernel(spec.replace(ring_size=1))          # the single-device twins the heads and local transports run
     order = "zigzag" if spec.causal else "contiguous"
+    rates = rates_for(P)             # one set for every count: P's calibration holds its kernels' rates too
     rows, single = [], None
     for p in gpu_counts(P):
         parts = 2 * p if spec.causal and p > 1 else p
@@ -56,7 +58,6 @@ def forecast(spec: Spec, n: int, P: int) -> list[dict]:
             rows.append({"gpus": p, "why": str(exc).splitlines()[0]})
             continue
         attn = types.SimpleNamespace(spec=sp.to_json(), plan=plan(sp, get_target("sm90")).to_json())
-        rates = rates_for(p)
         if p == 1:
             got, transport = predicted_ms(attn, n, "single", order, rates=rates), "single device"
         else:
