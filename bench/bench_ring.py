@@ -4,7 +4,7 @@
 one GPU; spec H16 D128 bf16, w 2K .. 1M, r 1 .. 32. bench/README.md says what a run does.
 
   python bench/bench_ring.py --gpus 1 2                       # raster, segment, sequence
-  python bench/bench_ring.py --gpus 1 2 4 --orders raster --max-tokens
+  python bench/bench_ring.py --gpus 1 2 --specs bench/specs/ring_users.json --transports auto
   python bench/bench_ring.py --plot bench/results/ring-DATE.json     # redraw the plot
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ DRY = dict(ws=[8, 32, 128], rs=[1, 2, 4], H=2, D=16, tokens=64, small=(128, 2, 1
 LONG = dict(ws=[2048, 8192, 32768, 131072, 524288, 2097152, 8388608], rs=[1, 2, 4, 8, 16, 32, 64])  # --long
 # causal_gqa: H_kv = H/4, causal, zigzag chunks; local: Hilbert segment tiles that all lie inside a rank
 ORDERS = ("raster", "segment", "sequence", "causal_gqa", "local")
+USER = {}            # --specs: name -> a spec's fields and its tokens_per_gpu, run as an "order" each
 TRANSPORTS = ("auto", "ring", "allgather", "heads")      # DILGEN_RING_TRANSPORT per row (auto: the model's)
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
 chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "contiguous"  # noqa: E731 - causal: balanced
@@ -44,12 +45,19 @@ def predicted(attn, spec, n: int, transport: str) -> dict:
 
 def hilbert_for(order: str, n: int):
     rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)     # as square as possible
-    return None if order in ("raster", "causal_gqa") else {"scope": "segment"} if order in ("segment", "local") else \
-        {"scope": "sequence", "grid": [rows, n // rows]}
+    scope = (USER[order].get("hilbert") or {}).get("scope") if order in USER else \
+        None if order in ("raster", "causal_gqa") else "segment" if order in ("segment", "local") else "sequence"
+    return scope and {"scope": scope} | ({"grid": [rows, n // rows]} if scope == "sequence" else {})
 
 
 def make_spec(geo, order: str, n: int, P: int, H=None, D=None, name=None):
     import dilgen
+    if order in USER:                  # H scaled down for the fp64 check keeps the GQA ratio
+        u = {k: v for k, v in USER[order].items() if k not in ("name", "tokens_per_gpu")}
+        h = H or u["num_heads"]
+        return dilgen.Spec(**u | dict(name=name or f"ring_{order}_p{P}", num_heads=h, dtype="bfloat16", ring_size=P,
+                                      num_kv_heads=max(h * u["num_kv_heads"] // u["num_heads"], 1),
+                                      head_dim=D or u["head_dim"], hilbert=hilbert_for(order, n)))
     H, gqa, k = H or geo["H"], order == "causal_gqa", 4 if order == "local" else len(geo["ws"])
     return dilgen.Spec(name=name or f"ring_{order}_p{P}", num_heads=H, num_kv_heads=max(H // 4, 1) if gqa else H,
                        head_dim=D or geo["D"], dtype="bfloat16", segment_lengths=geo["ws"][:k], causal=gqa,
@@ -114,7 +122,7 @@ class Rank:
     def run(self, order) -> dict:
         import dilgen
         torch, P, rank, a, geo = self.torch, self.P, self.rank, self.args, self.geo
-        N = (T := a.tokens_per_gpu or geo["tokens"]) * P
+        N = (T := a.tokens_per_gpu or USER.get(order, geo)["tokens_per_gpu" if order in USER else "tokens"]) * P
         row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": hilbert_for(order, N) and order,
                "hilbert_spec": hilbert_for(order, N), "order": order, "bf16_rel_error_vs_fp64": self.bf16_error(order)}
         spec, one = make_spec(geo, order, N, P), make_spec(geo, order, N, 1, name=f"ring_{order}_one")
@@ -162,8 +170,6 @@ class Rank:
         os.environ["DILGEN_RING_TRANSPORT"] = "auto"
         del mine
         tk.cleanup(self.dev)
-        if order == "raster" and self.dev.type == "cuda" and a.max_tokens:
-            self.longest(rows[0], kernel, T)
         return rows
 
     def transports(self, spec) -> list[str]:
@@ -183,27 +189,6 @@ class Rank:
         r["check_worst_rank_rel_err"] = dict(zip(names, worst))
         r["check_passed"] = bool(worst[0] < BOUND_OUT and max(worst[1:]) < BOUND_GRAD)
 
-    def longest(self, row, kernel, T):
-        """Grow tokens per GPU while the measured peak, scaled, fits; every rank agrees first."""
-        torch, geo = self.torch, self.geo
-        per_token, free, best = row["peak_gib"] * 2**30 / T, torch.cuda.mem_get_info(self.dev)[1] * 0.92, T
-        for t_try in self.args.max_tokens:
-            if not self.reduce([1 if per_token * t_try * 1.1 < free else 0], self.dist.ReduceOp.MIN)[0]:
-                break
-            ok = 1
-            try:
-                big = [torch.randn(1, t_try, geo["H"], geo["D"], device=self.dev, dtype=torch.bfloat16)
-                       .requires_grad_(True) for _ in range(3)]
-                s = tk.first_call_s(lambda: kernel(*big).backward(torch.randn_like(big[0])), self.dev)[0]
-                row[f"fwd_bwd_ms_at_{t_try}"], big = s * 1e3, None
-            except torch.OutOfMemoryError:
-                ok = 0
-            tk.cleanup(self.dev)
-            if not self.reduce([ok], self.dist.ReduceOp.MIN)[0]:
-                break
-            best = t_try
-        row["max_tokens_per_gpu_fwd_bwd"] = best
-
 
 def worker(rank, P, port, args, out_path):
     import warnings
@@ -217,6 +202,7 @@ def worker(rank, P, port, args, out_path):
         torch.cuda.set_device(dev)
     dist.init_process_group("gloo" if dry else "nccl", rank=rank, world_size=P,
                             timeout=timedelta(seconds=600 if dry else 300), **({} if dry else {"device_id": dev}))
+    USER.update((u["name"], u) for u in json.loads(Path(args.specs).read_text())) if args.specs else None
     me, rows = Rank(rank, P, args, dist, dev), []
     for order in args.orders:
         t0 = time.time()
@@ -268,7 +254,8 @@ def finish(rows, geo):
 def report(rows):
     k = lambda x: f"{x // 1024}K" if x % 1024 == 0 else str(x)  # noqa: E731
     body = []
-    for r in sorted(rows, key=lambda r: (r["tokens_per_gpu"], ORDERS.index(r.get("order", "raster")), r["gpus"])):
+    rank = {o: i for i, o in enumerate(ORDERS + tuple(USER))}
+    for r in sorted(rows, key=lambda r: (r["tokens_per_gpu"], rank.get(r.get("order"), 0), r["gpus"])):
         chk = r.get("check_worst_rank_rel_err")
         body.append([r["gpus"], r.get("order"), k(r["tokens_per_gpu"]), "—", "failed: " + r.get("error", "?")[:200]]
                     + [""] * 9 if "fwd_bwd_ms" not in r else
@@ -323,12 +310,11 @@ def parse_args(argv=None):
         "all-gather: raster only)")
     add("--long", action="store_true", help="segments up to 8M (w 2M and 8M cross ranks at 2M tokens per GPU): "
         "weak scaling; default tokens per GPU 2M")
-    add("--max-tokens", type=int, nargs="*", default=None, help="tokens per GPU to try for the longest fwd+bwd "
-        "sequence (raster); bare flag: 1M 1.5M 2M; default: not measured")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
+    add("--specs", metavar="JSON", help="run these specs (a list of spec fields + tokens_per_gpu) instead of --orders")
     a = ap.parse_args(argv)
-    a.orders = tk.pick(a.orders, ORDERS, "--orders")
-    a.max_tokens = [1 << 20, 3 << 19, 2 << 20] if a.max_tokens == [] else a.max_tokens      # the bare flag
+    USER.update((u["name"], u) for u in json.loads(Path(a.specs).read_text())) if a.specs else None
+    a.orders = list(USER) if a.specs else tk.pick(a.orders, ORDERS, "--orders")
     a.reps = a.reps or (1 if a.dry_run_cpu else 4)
     a.transports = tk.pick(a.transports, TRANSPORTS, "--transports")
     a.geo = DRY if a.dry_run_cpu else dict(GPU, **LONG, tokens=2 << 20) if a.long else GPU

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 473e40e5e7760149
+# template hash: c374acf94c240d49
 # plan key:      04295057758c3ae404c02eb5fbebd2fc359f717d066ff4f6dab3aa2e3bbe2677
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -635,7 +635,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = jq + o + 2048*s
                 p_q = u_q
                 q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
@@ -743,7 +743,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = 6*jq + o + 8192*s
                 p_q = u_q
                 q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
@@ -851,7 +851,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = 12*jq + o + 32768*s
                 p_q = u_q
                 q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros
@@ -1010,7 +1010,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = jq + o + 2048*s
                 p_q = u_q
                 q = q_desc.load([i0, 0])  # rows past the segment's lanes read as zeros

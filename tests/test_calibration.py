@@ -159,3 +159,35 @@ def test_no_rate_is_priced_without_a_rates_object():
     for fn in (schedule.transport_costs, schedule.transport_times, schedule.choose_transport,
                schedule.single_device_times):
         assert inspect.signature(fn).parameters["rates"].default is inspect.Parameter.empty, fn.__name__
+
+
+# the committed profile's choices at bench_ring sizes (moved with the model from test_ring.py)
+def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
+    """The cost model at a bench_ring size (bf16, D 128) and its pick."""
+    import types
+
+    import dilgen
+    from dilgen.planner import plan
+    from dilgen.targets import get_target
+    spec = dilgen.Spec(name="costs", num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype="bfloat16",
+                       segment_lengths=w, dilation_rates=r, causal=causal, ring_size=P, hilbert=hilbert)
+    dilgen.Kernel(spec)          # a Kernel in the process: the single-device twins can be built
+    attn = types.SimpleNamespace(spec=spec.to_json(), plan=plan(spec, get_target("sm90")).to_json())
+    from dilgen.runtime.ring.run import call_costs
+    sched = schedule.ring_schedule(attn.plan["ring"], T * P, "zigzag" if causal else "contiguous")
+    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2, rates=cal.DEFAULT)
+    return costs, schedule.pick_transport(costs)
+
+
+def test_cost_model_picks_per_pattern():
+    ws, rs = [2048, 8192, 32768, 131072, 524288, 1048576], [1, 2, 4, 8, 16, 32]
+    # every segment inside a rank: no transfer at all, the single-device kernels on its rows
+    assert _costs(4, 262144, ws[:4], rs[:4], hilbert={"scope": "segment"})[1] == "local"
+    # Hilbert tiles spanning ranks: a ring window walks whole segments of rows it mostly
+    # does not keep (measured 0.04 strong scaling at P = 4); head shards run the lanes
+    costs, pick = _costs(4, 262144, ws, rs, hilbert={"scope": "segment"})
+    assert pick == "heads" and costs["ring"]["fwd_bwd_s"] > 10 * costs["heads"]["fwd_bwd_s"]
+    # GQA with fewer kv heads than ranks cannot take head shards
+    assert "heads" not in _costs(4, 262144, ws, rs, heads=(16, 2))[0]
+    # tiny problems: latency decides, one collective beats the steps
+    assert _costs(4, 256, [16, 1024], [1, 4])[1] == "allgather"

@@ -95,33 +95,6 @@ def test_transport_cost_model_prefers_overlap_when_compute_dominates():
                                      free_bytes=10) == "ring"
 
 
-def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
-    """The cost model at a bench_ring size (bf16, D 128) and its pick."""
-    import types
-    spec = dilgen.Spec(name="costs", num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype="bfloat16",
-                       segment_lengths=w, dilation_rates=r, causal=causal, ring_size=P, hilbert=hilbert)
-    dilgen.Kernel(spec)          # a Kernel in the process: the single-device twins can be built
-    attn = types.SimpleNamespace(spec=spec.to_json(), plan=plan(spec, get_target("sm90")).to_json())
-    from dilgen.runtime.ring.run import call_costs
-    sched = schedule.ring_schedule(attn.plan["ring"], T * P, "zigzag" if causal else "contiguous")
-    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2, rates=DEFAULT)
-    return costs, schedule.pick_transport(costs)
-
-
-def test_cost_model_picks_per_pattern():
-    ws, rs = [2048, 8192, 32768, 131072, 524288, 1048576], [1, 2, 4, 8, 16, 32]
-    # every segment inside a rank: no transfer at all, the single-device kernels on its rows
-    assert _costs(4, 262144, ws[:4], rs[:4], hilbert={"scope": "segment"})[1] == "local"
-    # Hilbert tiles spanning ranks: a ring window walks whole segments of rows it mostly
-    # does not keep (measured 0.04 strong scaling at P = 4); head shards run the lanes
-    costs, pick = _costs(4, 262144, ws, rs, hilbert={"scope": "segment"})
-    assert pick == "heads" and costs["ring"]["fwd_bwd_s"] > 10 * costs["heads"]["fwd_bwd_s"]
-    # GQA with fewer kv heads than ranks cannot take head shards
-    assert "heads" not in _costs(4, 262144, ws, rs, heads=(16, 2))[0]
-    # tiny problems: latency decides, one collective beats the steps
-    assert _costs(4, 256, [16, 1024], [1, 4])[1] == "allgather"
-
-
 def test_packed_schedule_launches_only_sequences_that_meet():
     ring = _ring_json(2, [8, 16], [1, 2])
     # no sequence crosses the border at 16: the local step only
@@ -289,6 +262,15 @@ CASES_P2 = [
      "shape": [1, 64]},
     {"name": "r3", "spec": {"segment_lengths": [48], "dilation_rates": [3], "num_heads": 3},
      "shape": [1, 96]},
+    # causal windows whose query lanes start off a tile's edge (chunks of 32 rows, r = 3: 32
+    # mod 3 != 0): the dK/dV kernel's diagonal blocks must stop at the full blocks' first
+    # lane (they reached into them: remote keys' dK, dV counted twice, 10-50 % off)
+    {"name": "causal_zigzag_r3_off_edge", "spec": {"segment_lengths": [16, 96], "dilation_rates": [1, 3],
+                                                   "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "shape": [1, 128], "order": "zigzag", "transport": "ring"},
+    {"name": "causal_contiguous_r3_spanning", "spec": {"segment_lengths": [128], "dilation_rates": [3],
+                                                       "num_heads": 2, "causal": True},
+     "shape": [1, 128], "transport": "ring"},
     {"name": "hilbert_segment", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 4],
                                          "hilbert": {"scope": "segment"}}, "shape": [1, 64]},
     {"name": "zigzag_causal", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 2],

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 473e40e5e7760149
+# template hash: c374acf94c240d49
 # plan key:      d6b2e2fb6a142446cb84ae09019565e84e061cc26b23b0516b35a7cc253dc296
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -594,7 +594,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = jq + o + 2048*s
                 p_q = u_q
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
@@ -700,7 +700,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = 6*jq + o + 8192*s
                 p_q = u_q
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
@@ -806,7 +806,7 @@ def longnet_causal_gqa_bwd_dkdv(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = 12*jq + o + 32768*s
                 p_q = u_q
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
@@ -963,7 +963,7 @@ def longnet_causal_gqa_bwd_dkdv_fused(
 
             for i0 in range(q_start, q_mid, BWD_KV_BLOCK_M):  # blocks on the causal diagonal
                 jq = i0 + tl.arange(0, BWD_KV_BLOCK_M)
-                q_valid = jq < n_lanes
+                q_valid = jq < q_mid  # the diagonal's lanes only: its last block may reach into the full blocks
                 u_q = jq + o + 2048*s
                 p_q = u_q
                 q = tl.load(q_base + p_q.to(tl.int64)[:, None] * stride_qn + offs_d[None, :], mask=q_valid[:, None], other=0.0)
