@@ -20,9 +20,11 @@ choose different transports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, fields
 
 from . import cache
@@ -94,8 +96,13 @@ class Rates:
 
     def key(self) -> str:
         """A stable digest of the numbers (what the ring's agreement compares)."""
-        text = json.dumps({n: float(getattr(self, n)) for n in self.numbers()}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return _rates_key(self)
+
+
+@functools.lru_cache(maxsize=64)      # every ring call asks (the agreement, the costs)
+def _rates_key(rates: Rates) -> str:
+    text = json.dumps({n: float(getattr(rates, n)) for n in rates.numbers()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 DEFAULT = Rates()
@@ -119,8 +126,7 @@ class Machine:
             raise ValueError(f"Machine.world_size = {self.world_size!r}: a positive int")
 
     def key(self) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return "calib-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+        return _machine_key(self)
 
     @classmethod
     def current(cls, world_size: int, backend: str = "nccl", device=None) -> "Machine":
@@ -140,6 +146,12 @@ class Machine:
         return cls(device=name, capability=cap, cuda=str(torch.version.cuda), driver=_driver(),
                    torch=torch.__version__, triton=triton.__version__, backend=backend,
                    world_size=int(world_size), templates=template_hash())
+
+
+@functools.lru_cache(maxsize=64)
+def _machine_key(machine: Machine) -> str:
+    text = json.dumps(dataclasses.asdict(machine), sort_keys=True)
+    return "calib-" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def _driver() -> str:
@@ -164,7 +176,7 @@ def load(machine: Machine) -> Rates | None:
 def store(machine: Machine, rates: Rates) -> None:
     """Keep `rates` as this machine's calibration (the cache, and this process's memory)."""
     cache.store_record("calibration", machine.key(), {"rates": rates.to_json(), "machine": dataclasses.asdict(machine)})
-    _MEMO[machine.key(), str(cache.cache_dir())] = rates
+    _MEMO[machine.key(), os.environ.get("DILGEN_CACHE_DIR", "")] = rates
 
 
 
@@ -177,7 +189,7 @@ def rates_for(world_size: int, backend: str | None = None, device=None) -> Rates
     where = (world_size, backend, None if device is None else str(device))
     if where not in _MACHINES:
         _MACHINES[where] = Machine.current(world_size, backend, device)
-    key = (_MACHINES[where].key(), str(cache.cache_dir()))
+    key = (_MACHINES[where].key(), os.environ.get("DILGEN_CACHE_DIR", ""))     # as configured: cheap
     if key not in _MEMO:
         _MEMO[key] = load(_MACHINES[where]) or DEFAULT
     return _MEMO[key]
