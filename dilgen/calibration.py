@@ -1,4 +1,4 @@
-"""The ring cost model's rates, and their measurement on the user's machine (`dilgen calibrate`).
+"""The ring cost model's rates: what they are, where they come from, which a call uses.
 
 schedule.transport_costs prices a ring call from a `Rates`: the useful TFLOP/s of the kernel
 families (the single-device fused kernels, the lane kernels, a ring window), each pass's
@@ -12,10 +12,10 @@ the group; the single-device rates, fused and lanes, forward and backward; a win
 the fused kernel's on one rank's rows) and keeps the measured fields in the cache, keyed by
 `Machine` (GPU, capability, CUDA and driver, torch, Triton, backend, world size, the templates'
 hash): a kernel change, a new driver, GPU or group size each make a new key, and the old record
-is never read again (the measuring is dilgen/calibrate.py's). `rates_for(P)` is what the runtime prices with: the record of this
-machine, else DEFAULT; the ring's agreement compares its digest across ranks, so ranks pricing
-with different rates (a node calibrated, another not) are refused in one line, never left to
-choose different transports.
+is never read again (the measuring is dilgen/calibrate.py's). `rates_for(P)` is what the
+runtime prices with: the record of this machine, else DEFAULT; the ring's agreement compares
+its digest across ranks, so ranks pricing with different rates (a node calibrated, another
+not) are refused in one line, never left to choose different transports.
 """
 from __future__ import annotations
 
@@ -165,8 +165,9 @@ def _driver() -> str:
 
 # --------------------------------------------------------------------------- records
 
-_MEMO: dict[tuple, Rates] = {}          # (machine key, cache folder) -> the rates read there
+_MEMO: dict[tuple, Rates] = {}          # (machine key, DILGEN_CACHE_DIR) -> the rates read there
 _MACHINES: dict[tuple, Machine] = {}    # (world size, backend, device) -> this process's Machine
+
 
 def load(machine: Machine) -> Rates | None:
     """This machine's calibration, or None (none yet, another machine's, or corrupt)."""
@@ -177,8 +178,6 @@ def store(machine: Machine, rates: Rates) -> None:
     """Keep `rates` as this machine's calibration (the cache, and this process's memory)."""
     cache.store_record("calibration", machine.key(), {"rates": rates.to_json(), "machine": dataclasses.asdict(machine)})
     _MEMO[machine.key(), os.environ.get("DILGEN_CACHE_DIR", "")] = rates
-
-
 
 
 def rates_for(world_size: int, backend: str | None = None, device=None) -> Rates:
