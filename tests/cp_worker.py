@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 from ring_worker import _leave, write_json
-from proc_tree import free_port as _free_port  # noqa: E402
+from proc_tree import free_port as _free_port, join_ranks  # noqa: E402
 
 PATTERN = {"segment_lengths": [16, 64], "dilation_rates": [1, 2]}
 LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -312,22 +312,16 @@ def _forkserver() -> str:
 
 def spawn(world: int, cases: list[dict], out_dir, timeout_s: float) -> dict:
     """Run the cases on `world` ranks; returns {case name: [each rank's saved result]}.
-    Any rank's exception, a nonzero exit or a hang raises AssertionError with the
-    tracebacks."""
-    import time
+    Any rank's exception or a nonzero exit raises AssertionError with the tracebacks; a
+    hang fails the test (proc_tree.join_ranks)."""
     from pathlib import Path
     import torch.multiprocessing as mp
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
     out_dir = Path(out_dir)
     ctx = mp.start_processes(worker, args=(world, _free_port(), cases, str(out_dir)), nprocs=world,
                              join=False, start_method=_forkserver())
-    deadline = time.monotonic() + timeout_s
     try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise AssertionError(f"context parallel P={world} did not finish in {timeout_s:.0f} s")
+        join_ranks(ctx, timeout_s, f"context parallel P={world}")
     except (ProcessExitedException, ProcessRaisedException) as exc:
         errors = [json.loads(f.read_text()) for f in out_dir.glob("rank*.error.json")]
         fails = [x for f in out_dir.glob("rank?.json") for x in json.loads(f.read_text())["fails"]]

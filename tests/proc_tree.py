@@ -21,6 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_ranks(ctx, timeout_s: float, what: str) -> None:
+    """Wait for the ranks torch.multiprocessing.start_processes(join=False) started: a rank's
+    failure raises as join raises it (ProcessExitedException, ProcessRaisedException); past
+    timeout_s every rank is killed and the test fails with "`what` did not finish in N s"."""
+    import time
+
+    import pytest
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=0.2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish in {timeout_s:.0f} s (a hang?)")
+
+
 def _table() -> list[tuple[int, int, int, str, str]]:
     """(pid, parent pid, process group, state, command line) of every live process."""
     rows = []

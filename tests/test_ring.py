@@ -4,7 +4,6 @@ single-device reference (tests/ring_worker.py)."""
 from __future__ import annotations
 
 import json
-import time
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ from dilgen.runtime.ring import RingError, shard, unshard
 from dilgen.targets import get_target
 
 import ring_worker
-from proc_tree import free_port as _free_port  # noqa: E402
+from proc_tree import free_port as _free_port, join_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
@@ -220,13 +219,8 @@ def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float) -> list[dic
             f.unlink()
         ctx = mp.start_processes(ring_worker.worker, args=(P, _free_port(), cases, str(tmp_path)),
                                  nprocs=P, join=False, start_method=_forkserver())
-        deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=0.2):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    pytest.fail(f"ring P={P} did not finish in {timeout_s:.0f} s (a hang?)")
+            join_ranks(ctx, timeout_s, f"ring P={P}")
         except (ProcessExitedException, ProcessRaisedException) as exc:
             # join stopped the other ranks; a rank that failed on its own left its traceback
             errors = _rank_errors(P, tmp_path)

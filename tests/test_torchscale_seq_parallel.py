@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torchscale_model as tm  # noqa: E402
 
 from dilgen.compat import torchscale as compat  # noqa: E402
-from proc_tree import free_port as _free_port  # noqa: E402
+from proc_tree import free_port as _free_port, join_ranks  # noqa: E402
 
 P = 2
 TOL = 1e-4                 # float32 against float64 (SPEC §2.4; gradients: twice)
@@ -192,13 +191,8 @@ def reports(tmp_path_factory):
         ["torch", "torch.distributed", "triton", "dilgen", "ring_worker"])
     ctx = mp.start_processes(rank_main, args=(P, _free_port(), str(out)), nprocs=P, join=False,
                              start_method="forkserver")
-    deadline = time.monotonic() + 300
     try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("the seq_parallel ranks did not finish in 300 s (a hang?)")
+        join_ranks(ctx, 300, "the seq_parallel ranks")
     except Exception as exc:  # noqa: BLE001 - a rank failed: its traceback
         errors = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.error.json"))]
         pytest.fail(f"{exc}" + "".join(f"\n-- rank {e['rank']} in {e['phase']}:\n{e['traceback']}"

@@ -106,11 +106,8 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
                            heads_ok=heads_refusal(attn, P, packed) is None,
-                           local_ok=local_possible(attn, sched, packed), rates=rates or _default_rates(P))
+                           local_ok=local_possible(attn, sched, packed), rates=rates or rates_for(P))
 
-
-def _default_rates(P: int):
-    return rates_for(P)
 
 
 def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=None) -> dict:
@@ -123,7 +120,7 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=
     item = 4 if spec["dtype"] == "float32" else 2
     if plan["ring"]["ring_size"] == 1:
         ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
-        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates or _default_rates(1))
+        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates or rates_for(1))
         return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
     sched = ring_schedule(plan["ring"], n, order)
     costs = call_costs(attn, sched, 1, heads, kv, d, item, rates=rates)
