@@ -128,7 +128,7 @@ class Rank:
         spec, one = make_spec(geo, order, N, P), make_spec(geo, order, N, 1, name=f"ring_{order}_one")
         # the single-device kernel on the full N (the same tensors on every rank): its rows, T_1(N)
         g = torch.Generator(device=self.dev).manual_seed(1234)
-        full = [torch.randn(1, N, h, geo["D"], device=self.dev, dtype=torch.bfloat16, generator=g)
+        full = [torch.randn(1, N, h, spec.head_dim, device=self.dev, dtype=torch.bfloat16, generator=g)
                 for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads)]
         ref = None
         if P > 1:
@@ -235,9 +235,11 @@ def finish(rows, geo):
     """Useful TFLOP/s per GPU, strong scaling (T_1(N) / (P T_P(N))), weak-scaling efficiency against the
     1-GPU row of the same order."""
     for r, kind in ((r, kind) for r in rows if "fwd_bwd_ms" in r for kind in ("fwd", "fwd_bwd")):
-        k = 4 if r.get("order") == "local" else len(geo["ws"])
-        r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(geo, B=1, N=r["N"], ws=geo["ws"][:k], rs=geo["rs"][:k]),
-                                                             r.get("order") == "causal_gqa", kind == "fwd_bwd") \
+        k, u = 4 if r.get("order") == "local" else len(geo["ws"]), USER.get(r.get("order"))
+        cfg = dict(geo, ws=geo["ws"][:k], rs=geo["rs"][:k]) if u is None else dict(
+            ws=u["segment_lengths"], rs=u["dilation_rates"], H=u["num_heads"], D=u["head_dim"])
+        causal = r.get("order") == "causal_gqa" or bool(u and u.get("causal"))
+        r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(cfg, B=1, N=r["N"]), causal, kind == "fwd_bwd") \
             / r["gpus"] / r[f"{kind}_ms"] / 1e9
         if r.get("predicted_fwd_bwd_ms"):
             r["model_error_fwd_bwd"] = r["predicted_fwd_bwd_ms"] / r["fwd_bwd_ms"] - 1

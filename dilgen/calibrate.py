@@ -194,7 +194,12 @@ def command(link_mib: int = 256) -> list[str]:
     started = False
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise SystemExit(f"dilgen calibrate: local rank {local} has no GPU of its own ({torch.cuda.device_count()} "
+                             f"visible); start one process per GPU (torchrun --nproc-per-node "
+                             f"{torch.cuda.device_count()})")
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -113,19 +113,23 @@ def test_ranks_pricing_with_different_rates_are_refused_by_name():
     assert "different cost-model rates" in message and "dilgen calibrate" in message, message
 
 
-def test_calibrate_under_torchrun_measures_the_links_over_gloo(tmp_path):
+def test_calibrate_under_torchrun_measures_the_links(tmp_path):
+    import torch
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"      # calibrate's own choice
     env = dict(os.environ, DILGEN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    if backend == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""              # one GPU or none: both ranks on the CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "dilgen.cli", "calibrate", "--link-mib", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "x 2 (gloo)" in done.stdout and "link_gbytes_s" in done.stdout, done.stdout
+    assert f"x 2 ({backend})" in done.stdout and "link_gbytes_s" in done.stdout, done.stdout
     records = {(d["machine"]["world_size"], d["machine"]["backend"]): cal.Rates.from_json(d["rates"])
                for d in (json.loads(p.read_text()) for p in (tmp_path / "cache" / "calibration").iterdir())}
-    assert set(records) == {(2, "gloo"), (1, "none")}, records      # the kernels' rates hold for one process too
+    assert set(records) == {(2, backend), (1, "none")}, records      # the kernels' rates hold for one process too
     links = {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us", "ring_overhead",
              "heads_fused_slowdown"}
-    assert links <= set(records[2, "gloo"].measured)
+    assert links <= set(records[2, backend].measured)
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
 
