@@ -267,10 +267,10 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
         row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
         a2a = rates.alltoall_gbytes_s * 1e9
         fwd_bytes = row * (2 * heads + 2 * kv_heads)
-        bwd_bytes = row * (3 * heads + 2 * kv_heads + heads + 2 * kv_heads)
-        slow = rates.heads_lanes_slowdown if lanes else rates.heads_fused_slowdown
+        bwd_bytes = row * (heads + heads + 2 * kv_heads)   # dO to the heads (the forward's shards
+        slow = rates.heads_lanes_slowdown if lanes else rates.heads_fused_slowdown    # kept); dq, dk, dv back
         costs["heads"] = {"fwd_s": slow * twin_f + fwd_bytes / a2a + 4 * lat,
-                          "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 13 * lat}
+                          "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 8 * lat}
     if local_ok:
         costs["local"] = {"fwd_s": twin_f, "fwd_bwd_s": twin_f + twin_b}
     return costs

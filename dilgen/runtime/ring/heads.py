@@ -7,10 +7,12 @@
   shards into head shards, so rank p holds every position of heads [p H/P, (p+1) H/P)
   (kv heads [p H_kv/P, ...)), runs the twin with num_heads H/P and head_base p H/P
   (Spec.head_base: the heads keep their offsets) on the whole sequence, and a second
-  all-to-all returns each rank its rows of out and lse. The backward exchanges q, k, v,
-  out, dO (and lse) the same way and returns dq, dk, dv. Traffic per rank and call:
-  (P-1)/P of its rows of each tensor moved, whatever the spec's segments; needs H and
-  H_kv divisible by P.
+  all-to-all returns each rank its rows of out and lse. The backward runs on the head
+  shards the forward kept (an eager call under autograd: they replace the saved q, k, v,
+  out, lse, so the memory is the same) and exchanges only dO; a traced call's backward
+  exchanges q, k, v, out, dO and lse again. It returns dq, dk, dv. Traffic per rank and
+  call: (P-1)/P of its rows of each tensor moved, whatever the spec's segments; needs H
+  and H_kv divisible by P.
 
 Layout of a head-sharded tensor: (N, B, heads, D) in sequence order (so that each source
 rank's piece lands in place, zigzag too); for B = 1 it is the kernels' (1, N, heads, D)."""
@@ -141,6 +143,13 @@ def _post_from_heads(run, y: torch.Tensor, dst: torch.Tensor, C: int, c: int):
     return finish
 
 
+def stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's shape, dtype and device that holds head_dim elements (every row reads
+    the same ones): what the backward's agreement and allocations read of a q, k or v whose
+    head shards were kept."""
+    return torch.empty(t.shape[-1], dtype=t.dtype, device=t.device).as_strided(t.shape, (0,) * (t.dim() - 1) + (1,))
+
+
 def _wait_all(posted) -> None:
     for p in posted:
         p.wait()
@@ -190,24 +199,38 @@ def twin_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
     lse_rows = torch.empty((run.B, run.n_loc, run.H, 1), dtype=torch.float32, device=q.device)
 
+    kept = [None] * chunks_of(run) if run.keep_heads else None
+
     def compute(c, C, got):
-        out_h, lse_h = forward_raw(_twin(run, q.device, c, C), *(_bnhd(t) for t in got))
+        qkv_h = [_bnhd(t) for t in got]
+        out_h, lse_h = forward_raw(_twin(run, q.device, c, C), *qkv_h)
+        if kept is not None:
+            kept[c] = (*qkv_h, out_h, lse_h)
         return _nbhd(out_h), lse_h.permute(2, 0, 1).unsqueeze(-1).contiguous()
     _pipeline(run, (q, k, v), compute, (out, lse_rows))
+    run.kept = kept
     lse.copy_(lse_rows.squeeze(-1).permute(0, 2, 1))
     return out, lse
 
 
 def twin_backward(run, q, k, v, out, lse, grad_out, grad_lse):
-    """(dq, dk, dv) of my rows by the "local" or "heads" transport."""
+    """(dq, dk, dv) of my rows by the "local" or "heads" transport. With the forward's head
+    shards kept (run.kept), only dO (and the lse's gradient) travel to the heads; q, k, v
+    then need only their shape, dtype and device (stand_in), out and lse are not read."""
     if run.transport == "local":
         return backward_raw(_twin(run, q.device), q, k, v, out, lse, grad_out, grad_lse)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    inputs = (q, k, v, out, grad_out, _rows(lse)) + (() if grad_lse is None else (_rows(grad_lse),))
+    kept = run.kept
+    inputs = ((grad_out,) if kept else (q, k, v, out, grad_out, _rows(lse))) + \
+        (() if grad_lse is None else (_rows(grad_lse),))
 
     def compute(c, C, got):
-        qh, kh, vh, oh, gh = (_bnhd(t) for t in got[:5])
-        lse_h = got[5].squeeze(-1).permute(1, 2, 0)
+        if kept:
+            (qh, kh, vh, oh, lse_h), got = kept[c], [None] * 4 + got[:1] + [None] + got[1:]
+        else:
+            qh, kh, vh, oh = (_bnhd(t) for t in got[:4])
+            lse_h = got[5].squeeze(-1).permute(1, 2, 0)
+        gh = _bnhd(got[4])
         glse_h = got[6].squeeze(-1).permute(1, 2, 0) if len(got) > 6 else None
         grads = backward_raw(_twin(run, q.device, c, C), qh, kh, vh, oh, lse_h, gh, glse_h)
         return [_nbhd(g.to(t.dtype)) for g, t in zip(grads, (q, k, v))]

@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward, plain_eager
 from ..registry import attention_for, op_key, register
 from .executor import ring_backward, ring_forward
+from .heads import stand_in
 from .run import RingRun
 
 
@@ -94,17 +95,21 @@ ring_attention_bwd.register_autograd(_no_double_backward, setup_context=_keep_no
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, run):
+        run.keep_heads = True              # "heads": the backward runs on the forward's shards
         out, lse = ring_forward(run, q, k, v)
         ctx.set_materialize_grads(False)   # an unused lse gets None (see runtime/op.py)
         ctx.run = run
-        ctx.save_for_backward(q, k, v, out, lse)
+        if run.kept is None:
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:                              # the shards hold what the backward reads
+            ctx.stand_ins = tuple(stand_in(t) for t in (q, k, v))
         return out, lse
 
     @staticmethod
     @once_differentiable      # a second derivative refuses (torch's one-line error)
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
         run = ctx.run
+        q, k, v, out, lse = ctx.saved_tensors if run.kept is None else (*ctx.stand_ins, None, None)
         run.agree(*(t[0] if run.packed else t for t in (q, k, v)), kind="backward")
         dq, dk, dv = ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
         return dq, dk, dv, None

@@ -143,6 +143,9 @@ class RingRun:
         self.P, self.me, self.dist = _group_info(spec, group)
         self.packed = cu_seqlens is not None
         self._agreed = (cu_seqlens, max_seqlen)
+        # "heads" under autograd: the forward's head-sharded q, k, v, out, lse per chunk, on
+        # which the backward runs (it then exchanges only dO); heads.twin_forward fills it
+        self.keep_heads, self.kept = False, None
         cu = self.agree(q, k, v, kind)
         with Guard(self, "call", "setup"):      # past the agreement, no rank fails alone
             self._setup(q, k, v, cu)
