@@ -103,12 +103,26 @@ def _fit(predict, measured: float, lo: float = 0.25, hi: float = 8.0) -> float:
     return (lo + hi) / 2
 
 
+def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, tuple[tuple[str, str], ...]]]:
+    """The specs a calibration times over P ranks, each with its chunk order and the
+    (transport, fitted factor) pairs it measures: a raster spec whose long branch crosses
+    every rank (ring_overhead by the ring, heads_fused_slowdown by the heads), and a causal
+    GQA one that one GPU runs in the lane kernels (heads_lanes_slowdown), where its kv heads
+    split over P."""
+    H, N, D, dtype = shape["H"], shape["N"], shape["D"], shape.get("dtype", "bfloat16")
+    base = {"num_heads": H, "head_dim": D, "ring_size": P, "dtype": dtype, "segment_lengths": [max(N // (2 * P), 1), N]}
+    specs = [(dict(base, name=f"calibrate_ring_{P}", num_kv_heads=H, dilation_rates=[1, 4]), "contiguous",
+              (("ring", "ring_overhead"), ("heads", "heads_fused_slowdown")))]
+    if (H // 4) % P == 0 and H >= 4:
+        specs.append((dict(base, name=f"calibrate_lanes_{P}", num_kv_heads=H // 4, dilation_rates=[1, 3], causal=True),
+                      "zigzag", (("heads", "heads_lanes_slowdown"),)))
+    return specs
+
+
 def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) -> dict:
-    """What a ring call adds over the model's kernels and links, fitted on one call of a raster
-    spec over the group whose long branch crosses every rank: ring_overhead from the ring
-    transport, heads_fused_slowdown from the head-parallel one, each the value that makes the
-    model's fwd+bwd time (schedule.transport_costs under `rates`) equal the measured one (the
-    slowest rank's, every rank timing the same calls)."""
+    """What a ring call adds over the model's kernels and links (_ring_specs: each factor
+    the value that makes the model's fwd+bwd time, schedule.transport_costs under `rates`,
+    equal the measured one: the slowest rank's, every rank timing the same calls)."""
     import os
 
     import torch
@@ -117,29 +131,29 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     from .compiler import compile as compile_spec
     from .runtime.ring import shard
     from .runtime.ring.run import predicted_ms
-    P = dist.get_world_size(group)
-    B, H, N, D = (shape[k] for k in ("B", "H", "N", "D"))
-    dtype = getattr(torch, shape.get("dtype", "bfloat16"))
-    spec = {"name": f"calibrate_ring_{P}", "num_heads": H, "num_kv_heads": H, "head_dim": D, "ring_size": P,
-            "segment_lengths": [max(N // (2 * P), 1), N], "dilation_rates": [1, 4],
-            "dtype": str(dtype).removeprefix("torch.")}
-    compile_spec(dict(spec, name=f"calibrate_twin_{P}", ring_size=1))      # the heads transport's twins
-    kernel = compile_spec(spec)
-    g = torch.Generator(device="cpu").manual_seed(7)
-    q, k, v, dout = (shard(torch.randn(B, N, H, D, generator=g), P, dist.get_rank(group)).to(device=device, dtype=dtype)
-                     for _ in range(4))
-    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    B, N = shape["B"], shape["N"]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     before, found = os.environ.get("DILGEN_RING_TRANSPORT"), {}
     try:
-        for transport, field in (("ring", "ring_overhead"), ("heads", "heads_fused_slowdown")):
-            os.environ["DILGEN_RING_TRANSPORT"] = transport
-            step = lambda: torch.autograd.backward(kernel(*leaves, group=group), dout)  # noqa: E731
-            took = torch.tensor([_timed(step, sync, reps)], dtype=torch.float64, device=device)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-            attn = kernel.compiled_for(device).attention
-            found[field] = _fit(lambda x: predicted_ms(attn, N, transport, rates=dataclasses.replace(
-                rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took.item())
+        for spec, order, fits in _ring_specs(P, shape):
+            compile_spec(dict(spec, name=spec["name"].replace("_", "_twin_", 1), ring_size=1))  # heads' twins
+            kernel = compile_spec(spec)
+            g = torch.Generator(device="cpu").manual_seed(7)
+            dtype = getattr(torch, spec["dtype"])
+            q, k, v, dout = (shard(torch.randn(B, N, h, spec["head_dim"], generator=g), P, me, order)
+                             .to(device=device, dtype=dtype) for h in (spec["num_heads"], spec["num_kv_heads"],
+                                                                      spec["num_kv_heads"], spec["num_heads"]))
+            leaves = [t.requires_grad_(True) for t in (q, k, v)]
+            for transport, field in fits:
+                os.environ["DILGEN_RING_TRANSPORT"] = transport
+                step = lambda: torch.autograd.backward(  # noqa: E731
+                    kernel(*leaves, group=group, chunk_order=order), dout)
+                took = torch.tensor([_timed(step, sync, reps)], dtype=torch.float64, device=device)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+                attn = kernel.compiled_for(device).attention
+                found[field] = _fit(lambda x: predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
+                    rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took.item())
     finally:
         if before is None:
             os.environ.pop("DILGEN_RING_TRANSPORT", None)
@@ -163,7 +177,7 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     device = torch.device(device)
     if shape is None:
         shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16") if device.type == "cuda"
-                 else dict(B=1, H=2, N=64, D=16, dtype="float32"))
+                 else dict(B=1, H=8, N=64, D=16, dtype="float32"))
     found = measure_kernels(device, shape, P)
     if on and P > 1:
         found |= measure_links(group, device if backend != "gloo" else torch.device("cpu"), link_bytes)

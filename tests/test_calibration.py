@@ -128,7 +128,7 @@ def test_calibrate_under_torchrun_measures_the_links(tmp_path):
                for d in (json.loads(p.read_text()) for p in (tmp_path / "cache" / "calibration").iterdir())}
     assert set(records) == {(2, backend), (1, "none")}, records      # the kernels' rates hold for one process too
     links = {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us", "ring_overhead",
-             "heads_fused_slowdown"}
+             "heads_fused_slowdown", "heads_lanes_slowdown"}
     assert links <= set(records[2, backend].measured)
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
