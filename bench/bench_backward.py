@@ -8,6 +8,8 @@ dilgen's at full size. Writes backward-<date>.json and .png; exit status 1 if di
   python bench/bench_backward.py                                 # A-F x {non-causal, causal}
   python bench/bench_backward.py --configs A,F --causal-only --quick
   python bench/bench_backward.py --configs A --methods dilgen --tunings '{"kv": {"bwd_kv": [64, 32, 4, 3]}}'
+  python bench/bench_backward.py --configs A,C --methods dilgen,gather_flash,gather_flash_dropout --no-check \
+      --tunings '{"p01": {"dropout_p": 0.1}}'                   # attention dropout's cost, FA2's beside it
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ class Bench:
     """One bench over configs x causal flags, every method through one timing/compare loop
     (run_method); bench_forward.Bench overrides the step (forward alone) and its checks."""
     kind, prefix, fwd_bwd = "backward", "bwd", True
-    METHODS = ("dilgen", "gather_cudnn", "gather_flash", "dense", "cudnn_floor", "flex")   # flex: compiles
+    METHODS = ("dilgen", "gather_cudnn", "gather_flash", "dense", "cudnn_floor", "flex", "gather_flash_dropout")
     CHECKED = ("dilgen", "gather_cudnn")                      # against float64 before timing
-    POINTS = ("dense", "cudnn_floor")                         # reference points: not compared
+    POINTS = ("dense", "cudnn_floor", "gather_flash_dropout")    # reference points (flex compiles)
     NOTES = ["useful FLOPs of forward+backward counted as 3.5x the forward formula",
              "the gather peers' LSE gets no gradient: a lower bound for an exact method",
              "dense, cudnn_floor: REFERENCE POINTS only (not the same math)",
@@ -107,12 +109,13 @@ class Bench:
     def attend(self, m, spec, lse=False):
         """(q, k, v) -> out, or (out, lse), of dilgen, a variant dilgen:<name> or a peer."""
         if m.startswith("dilgen"):
+            tuning = dict(self.a.tunings[m[7:]]) if m.startswith("dilgen:") else {}
+            p = tuning.pop("dropout_p", 0.0)           # a variant's call argument, not a planner knob
             if (m, spec.name) not in self.kernels:     # a variant dilgen:<name> compiles with its --tunings entry
                 from dilgen.compiler import Kernel
-                tuning = self.a.tunings[m[7:]] if m.startswith("dilgen:") else None
                 self.kernels[(m, spec.name)] = Kernel(spec, None, tuning) if tuning else self.dilgen.compile(spec)
             kern = self.kernels[(m, spec.name)]
-            return lambda q, k, v: kern(q, k, v, return_lse=lse)
+            return lambda q, k, v: kern(q, k, v, return_lse=lse, dropout_p=p)
         peer = self.peers.PEERS["dense_sdpa" if m == "dense" else m]
         return lambda q, k, v: peer(q, k, v, spec) if lse else peer(q, k, v, spec)[0]
 

@@ -62,14 +62,15 @@ def _attn_math(q, k, v, causal: bool, scale: float):
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
 
 
-def _attn_fused(cudnn: bool):
-    """cuDNN's or FlashAttention-2's attention with LSE (the fp32 math off CUDA or in fp32)."""
+def _attn_fused(cudnn: bool, dropout_p: float = 0.0):
+    """cuDNN's or FlashAttention-2's attention with LSE (the fp32 math off CUDA or in fp32);
+    dropout_p: FlashAttention-2's own fused dropout (the fp32 math ignores it)."""
     def attn(q, k, v, causal: bool, scale: float):
         if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
             return _attn_math(q, k, v, causal, scale)
         ops = torch.ops.aten
         res = (ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale) if cudnn
-               else ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale))
+               else ops._scaled_dot_product_flash_attention(q, k, v, dropout_p, causal, False, scale=scale))
         # cuDNN's stats come as (B', H', S, 1): keep the first S entries of whatever comes
         return res[0], res[1].reshape(q.shape[0], q.shape[1], -1)[:, :, :q.shape[2]].float()
     return attn
@@ -147,6 +148,8 @@ def _merge(outs, lses, dtype):
 # gather per (branch, head group) + cuDNN / FlashAttention-2 with LSE + scatter + fp32 merge
 gather_cudnn = functools.partial(_dilated_gather, _attn_cudnn)
 gather_flash = functools.partial(_dilated_gather, _attn_flash)
+# REFERENCE POINT: the same with FlashAttention-2's dropout at p = 0.1 (its price of dropout)
+gather_flash_dropout = functools.partial(_dilated_gather, _attn_fused(False, 0.1))
 
 
 def dense_sdpa(q, k, v, spec):
@@ -396,4 +399,5 @@ def clear_caches():
         cache.clear()
 
 
-PEERS = {"gather_cudnn": gather_cudnn, "gather_flash": gather_flash, "flex": flex, "dense_sdpa": dense_sdpa}
+PEERS = {"gather_cudnn": gather_cudnn, "gather_flash": gather_flash, "flex": flex, "dense_sdpa": dense_sdpa,
+         "gather_flash_dropout": gather_flash_dropout}

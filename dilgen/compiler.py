@@ -239,9 +239,20 @@ class Kernel:
             q, k_cache, v_cache, cache_seqlens, return_lse=return_lse, validate=validate)
 
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
-                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
-        """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length)."""
+                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
+                 dropout_p: float = 0.0):
+        """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length);
+        dropout_p > 0: attention dropout (one device, eager; runtime/dropout_call.py)."""
         import torch
+        if dropout_p:
+            device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+            if torch.compiler.is_compiling():
+                from .runtime.checks import InputError
+                raise InputError(f"{self.spec.name}: dropout_p > 0 is not traced by torch.compile yet; "
+                                 f"call the model eagerly while dropout is on")
+            return self.compiled_for(device).attention(
+                q, k, v, return_lse=return_lse, group=group, chunk_order=chunk_order,
+                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, dropout_p=dropout_p)
         if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
             from .runtime.dispatch import kernel_call
             return kernel_call(self, q, k, v, return_lse=return_lse, group=group,
@@ -321,9 +332,20 @@ def dilated_attention(q, k, v, spec: Spec | dict, *, return_lse: bool = False, g
                              max_seqlen=max_seqlen)
 
 
-def _twin(spec_json: dict, device):
-    """The module of a spec the ring derives from its own (runtime.registry.twin)."""
-    return _kernel_for(as_spec(spec_json, "a ring's single-device twin")).compiled_for(device).attention
+def _twin(spec_json: dict, device, tuning: dict | None = None):
+    """The module of a spec the runtime derives from a call's own (runtime.registry.twin: a
+    ring's single-device twins, the dropout plan of a spec)."""
+    spec = as_spec(spec_json, "a derived module's spec")
+    if not tuning:
+        return _kernel_for(spec).compiled_for(device).attention
+    key = (spec.key(), json.dumps(tuning, sort_keys=True))
+    kernel = _TUNED.get(key)
+    if kernel is None:
+        kernel = _TUNED[key] = Kernel(spec, None, tuning)
+    return kernel.compiled_for(device).attention
+
+
+_TUNED: dict[tuple, Kernel] = {}
 
 
 #: The architecture `dilgen compile` targets unless told otherwise.

@@ -371,6 +371,9 @@ class Plan:
     # the model's index of this call's head 0 (Spec.head_base): head h keeps the offsets
     # (h + head_base) mod r; pointers still index heads 0 .. num_heads - 1 of the tensors
     head_base: int = 0
+    # attention dropout (dilgen.dropout): the kernels take a seed and drop each branch's
+    # entry of each probability by its coin (planner.DROPOUT_TUNING says which kernels run)
+    dropout: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -389,6 +392,7 @@ class Plan:
             **({} if self.gap_lane is None else {"gap_lane": self.gap_lane}),
             **({"dkdv_first_writes": True} if self.dkdv_first_writes else {}),
             **({"head_base": self.head_base} if self.head_base else {}),
+            **({"dropout": True} if self.dropout else {}),
         }
 
     def key(self) -> str:

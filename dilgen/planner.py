@@ -52,15 +52,16 @@ def _row_order(spec: Spec) -> ir.TableMap | None:
     return None if _is_identity(rows, cols) else ir.TableMap(f"curve_{rows}x{cols}", "sequence", rows, cols)
 
 
-def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
+def _branch_orders(spec: Spec, dropout: bool = False) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
     """The query order and each branch's order (None = raster, read without a table)."""
     hil = spec.hilbert
     if hil is None:
         return None, [None] * spec.num_branches
-    if hil.scope == "sequence" and (spec.ring_size > 1 or not spec.causal):
+    if hil.scope == "sequence" and (spec.ring_size > 1 or not (spec.causal or dropout)):
         # the ring runs on curve-ordered rows (shard gives each rank a run of the curve), and
         # so does one device, non-causal (the runtime permutes the rows: _row_order):
-        # virtual positions are the rows themselves, read with no table
+        # virtual positions are the rows themselves, read with no table. Causal masks and
+        # dropout's coins need raster positions: those read through the table
         return None, [None] * spec.num_branches
     if hil.scope == "sequence":
         rows, cols = hil.grid
@@ -93,8 +94,15 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
            "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
-           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2")
-LANES_CHOICES = ("auto", "all")
+           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2", "dropout")
+LANES_CHOICES = ("auto", "all", "none")
+# Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
+# each entry's raster query and key positions (the mask's counter, dilgen.dropout), with
+# pointer loads and one chain; no lane, curve-row, descriptor or Gluon kernel, no row order
+DROPOUT_TUNING = {"lanes": "none", "fused_tma": False, "bwd_tma": False, "dual_chain": False,
+                  "fused_dkdv": False, "curve_rows": False, "gluon_fwd": False, "gluon_dkdv": False,
+                  "gluon_dq": False, "gluon_lanes": False, "gluon_lanes_bwd": False,
+                  "gluon_dkdv_lanes": False}
 
 
 def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
@@ -108,7 +116,13 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     if refusal is not None:
         raise SpecError(refusal)
     tuning = dict(tuning or {})
-    query_order, orders = _branch_orders(spec)
+    dropout = bool(tuning.get("dropout", False))
+    if dropout:
+        refusal = _dropout_refusal(spec)
+        if refusal is not None:
+            raise SpecError(f"{spec.name}: attention dropout {refusal}")
+        tuning.update(DROPOUT_TUNING)
+    query_order, orders = _branch_orders(spec, dropout)
     tiles = _tiles(spec, target, tuning, query_order)
     lanes = _lanes(spec, target, tiles, orders)
     tiles.block_m = _nested_block_m(spec, tiles.block_m, lanes)
@@ -146,9 +160,22 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
         branches=tuple(branches), config=_config(spec, target, tiles, branches, lanes, dual_chain, tuning, gluon),
-        ring=_ring(spec, branches), tables=tuple(tables), row_order=_row_order(spec),
+        ring=_ring(spec, branches), tables=tuple(tables), row_order=None if dropout else _row_order(spec), dropout=dropout,
         lane_order=lane_order, gap_lane=gap_lane, dkdv_first_writes=dkdv_first_writes,
         head_base=spec.head_base)
+
+
+def _dropout_refusal(spec: Spec) -> str | None:
+    """Why the dropout plan cannot run `spec` (the end of a sentence), or None."""
+    if spec.ring_size > 1:
+        return "runs on one device; a ring spec refuses it"
+    if spec.head_offsets == "block":
+        return "does not run with head_offsets \"block\" (torchscale's layout) yet"
+    if spec.short_segments == "zero_pad" and not spec.causal:
+        return "does not run with short_segments \"zero_pad\" yet"
+    if spec.head_base:
+        return "runs on a model's whole set of heads (head_base 0)"
+    return None
 
 
 @dataclass
@@ -248,7 +275,7 @@ def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
     # kernel): those whose membership is per row (r does not divide w, or a curve table),
     # or every branch with lanes = "all" (square causal diagonals). Each runs in its own
     # launch over its kept lanes and merges into (out, lse); the fused kernel runs the rest.
-    lanes.lane = [spec.ring_size == 1 and (mode == "all" or lanes.row_membership(i, r, orders[i]))
+    lanes.lane = [spec.ring_size == 1 and mode != "none" and (mode == "all" or lanes.row_membership(i, r, orders[i]))
                   for i, (w, r) in enumerate(spec.branches())]
     if any(lanes.lane) and not all(lanes.lane):
         lanes.lattice = _lcm([r for i, (w, r) in enumerate(spec.branches())

@@ -21,6 +21,7 @@ from .checks import InputError, check_inputs, check_varlen_inputs
 from .curve_rows import block_lists
 from .decode import decode
 from .dispatch import traced_decode
+from .dropout_call import dropout_attention
 from .forward import forward_raw, replay_forward
 from .launch import make_kernel
 from .op import attention_op, needs_grad, plain_eager, varlen_attention_op
@@ -199,7 +200,16 @@ class GeneratedAttention:
         return forward_raw(self, q, k, v, packing)
 
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
-                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None):
+                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
+                 dropout_p: float = 0.0):
+        if dropout_p:       # attention dropout: the spec's dropout plan (dropout_call.py)
+            if cu_seqlens is not None or max_seqlen is not None:
+                raise InputError(f"{self.spec['name']}: dropout_p > 0 does not run on packed batches "
+                                 f"(cu_seqlens) yet; pass dropout_p=0.0 or one sequence per call")
+            if group is not None or chunk_order != "contiguous":
+                raise InputError(f"{self.spec['name']}: dropout_p > 0 runs on one device; a ring call "
+                                 f"(group=, chunk_order=) does not take attention dropout yet")
+            return dropout_attention(self, q, k, v, dropout_p, return_lse=return_lse)
         if self._direct and cu_seqlens is None and max_seqlen is None and group is None \
                 and chunk_order == "contiguous":
             hit = self._replayed(q, k, v)

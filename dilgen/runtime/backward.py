@@ -49,19 +49,20 @@ def backward_inputs(out, lse, grad_out, grad_lse):
     return grad_out, lse, delta, dlse, has_dlse
 
 
-def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None):
+def backward_raw(attn, q, k, v, out, lse, grad_out, grad_lse, packing=None, dropout: tuple = ()):
     """Return (dq, dk, dv) for one forward call; grad_lse may be None. With a `packing`
     (dilgen.runtime.varlen.Packing) q, k, v are rows (total, heads, D) of several sequences,
-    lse is (H, total), and every kernel runs with VARLEN."""
+    lse is (H, total), and every kernel runs with VARLEN. dropout: the forward's (seed,
+    drop_cut, drop_scale) (a dropout plan: the kernels draw the forward's mask again)."""
     row_order = attn.plan.get("row_order")
     if row_order is not None and packing is None:   # curve-ordered rows (tables.row_order_tensors)
         fwd, inv = row_order_tensors(row_order, q.shape[1], q.device)
         rows = lambda x: None if x is None else x.index_select(1, fwd)
         values = lambda x: None if x is None else x.index_select(2, fwd)
         grads = _backward(attn, rows(q), rows(k), rows(v), rows(out), values(lse), rows(grad_out),
-                          values(grad_lse), None)
+                          values(grad_lse), None, dropout)
         return tuple(g.index_select(1, inv) for g in grads)
-    return _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing)
+    return _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout)
 
 
 class _Rows:
@@ -91,7 +92,7 @@ class _Rows:
             self.covers_all, self.pre_b = packing.covers_all, 1
 
 
-def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
+def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
     plan, conf = attn.plan, attn.backward_kernels["config"]
     # kept on the device by the module: a tensor made from a host list here would be a
     # blocking copy, which waits for the forward and leaves the GPU idle while the
@@ -127,7 +128,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     seq_slots = () if packing is None else tuple(t for st, ln, _ in groups for t in (st, ln))
     slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv, *seq_slots)
     record = False
-    if q.device.type == "cuda" and enabled():
+    if q.device.type == "cuda" and enabled() and not dropout:
         # a call like an earlier one: its launches (a packing: the same launch groups)
         key = signature("bwd", slots[:6], has_dlse) if packing is None else \
             signature("vbwd", (*slots[:6], *seq_slots), (has_dlse, packing.buckets, packing.max_len, packing.covers_all))
@@ -140,7 +141,7 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing):
     if at.B == 0 or at.N == 0:
         return dq, dk, dv
     recorder = Recorder() if record else None
-    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk, recorder)
+    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk, recorder, dropout)
 
     def launches():
         run.preprocess(out, dlse, has_dlse)
@@ -168,8 +169,9 @@ class _Launches:
     """The backward's launches for one call: the preprocess, dK/dV (fused and per branch),
     dq (fused and per lane branch), with the call's tensors, strides and tables."""
 
-    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk, recorder=None):
+    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk, recorder=None, dropout=()):
         self.attn, self.at, self.class_order, self.packing = attn, at, class_order, packing
+        self.dropout = dropout         # a dropout plan's (seed, drop_cut, drop_scale): dkdv, dq
         self.recorder = recorder       # replay.Recorder: launches noted for a replay
         self.plan, self.kernels = attn.plan, attn.backward_kernels
         self.conf = self.kernels["config"]
@@ -244,7 +246,7 @@ class _Launches:
             self._launch("dkdv", (n_seg * n_o * n_jt, B * self.Hkv),
                 q, k, v, grad_out, dk, dv, lse, delta, *copies, *at.tables,
                 N, n_jt, *seqs, *self.common, *self.dk_strides, *at.l,
-                self.interpret, br["index"], accumulate, clear, at.varlen, *flag)
+                self.interpret, br["index"], accumulate, clear, at.varlen, *flag, *self.dropout)
             accumulate, clear = True, False
 
     def dq(self, seqs, B: int, N: int, dq, has_fused_q: bool, lanes, accumulate: bool,
@@ -264,7 +266,7 @@ class _Launches:
             self._launch("dq", (self.lattice * num_m_tiles, B * self.H),
                 q, k, v, grad_out, dq, lse, delta, self.class_order, *at.tables,
                 N, num_m_tiles, group_tiles, *seqs, *self.common, *self.dq_strides, *at.l,
-                self.interpret, at.varlen)
+                self.interpret, at.varlen, *self.dropout)
         for i in lanes:
             br = plan["branches"][i]
             gluon = None if (self.interpret or at.varlen or clear) else gluon_dq_lanes_launch(

@@ -20,27 +20,28 @@ from .varlen import packed_tables
 
 
 def forward_raw(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                packing=None) -> tuple[torch.Tensor, torch.Tensor]:
+                packing=None, dropout: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward launch without autograd: (out, lse). With a `packing`
     (dilgen.runtime.varlen.Packing), q, k, v are rows (total, heads, D) holding several
-    sequences, out is (total, H, D) and lse (H, total); every kernel runs with VARLEN."""
+    sequences, out is (total, H, D) and lse (H, total); every kernel runs with VARLEN.
+    dropout: a dropout plan's (seed, drop_cut, drop_scale) (runtime.dropout_call)."""
     row_order = attn.plan.get("row_order")
     if row_order is not None and packing is None:   # curve-ordered rows (row_order_tensors)
         check_inputs(attn.spec, q, k, v)
         fwd, inv = row_order_tensors(row_order, q.shape[1], q.device)
-        out, lse = _forward(attn, *(x.index_select(1, fwd) for x in (q, k, v)), None)
+        out, lse = _forward(attn, *(x.index_select(1, fwd) for x in (q, k, v)), None, dropout)
         return out.index_select(1, inv), lse.index_select(2, inv)
-    return _forward(attn, q, k, v, packing)
+    return _forward(attn, q, k, v, packing, dropout)
 
 
-def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(attn, q, k, v, packing, dropout=()) -> tuple[torch.Tensor, torch.Tensor]:
     plan, cfg = attn.plan, attn.plan["config"]
     H = plan["num_heads"]
     record, groups, seq_slots = False, None, ()
     if packing is not None:   # launch groups of sequences: their starts and lengths are slots
         groups = packing.groups(H)
         seq_slots = tuple(t for st, ln, _ in groups for t in (st, ln))
-    if q.device.type == "cuda" and enabled():
+    if q.device.type == "cuda" and enabled() and not dropout:   # a seed is not a recipe's
         # a call like an earlier one launches what it launched (a packing: the same groups)
         key = signature("fwd", (q, k, v)) if packing is None else \
             signature("vfwd", (q, k, v, *seq_slots), (packing.buckets, packing.max_len, packing.covers_all))
@@ -86,7 +87,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
     launches, recorder = [], Recorder() if record else None
     with recording_into(recorder):      # copies of curve-ordered rows launch as they are made
         _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
-                     packing, interpret, writes_all, clears, varlen)
+                     packing, interpret, writes_all, clears, varlen, dropout)
     allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
     if allocator:
         ensure_descriptor_allocator()
@@ -104,7 +105,7 @@ def _forward(attn, q, k, v, packing) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
-                 packing, interpret, writes_all, clears, varlen) -> None:
+                 packing, interpret, writes_all, clears, varlen, dropout=()) -> None:
     """The forward's launches (kernel, grid, args, options) into `launches`: the fused kernel
     and one lane launch per lane branch, per launch group."""
     plan, cfg = attn.plan, attn.plan["config"]
@@ -120,7 +121,7 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
             group_tiles = lattice_group_tiles(plan, num_m_tiles, cfg["block_m"], 2 * k.shape[-1] * k.element_size())
             launches.append((attn._kernel(interpret), (lattice * num_m_tiles, B * H),
                              (q, k, v, out, lse, class_order, *tables, N, num_m_tiles, group_tiles, *seqs,
-                              *strides, interpret, varlen),
+                              *strides, interpret, varlen, *dropout),
                              {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
         accumulate, clear = fused or not (writes_all or clears), clears
         for i in lanes:

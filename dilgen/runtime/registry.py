@@ -117,16 +117,17 @@ def twins_available() -> bool:
     return _TWIN_FACTORY is not None
 
 
-def twin(attn, device, **changes):
+def twin(attn, device, tuning: dict | None = None, **changes):
     """The module of attn's spec with `changes` (e.g. ring_size=1, num_heads=H/P,
-    head_base=...), made once per attn, changes and device; None when no factory is set (a
-    generated module imported without dilgen's compiler: the ring windows run instead)."""
+    head_base=...) and planner `tuning` (e.g. {"dropout": True}), made once per attn,
+    changes, tuning and device; None when no factory is set (a generated module imported
+    without dilgen's compiler: the ring windows run instead)."""
     if _TWIN_FACTORY is None:
         return None
     cache = attn.__dict__.setdefault("_twins", {})
-    key = (tuple(sorted(changes.items())), str(device))
+    key = (tuple(sorted(changes.items())), tuple(sorted((tuning or {}).items())), str(device))
     hit = cache.get(key)
     if hit is None:
         spec = {**attn.spec, **changes}
-        hit = cache[key] = _TWIN_FACTORY(spec, device)
+        hit = cache[key] = _TWIN_FACTORY(spec, device, tuning) if tuning else _TWIN_FACTORY(spec, device)
     return hit

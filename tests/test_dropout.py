@@ -1,0 +1,118 @@
+"""Attention dropout in the kernels (issue 60): `kernel(q, k, v, dropout_p=p)` runs the spec's
+dropout plan, whose forward and backward equal the float64 reference under the same mask
+(dilgen.reference.differentiable_reference(dropout_p=, seed=), the coins of dilgen.dropout),
+on fresh random inputs with poisoned outputs; what it does not take yet is refused by name."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import dilgen
+from dilgen.reference import differentiable_reference
+from dilgen.runtime.checks import InputError
+from dilgen.runtime.dropout_call import dropout_attention
+
+from conftest import TOL, device, rel_error
+
+CASES = {
+    "two_branches": dict(segment_lengths=[16, 32], dilation_rates=[1, 2]),
+    "causal_gqa_r3": dict(segment_lengths=[16, 48], dilation_rates=[1, 3], causal=True, num_kv_heads=2),
+    "r_not_dividing_w_short_last": dict(segment_lengths=[24, 40], dilation_rates=[1, 3]),
+    "hilbert_segment": dict(segment_lengths=[16, 64], dilation_rates=[2, 4], hilbert={"scope": "segment"}),
+    "hilbert_sequence": dict(segment_lengths=[16, 32], dilation_rates=[1, 2],
+                             hilbert={"scope": "sequence", "grid": [8, 8]}),
+    "causal_mqa_one_branch": dict(segment_lengths=[64], dilation_rates=[4], causal=True, num_kv_heads=1),
+}
+
+
+def _spec(name: str, dtype: str = "float32", **fields) -> dilgen.Spec:
+    fields = dict(fields)
+    return dilgen.Spec(name=f"dropout_{name}", num_heads=4, num_kv_heads=fields.pop("num_kv_heads", 4),
+                       head_dim=16, dtype=dtype, **fields)
+
+
+def _inputs(spec, batch: int, n: int, name: str):
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    dt = getattr(torch, spec.dtype)
+    return [torch.randn(batch, n, h, spec.head_dim, generator=gen).to(dt).to(device()).requires_grad_()
+            for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)]
+
+
+def _check(spec, batch: int, n: int, p: float, seed: int, name: str) -> None:
+    q, k, v = _inputs(spec, batch, n, name)
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    out, lse = dropout_attention(attn, q, k, v, p, return_lse=True, seed=seed)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    (out * grad).sum().backward()
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
+    (ref_out * grad.double().cpu()).sum().backward()
+    tol = TOL[spec.dtype]
+    assert not torch.isnan(out).any(), "unwritten rows"
+    assert rel_error(out, ref_out) < tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
+    assert rel_error(lse.cpu()[finite], ref_lse[finite]) < tol
+    for mine, ref in zip((q, k, v), ref_in):
+        assert rel_error(mine.grad, ref.grad) < 2 * tol
+    # the mask mattered: without dropout the output is another one
+    plain = differentiable_reference(*(t.detach() for t in ref_in), spec)[0]
+    assert rel_error(out, plain) > 10 * tol
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_gradients_equal_the_reference_under_the_same_mask(name):
+    _check(_spec(name, **CASES[name]), 2, 64, 0.25, 20261128 + len(name), name)
+
+
+def test_bfloat16_and_a_high_drop_rate():
+    _check(_spec("bf16", "bfloat16", **CASES["causal_gqa_r3"]), 1, 64, 0.6, 77, "bf16")
+
+
+def test_the_seed_comes_from_torchs_generator():
+    spec = _spec("seeded", **CASES["two_branches"])
+    kernel = dilgen.compile(spec)
+    q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "seeded"))
+    torch.manual_seed(5)
+    a = kernel(q, k, v, dropout_p=0.5)
+    b = kernel(q, k, v, dropout_p=0.5)
+    torch.manual_seed(5)
+    c = kernel(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, c), "torch.manual_seed reproduces a call"
+    assert not torch.equal(a, b), "successive calls draw different masks"
+
+
+def test_dropout_p_zero_runs_the_kernel_without_dropout():
+    spec = _spec("zero", **CASES["two_branches"])
+    kernel = dilgen.compile(spec)
+    q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "zero"))
+    attn = kernel.compiled_for(q.device).attention
+    assert torch.equal(kernel(q, k, v, dropout_p=0.0), kernel(q, k, v))
+    assert not attn.__dict__.get("_twins"), "p = 0 made no dropout module"
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 2, "0.1", True])
+def test_a_drop_probability_outside_0_1_is_refused(p):
+    spec = _spec("bad_p", **CASES["two_branches"])
+    q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "bad_p"))
+    with pytest.raises(InputError, match="dropout_p"):
+        dilgen.compile(spec)(q, k, v, dropout_p=p)
+
+
+def test_what_dropout_does_not_run_yet_is_refused_by_name():
+    spec = _spec("refusals", **CASES["two_branches"])
+    kernel = dilgen.compile(spec)
+    q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "refusals"))
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device=q.device)
+    with pytest.raises(InputError, match="packed batches"):
+        kernel(q[0], k[0], v[0], cu_seqlens=cu, dropout_p=0.1)
+    ring = dilgen.Spec(name="dropout_ring", num_heads=4, head_dim=16, dtype="float32",
+                       segment_lengths=[16], dilation_rates=[1], ring_size=2)
+    with pytest.raises(InputError, match="one device"):
+        dropout_attention(dilgen.compile(ring).compiled_for(q.device).attention, q, k, v, 0.1)
+    block = dilgen.Spec(name="dropout_block", num_heads=4, head_dim=16, dtype="float32",
+                        segment_lengths=[16, 32], dilation_rates=[1, 2], head_offsets="block")
+    with pytest.raises(dilgen.SpecError, match="head_offsets"):
+        dilgen.compile(block)(q, k, v, dropout_p=0.1)
