@@ -16,6 +16,11 @@ from .compiler import compile as compile_spec
 from .spec import Spec, SpecError
 
 
+def _probability(label: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{label} = {value!r}: must be a probability in [0, 1)")
+
+
 def _positive_int(label: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{label} = {value!r}: must be an int >= 1")
@@ -24,17 +29,25 @@ def _positive_int(label: str, value) -> None:
 class DilatedAttention(nn.Module):
     """Dilated attention of one spec; q (B, N, H, D), k and v (B, N, H_kv, D)."""
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, dropout: float = 0.0) -> None:
         super().__init__()
+        _probability("dropout", dropout)
         self.spec = spec
+        self.dropout = float(dropout)
         self.kernel = compile_spec(spec)
 
     def forward(self, q, k, v, return_lse: bool = False, key_padding_mask=None):
         """key_padding_mask (B, N) bool, True = padding (left or right; each item's tokens one
-        run): each item runs alone and its padded rows come out 0."""
+        run): each item runs alone and its padded rows come out 0. In training, attention
+        dropout with probability `dropout` (SPEC §3, dropout_p); in eval, none."""
+        p = self.dropout if self.training else 0.0
         if key_padding_mask is not None:
+            if p:
+                raise ValueError(f"{self.spec.name}: attention dropout (dropout = {p}) does not run on padded "
+                                 f"batches (key_padding_mask) yet; call .eval(), set dropout=0, or pass "
+                                 f"batches without padding")
             return self.kernel.padded(q, k, v, key_padding_mask, return_lse=return_lse)
-        return self.kernel(q, k, v, return_lse=return_lse)
+        return self.kernel(q, k, v, return_lse=return_lse, dropout_p=p)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec.name}, w={list(self.spec.segment_lengths)}, r={list(self.spec.dilation_rates)}"
@@ -63,8 +76,7 @@ class MultiheadDilatedAttention(nn.Module):
                                  f"{type(seq).__name__} {seq!r}")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim = {embed_dim} must be divisible by num_heads = {num_heads}")
-        if dropout:
-            raise ValueError("attention dropout is not supported by the fused kernels; use dropout=0")
+        _probability("dropout", dropout)
         head_dim = embed_dim // num_heads
         num_kv_heads = num_kv_heads or num_heads
         factory = {"dtype": dtype, "device": device}
@@ -89,7 +101,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
-        self.attention = DilatedAttention(self.spec)
+        self.attention = DilatedAttention(self.spec, dropout)
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights: bool = False):
         """key_padding_mask (B, N) bool, True = padding, as nn.MultiheadAttention takes it, for
@@ -133,14 +145,14 @@ class LongNetDecoderBlock(nn.Module):
     """x + attn(norm(x)); x + mlp(norm(x)), with causal dilated self-attention."""
 
     def __init__(self, embed_dim: int, num_heads: int, segment_lengths, dilation_rates, *,
-                 mlp_ratio: int = 4, num_kv_heads: int | None = None,
+                 mlp_ratio: int = 4, num_kv_heads: int | None = None, dropout: float = 0.0,
                  dtype: torch.dtype | None = None, device=None, name: str = "longnet_block") -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.norm1 = nn.LayerNorm(embed_dim, **factory)
         self.attn = MultiheadDilatedAttention(embed_dim, num_heads, segment_lengths, dilation_rates,
-                                              num_kv_heads=num_kv_heads, causal=True, dtype=dtype,
-                                              device=device, name=name)
+                                              num_kv_heads=num_kv_heads, causal=True, dropout=dropout,
+                                              dtype=dtype, device=device, name=name)
         self.norm2 = nn.LayerNorm(embed_dim, **factory)
         self.mlp = nn.Sequential(nn.Linear(embed_dim, mlp_ratio * embed_dim, **factory), nn.GELU(),
                                  nn.Linear(mlp_ratio * embed_dim, embed_dim, **factory))

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16: float32 weights, bf16 autocast and bf16 kernels (GPU default); "
                         "fp32 (CPU default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (0)")
+    p.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="attention dropout p in training, fused in the kernels (LongNet: 0.1; default 0)")
     p.add_argument("--fixed-batch", action="store_true",
                    help="train on one batch over and over (a smoke test: the loss must fall)")
     p.add_argument("--log-every", type=int, help="a progress line every k steps (GPU 25, CPU 10)")
@@ -173,19 +175,20 @@ def use_kernel_dtype(block: LongNetDecoderBlock, dtype: torch.dtype) -> None:
     kernel compiled for the compute dtype instead."""
     attn = block.attn
     attn.spec = attn.spec.replace(dtype=KERNEL_DTYPE_NAMES[dtype])
-    attn.attention = DilatedAttention(attn.spec)
+    attn.attention = DilatedAttention(attn.spec, attn.attention.dropout)
 
 
 class TinyLongNetLM(nn.Module):
     """Token embedding + token shift, LongNetDecoderBlocks, LayerNorm, LM head."""
 
     def __init__(self, vocab: int, dim: int, heads: int, layers: int, segments, rates,
-                 kernel_dtype: torch.dtype = torch.float32) -> None:
+                 kernel_dtype: torch.dtype = torch.float32, attention_dropout: float = 0.0) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.shift = nn.Linear(dim, dim, bias=False)   # mixes in the previous token's embedding
         self.blocks = nn.ModuleList(
-            LongNetDecoderBlock(dim, heads, segments, rates, name="tiny_lm") for _ in range(layers))
+            LongNetDecoderBlock(dim, heads, segments, rates, dropout=attention_dropout, name="tiny_lm")
+            for _ in range(layers))
         if kernel_dtype != torch.float32:
             for block in self.blocks:
                 use_kernel_dtype(block, kernel_dtype)
@@ -222,7 +225,8 @@ def _kernel_launches(model: TinyLongNetLM, device: torch.device) -> int:
     """dilgen launches (forward calls + backward calls) of the model's attention kernels."""
     kernels = {id(k): k for k in (b.attn.attention.kernel.compiled_for(device).attention
                                   for b in model.blocks)}
-    return sum(k.launches for k in kernels.values())
+    derived = {id(t): t for k in kernels.values() for t in k.__dict__.get("_twins", {}).values()}
+    return sum(k.launches for k in (*kernels.values(), *derived.values()))      # with dropout's modules
 
 
 def train(params=None) -> dict:
@@ -240,7 +244,7 @@ def train(params=None) -> dict:
     try:
         torch.manual_seed(a.seed)
         model = TinyLongNetLM(a.vocab, a.dim, a.heads, a.layers, a.segments, a.rates,
-                              kernel_dtype=dtype).to(device)
+                              kernel_dtype=dtype, attention_dropout=a.attention_dropout).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
         gen = torch.Generator().manual_seed(a.seed + 1)
         autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -249,7 +253,8 @@ def train(params=None) -> dict:
         n_params = sum(p.numel() for p in model.parameters())
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
         say(f"tiny LongNet LM, {n_params / 1e6:.2f}M params: {a.layers} x LongNetDecoderBlock(dim "
-            f"{a.dim}, {a.heads} heads, w {a.segments}, r {a.rates}, causal), vocab {a.vocab}; "
+            f"{a.dim}, {a.heads} heads, w {a.segments}, r {a.rates}, causal, attention dropout "
+            f"{a.attention_dropout}), vocab {a.vocab}; "
             f"N {a.seq_len}, batch {a.batch}, block {a.block}; {a.dtype} on {where}")
         say(f"ln(vocab) = {math.log(a.vocab):.3f}; loss floor (perfect copying) about "
             f"{a.block / a.seq_len * math.log(a.vocab):.3f}")

@@ -49,7 +49,7 @@ def test_decoder_block_runs_and_is_causal():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_first=False), "batch_first"),
-    (dict(dropout=0.1), "dropout"),
+    (dict(dropout=1.0), "dropout = 1.0: must be a probability"),
     (dict(dtype=torch.float64), "dtype"),
 ])
 def test_layer_refuses_unsupported_options(kwargs, match):
@@ -73,3 +73,25 @@ def test_bad_layer_arguments_are_one_line(make, needle):
     with pytest.raises(ValueError, match=needle) as info:
         make()
     assert "\n" not in str(info.value)
+
+
+def test_layer_dropout_runs_in_training_only():
+    """dropout=p: in training the kernel drops with p (torch.manual_seed reproduces a call,
+    two calls differ); in eval it is the layer without dropout; padded batches refuse it."""
+    torch.manual_seed(0)
+    layer = MultiheadDilatedAttention(32, 2, [8, 16], [1, 2], dropout=0.3, device=device())
+    plain = MultiheadDilatedAttention(32, 2, [8, 16], [1, 2], device=device())
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 32, 32, device=device())
+    torch.manual_seed(4)
+    a = layer(x)[0]
+    b = layer(x)[0]
+    torch.manual_seed(4)
+    assert torch.equal(a, layer(x)[0]) and not torch.allclose(a, b)
+    a.sum().backward()
+    assert torch.isfinite(layer.q_proj.weight.grad).all()
+    layer.eval()
+    assert torch.equal(layer(x)[0], plain(x)[0])
+    layer.train()
+    with pytest.raises(ValueError, match="padded"):
+        layer(x, key_padding_mask=torch.zeros(1, 32, dtype=torch.bool, device=device()))

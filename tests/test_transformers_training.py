@@ -1,6 +1,6 @@
 """attn_implementation="dilgen" as people train and ship (issue 57): mixed precision under
-torch.autocast, EMA copies and checkpoints of a model after a forward, attention dropout
-turned off on a built model, attention weights asked for, and a saved model loaded where
+torch.autocast, EMA copies and checkpoints of a model after a forward, the config's attention
+dropout in training (refused on padded rows, and turned off on a built model), attention weights asked for, and a saved model loaded where
 dilgen is not imported. Tiny models built from configs, Triton's interpreter on the CPU."""
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_output_attentions_is_refused_in_one_line():
     assert "'eager'" in _one_line(info)
 
 
-# -- attention dropout: the advice names the model's field, and works on a built model ---------
+# -- attention dropout: the config's own field, honoured; refused where it does not run yet ----
 BERT_LIKE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                  max_position_embeddings=64, type_vocab_size=2, dim=32, n_layers=1, n_heads=2, hidden_dim=64,
                  d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -85,27 +85,48 @@ DROPOUT = [("bert", "attention_probs_dropout_prob"), ("roberta", "attention_prob
 
 
 @pytest.mark.parametrize("model_type, field", DROPOUT, ids=[m for m, _ in DROPOUT])
-def test_dropout_advice_names_the_field_and_works_on_a_built_model(model_type, field):
-    """In training, attention dropout is refused naming the config's own field; that field set
-    on the built model's config is not read by its layers (still refused, same advice), and
-    no_attention_dropout(model), followed, turns it off: the training step runs (PLBart's
-    decoder then meets the cross-attention refusal, not a dropout one)."""
-    config = AutoConfig.for_model(model_type, **BERT_LIKE, **{field: 0.1})
+def test_the_configs_attention_dropout_runs_in_training_and_padding_is_refused(model_type, field, monkeypatch):
+    """In training, each layer's attention dropout (the config's own field) reaches the kernels
+    as dropout_p (eval: 0, the kernel without dropout); torch.manual_seed reproduces a step.
+    A padded batch, which dilgen runs without dropout, is refused naming the field, and
+    no_attention_dropout(model), followed, lets it train (PLBart's decoder meets the
+    cross-attention refusal, not a dropout one)."""
+    from dilgen.runtime import dropout_call
+    config = AutoConfig.for_model(model_type, **BERT_LIKE, **{field: 0.25})
     config.dilgen_spec = dict(PATTERN)
     torch.manual_seed(0)
     model = AutoModel.from_config(config, attn_implementation="dilgen").train()
-    ids = _ids(1, 16)
+    ids = _ids(2, 16)
     kwargs = {"decoder_input_ids": ids} if model_type == "plbart" else {}
-    for _ in range(2):
-        with pytest.raises(ValueError, match=f"no attention dropout .*config.{field}") as info:
-            model(ids, **kwargs)
-        assert "no_attention_dropout(model)" in _one_line(info)
-        setattr(model.config, field, 0.0)          # after building: the layers keep their copy
-    hf.no_attention_dropout(model)
+    seen = []
+    real = dropout_call.dropout_attention
+    monkeypatch.setattr(dropout_call, "dropout_attention",
+                        lambda attn, *a, **kw: seen.append(a[3]) or real(attn, *a, **kw))
+    import dilgen.runtime.attention as attention_module
+    monkeypatch.setattr(attention_module, "dropout_attention", dropout_call.dropout_attention)
     try:
-        model(ids, **kwargs)[0].sum().backward()
+        torch.manual_seed(1)
+        first = model(ids, **kwargs)[0]
+        torch.manual_seed(1)
+        again = model(ids, **kwargs)[0]
+        assert torch.equal(first, again), "torch.manual_seed reproduces a training step"
+        assert seen and set(seen) == {0.25}, seen
+        first.sum().backward()
     except ValueError as exc:
-        assert model_type == "plbart" and "cross-attention" in str(exc) and "dropout" not in str(exc)
+        assert model_type == "plbart" and "cross-attention" in str(exc), exc
+        return
+    seen.clear()
+    model.eval()
+    model(ids, **kwargs)
+    assert not seen, "eval: no dropout"
+    model.train()
+    padded = torch.ones(2, 16, dtype=torch.long)
+    padded[1, 12:] = 0
+    with pytest.raises(ValueError, match=f"no attention dropout on padded rows .*config.{field}") as info:
+        model(ids, attention_mask=padded)
+    assert "no_attention_dropout(model)" in _one_line(info)
+    hf.no_attention_dropout(model)
+    model(ids, attention_mask=padded)[0].sum().backward()
 
 
 # -- a saved model, loaded where dilgen is not imported ------------------------------------------

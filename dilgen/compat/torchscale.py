@@ -233,7 +233,8 @@ class DilatedAttention(nn.Module):
         if rel_pos is not None:
             raise _unsupported("rel_pos (relative position bias)", "pass rel_pos=None")
         if self.training and self.dropout > 0:
-            raise _unsupported(f"attention dropout while training (dropout = {self.dropout})",
+            raise _unsupported(f"attention dropout while training (dropout = {self.dropout}) in torchscale's "
+                               f"head layout (dilgen's dropout kernels do not run head_offsets \"block\" yet)",
                                "set the attention dropout to 0 (or call model.eval())")
         if not isinstance(is_causal, bool):
             raise TypeError(f"{PREFIX}: is_causal = {is_causal!r}: pass True or False")

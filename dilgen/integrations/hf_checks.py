@@ -141,10 +141,11 @@ def no_attention_dropout(obj):
     return obj
 
 
-def refuse_call(module, dropout, sliding_window, softcap, kwargs) -> None:
+def refuse_call(module, sliding_window, softcap, kwargs) -> None:
     """One ValueError line for what this attention call asks and dilgen does not implement.
     What no advice but another attention fixes comes first, so that the advice a refusal
-    gives (full_attention, no_attention_dropout) is the last thing in the way."""
+    gives (full_attention) is the last thing in the way. Attention dropout is refused where
+    the call runs without it (dropout_refusal)."""
     if softcap is not None:
         raise ValueError(f"attn_implementation='dilgen' has no logit soft-capping: {_USE}")
     for name in REFUSED_KWARGS:
@@ -171,14 +172,18 @@ def refuse_call(module, dropout, sliding_window, softcap, kwargs) -> None:
     if window is not None:
         raise ValueError(f"attn_implementation='dilgen' replaces the attention pattern; this layer has "
                          f"{window}: {_FIX}")
-    if dropout:
-        field = dropout_field(module.config)
-        found = _dropout_attr(module)
-        own = f" and each attention layer's {found[0]}" if found else ""
-        raise ValueError(f"attn_implementation='dilgen' has no attention dropout (this layer's is {dropout}): "
-                         f"call model.eval(), or dilgen.integrations.transformers.no_attention_dropout(model) "
-                         f"to train (it sets config.{field}{own} to 0; a config field set after the model is "
-                         f"built is not read)")
+
+
+def dropout_refusal(module, dropout, where: str) -> ValueError:
+    """The one-line error of attention dropout on a call dilgen runs without it (`where`:
+    padded rows, a ring, a KV cache, torch.compile)."""
+    field = dropout_field(module.config)
+    found = _dropout_attr(module)
+    own = f" and each attention layer's {found[0]}" if found else ""
+    return ValueError(f"attn_implementation='dilgen' has no attention dropout on {where} yet (this layer's "
+                      f"is {dropout}): call model.eval(), or dilgen.integrations.transformers."
+                      f"no_attention_dropout(model) to train (it sets config.{field}{own} to 0; a config "
+                      f"field set after the model is built is not read)")
 
 
 #: model types whose attention goes through AttentionInterface only in part, or with more

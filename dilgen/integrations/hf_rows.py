@@ -105,8 +105,13 @@ def _traced_padded(kernel: Kernel, q, k, v, mask):
     return out * m[:, :, None, None].to(out.dtype)
 
 
-def prefill(kernel: Kernel, q, k, v, mask, kwargs):
+def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0, refuse_dropout=None):
+    """The rows of a prefill (T queries over T keys): one batch, packed rows (position_ids
+    or cu_seq_lens), or padded rows (a mask); dropout: attention dropout's p, which runs on
+    one batch of whole rows (refuse_dropout(where) -> the error elsewhere)."""
     B, T = q.shape[0], q.shape[1]
+    if dropout and torch.compiler.is_compiling():
+        raise refuse_dropout("a model traced by torch.compile")
     if mask is not None and torch.compiler.is_compiling() and "cu_seq_lens_q" not in kwargs:
         _packed_offsets(kwargs, B, T)                 # the device-side check that rows are not packed
         return _traced_padded(kernel, q, k, v, mask)
@@ -115,6 +120,8 @@ def prefill(kernel: Kernel, q, k, v, mask, kwargs):
         mask = None
     # padding wins over position_ids that restart (generate() gives padded rows position 0)
     packed = _packed_offsets(kwargs, B, T) if mask is None or "cu_seq_lens_q" in kwargs else None
+    if dropout and (packed is not None or mask is not None):
+        raise refuse_dropout("packed rows" if packed is not None else "padded rows")
     if packed is not None:
         if mask is not None and not bool(mask.all()):
             raise ValueError("attn_implementation='dilgen': packed rows come without padding "
@@ -123,7 +130,7 @@ def prefill(kernel: Kernel, q, k, v, mask, kwargs):
         rows = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))       # the rows end to end
         return kernel(*rows, cu_seqlens=cu, max_seqlen=longest).view(B, T, *q.shape[2:])
     if mask is None:
-        return kernel(q, k, v)
+        return kernel(q, k, v, dropout_p=dropout)
     return kernel.padded(q, k, v, remembered(mask, ("hf padding", B, T), lambda: _padding(mask)))
 
 

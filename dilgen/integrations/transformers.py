@@ -52,7 +52,8 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
                       f"{transformers.__version__}: pip install -U 'transformers>=5'")
 
 from .hf_checks import (NAME, checked_implementation, full_attention,  # noqa: E402,F401 (public)
-                        no_attention_dropout, refuse_call, routes_attention, saving_implementation)
+                        dropout_refusal, no_attention_dropout, refuse_call, routes_attention,
+                        saving_implementation)
 from .hf_masks import (NO_WINDOW, Bidirectional, LocalMask, MaskRefusal, dilgen_mask,  # noqa: E402,F401
                        key_padding)
 
@@ -175,7 +176,7 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
     """transformers' attention interface: query (B, H, T, D), key and value (B, H_kv, S, D)
     (the cache included), attention_mask the 2-D mask of `dilgen_mask`, None, or a 4-D
     mask that is padding (hf_masks.key_padding). Returns (out (B, T, H, D), None)."""
-    refuse_call(module, dropout, sliding_window, softcap, kwargs)
+    refuse_call(module, sliding_window, softcap, kwargs)
     if isinstance(attention_mask, MaskRefusal):
         raise ValueError(attention_mask.message)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -198,10 +199,13 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
     ring = hf_ring.placement(module)          # context parallelism: this rank's rows of each sequence
     kernel, attention = _prepared(module, query, key, scaling, causal, 1 if ring is None else ring.size)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, T, heads, D) views
+    if dropout and (ring is not None or k.shape[1] != q.shape[1]):
+        raise dropout_refusal(module, dropout, "a ring (context parallelism)" if ring is not None else "a KV cache")
     if ring is not None:
         out = hf_ring.attention(kernel, ring, q, k, v, attention_mask, kwargs, causal)
     elif k.shape[1] == q.shape[1]:
-        out = hf_rows.prefill(kernel, q, k, v, attention_mask, kwargs)
+        out = hf_rows.prefill(kernel, q, k, v, attention_mask, kwargs, dropout,
+                              lambda where: dropout_refusal(module, dropout, where))
     elif not causal:
         raise ValueError("attn_implementation='dilgen': fewer queries than keys (a KV cache) "
                          "needs a causal model")
