@@ -262,13 +262,13 @@ class Kernel:
                                                    chunk_order=chunk_order, cu_seqlens=cu_seqlens,
                                                    max_seqlen=max_seqlen)
 
-    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
+    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False, dropout_p: float = 0.0):
         """A padded batch (B, N, ...) with key_padding_mask (B, N), True = padding (left or right): each
-        item at its own length, padded rows 0 (GeneratedAttention.padded)."""
+        item at its own length, padded rows 0 (GeneratedAttention.padded); dropout_p as in __call__."""
         import torch
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention.padded(q, k, v, key_padding_mask,
-                                                          return_lse=return_lse)
+                                                          return_lse=return_lse, dropout_p=dropout_p)
 
 
 _KERNELS: dict[str, Kernel] = {}

@@ -42,11 +42,7 @@ class DilatedAttention(nn.Module):
         dropout with probability `dropout` (SPEC §3, dropout_p); in eval, none."""
         p = self.dropout if self.training else 0.0
         if key_padding_mask is not None:
-            if p:
-                raise ValueError(f"{self.spec.name}: attention dropout (dropout = {p}) does not run on padded "
-                                 f"batches (key_padding_mask) yet; call .eval(), set dropout=0, or pass "
-                                 f"batches without padding")
-            return self.kernel.padded(q, k, v, key_padding_mask, return_lse=return_lse)
+            return self.kernel.padded(q, k, v, key_padding_mask, return_lse=return_lse, dropout_p=p)
         return self.kernel(q, k, v, return_lse=return_lse, dropout_p=p)
 
     def extra_repr(self) -> str:

@@ -326,17 +326,26 @@ def reference_branch_pairs(n, spec, head) -> list[torch.Tensor]:
     return [_counts_from_layouts(n, [layout], head, causal, offset) > 0 for layout in _layouts(n, spec)]
 
 
-def dropout_weights(spec, batch: int, heads: int, n: int, head: int, p: float, seed: int) -> torch.Tensor:
+def dropout_weights(spec, batch: int, heads: int, n: int, head: int, p: float, seed: int,
+                    rows: tuple[int, int] | None = None) -> torch.Tensor:
     """(B, N, N) float64: sum over the branches keeping (i, j) of keep / (1 - p), keep the
     coin of dilgen.dropout for (b, head, branch, i, j): the numerator's pair weights under
-    attention dropout (the normalizer keeps every pair: dropout acts on the probabilities)."""
+    attention dropout (the normalizer keeps every pair: dropout acts on the probabilities).
+    rows = (row0, total): one sequence of a packed batch of `total` rows starting at row0,
+    whose coins are those of the packed rows as one sequence (b = 0, N = total)."""
     from .dropout import counters, keep
     pairs = reference_branch_pairs(n, spec, head)
     b = torch.arange(batch)[:, None, None]
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    n_counter = n
+    if rows is not None:
+        if batch != 1:
+            raise ValueError("dropout_weights: rows= takes one sequence (batch 1)")
+        (row0, n_counter), b = rows, 0
+        i, j = i + row0, j + row0
     w = torch.zeros(batch, n, n, dtype=torch.float64)
     for branch, pair in enumerate(pairs):
-        coin = keep(seed, p, counters(batch, heads, len(pairs), n, b, head, branch, i, j))
+        coin = keep(seed, p, counters(batch, heads, len(pairs), n_counter, b, head, branch, i, j))
         w += (coin & pair[None]).to(torch.float64)
     return w / (1.0 - p)
 
@@ -425,13 +434,15 @@ def reference_attention(q, k, v, spec, *, return_lse=False):
     return out
 
 
-def differentiable_reference(q, k, v, spec, *, dropout_p: float = 0.0, seed: int = 0):
+def differentiable_reference(q, k, v, spec, *, dropout_p: float = 0.0, seed: int = 0,
+                             dropout_rows: tuple[int, int] | None = None):
     """(out, lse) in float64 with autograd (for gradient references): one softmax per query over the multiset of
     keys the branches keep (weights = pair multiplicities; with short_segments "zero_pad"
     also the zero keys, score 0 and value 0). Rows no branch keeps get out = 0, lse = -inf
     and a zero (never NaN) gradient. dropout_p > 0: each branch's entry of each probability is
     kept by dilgen.dropout's coin for `seed` and scaled by 1 / (1 - dropout_p) (the lse and the
-    normalizer are those without dropout)."""
+    normalizer are those without dropout). dropout_rows = (row0, total): q, k, v are one
+    sequence of a packed batch (dropout_weights' rows)."""
     B, N, H, D = q.shape
     group = H // k.shape[2]
     scale = spec.softmax_scale if spec.softmax_scale is not None else 1.0 / math.sqrt(D)
@@ -460,7 +471,7 @@ def differentiable_reference(q, k, v, spec, *, dropout_p: float = 0.0, seed: int
         kept = den > 0
         safe = torch.where(kept, den, torch.ones_like(den))
         if dropout_p:
-            p = dropout_weights(spec, B, H, N, h, dropout_p, seed) * torch.exp(s - m)
+            p = dropout_weights(spec, B, H, N, h, dropout_p, seed, dropout_rows) * torch.exp(s - m)
         o = torch.einsum("bij,bjd->bid", p, v[:, :, kh]) / safe[..., None]
         outs.append(torch.where(kept[..., None], o, torch.zeros_like(o)))
         lses.append(torch.where(kept, m.squeeze(-1) + torch.log(safe), neg_inf.expand_as(den)))

@@ -105,14 +105,66 @@ def test_what_dropout_does_not_run_yet_is_refused_by_name():
     spec = _spec("refusals", **CASES["two_branches"])
     kernel = dilgen.compile(spec)
     q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "refusals"))
-    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device=q.device)
-    with pytest.raises(InputError, match="packed batches"):
-        kernel(q[0], k[0], v[0], cu_seqlens=cu, dropout_p=0.1)
     ring = dilgen.Spec(name="dropout_ring", num_heads=4, head_dim=16, dtype="float32",
                        segment_lengths=[16], dilation_rates=[1], ring_size=2)
     with pytest.raises(InputError, match="one device"):
-        dropout_attention(dilgen.compile(ring).compiled_for(q.device).attention, q, k, v, 0.1)
+        dilgen.compile(ring)(q, k, v, dropout_p=0.1)
     block = dilgen.Spec(name="dropout_block", num_heads=4, head_dim=16, dtype="float32",
                         segment_lengths=[16, 32], dilation_rates=[1, 2], head_offsets="block")
     with pytest.raises(dilgen.SpecError, match="head_offsets"):
         dilgen.compile(block)(q, k, v, dropout_p=0.1)
+
+
+def _sequences_against_reference(spec, q, k, v, out, lse, spans, total, p, seed):
+    """Each (row0, length) span of the packed rows against the float64 reference of that
+    sequence alone under the packed call's coins (dropout_rows = (row0, total)); then its
+    gradients, through one random cotangent of the packed output."""
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out)
+    (out * grad).sum().backward()
+    tol = TOL[spec.dtype]
+    for row0, n in spans:
+        piece = [t.detach()[row0:row0 + n].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = differentiable_reference(*piece, spec, dropout_p=p, seed=seed, dropout_rows=(row0, total))
+        (ref_out * grad[row0:row0 + n].double().cpu().unsqueeze(0)).sum().backward()
+        assert rel_error(out[row0:row0 + n], ref_out[0]) < tol, (row0, n)
+        finite = torch.isfinite(ref_lse[0])
+        assert rel_error(lse.cpu()[:, row0:row0 + n][finite], ref_lse[0][finite]) < tol
+        for mine, ref in zip((q, k, v), piece):
+            assert rel_error(mine.grad[row0:row0 + n], ref.grad[0]) < 2 * tol, (row0, n)
+
+
+@pytest.mark.parametrize("name", ["two_branches", "causal_gqa_r3", "hilbert_segment"])
+def test_packed_rows_draw_as_one_sequence_of_their_rows(name):
+    spec = _spec(f"packed_{name}", **CASES[name])
+    q, k, v = (t.detach()[0].requires_grad_() for t in _inputs(spec, 1, 96, name))
+    cu = torch.tensor([0, 40, 40, 96], dtype=torch.int32, device=q.device)     # an empty sequence too
+    spans = [(0, 40), (40, 56)]
+    # the seed the call draws is not returned: draw it again from the same generator state
+    torch.manual_seed(11)
+    out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=cu, return_lse=True, dropout_p=0.3)
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 1 << 62, (1,)).item())
+    _sequences_against_reference(spec, q, k, v, out, lse, spans, 96, 0.3, seed)
+
+
+def test_a_padded_batch_draws_as_its_packed_rows():
+    """Item b's tokens (rows b N + start ..) draw as those rows of the B N packed rows."""
+    spec = _spec("padded", **CASES["causal_gqa_r3"])
+    q, k, v = _inputs(spec, 2, 48, "padded")
+    mask = torch.zeros(2, 48, dtype=torch.bool, device=q.device)
+    mask[1, :7] = True                                       # item 1: left padding
+    torch.manual_seed(12)
+    out, lse = dilgen.compile(spec).padded(q, k, v, mask, return_lse=True, dropout_p=0.2)
+    torch.manual_seed(12)
+    seed = int(torch.randint(0, 1 << 62, (1,)).item())
+    assert torch.equal(out[1, :7], torch.zeros_like(out[1, :7])), "padded rows are 0"
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out)
+    (out * grad).sum().backward()
+    tol = TOL[spec.dtype]
+    for b, (start, n) in enumerate([(0, 48), (7, 41)]):
+        piece = [t.detach()[b:b + 1, start:].double().cpu().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = differentiable_reference(*piece, spec, dropout_p=0.2, seed=seed, dropout_rows=(b * 48 + start, 96))
+        (ref_out * grad[b:b + 1, start:].double().cpu()).sum().backward()
+        assert rel_error(out[b:b + 1, start:], ref_out) < tol
+        for mine, ref in zip((q, k, v), piece):
+            assert rel_error(mine.grad[b:b + 1, start:], ref.grad) < 2 * tol

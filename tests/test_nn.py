@@ -77,7 +77,7 @@ def test_bad_layer_arguments_are_one_line(make, needle):
 
 def test_layer_dropout_runs_in_training_only():
     """dropout=p: in training the kernel drops with p (torch.manual_seed reproduces a call,
-    two calls differ); in eval it is the layer without dropout; padded batches refuse it."""
+    two calls differ, padded batches too); in eval it is the layer without dropout."""
     torch.manual_seed(0)
     layer = MultiheadDilatedAttention(32, 2, [8, 16], [1, 2], dropout=0.3, device=device())
     plain = MultiheadDilatedAttention(32, 2, [8, 16], [1, 2], device=device())
@@ -93,5 +93,9 @@ def test_layer_dropout_runs_in_training_only():
     layer.eval()
     assert torch.equal(layer(x)[0], plain(x)[0])
     layer.train()
-    with pytest.raises(ValueError, match="padded"):
-        layer(x, key_padding_mask=torch.zeros(1, 32, dtype=torch.bool, device=device()))
+    mask = torch.zeros(1, 32, dtype=torch.bool, device=device())
+    mask[0, 28:] = True
+    torch.manual_seed(6)
+    c = layer(x, key_padding_mask=mask)[0]
+    torch.manual_seed(6)
+    assert torch.equal(c, layer(x, key_padding_mask=mask)[0]) and torch.isfinite(c).all()

@@ -107,9 +107,10 @@ def _traced_padded(kernel: Kernel, q, k, v, mask):
 
 def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0, refuse_dropout=None):
     """The rows of a prefill (T queries over T keys): one batch, packed rows (position_ids
-    or cu_seq_lens), or padded rows (a mask); dropout: attention dropout's p, which runs on
-    one batch of whole rows (refuse_dropout(where) -> the error elsewhere)."""
+    or cu_seq_lens), or padded rows (a mask); dropout: attention dropout's p (eager only:
+    refuse_dropout(where) -> the error under torch.compile)."""
     B, T = q.shape[0], q.shape[1]
+    drop = {"dropout_p": dropout} if dropout else {}      # the traced call takes no dropout_p
     if dropout and torch.compiler.is_compiling():
         raise refuse_dropout("a model traced by torch.compile")
     if mask is not None and torch.compiler.is_compiling() and "cu_seq_lens_q" not in kwargs:
@@ -120,18 +121,16 @@ def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0, refuse_
         mask = None
     # padding wins over position_ids that restart (generate() gives padded rows position 0)
     packed = _packed_offsets(kwargs, B, T) if mask is None or "cu_seq_lens_q" in kwargs else None
-    if dropout and (packed is not None or mask is not None):
-        raise refuse_dropout("packed rows" if packed is not None else "padded rows")
     if packed is not None:
         if mask is not None and not bool(mask.all()):
             raise ValueError("attn_implementation='dilgen': packed rows come without padding "
                              "(drop the attention_mask or the packing)")
         cu, longest = packed
         rows = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))       # the rows end to end
-        return kernel(*rows, cu_seqlens=cu, max_seqlen=longest).view(B, T, *q.shape[2:])
+        return kernel(*rows, cu_seqlens=cu, max_seqlen=longest, **drop).view(B, T, *q.shape[2:])
     if mask is None:
-        return kernel(q, k, v, dropout_p=dropout)
-    return kernel.padded(q, k, v, remembered(mask, ("hf padding", B, T), lambda: _padding(mask)))
+        return kernel(q, k, v, **drop)
+    return kernel.padded(q, k, v, remembered(mask, ("hf padding", B, T), lambda: _padding(mask)), **drop)
 
 
 def _padding(mask: torch.Tensor) -> torch.Tensor:

@@ -203,12 +203,11 @@ class GeneratedAttention:
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
                  dropout_p: float = 0.0):
         if dropout_p:       # attention dropout: the spec's dropout plan (dropout_call.py)
-            if cu_seqlens is not None or max_seqlen is not None:
-                raise InputError(f"{self.spec['name']}: dropout_p > 0 does not run on packed batches "
-                                 f"(cu_seqlens) yet; pass dropout_p=0.0 or one sequence per call")
-            if group is not None or chunk_order != "contiguous":
-                raise InputError(f"{self.spec['name']}: dropout_p > 0 runs on one device; a ring call "
-                                 f"(group=, chunk_order=) does not take attention dropout yet")
+            self._dropout_ready(group, chunk_order)
+            if cu_seqlens is not None:
+                return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse,
+                                   dropout_p=dropout_p)
+            check_inputs(self.spec, q, k, v)
             return dropout_attention(self, q, k, v, dropout_p, return_lse=return_lse)
         if self._direct and cu_seqlens is None and max_seqlen is None and group is None \
                 and chunk_order == "contiguous":
@@ -242,6 +241,11 @@ class GeneratedAttention:
         recipe = lookup(self, signature("fwd", (q, k, v)))[0]
         return None if recipe is None else replay_forward(self, recipe, q, k, v)
 
+    def _dropout_ready(self, group, chunk_order) -> None:
+        if self.plan["ring"]["ring_size"] > 1 or group is not None or chunk_order != "contiguous":
+            raise InputError(f"{self.spec['name']}: dropout_p > 0 runs on one device; a ring call does "
+                             f"not take attention dropout yet (pass dropout_p=0.0 there)")
+
     # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
     def _varlen_ready(self) -> None:
         if self.plan["ring"]["ring_size"] > 1:
@@ -251,13 +255,16 @@ class GeneratedAttention:
                              f"every rank, or use a ring_size = 1 spec")
 
     def varlen(self, q, k, v, cu_seqlens, *, max_seqlen: int | None = None, return_lse: bool = False,
-               group=None, chunk_order: str = "contiguous"):
+               group=None, chunk_order: str = "contiguous", dropout_p: float = 0.0):
         """Packed sequences: q (total, H, D), k and v (total, H_kv, D), cu_seqlens int32 (B + 1)
         offsets (cu[0] = 0, non-decreasing, cu[-1] = total; empty sequences allowed). Sequence b
         is rows cu[b]:cu[b+1] and gets exactly its output alone. Returns out (total, H, D) and,
         with return_lse=True, lse (H, total) float32. Autograd-aware. On a ring spec (ring_size
         P > 1) every rank passes its N/P contiguous rows and the same cu_seqlens over the whole
-        row of N rows, and gets back its rows (lse (H, N/P)): see ring.ring_varlen_attention."""
+        row of N rows, and gets back its rows (lse (H, N/P)): see ring.ring_varlen_attention.
+        dropout_p > 0: attention dropout, the packed rows drawn as one sequence (dropout_call)."""
+        if dropout_p:
+            self._dropout_ready(group, chunk_order)
         if self.plan["ring"]["ring_size"] > 1:   # this rank's rows of a packed row
             return ring_varlen_attention(self, q, k, v, cu_seqlens, group=group, max_seqlen=max_seqlen,
                                          return_lse=return_lse, chunk_order=chunk_order)
@@ -266,19 +273,29 @@ class GeneratedAttention:
                              f"chunk_order= on a ring_size = 1 spec (one device)")
         total = check_varlen_inputs(self.spec, q, k, v)
         packing = packing_from_cu_seqlens(self.spec["name"], cu_seqlens, total, q.device, max_seqlen)
-        out, lse = varlen_attention_op(self, q, k, v, packing)
+        if dropout_p:
+            out, lse = dropout_attention(self, q, k, v, dropout_p, return_lse=True, packing=packing)
+        else:
+            out, lse = varlen_attention_op(self, q, k, v, packing)
         return (out, lse) if return_lse else out
 
-    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False):
+    def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False, dropout_p: float = 0.0):
         """A padded batch: q (B, N, H, D), k and v (B, N, H_kv, D), key_padding_mask (B, N)
         bool, True = padding, each item's tokens one run (left or right padding). Item b is
         computed alone, its segments starting at its first token; padded rows get out = 0,
-        lse = -inf and zero gradients. lse is (B, H, N)."""
+        lse = -inf and zero gradients. lse is (B, H, N). dropout_p > 0: attention dropout, the
+        batch's B x N rows drawn as one packed sequence (dropout_call)."""
+        if dropout_p:
+            self._dropout_ready(None, "contiguous")
         self._varlen_ready()
         B, N = check_inputs(self.spec, q, k, v)
         packing = packing_from_padding_mask(self.spec["name"], key_padding_mask, B, N, q.device)
         rows = lambda t: t.reshape(B * N, t.shape[2], t.shape[3])   # a view for (B, N, h, D) layouts
-        out, lse = varlen_attention_op(self, rows(q), rows(k), rows(v), packing)
+        if dropout_p:
+            out, lse = dropout_attention(self, rows(q), rows(k), rows(v), dropout_p, return_lse=True,
+                                         packing=packing)
+        else:
+            out, lse = varlen_attention_op(self, rows(q), rows(k), rows(v), packing)
         out = out.view(B, N, q.shape[2], q.shape[3])
         if return_lse:
             return out, lse.view(lse.shape[0], B, N).transpose(0, 1)

@@ -4,15 +4,17 @@ forward drops each branch's entry of each probability by the coin of dilgen.drop
 scales the kept ones by 1 / (1 - p), and whose backward draws the same coins again from the
 seed the forward kept (nothing of size N x N is stored).
 
-The seed is drawn from torch's default generator on the host (torch.manual_seed reproduces
-a run; successive calls differ): no device read, no sync."""
+Fixed-length batches draw with (b, N, positions); a packed batch (cu_seqlens, or a padded
+one, whose rows pack) draws as one sequence of its total rows (b = 0, N = total, positions
+its rows). The seed is drawn from torch's default generator on the host (torch.manual_seed
+reproduces a run; successive calls differ): no device read, no sync."""
 from __future__ import annotations
 
 import torch
 
 from ..dropout import threshold
 from .backward import backward_raw
-from .checks import InputError, check_inputs
+from .checks import InputError
 from .forward import forward_raw
 from .registry import twin
 
@@ -24,21 +26,24 @@ def refuse(name: str, what: str, fix: str) -> None:
     raise InputError(f"{name}: dropout_p > 0 {what}; {fix}")
 
 
-def dropout_args(name: str, p) -> tuple[int, int, float]:
+def _seed_and_cut(name: str, p, seed) -> tuple[int, int, float]:
     """(seed, drop_cut, drop_scale) of a call with drop probability p, or one InputError."""
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
         raise InputError(f"{name}: dropout_p = {p!r} must be a number in [0, 1) (the probability of "
                          f"dropping an attention probability)")
-    seed = int(torch.randint(0, SEED_BOUND, (1,)).item())        # a CPU tensor: no device sync
-    return seed, threshold(float(p)) - (1 << 31), 1.0 / (1.0 - float(p))
+    if seed is None:
+        seed = int(torch.randint(0, SEED_BOUND, (1,)).item())   # a CPU tensor: no device sync
+    elif not 0 <= int(seed) < SEED_BOUND:
+        raise InputError(f"{name}: dropout seed {seed} must be in [0, 2^62)")
+    return int(seed), threshold(float(p)) - (1 << 31), 1.0 / (1.0 - float(p))
 
 
 class _DropoutFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn, args):
-        out, lse = forward_raw(attn, q, k, v, dropout=args)
+    def forward(ctx, q, k, v, attn, args, packing):
+        out, lse = forward_raw(attn, q, k, v, packing, dropout=args)
         ctx.set_materialize_grads(False)
-        ctx.attn, ctx.args = attn, args
+        ctx.attn, ctx.args, ctx.packing = attn, args, packing
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
@@ -47,14 +52,16 @@ class _DropoutFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
-            return None, None, None, None, None
-        dq, dk, dv = backward_raw(ctx.attn, q, k, v, out, lse, grad_out, grad_lse, dropout=ctx.args)
-        return dq, dk, dv, None, None
+            return None, None, None, None, None, None
+        dq, dk, dv = backward_raw(ctx.attn, q, k, v, out, lse, grad_out, grad_lse, ctx.packing, dropout=ctx.args)
+        return dq, dk, dv, None, None, None
 
 
-def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None):
-    """attention(q, k, v, dropout_p=p) for p > 0 on one device (autograd-aware). `seed`: the
-    mask's seed (tests and reproductions; default drawn from torch's generator)."""
+def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None, packing=None):
+    """attention(q, k, v, dropout_p=p) for p > 0 on one device (autograd-aware), inputs
+    already checked by the caller. packing (runtime.varlen.Packing): q, k, v are packed rows
+    (total, heads, D). `seed`: the mask's seed (tests and reproductions; default drawn from
+    torch's generator)."""
     name = attn.spec["name"]
     if attn.plan["ring"]["ring_size"] > 1:
         refuse(name, "runs on one device", "a ring spec does not take attention dropout yet")
@@ -63,23 +70,18 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     if isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing():
         refuse(name, "is not captured in a CUDA graph (a graph would replay one mask)",
                "capture the model in eval mode")
-    B, N = check_inputs(attn.spec, q, k, v)
+    B, n = (1, q.shape[0]) if packing is not None else (q.shape[0], q.shape[1])
     H, nb = attn.spec["num_heads"], len(attn.plan["branches"])
-    if B * H * nb * N * N >= 1 << 63:
-        refuse(name, f"needs a 64-bit counter per entry: batch {B} x heads {H} x branches {nb} x N^2 ({N}^2) "
+    if B * H * nb * n * n >= 1 << 63:
+        refuse(name, f"needs a 64-bit counter per entry: batch {B} x heads {H} x branches {nb} x N^2 ({n}^2) "
                f"passes 2^63", "split the batch")
-    seed_, cut, scale = dropout_args(name, p)
-    if seed is not None:
-        if not 0 <= int(seed) < SEED_BOUND:
-            raise InputError(f"{name}: dropout seed {seed} must be in [0, 2^62)")
-        seed_ = int(seed)
     drop = twin(attn, q.device, tuning={"dropout": True})
     if drop is None:
         refuse(name, "needs dilgen's compiler to build the spec's dropout kernels",
                "call it through dilgen.compile(spec), not an imported generated module")
-    args = (seed_, cut, scale)
+    args = (*_seed_and_cut(name, p, seed), n)       # (seed, drop_cut, drop_scale, the counter's N)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _DropoutFunction.apply(q, k, v, drop, args)
+        out, lse = _DropoutFunction.apply(q, k, v, drop, args, packing)
     else:
-        out, lse = forward_raw(drop, q, k, v, dropout=args)
+        out, lse = forward_raw(drop, q, k, v, packing, dropout=args)
     return (out, lse) if return_lse else out
