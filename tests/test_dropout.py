@@ -107,8 +107,9 @@ def test_what_dropout_does_not_run_yet_is_refused_by_name():
     q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "refusals"))
     ring = dilgen.Spec(name="dropout_ring", num_heads=4, head_dim=16, dtype="float32",
                        segment_lengths=[16], dilation_rates=[1], ring_size=2)
-    with pytest.raises(InputError, match="one device"):
-        dilgen.compile(ring)(q, k, v, dropout_p=0.1)
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device=q.device)
+    with pytest.raises(InputError, match="packed rows on a ring"):
+        dilgen.compile(ring)(q[0], k[0], v[0], cu_seqlens=cu, dropout_p=0.1)
     block = dilgen.Spec(name="dropout_block", num_heads=4, head_dim=16, dtype="float32",
                         segment_lengths=[16, 32], dilation_rates=[1, 2], head_offsets="block")
     with pytest.raises(dilgen.SpecError, match="head_offsets"):
@@ -168,3 +169,33 @@ def test_a_padded_batch_draws_as_its_packed_rows():
         assert rel_error(out[b:b + 1, start:], ref_out) < tol
         for mine, ref in zip((q, k, v), piece):
             assert rel_error(mine.grad[b:b + 1, start:], ref.grad) < 2 * tol
+
+
+def test_the_ring_draws_one_devices_mask_on_its_local_and_heads_transports(tmp_path):
+    """P = 2 over gloo (torchrun): the local transport (each piece at its global offset) and
+    the head-parallel one (each rank's heads as the model's) give every rank the rows, and
+    the gradients, of the single-device call with the same seed (rank 0's); the ring's window
+    transport, which draws no coins, is refused on every rank."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from proc_tree import free_port
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}:{root / 'tests'}", DILGEN_RING_TRANSPORT="auto")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(root / "tests" / "dropout_ring_worker.py"), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    want = {"local_contiguous": "local", "local_zigzag_causal_gqa": "local", "heads_spanning": "heads",
+            "heads_zigzag_causal_gqa_r3": "heads"}
+    for res in ranks:
+        for name, transport in want.items():
+            r = res[name]
+            assert r["transport"] == transport, (name, r)
+            assert max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-5, (name, r)
+            assert r["plain_gap"] > 1e-2, (name, r)             # the mask mattered
+        assert "draws no dropout coins" in res["forced_ring"]["refused"]

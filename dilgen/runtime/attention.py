@@ -202,6 +202,9 @@ class GeneratedAttention:
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
                  dropout_p: float = 0.0):
+        if dropout_p and self.plan["ring"]["ring_size"] > 1 and cu_seqlens is None:
+            return ring_attention(self, q, k, v, group=group, return_lse=return_lse, chunk_order=chunk_order,
+                                  dropout_p=dropout_p)      # the local and heads transports draw the coins
         if dropout_p:       # attention dropout: the spec's dropout plan (dropout_call.py)
             self._dropout_ready(group, chunk_order)
             if cu_seqlens is not None:
@@ -243,8 +246,8 @@ class GeneratedAttention:
 
     def _dropout_ready(self, group, chunk_order) -> None:
         if self.plan["ring"]["ring_size"] > 1 or group is not None or chunk_order != "contiguous":
-            raise InputError(f"{self.spec['name']}: dropout_p > 0 runs on one device; a ring call does "
-                             f"not take attention dropout yet (pass dropout_p=0.0 there)")
+            raise InputError(f"{self.spec['name']}: dropout_p > 0 does not run on packed rows on a ring, "
+                             f"nor with group= or chunk_order= on a ring_size = 1 spec (pass dropout_p=0.0 there)")
 
     # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
     def _varlen_ready(self) -> None:

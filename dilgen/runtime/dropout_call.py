@@ -70,6 +70,9 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     if isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing():
         refuse(name, "is not captured in a CUDA graph (a graph would replay one mask)",
                "capture the model in eval mode")
+    if attn.spec.get("head_base", 0):
+        refuse(name, "draws the coins of a model's heads, which a head_base spec called alone does not know",
+               "call the model's spec (head_base 0); a ring's heads transport passes them")
     B, n = (1, q.shape[0]) if packing is not None else (q.shape[0], q.shape[1])
     H, nb = attn.spec["num_heads"], len(attn.plan["branches"])
     if B * H * nb * n * n >= 1 << 63:
@@ -79,7 +82,8 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     if drop is None:
         refuse(name, "needs dilgen's compiler to build the spec's dropout kernels",
                "call it through dilgen.compile(spec), not an imported generated module")
-    args = (*_seed_and_cut(name, p, seed), n)       # (seed, drop_cut, drop_scale, the counter's N)
+    # (seed, drop_cut, drop_scale, the counter's N, position of row 0, head 0, heads): common.dropout_rows
+    args = (*_seed_and_cut(name, p, seed), n, 0, 0, H)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _DropoutFunction.apply(q, k, v, drop, args, packing)
     else:

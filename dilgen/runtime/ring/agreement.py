@@ -55,23 +55,24 @@ def rates_code(dist, group, P: int, q) -> int:
         return 0
 
 
-def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: str, rates: int) -> list[int]:
+def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: str, rates: int,
+                 dropout: int = 0) -> list[int]:
     """The compared fields of a call (_FIELDS, but the input error) as ints; `rates`:
-    rates_code."""
+    rates_code; `dropout`: the call's drop threshold (dropout.threshold, 0 without)."""
     key = int.from_bytes(hashlib.sha256(spec["name"].encode() + b"/" + repr(sorted(
         (k_, str(v_)) for k_, v_ in spec.items())).encode()).digest()[:7], "big")
     def shape(t, i):
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
     return [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            _cu_key(cu), _transport_code(), rates, CALLS.index(kind)]
+            _cu_key(cu), _transport_code(), rates, dropout, CALLS.index(kind)]
 
 
-def _fingerprint(fields: list[int], error: str | None, device, free: int = -1) -> torch.Tensor:
-    """The compared fields (_FIELDS: the call's, then the input error bit), then two that are
-    not: this rank's proposal for the call's fault key, and its free memory (-1: not a GPU, or
-    the transport is forced)."""
-    vals = fields + [int(error is not None), new_key(), free]
+def _fingerprint(fields: list[int], error: str | None, device, free: int = -1, seed: int = 0) -> torch.Tensor:
+    """The compared fields (_FIELDS: the call's, then the input error bit), then three that
+    are not: this rank's proposals for the call's fault key and for its dropout seed, and its
+    free memory (-1: not a GPU, or the transport is forced)."""
+    vals = fields + [int(error is not None), new_key(), seed, free]
     return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
@@ -90,13 +91,16 @@ def _agreed_key(dist, group, q, fields: list[int]) -> tuple:
 
 
 def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kind: str,
-                   local_check, P: int) -> tuple[None, str, int | None]:
+                   local_check, P: int, dropout: tuple[int, int] = (0, 0)) -> tuple[None, str, int | None, int]:
     """A ring call inside a CUDA-graph capture: the capture may not read the device back, so
     the call cannot gather fingerprints; it runs on the agreement of the same call made
     eagerly before (the warm-up a capture needs anyway: NCCL's communicators, the kernels'
     compilation, the tables on the device). Every rank captures the same calls, in order, as
     NCCL requires of any captured collective."""
     name = spec["name"]
+    if dropout[0]:
+        raise RingError(f"{name}: a ring call with attention dropout cannot be captured in a CUDA graph "
+                        f"(a graph would replay one mask); capture the model in eval mode")
     if cu_seqlens is not None:
         raise RingError(f"{name}: a packed ring call (cu_seqlens) cannot be captured in a CUDA "
                         f"graph: its offsets are read on the host; run it eagerly, or capture "
@@ -122,7 +126,7 @@ def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kin
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
            "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
-           "DILGEN_RING_TRANSPORT", "cost model rates", "call", "input error"]
+           "DILGEN_RING_TRANSPORT", "cost model rates", "attention dropout", "call", "input error"]
 #: the passes a ring call agrees on: a rank in a forward never pairs with one in a backward
 CALLS = ("forward", "backward")
 
@@ -180,19 +184,20 @@ def _check_packed(spec: dict, q, k, v, order: str, P: int, cu_seqlens, max_seqle
 
 def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
            cu_seqlens=None, max_seqlen=None, local_check: Callable[[int], None] | None = None,
-           kind: str = "forward") -> tuple[list[int] | None, str, int | None]:
+           kind: str = "forward", dropout: tuple[int, int] = (0, 0)) -> tuple[list[int] | None, str, int | None, int]:
     """One all_gather of a small fingerprint: bad inputs or disagreeing ranks raise the
     same error on every rank instead of hanging in a later send. With cu_seqlens (a packed
     row: q, k, v of 3 dims) every rank must pass the same offsets. local_check(local rows)
     raises InputError for what else this rank cannot run (any exception of the checks
-    joins the fingerprint's error bit, so every rank refuses together). Returns the
-    offsets (or None), the call's fault key and the smallest free GPU memory of the ranks
-    (None: not measured). Nothing of the collective is left pending when this returns or
+    joins the fingerprint's error bit, so every rank refuses together). dropout: (the call's
+    drop threshold, compared; this rank's seed proposal). Returns the
+    offsets (or None), the call's fault key, the smallest free GPU memory of the ranks
+    (None: not measured) and rank 0's dropout seed. Nothing of the collective is left pending when this returns or
     raises (faults.let_go). An all_gather that fails (the group was closed by a failure in an
     earlier call, or a rank died) raises RingAborted (faults.py)."""
     name = spec["name"]
     if _capturing(q):
-        return _agreed_before(spec, q, k, v, order, group, dist, cu_seqlens, kind, local_check, P)
+        return _agreed_before(spec, q, k, v, order, group, dist, cu_seqlens, kind, local_check, P, dropout)
     error = cu = None
     try:
         if order not in CHUNK_ORDERS:
@@ -226,8 +231,9 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     # agrees), and reading it back would leave the GPU idle until the host queued more
     with _side_stream(device):
         fields = _call_fields(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous",
-                              cu if cu_seqlens is not None else None, kind, rates_code(dist, group, P, q))
-        mine = _fingerprint(fields, error, device, free)
+                              cu if cu_seqlens is not None else None, kind, rates_code(dist, group, P, q),
+                              dropout[0])
+        mine = _fingerprint(fields, error, device, free, dropout[1])
         every = [torch.empty_like(mine) for _ in range(P)]
         try:
             # nothing left pending, refused or not: the process may end right after the call
@@ -236,11 +242,11 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
         except PeerLost as exc:
             raise refuse_closed(name, dist, group, P, me, exc) from exc.__cause__
         rows = [x.tolist() for x in every]
-    key, frees = fault_key(rows[0][-2]), [r[-1] for r in rows if r[-1] >= 0]
-    message = _verdict(name, [r[:-2] for r in rows], error, P)
+    key, frees = fault_key(rows[0][-3]), [r[-1] for r in rows if r[-1] >= 0]
+    message = _verdict(name, [r[:-3] for r in rows], error, P)
     if message is not None:
         raise RingError(message)
-    agreed = cu, key, (min(frees) if frees else None)
+    agreed = cu, key, (min(frees) if frees else None), rows[0][-2]     # rank 0's seed: every rank's
     if cu is None:        # a later capture of this call runs on it (_agreed_before)
         if len(_AGREED) > 64:
             _AGREED.clear()
@@ -284,6 +290,10 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
                         f"pick different transports; calibrate every node alike (`torchrun ... -m "
                         f"dilgen calibrate` over the whole group) or remove the calibration records "
                         f"(the `calibration` folder of each node's dilgen cache)")
+            if label == "attention dropout":
+                return (f"{name}: the ranks disagree on attention dropout (the drop threshold by rank: "
+                        f"{by_rank}; 0: none); every rank must pass the same dropout_p (train() or "
+                        f"eval() on every rank alike)")
             if label == "DILGEN_RING_TRANSPORT":
                 names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "

@@ -69,12 +69,13 @@ def _twin(run, device, chunk: int = 0, chunks: int = 1):
         # Hilbert scope "sequence": the ring's rows are curve positions, on which the
         # raster kernels run as one device runs them (the curve-ordered rows, no table)
         curve = {"hilbert": None} if run.attn.plan["ring"].get("curve") is not None else {}
+        tuning = {"dropout": True} if run.dropout_args is not None else None   # dropout's plan
         if run.transport == "local":
-            hit = twin(run.attn, device, ring_size=1, **curve)
+            hit = twin(run.attn, device, tuning, ring_size=1, **curve)
         else:
             hc, hkc = run.H // run.P // chunks, run.Hkv // run.P // chunks
             base = spec.get("head_base", 0) + run.me * (run.H // run.P) + chunk * hc
-            hit = twin(run.attn, device, ring_size=1, num_heads=hc, num_kv_heads=hkc, head_base=base,
+            hit = twin(run.attn, device, tuning, ring_size=1, num_heads=hc, num_kv_heads=hkc, head_base=base,
                        name=f"{spec['name']}_heads{base}to{base + hc}"[:100], **curve)
         cache[(chunk, chunks)] = hit
     return hit
@@ -191,10 +192,35 @@ def _pipeline(run, inputs, compute, outputs):
 
 
 # -- the passes -----------------------------------------------------------------------------
+def _dropout(run, tw, pos0: int = 0) -> tuple:
+    """The kernels' dropout arguments for twin `tw` on rows whose row 0 is position pos0 of
+    the whole sequence: the coins of the model's heads at global positions
+    (common.dropout_rows), so every transport draws one device's mask. () without dropout."""
+    if run.dropout_args is None:
+        return ()
+    return (*run.dropout_args, run.N, pos0, tw.spec.get("head_base", 0), run.H)
+
+
+def _local_pieces(run, tw, fn, tensors, outs) -> None:
+    """Under dropout, "local" runs each of my pieces alone at its global offset:
+    fn(piece views, dropout args) -> results written into `outs` (views on dim 1, lse-like on 2)."""
+    for i, (start, ln) in enumerate(run.pieces[run.me]):
+        r0 = run.rows0[i]
+        views = [None if t is None else t.narrow(2 if t.dim() == 3 else 1, r0, ln) for t in tensors]
+        for dst, res in zip(outs, fn(views, _dropout(run, tw, start))):
+            dst.narrow(2 if dst.dim() == 3 else 1, r0, ln).copy_(res)
+
+
 def twin_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of my rows by the "local" or "heads" transport."""
     if run.transport == "local":
-        return forward_raw(_twin(run, q.device), q, k, v)
+        tw = _twin(run, q.device)
+        if run.dropout_args is None:
+            return forward_raw(tw, q, k, v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
+        _local_pieces(run, tw, lambda x, args: forward_raw(tw, *x, dropout=args), (q, k, v), (out, lse))
+        return out, lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
     lse_rows = torch.empty((run.B, run.n_loc, run.H, 1), dtype=torch.float32, device=q.device)
@@ -203,7 +229,8 @@ def twin_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 
     def compute(c, C, got):
         qkv_h = [_bnhd(t) for t in got]
-        out_h, lse_h = forward_raw(_twin(run, q.device, c, C), *qkv_h)
+        tw = _twin(run, q.device, c, C)
+        out_h, lse_h = forward_raw(tw, *qkv_h, dropout=_dropout(run, tw))
         if kept is not None:
             kept[c] = (*qkv_h, out_h, lse_h)
         return _nbhd(out_h), lse_h.permute(2, 0, 1).unsqueeze(-1).contiguous()
@@ -218,7 +245,13 @@ def twin_backward(run, q, k, v, out, lse, grad_out, grad_lse):
     shards kept (run.kept), only dO (and the lse's gradient) travel to the heads; q, k, v
     then need only their shape, dtype and device (stand_in), out and lse are not read."""
     if run.transport == "local":
-        return backward_raw(_twin(run, q.device), q, k, v, out, lse, grad_out, grad_lse)
+        tw = _twin(run, q.device)
+        if run.dropout_args is None:
+            return backward_raw(tw, q, k, v, out, lse, grad_out, grad_lse)
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        _local_pieces(run, tw, lambda x, args: backward_raw(tw, *x, dropout=args),
+                      (q, k, v, out, lse, grad_out, grad_lse), grads)
+        return tuple(grads)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     kept = run.kept
     inputs = ((grad_out,) if kept else (q, k, v, out, grad_out, _rows(lse))) + \
@@ -232,7 +265,8 @@ def twin_backward(run, q, k, v, out, lse, grad_out, grad_lse):
             lse_h = got[5].squeeze(-1).permute(1, 2, 0)
         gh = _bnhd(got[4])
         glse_h = got[6].squeeze(-1).permute(1, 2, 0) if len(got) > 6 else None
-        grads = backward_raw(_twin(run, q.device, c, C), qh, kh, vh, oh, lse_h, gh, glse_h)
+        tw = _twin(run, q.device, c, C)
+        grads = backward_raw(tw, qh, kh, vh, oh, lse_h, gh, glse_h, dropout=_dropout(run, tw))
         return [_nbhd(g.to(t.dtype)) for g, t in zip(grads, (q, k, v))]
     _pipeline(run, inputs, compute, (dq, dk, dv))
     return dq, dk, dv

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward, plain_eager
+from ..checks import InputError
 from ..registry import attention_for, op_key, register
 from .executor import ring_backward, ring_forward
 from .heads import stand_in
@@ -124,12 +125,21 @@ def _op_takes(q, k, v, chunk_order) -> bool:
 
 
 def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
-                   chunk_order: str = "contiguous"):
+                   chunk_order: str = "contiguous", dropout_p: float = 0.0):
     """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
     rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring"). `group` is a
-    ProcessGroup, its name, or None (the default group)."""
+    ProcessGroup, its name, or None (the default group). dropout_p > 0: attention dropout,
+    the mask one device draws (RingRun; eager only)."""
     name = group if isinstance(group, str) else None
     group = resolve_group(group)
+    if dropout_p:
+        if not plain_eager(q, k, v):
+            raise InputError(f"{attn.spec['name']}: dropout_p > 0 on a ring is not traced by torch.compile "
+                             f"yet; call the model eagerly while dropout is on")
+        run = RingRun(attn, q, k, v, group, chunk_order, dropout_p=dropout_p)
+        needs = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        out, lse = _RingFunction.apply(q, k, v, run) if needs else ring_forward(run, q, k, v)
+        return (out, lse) if return_lse else out
     if not _op_takes(q, k, v, chunk_order):
         RingRun(attn, q, k, v, group, chunk_order)    # refused on every rank by the agreement
     if not plain_eager(q, k, v):

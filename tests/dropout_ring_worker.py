@@ -1,0 +1,71 @@
+"""One rank of tests/test_dropout.py's ring check (run under torchrun over gloo): for each case,
+the ring's rows of out, dq, dk, dv under attention dropout against the same rows of the
+single-device call, both seeded alike (rank 0's seed is the ring call's); refused cases must
+raise InputError on every rank. Writes rank<r>.json into the folder of argv[1]."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import dilgen
+from dilgen.runtime.checks import InputError
+from dilgen.runtime.ring import shard
+
+CASES = [
+    ("local_contiguous", dict(segment_lengths=[8, 16], dilation_rates=[1, 2]), "contiguous", None),
+    ("local_zigzag_causal_gqa", dict(segment_lengths=[8, 16], dilation_rates=[1, 2], causal=True, num_kv_heads=2),
+     "zigzag", None),
+    ("heads_spanning", dict(segment_lengths=[8, 64], dilation_rates=[1, 4]), "contiguous", None),
+    ("heads_zigzag_causal_gqa_r3", dict(segment_lengths=[16, 48], dilation_rates=[1, 3], causal=True, num_kv_heads=2),
+     "zigzag", None),
+    ("forced_ring", dict(segment_lengths=[8, 64], dilation_rates=[1, 4]), "contiguous", "ring"),
+]
+
+
+def run_case(name, fields, order, forced, rank, P):
+    fields = dict(fields)
+    kv = fields.pop("num_kv_heads", 4)
+    common = dict(num_heads=4, num_kv_heads=kv, head_dim=16, dtype="float32", **fields)
+    one = dilgen.compile(dilgen.Spec(name=f"drop_one_{name}", **common))
+    ring = dilgen.compile(dilgen.Spec(name=f"drop_ring_{name}", ring_size=P, **common))
+    g = torch.Generator().manual_seed(5)
+    N = 64
+    q, k, v = (torch.randn(1, N, h, 16, generator=g) for h in (4, kv, kv))
+    go = torch.randn(1, N, 4, 16, generator=g)
+    os.environ["DILGEN_RING_TRANSPORT"] = forced or "auto"
+    mine = [shard(t, P, rank, order).clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(77)
+    try:
+        out = ring(*mine, dropout_p=0.3, chunk_order=order)
+    except InputError as exc:
+        return {"refused": str(exc)}
+    (out * shard(go, P, rank, order)).sum().backward()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(77)
+    ref = one(*full, dropout_p=0.3)
+    (ref * go).sum().backward()
+    err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    res = {"transport": ring.compiled_for(q.device).attention.last_ring_transport,
+           "out": err(out, shard(ref, P, rank, order)),
+           "plain_gap": err(out, shard(one(*(t.detach() for t in (q, k, v))), P, rank, order))}
+    for label, a, b in zip(("dq", "dk", "dv"), mine, full):
+        res[label] = err(a.grad, shard(b.grad, P, rank, order))
+    return res
+
+
+def main():
+    folder = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, P = dist.get_rank(), dist.get_world_size()
+    results = {name: run_case(name, f, o, forced, rank, P) for name, f, o, forced in CASES}
+    (folder / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
