@@ -76,10 +76,12 @@ def _packed(kwargs):
     return cu.to(torch.int32), None if longest is None else int(longest)
 
 
-def attention(kernel, ring: RingPlacement, q, k, v, mask, kwargs, causal: bool):
+def attention(kernel, ring: RingPlacement, q, k, v, mask, kwargs, causal: bool, dropout: float = 0.0):
     """This rank's rows of the attention output: q (B, T, H, D) and k, v (B, T, H_kv, D)
     hold the rank's T rows of each sequence (ring.order; contiguous for a packed row);
-    `kernel` is the call's spec with ring_size = ring.size. Returns out (B, T, H, D)."""
+    `kernel` is the call's spec with ring_size = ring.size. Returns out (B, T, H, D).
+    dropout: attention dropout's p (the ring's local and heads transports; packed rows refuse it)."""
+    drop = {"dropout_p": dropout} if dropout else {}
     if k.shape[1] != q.shape[1]:
         raise ValueError(GENERATION)
     if mask is not None and (torch.compiler.is_compiling() or not bool(mask.all())):
@@ -98,11 +100,11 @@ def attention(kernel, ring: RingPlacement, q, k, v, mask, kwargs, causal: bool):
         # the packed ring splits the row of N rows in P contiguous chunks (SPEC §3): every
         # rank passes its rows and the offsets over all N
         out = kernel(q[0], k[0], v[0], cu_seqlens=cu, max_seqlen=longest, group=group,
-                     chunk_order="contiguous")
+                     chunk_order="contiguous", **drop)
         return out.unsqueeze(0)
     if (ring.order == "zigzag") != bool(causal):
         raise ValueError(f"attn_implementation='dilgen' under context parallelism: this layer is "
                          f"{'causal' if causal else 'not causal'} but the model was placed with chunk order "
                          f"{ring.order!r} (zigzag for causal models): every attention layer of a "
                          f"context-parallel model must have the same causality")
-    return kernel(q, k, v, group=group, chunk_order=ring.order)
+    return kernel(q, k, v, group=group, chunk_order=ring.order, **drop)

@@ -199,10 +199,10 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
     ring = hf_ring.placement(module)          # context parallelism: this rank's rows of each sequence
     kernel, attention = _prepared(module, query, key, scaling, causal, 1 if ring is None else ring.size)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, T, heads, D) views
-    if dropout and (ring is not None or k.shape[1] != q.shape[1]):
-        raise dropout_refusal(module, dropout, "a ring (context parallelism)" if ring is not None else "a KV cache")
+    if dropout and k.shape[1] != q.shape[1]:
+        raise dropout_refusal(module, dropout, "a KV cache")
     if ring is not None:
-        out = hf_ring.attention(kernel, ring, q, k, v, attention_mask, kwargs, causal)
+        out = hf_ring.attention(kernel, ring, q, k, v, attention_mask, kwargs, causal, dropout)
     elif k.shape[1] == q.shape[1]:
         out = hf_rows.prefill(kernel, q, k, v, attention_mask, kwargs, dropout,
                               lambda where: dropout_refusal(module, dropout, where))
