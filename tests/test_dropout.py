@@ -199,3 +199,23 @@ def test_the_ring_draws_one_devices_mask_on_its_local_and_heads_transports(tmp_p
             assert max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-5, (name, r)
             assert r["plain_gap"] > 1e-2, (name, r)             # the mask mattered
         assert "draws no dropout coins" in res["forced_ring"]["refused"]
+
+
+def test_over_200_seeds_the_mean_output_is_the_output_without_dropout():
+    """The kernels' dropout is unbiased: over 200 seeds the mean output is within 3 standard
+    errors of the output without dropout (per entry, at least 99 % of the entries), and the
+    kept fraction of the coins is within 3 sigma of 1 - p."""
+    from dilgen import dropout as coins
+    spec = dilgen.Spec(name="dropout_stats", num_heads=1, head_dim=16, dtype="float32",
+                       segment_lengths=[8, 16], dilation_rates=[1, 2])
+    q, k, v = (t.detach() for t in _inputs(spec, 1, 16, "stats"))
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    plain = dilgen.compile(spec)(q, k, v).double().cpu()
+    p, n = 0.3, 200
+    outs = torch.stack([dropout_attention(attn, q, k, v, p, seed=1000 + s).double().cpu() for s in range(n)])
+    se = outs.std(0) / n ** 0.5
+    inside = ((outs.mean(0) - plain).abs() <= 3 * se + 1e-12).double().mean().item()
+    assert inside >= 0.99, inside
+    c = coins.counters(1, 1, 2, 16, 0, 0, torch.arange(2)[:, None, None], torch.arange(16)[:, None], torch.arange(16))
+    kept = torch.stack([coins.keep(1000 + s, p, c) for s in range(n)]).double().mean().item()
+    assert abs(kept - (1 - p)) < 3 * (p * (1 - p) / (n * c.numel())) ** 0.5, kept
