@@ -221,7 +221,8 @@ def worker(rank, P, port, args, out_path):
                 eff = row.get("single_device_fwd_bwd_ms", 0) / P / row.get("fwd_bwd_ms", 1)    # strong scaling
                 tk.log(f"    P={P} {order:10s} {row.get('transport', '?'):9s} " + (row.get("error") or
                        f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd {row['fwd_bwd_ms']:.1f} ms (model "
-                       f"{row.get('predicted_fwd_bwd_ms', 0):.1f}), strong eff {eff:.2f}") + f"  ({row['wall_s']:.0f} s)")
+                       f"{row.get('predicted_fwd_bwd_ms', 0):.1f}), strong eff {eff:.2f}, check "
+                       f"{ {True: 'ok', False: 'FAILED'}.get(row.get('check_passed'), '-')}") + f"  ({row['wall_s']:.0f} s)")
         if rank == 0:
             tk.write_json_atomic(out_path, rows)
         try:
