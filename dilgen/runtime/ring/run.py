@@ -11,15 +11,14 @@ import os
 import torch
 
 from ...calibration import rates_for
-from ...dropout import threshold
 from ...schedule import (pick_transport, ring_schedule, ring_schedule_packed, single_device_times,
                          transport_costs)
 from ..checks import InputError, check_positions
-from ..dropout_call import SEED_BOUND
 from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
+from .dropout import dropout_proposal, dropout_transport, proposal_cut_scale, valid_p
 from .faults import Guard, collective, remember, transfer
 from .heads import heads_refusal, local_possible
 
@@ -82,47 +81,6 @@ def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
     if curve is not None and order != "contiguous":
         raise InputError(f"{name}: hilbert scope 'sequence' shards runs of the curve: "
                          f"chunk_order must be 'contiguous', got {order!r}")
-
-
-def dropout_transport(attn, n: int, P: int, order: str, packed: bool) -> str:
-    """The transport of a ring call with attention dropout: "local" where every branch stays
-    inside a rank, else "heads"; one InputError where neither runs it (the ring's windows
-    draw no coins yet), or DILGEN_RING_TRANSPORT forces another."""
-    name, forced = attn.spec["name"], _forced_transport()
-    if packed or attn.plan["ring"].get("curve") is not None:
-        raise InputError(f"{name}: attention dropout on a ring takes fixed-length rows in raster or "
-                         f"Hilbert-segment order (not packed rows, not Hilbert scope \"sequence\") yet; "
-                         f"pass dropout_p=0.0")
-    if forced in ("ring", "allgather"):
-        raise InputError(f"{name}: DILGEN_RING_TRANSPORT={forced} draws no dropout coins (its window kernels "
-                         f"take no dropout yet); unset it, or set heads")
-    if forced != "heads" and local_possible(attn, ring_schedule(attn.plan["ring"], n, order), False):
-        return "local"
-    refusal = heads_refusal(attn, P, False)
-    if refusal is not None:
-        raise InputError(f"{name}: attention dropout on a ring runs where every segment lies inside a rank "
-                         f"or by the head-parallel transport, and here neither does ({refusal}); pass "
-                         f"dropout_p=0.0")
-    return "heads"
-
-
-def _valid_p(p) -> bool:
-    return not isinstance(p, bool) and isinstance(p, (int, float)) and 0.0 <= float(p) < 1.0
-
-
-def _dropout_proposal(p, agreed) -> tuple[int, int]:
-    """(the call's drop threshold, compared by the agreement; this rank's seed proposal from
-    torch's generator, or the agreed seed again for a backward). A bad p proposes (0, 0) and
-    is refused by the agreement's local check, on every rank together."""
-    if not _valid_p(p):
-        return 0, 0
-    seed = agreed[0] if agreed is not None else int(torch.randint(0, SEED_BOUND, (1,)).item())
-    return threshold(float(p)), seed
-
-
-def proposal_cut_scale(p) -> tuple[int, float]:
-    """(drop_cut, drop_scale) of the kernels' dropout arguments (dropout_call)."""
-    return threshold(float(p)) - (1 << 31), 1.0 / (1.0 - float(p))
 
 
 def _forced_transport() -> str:
@@ -201,15 +159,15 @@ class RingRun:
         raise the same RingError. The backward of a call agrees again (kind "backward"), so
         a rank that skipped it, or is in another call, is refused with the others."""
         cu_seqlens, max_seqlen = self._agreed
-        proposal = (0, 0) if not self.dropout_p else _dropout_proposal(self.dropout_p, self.dropout_args)
+        proposal = (0, 0) if not self.dropout_p else dropout_proposal(self.dropout_p, self.dropout_args)
 
         def local_check(n_loc):
             _check_geometry(self.attn, n_loc, self.P, self.order, self.packed)
-            if self.dropout_p and not _valid_p(self.dropout_p):
+            if self.dropout_p and not valid_p(self.dropout_p):
                 raise InputError(f"{self.attn.spec['name']}: dropout_p = {self.dropout_p!r} must be a number "
                                  f"in [0, 1) (the probability of dropping an attention probability)")
             if self.dropout_p:
-                dropout_transport(self.attn, n_loc * self.P, self.P, self.order, self.packed)
+                dropout_transport(self.attn, n_loc * self.P, self.P, self.order, self.packed, _forced_transport())
         cu, self.fault_key, self.free_bytes, seed = _agree(
             self.attn.spec, q, k, v, self.order, self.group, self.P, self.me, self.dist,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kind=kind, local_check=local_check,
@@ -271,7 +229,7 @@ class RingRun:
         DILGEN_RING_TRANSPORT overrides the model (ring, allgather or heads)."""
         forced = _forced_transport()
         if self.dropout_p:      # the transports whose kernels draw dropout's coins
-            return dropout_transport(self.attn, self.N, self.P, self.order, self.packed)
+            return dropout_transport(self.attn, self.N, self.P, self.order, self.packed, forced)
         if forced != "auto":
             return forced
         costs = self.costs(q)
