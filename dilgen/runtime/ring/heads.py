@@ -86,14 +86,14 @@ def _twin(run, device, chunk: int = 0, chunks: int = 1):
 # of every block travels in one exchange. Head-sharded rows are (N, B, heads, X) in
 # sequence order, so that each source rank's piece lands in place (zigzag pieces too).
 class _Posted:
-    """Point-to-point transfers of one exchange, posted (batch_isend_irecv); wait() makes the
-    current stream wait for them (NCCL) or returns once they are done (gloo)."""
+    """Point-to-point transfers of one exchange with every other rank, posted
+    (batch_isend_irecv); wait() makes the current stream wait for them (NCCL) or returns once
+    they are done (gloo). A rank's own block never travels: the callers copy it in place."""
 
     def __init__(self, run, sends: list, recvs: list, keep=()):
         dist, ops = run.dist, []
         for d in range(run.P):
             if d == run.me:
-                recvs[d].copy_(sends[d])
                 continue
             ops.append(dist.P2POp(dist.isend, sends[d], run.peer(d), run.group))
             ops.append(dist.P2POp(dist.irecv, recvs[d], run.peer(d), run.group))
@@ -120,27 +120,35 @@ def _post_to_heads(run, x: torch.Tensor, C: int, c: int):
     out = torch.empty((run.N, B, hc, X), dtype=x.dtype, device=x.device)
     posted = []
     for i, (_, ln) in enumerate(run.pieces[run.me]):
-        mine = _blocks(run.piece(x, i), P, C, c).permute(2, 1, 0, 3, 4).contiguous()   # (P, ln, B, hc, X)
-        posted.append(_Posted(run, list(mine.unbind(0)),
-                              [out.narrow(0, *run.pieces[s][i]) for s in range(P)], mine))
+        blocks = _blocks(run.piece(x, i), P, C, c)              # (B, ln, P, hc, X), a view
+        lands = [out.narrow(0, *run.pieces[s][i]) for s in range(P)]
+        # the other ranks' blocks packed for the wire (ln, B, hc, X); mine straight into place
+        sends = [None if d == run.me else blocks[:, :, d].transpose(0, 1).contiguous() for d in range(P)]
+        lands[run.me].copy_(blocks[:, :, run.me].transpose(0, 1))
+        posted.append(_Posted(run, sends, lands, sends))
     return out, posted
 
 
 def _post_from_heads(run, y: torch.Tensor, dst: torch.Tensor, C: int, c: int):
     """Post the return of y (N, B, hc, X), chunk c of my heads, into dst (B, n_loc, heads, X);
     returns the work whose finish() copies the received rows into place."""
-    P = run.P
+    P, me = run.P, run.me
     posted, landed = [], []
-    for i, (_, ln) in enumerate(run.pieces[run.me]):
+    for i, (_, ln) in enumerate(run.pieces[me]):
         recv = torch.empty((P, ln, *y.shape[1:]), dtype=y.dtype, device=y.device)
         posted.append(_Posted(run, [y.narrow(0, *run.pieces[d][i]) for d in range(P)], list(recv.unbind(0)), y))
+        # my own heads' rows of my piece: straight into place, no transfer
+        _blocks(run.piece(dst, i), P, C, c)[:, :, me].copy_(y.narrow(0, *run.pieces[me][i]).transpose(0, 1))
         landed.append((i, recv))
 
     def finish():
         for p in posted:
             p.wait()
-        for i, recv in landed:       # (P, ln, B, hc, X) -> my rows of chunk c of every block
-            _blocks(run.piece(dst, i), P, C, c).copy_(recv.permute(2, 1, 0, 3, 4))
+        for i, recv in landed:       # (ln, B, hc, X) from rank d -> my rows of chunk c of its block
+            blocks = _blocks(run.piece(dst, i), P, C, c)
+            for d in range(P):
+                if d != me:
+                    blocks[:, :, d].copy_(recv[d].transpose(0, 1))
     return finish
 
 
