@@ -244,23 +244,18 @@ class Kernel:
         """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length);
         dropout_p > 0: attention dropout (one device, eager; runtime/dropout_call.py)."""
         import torch
-        if dropout_p:
-            device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-            if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
+            if dropout_p:
                 from .runtime.checks import InputError
                 raise InputError(f"{self.spec.name}: dropout_p > 0 is not traced by torch.compile yet; "
                                  f"call the model eagerly while dropout is on")
-            return self.compiled_for(device).attention(
-                q, k, v, return_lse=return_lse, group=group, chunk_order=chunk_order,
-                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, dropout_p=dropout_p)
-        if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
             from .runtime.dispatch import kernel_call
             return kernel_call(self, q, k, v, return_lse=return_lse, group=group,
                                chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group,
                                                    chunk_order=chunk_order, cu_seqlens=cu_seqlens,
-                                                   max_seqlen=max_seqlen)
+                                                   max_seqlen=max_seqlen, dropout_p=dropout_p)
 
     def padded(self, q, k, v, key_padding_mask, *, return_lse: bool = False, dropout_p: float = 0.0):
         """A padded batch (B, N, ...) with key_padding_mask (B, N), True = padding (left or right): each

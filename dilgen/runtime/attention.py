@@ -202,14 +202,11 @@ class GeneratedAttention:
     def __call__(self, q, k, v, *, return_lse: bool = False, group=None,
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
                  dropout_p: float = 0.0):
-        if dropout_p and self.plan["ring"]["ring_size"] > 1 and cu_seqlens is None:
-            return ring_attention(self, q, k, v, group=group, return_lse=return_lse, chunk_order=chunk_order,
-                                  dropout_p=dropout_p)      # the local and heads transports draw the coins
-        if dropout_p:       # attention dropout: the spec's dropout plan (dropout_call.py)
+        if dropout_p and cu_seqlens is None and max_seqlen is None:   # attention dropout (dropout_call.py)
+            if self.plan["ring"]["ring_size"] > 1:      # the local and heads transports draw the coins
+                return ring_attention(self, q, k, v, group=group, return_lse=return_lse,
+                                      chunk_order=chunk_order, dropout_p=dropout_p)
             self._dropout_ready(group, chunk_order)
-            if cu_seqlens is not None:
-                return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse,
-                                   dropout_p=dropout_p)
             check_inputs(self.spec, q, k, v)
             return dropout_attention(self, q, k, v, dropout_p, return_lse=return_lse)
         if self._direct and cu_seqlens is None and max_seqlen is None and group is None \
@@ -219,7 +216,7 @@ class GeneratedAttention:
                 return hit if return_lse else hit[0]
         if cu_seqlens is not None:
             return self.varlen(q, k, v, cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse,
-                               group=group, chunk_order=chunk_order)
+                               group=group, chunk_order=chunk_order, dropout_p=dropout_p)
         if max_seqlen is not None:
             raise InputError(f"{self.spec['name']}: max_seqlen goes with cu_seqlens (packed batches)")
         ring = self.plan["ring"]["ring_size"]

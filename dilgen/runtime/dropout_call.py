@@ -26,16 +26,34 @@ def refuse(name: str, what: str, fix: str) -> None:
     raise InputError(f"{name}: dropout_p > 0 {what}; {fix}")
 
 
+def valid_p(p) -> bool:
+    return not isinstance(p, bool) and isinstance(p, (int, float)) and 0.0 <= float(p) < 1.0
+
+
+def bad_p(name: str, p) -> InputError:
+    return InputError(f"{name}: dropout_p = {p!r} must be a number in [0, 1) (the probability of "
+                      f"dropping an attention probability)")
+
+
+def draw_seed() -> int:
+    """A seed from torch's default generator (a CPU tensor: no device sync)."""
+    return int(torch.randint(0, SEED_BOUND, (1,)).item())
+
+
+def cut_and_scale(p: float) -> tuple[int, float]:
+    """The kernels' (drop_cut, drop_scale) of probability p (common.dropout_keep)."""
+    return threshold(float(p)) - (1 << 31), 1.0 / (1.0 - float(p))
+
+
 def _seed_and_cut(name: str, p, seed) -> tuple[int, int, float]:
     """(seed, drop_cut, drop_scale) of a call with drop probability p, or one InputError."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
-        raise InputError(f"{name}: dropout_p = {p!r} must be a number in [0, 1) (the probability of "
-                         f"dropping an attention probability)")
+    if not valid_p(p):
+        raise bad_p(name, p)
     if seed is None:
-        seed = int(torch.randint(0, SEED_BOUND, (1,)).item())   # a CPU tensor: no device sync
+        seed = draw_seed()
     elif not 0 <= int(seed) < SEED_BOUND:
         raise InputError(f"{name}: dropout seed {seed} must be in [0, 2^62)")
-    return int(seed), threshold(float(p)) - (1 << 31), 1.0 / (1.0 - float(p))
+    return (int(seed), *cut_and_scale(p))
 
 
 class _DropoutFunction(torch.autograd.Function):
@@ -64,7 +82,7 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     torch's generator)."""
     name = attn.spec["name"]
     if attn.plan["ring"]["ring_size"] > 1:
-        refuse(name, "runs on one device", "a ring spec does not take attention dropout yet")
+        refuse(name, "runs here on one device", "call a ring spec through kernel(...) on every rank")
     if torch.compiler.is_compiling():
         refuse(name, "is not traced by torch.compile yet", "call the model eagerly while dropout is on")
     if isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -18,7 +18,8 @@ from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
-from .dropout import dropout_proposal, dropout_transport, proposal_cut_scale, valid_p
+from ..dropout_call import bad_p, cut_and_scale, valid_p
+from .dropout import dropout_proposal, dropout_transport
 from .faults import Guard, collective, remember, transfer
 from .heads import heads_refusal, local_possible
 
@@ -164,16 +165,16 @@ class RingRun:
         def local_check(n_loc):
             _check_geometry(self.attn, n_loc, self.P, self.order, self.packed)
             if self.dropout_p and not valid_p(self.dropout_p):
-                raise InputError(f"{self.attn.spec['name']}: dropout_p = {self.dropout_p!r} must be a number "
-                                 f"in [0, 1) (the probability of dropping an attention probability)")
+                raise bad_p(self.attn.spec["name"], self.dropout_p)
             if self.dropout_p:
-                dropout_transport(self.attn, n_loc * self.P, self.P, self.order, self.packed, _forced_transport())
+                sched = ring_schedule(self.attn.plan["ring"], n_loc * self.P, self.order)
+                dropout_transport(self.attn, sched, self.P, self.packed, _forced_transport())
         cu, self.fault_key, self.free_bytes, seed = _agree(
             self.attn.spec, q, k, v, self.order, self.group, self.P, self.me, self.dist,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kind=kind, local_check=local_check,
             dropout=proposal)
         if self.dropout_p and self.dropout_args is None:     # the forward's: its backward reuses them
-            self.dropout_args = (seed, *proposal_cut_scale(self.dropout_p))
+            self.dropout_args = (seed, *cut_and_scale(self.dropout_p))
         remember(self.dist, self.group, self.fault_key)
         return cu
 
@@ -229,7 +230,7 @@ class RingRun:
         DILGEN_RING_TRANSPORT overrides the model (ring, allgather or heads)."""
         forced = _forced_transport()
         if self.dropout_p:      # the transports whose kernels draw dropout's coins
-            return dropout_transport(self.attn, self.N, self.P, self.order, self.packed, forced)
+            return dropout_transport(self.attn, self.sched, self.P, self.packed, forced)
         if forced != "auto":
             return forced
         costs = self.costs(q)
