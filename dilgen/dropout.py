@@ -1,17 +1,23 @@
 """Attention dropout's mask as a function (issue 60, the part the kernels and the reference share).
 
-The mask keeps the probability of query q, key k, in branch i of batch item b and head h
+The mask keeps the probability of query q and key k in branch i of batch item b and head h
 (LongNet Eq. 10: the one softmax over every branch's keys, a pair kept by two branches being
-two entries) when a counter-based draw clears the drop probability p:
+two entries) when a 16-bit draw clears the cut of p. The key enters through its lane j in
+branch i, its index among the segment's dilated keys (key = segment start + offset + r j, or
+the curve's lane for Hilbert), so the 8 keys of lanes 8g .. 8g + 7 share one Philox call:
 
-    counter = ((((b * H + h) * n_branches + i) * N + q) * N + k)      q, k global positions
-    keep    = philox(seed, counter) >= floor(p * 2^32)                  the uint32 of tl.randint
+    stream = (b H + h) n_branches + i
+    w_0, w_1, w_2, w_3 = philox(seed, (g, q, stream, 0))           g = j // 8, q global
+    draw   = 16-bit half (j mod 2) of word w_((j mod 8) // 2)       (low half first)
+    keep   = draw >= cut,  cut = round(p 2^16)
 
-`philox` is Triton's `tl.randint(seed, offset)` (Philox 4x32, 10 rounds, the offset's low and
-high words as the first two counters, the seed's as the key), reproduced here bit for bit on
-int64 tensors, so the float64 reference regenerates the kernels' mask, and every transport of
-the ring (which sees global positions) draws the same mask as one device. The kept entries
-are scaled by 1 / (1 - p), as FlashAttention 2 defines dropout on the probabilities.
+`philox` is Triton's `tl.philox` (Philox 4x32, 10 rounds, the seed's low and high words as
+the key), reproduced here bit for bit on int64 tensors, so the float64 reference regenerates
+the kernels' mask, and every transport of the ring (which sees global positions and whole
+segments) draws the same mask as one device. One call serves 8 entries, a quarter of a
+32-bit draw each: FlashAttention 2 serves 16 at 8 bits; 16 bits keep p within 2^-17 of what
+was asked. The kept entries are scaled by 2^16 / (2^16 - cut) = 1 / (1 - p'), p' = cut / 2^16
+the probability actually drawn, so dropout leaves the expectation exact.
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85          # Philox 4x32's key increments (Weyl)
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57      # its round multipliers
 ROUNDS = 10
+GROUP = 8                                        # key lanes per Philox call: 4 words x 2 halves
+BITS = 16                                        # bits of one draw
+_ONE = 1 << BITS
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,40 +43,54 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high & _MASK32, low
 
 
-def philox(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """tl.randint(seed, offsets) as non-negative int64 (its uint32), for int64 offsets."""
+def philox(seed: int, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
+    """tl.philox(seed, c0, c1, c2, c3) for uint32 counters: its 4 words as non-negative int64
+    (broadcast int64 tensors or ints in [0, 2^32))."""
     if not 0 <= seed < 2**64:
         raise ValueError(f"dropout seed {seed}: must be in [0, 2^64)")
-    offsets = offsets.to(torch.int64)
-    c0, c1 = offsets & _MASK32, (offsets >> 32) & _MASK32
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
+    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64) & _MASK32
+                                               for c in (c0, c1, c2, c3)))
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     for _ in range(ROUNDS):
         hi_b, lo_b = _mulhilo(_ROUND_B, c2)
         hi_a, lo_a = _mulhilo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
 
 
 def threshold(p: float) -> int:
-    """The uint32 a draw must reach to keep an entry: floor(p * 2^32)."""
+    """The 16-bit draw an entry must reach to be kept: round(p 2^16), below 2^16."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p = {p}: must be in [0, 1)")
-    return int(p * 2**32)
+    return min(round(p * _ONE), _ONE - 1)
 
 
-def counters(batch: int, heads: int, n_branches: int, n: int, b, h, branch, q, k) -> torch.Tensor:
-    """The mask's counter of (b, h, branch, q, k) (broadcast int64 tensors or ints)."""
-    if batch * heads * n_branches * n * n >= 2**63:
-        raise ValueError(f"dropout: batch {batch} x heads {heads} x branches {n_branches} x N^2 ({n}^2) "
-                         f"needs more than 63 bits of counter")
-    as_t = [torch.as_tensor(x, dtype=torch.int64) for x in (b, h, branch, q, k)]
-    b, h, branch, q, k = as_t
-    return (((b * heads + h) * n_branches + branch) * n + q) * n + k
+def scale(cut: int) -> float:
+    """The kept entries' weight 1 / (1 - p') for p' = cut / 2^16 (the expectation stays exact)."""
+    return _ONE / (_ONE - cut)
 
 
-def keep(seed: int, p: float, offsets: torch.Tensor) -> torch.Tensor:
-    """The boolean mask of the entries kept at counters `offsets`."""
-    return philox(seed, offsets) >= threshold(p)
+def stream(batch: int, heads: int, n_branches: int, b, h, branch):
+    """The third counter word of (b, h, branch); refuses a batch x heads x branches past 2^32."""
+    if batch * heads * n_branches > _MASK32:
+        raise ValueError(f"dropout: batch {batch} x heads {heads} x branches {n_branches} passes 2^32 "
+                         f"(one 32-bit counter word)")
+    return (b * heads + h) * n_branches + branch
+
+
+def draws(seed: int, stream_, q, lane) -> torch.Tensor:
+    """The 16-bit draws (int64) of query positions q and key lanes `lane` (broadcast tensors)
+    in counter stream `stream_`."""
+    lane = torch.as_tensor(lane, dtype=torch.int64)
+    if (torch.as_tensor(q) >= 1 << 32).any():
+        raise ValueError("dropout: a query position passes 2^32 (one 32-bit counter word)")
+    words = torch.stack(torch.broadcast_tensors(*philox(seed, lane // GROUP, q, stream_, 0)))
+    lane = lane.expand(words.shape[1:])
+    word = torch.gather(words, 0, ((lane % GROUP) // 2)[None]).squeeze(0)
+    return (word >> (BITS * (lane % 2))) & (_ONE - 1)
+
+
+def keep(seed: int, p: float, stream_, q, lane) -> torch.Tensor:
+    """The boolean mask of the entries kept (query positions q, key lanes `lane`)."""
+    return draws(seed, stream_, q, lane) >= threshold(p)

@@ -216,6 +216,7 @@ def test_over_200_seeds_the_mean_output_is_the_output_without_dropout():
     se = outs.std(0) / n ** 0.5
     inside = ((outs.mean(0) - plain).abs() <= 3 * se + 1e-12).double().mean().item()
     assert inside >= 0.99, inside
-    c = coins.counters(1, 1, 2, 16, 0, 0, torch.arange(2)[:, None, None], torch.arange(16)[:, None], torch.arange(16))
-    kept = torch.stack([coins.keep(1000 + s, p, c) for s in range(n)]).double().mean().item()
-    assert abs(kept - (1 - p)) < 3 * (p * (1 - p) / (n * c.numel())) ** 0.5, kept
+    branch, q, lane = torch.arange(2)[:, None, None], torch.arange(16)[:, None], torch.arange(16)
+    c = torch.stack([coins.keep(1000 + s, p, coins.stream(1, 1, 2, 0, 0, branch), q, lane) for s in range(n)])
+    kept = c.double().mean().item()
+    assert abs(kept - (1 - p)) < 3 * (p * (1 - p) / c.numel()) ** 0.5, kept

@@ -1,6 +1,6 @@
 """Attention dropout's mask (issue 60, dilgen/dropout.py): the reference's Philox is Triton's
-tl.randint bit for bit (the kernels and the float64 reference must draw the same mask), the
-counter of (b, h, branch, q, k) is one per entry, and the kept fraction is 1 - p."""
+tl.philox bit for bit (the kernels and the float64 reference must draw the same mask), a
+group of 8 key lanes reads the 8 16-bit halves of one call, and the kept fraction is 1 - p."""
 from __future__ import annotations
 
 import math
@@ -14,37 +14,49 @@ from dilgen import dropout
 from dilgen.runtime.interpreter import interpreting
 
 
-def _draw_fn(Out, Off, seed, n, BLOCK: tl.constexpr):
+def _draw_fn(Out, C, seed, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    off = tl.load(Off + i, mask=m, other=0)
-    tl.store(Out + i, tl.randint(seed, off).to(tl.uint32, bitcast=True).to(tl.int64), mask=m)
+    c = [tl.load(C + x * n + i, mask=m, other=0).to(tl.uint32) for x in range(4)]
+    w = tl.philox(seed, c[0], c[1], c[2], c[3])
+    for x in tl.static_range(4):
+        tl.store(Out + x * n + i, w[x].to(tl.int64), mask=m)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 + 7, 2**40 + 3, 2**64 - 1])
-def test_philox_is_tritons_randint_bit_for_bit(seed):
+def test_philox_is_tritons_philox_bit_for_bit(seed):
     g = torch.Generator().manual_seed(seed % 1000)
-    offsets = torch.cat([torch.arange(0, 200), torch.randint(0, 2**62, (200,), generator=g),
-                         torch.tensor([2**32 - 1, 2**32, 2**63 - 1])])
-    out = torch.full_like(offsets, -1)           # poisoned: an unwritten entry fails
+    c = torch.cat([torch.arange(0, 4 * 50).reshape(4, 50), torch.randint(0, 2**32, (4, 200), generator=g),
+                   torch.tensor([[2**32 - 1] * 4, [0, 2**32 - 1, 0, 1]]).T], 1)
+    n = c.shape[1]
+    out = torch.full((4, n), -1, dtype=torch.int64)   # poisoned: an unwritten entry fails
     from triton.runtime.interpreter import InterpretedFunction
     with interpreting():                         # CPU tensors: Triton's interpreter, as the kernels run here
-        InterpretedFunction(_draw_fn)[(triton.cdiv(offsets.numel(), 128),)](out, offsets, seed, offsets.numel(),
-                                                                              BLOCK=128)
-    assert torch.equal(out, dropout.philox(seed, offsets))
+        InterpretedFunction(_draw_fn)[(triton.cdiv(n, 128),)](out, c.contiguous(), seed, n, BLOCK=128)
+    assert torch.equal(out, torch.stack(dropout.philox(seed, *c)))
 
 
-def test_counters_are_one_per_entry_and_the_kept_fraction_is_one_minus_p():
-    B, H, nb, N = 2, 3, 2, 40
-    b, h, i, q, k = torch.meshgrid(*(torch.arange(x) for x in (B, H, nb, N, N)), indexing="ij")
-    c = dropout.counters(B, H, nb, N, b, h, i, q, k).flatten()
-    assert c.unique().numel() == c.numel() and c.min() == 0 and c.max() == B * H * nb * N * N - 1
+def test_a_group_of_8_lanes_reads_the_8_halves_of_one_call_and_the_kept_fraction_is_one_minus_p():
+    words = torch.stack(dropout.philox(5, 3, 17, 9, 0))
+    halves = torch.stack([(words >> 16 * x) & 0xFFFF for x in (0, 1)], 1).flatten()   # w0 lo, w0 hi, w1 lo, ...
+    assert torch.equal(dropout.draws(5, 9, 17, torch.arange(24, 32)), halves)
+    q, lane = torch.arange(300)[:, None], torch.arange(200)[None, :]
+    d = dropout.draws(7, 3, q, lane)
+    assert d.min() >= 0 and d.max() < 1 << 16 and d.unique().numel() > 38000   # 60000 draws of 2^16 values: ~39300 distinct
     for p in (0.1, 0.5, 0.9):
-        kept = dropout.keep(7, p, c).double().mean().item()
-        sigma = math.sqrt(p * (1 - p) / c.numel())
+        kept = dropout.keep(7, p, 3, q, lane).double().mean().item()
+        sigma = math.sqrt(p * (1 - p) / d.numel())
         assert abs(kept - (1 - p)) < 4 * sigma, (p, kept)
-    assert dropout.keep(7, 0.0, c).all()
-    assert not torch.equal(dropout.keep(7, 0.5, c), dropout.keep(8, 0.5, c))     # the seed matters
+    assert dropout.keep(7, 0.0, 3, q, lane).all()
+    assert not torch.equal(dropout.keep(7, 0.5, 3, q, lane), dropout.keep(8, 0.5, 3, q, lane))  # the seed matters
+    assert not torch.equal(dropout.keep(7, 0.5, 3, q, lane), dropout.keep(7, 0.5, 4, q, lane))  # and the stream
+
+
+def test_the_drawn_probability_is_within_2_to_the_minus_17_and_the_scale_undoes_it_exactly():
+    for p in (1e-7, 0.1, 1 / 3, 0.5, 0.9, 1 - 1e-9):
+        cut = dropout.threshold(p)
+        assert 0 <= cut < 1 << 16 and abs(cut / 2**16 - p) <= 2**-17 + 1e-12 or cut == (1 << 16) - 1, (p, cut)
+        assert dropout.scale(cut) * (1 - cut / 2**16) == pytest.approx(1.0, abs=1e-15)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
@@ -53,9 +65,11 @@ def test_a_drop_probability_outside_0_1_is_refused(p):
         dropout.threshold(p)
 
 
-def test_a_counter_past_63_bits_is_refused():
-    with pytest.raises(ValueError, match="63 bits"):
-        dropout.counters(64, 64, 8, 1 << 26, 0, 0, 0, 0, 0)
+def test_a_counter_word_past_32_bits_is_refused():
+    with pytest.raises(ValueError, match="2\\^32"):
+        dropout.stream(1 << 16, 1 << 12, 1 << 4, 0, 0, 0)
+    with pytest.raises(ValueError, match="2\\^32"):
+        dropout.draws(0, 0, torch.tensor([1 << 32]), 0)
 
 
 def _spec(**kw):
@@ -75,6 +89,7 @@ def test_the_reference_drops_each_branch_entry_with_its_coin(causal):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, N, x, D, generator=g, dtype=torch.float64) for x in (H, 2, 2))
     plain, lse0 = differentiable_reference(q, k, v, spec)
+    scale = dropout.scale(dropout.threshold(p))
     out, lse = differentiable_reference(q, k, v, spec, dropout_p=p, seed=seed)
     assert torch.equal(lse, lse0)
     assert torch.equal(differentiable_reference(q, k, v, spec, dropout_p=0.0, seed=seed)[0], plain)
@@ -86,9 +101,10 @@ def test_the_reference_drops_each_branch_entry_with_its_coin(causal):
             for i in range(N):
                 for j in range(N):
                     for br, pair in enumerate(pairs):
-                        c = dropout.counters(B, H, len(pairs), N, b, h, br, i, j).reshape(1)
-                        if pair[i, j] and dropout.keep(seed, p, c).item():
-                            want[b, i, h] += math.exp(s[b, i, j] - lse0[b, h, i]) / (1 - p) * v[b, j, h // 2]
+                        lane = j % spec.segment_lengths[br] // spec.dilation_rates[br]  # raster: j's lane
+                        c = dropout.stream(B, H, len(pairs), b, h, br)
+                        if pair[i, j] and dropout.keep(seed, p, c, i, lane).item():
+                            want[b, i, h] += math.exp(s[b, i, j] - lse0[b, h, i]) * scale * v[b, j, h // 2]
     assert (out - want).abs().max().item() < 1e-12
     assert (out - plain).abs().max().item() > 1e-3          # something was dropped
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dropout import threshold
+from ..dropout import scale, threshold
 from .backward import backward_raw
 from .checks import InputError
 from .forward import forward_raw
@@ -42,7 +42,8 @@ def draw_seed() -> int:
 
 def cut_and_scale(p: float) -> tuple[int, float]:
     """The kernels' (drop_cut, drop_scale) of probability p (common.dropout_keep)."""
-    return threshold(float(p)) - (1 << 31), 1.0 / (1.0 - float(p))
+    cut = threshold(float(p))
+    return cut, scale(cut)
 
 
 def _seed_and_cut(name: str, p, seed) -> tuple[int, int, float]:
@@ -93,9 +94,9 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
                "call the model's spec (head_base 0); a ring's heads transport passes them")
     B, n = (1, q.shape[0]) if packing is not None else (q.shape[0], q.shape[1])
     H, nb = attn.spec["num_heads"], len(attn.plan["branches"])
-    if B * H * nb * n * n >= 1 << 63:
-        refuse(name, f"needs a 64-bit counter per entry: batch {B} x heads {H} x branches {nb} x N^2 ({n}^2) "
-               f"passes 2^63", "split the batch")
+    if B * H * nb >= 1 << 32 or n >= 1 << 32:
+        refuse(name, f"counts (batch, head, branch) and positions in 32-bit words: batch {B} x heads {H} x "
+               f"branches {nb} and N = {n} must stay below 2^32", "split the batch")
     drop = twin(attn, q.device, tuning={"dropout": True})
     if drop is None:
         refuse(name, "needs dilgen's compiler to build the spec's dropout kernels",
