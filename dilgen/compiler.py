@@ -242,16 +242,12 @@ class Kernel:
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
                  dropout_p: float = 0.0):
         """out = kernel(q, k, v); packed sequences with cu_seqlens= (SPEC §3, variable length);
-        dropout_p > 0: attention dropout (one device, eager; runtime/dropout_call.py)."""
+        dropout_p > 0: attention dropout (runtime/dropout_call.py)."""
         import torch
         if torch.compiler.is_compiling():      # build() (files, hashes) cannot be traced
-            if dropout_p:
-                from .runtime.checks import InputError
-                raise InputError(f"{self.spec.name}: dropout_p > 0 is not traced by torch.compile yet; "
-                                 f"call the model eagerly while dropout is on")
             from .runtime.dispatch import kernel_call
-            return kernel_call(self, q, k, v, return_lse=return_lse, group=group,
-                               chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+            return kernel_call(self, q, k, v, return_lse=return_lse, group=group, chunk_order=chunk_order,
+                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, dropout_p=dropout_p)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         return self.compiled_for(device).attention(q, k, v, return_lse=return_lse, group=group,
                                                    chunk_order=chunk_order, cu_seqlens=cu_seqlens,

@@ -220,3 +220,59 @@ def test_over_200_seeds_the_mean_output_is_the_output_without_dropout():
     c = torch.stack([coins.keep(1000 + s, p, coins.stream(1, 1, 2, 0, 0, branch), q, lane) for s in range(n)])
     kept = c.double().mean().item()
     assert abs(kept - (1 - p)) < 3 * (p * (1 - p) / c.numel()) ** 0.5, kept
+
+
+def test_under_torch_compile_the_mask_is_the_eager_calls_and_the_reference():
+    """kernel(q, k, v, dropout_p=p) traced whole (fullgraph) runs the dropout custom ops: at the
+    same torch.manual_seed the compiled call draws the eager call's seed, so its output and
+    gradients equal the eager ones bit for bit and the float64 reference's under that seed;
+    a second call draws another mask."""
+    import torch._dynamo
+    from dilgen.runtime.dropout_call import draw_seed
+    spec = _spec("compiled", **CASES["causal_gqa_r3"])
+    kernel = dilgen.compile(spec)
+    base = [t.detach() for t in _inputs(spec, 1, 48, "compiled")]
+    grad = torch.randn(base[0].shape, generator=torch.Generator().manual_seed(4)).to(base[0])
+
+    def call(q, k, v):
+        return kernel(q, k, v, dropout_p=0.3)
+
+    torch._dynamo.reset()
+    runs = {}
+    for name, fn in (("eager", call), ("compiled", torch.compile(call, backend="aot_eager", fullgraph=True))):
+        torch.manual_seed(11)
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = fn(q, k, v)
+        (out * grad).sum().backward()
+        runs[name] = (out.detach(), q.grad, k.grad, v.grad, fn(q, k, v).detach())
+    torch._dynamo.reset()
+    for mine, eager in zip(runs["compiled"], runs["eager"]):
+        assert torch.equal(mine, eager)
+    out, dq, dk, dv, second = runs["compiled"]
+    assert not torch.equal(out, second)                      # successive calls differ
+    torch.manual_seed(11)
+    ref_in = [t.double().cpu().requires_grad_() for t in base]
+    ref_out, _ = differentiable_reference(*ref_in, spec, dropout_p=0.3, seed=draw_seed())
+    (ref_out * grad.double().cpu()).sum().backward()
+    tol = TOL[spec.dtype]
+    assert rel_error(out, ref_out) < tol
+    for mine, ref in zip((dq, dk, dv), ref_in):
+        assert rel_error(mine, ref.grad) < 2 * tol
+
+
+def test_opcheck_the_dropout_ops():
+    """Schema, fake implementations, autograd registration and AOT dispatch of the dropout ops
+    (a given seed: the op is then a function)."""
+    from dilgen.runtime import registry
+    spec = _spec("opcheck", **CASES["two_branches"])
+    kernel = dilgen.compile(spec)
+    q, k, v = (t.detach().requires_grad_() for t in _inputs(spec, 1, 40, "opcheck"))
+    key = registry.register(kernel.compiled_for(q.device).attention)
+    torch.library.opcheck(torch.ops.dilgen.attention_dropout_fwd.default, (q, k, v, 0.2, 123, key))
+    out, lse, seed = torch.ops.dilgen.attention_dropout_fwd(q, k, v, 0.2, 123, key)
+    assert seed.tolist() == [123]
+    q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
+    for g_lse in (torch.randn(lse.shape, generator=torch.Generator().manual_seed(6)).to(lse), None):
+        torch.library.opcheck(torch.ops.dilgen.attention_dropout_bwd.default,
+                              (q, k, v, out, lse, g, g_lse, seed, 0.2, key))

@@ -108,11 +108,11 @@ def _traced_padded(kernel: Kernel, q, k, v, mask):
 def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0, refuse_dropout=None):
     """The rows of a prefill (T queries over T keys): one batch, packed rows (position_ids
     or cu_seq_lens), or padded rows (a mask); dropout: attention dropout's p (eager only:
-    refuse_dropout(where) -> the error under torch.compile)."""
+    refuse_dropout(where) -> the error for padded or packed rows under torch.compile)."""
     B, T = q.shape[0], q.shape[1]
-    drop = {"dropout_p": dropout} if dropout else {}      # the traced call takes no dropout_p
-    if dropout and torch.compiler.is_compiling():
-        raise refuse_dropout("a model traced by torch.compile")
+    drop = {"dropout_p": dropout} if dropout else {}
+    if dropout and torch.compiler.is_compiling() and mask is not None:
+        raise refuse_dropout("a padded batch in a model traced by torch.compile")
     if mask is not None and torch.compiler.is_compiling() and "cu_seq_lens_q" not in kwargs:
         _packed_offsets(kwargs, B, T)                 # the device-side check that rows are not packed
         return _traced_padded(kernel, q, k, v, mask)
@@ -122,6 +122,8 @@ def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0, refuse_
     # padding wins over position_ids that restart (generate() gives padded rows position 0)
     packed = _packed_offsets(kwargs, B, T) if mask is None or "cu_seq_lens_q" in kwargs else None
     if packed is not None:
+        if dropout and torch.compiler.is_compiling():
+            raise refuse_dropout("packed rows in a model traced by torch.compile")
         if mask is not None and not bool(mask.all()):
             raise ValueError("attn_implementation='dilgen': packed rows come without padding "
                              "(drop the attention_mask or the packing)")

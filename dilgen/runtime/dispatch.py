@@ -7,6 +7,7 @@ import torch
 
 from .checks import InputError, check_inputs, check_max_seqlen
 from .decode import check_decode_inputs
+from .dropout_call import attention_dropout_fwd, bad_p, valid_p
 from .op import attention_fwd, attention_varlen_fwd, decode_op, refused
 from .registry import kernel_spec
 from .ring.op import ring_attention_fwd
@@ -30,12 +31,15 @@ def _traced_offsets(name: str, cu, total: int, max_seqlen: int):
 
 
 def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
-                chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen=None):
+                chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen=None, dropout_p: float = 0.0):
     """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
     in `kernel._op_key`; or that key itself), without building anything at trace time:
     for torch.compile. A call the checks refuse becomes torch.ops.dilgen.refused, which
     raises the InputError when the graph runs (so it is not wrapped in dynamo's message)."""
     try:
+        if dropout_p:
+            return _traced_dropout(kernel, q, k, v, dropout_p, return_lse=return_lse, group=group,
+                                   chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return _traced_call(kernel, q, k, v, return_lse=return_lse, group=group,
                             chunk_order=chunk_order, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     except InputError as exc:
@@ -77,6 +81,27 @@ def _traced_call(kernel, q, k, v, *, return_lse, group, chunk_order, cu_seqlens,
         raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
     check_inputs(spec, q, k, v)
     out, lse = attention_fwd(q, k, v, key)
+    return (out, lse) if return_lse else out
+
+
+def _traced_dropout(kernel, q, k, v, p, *, return_lse, group, chunk_order, cu_seqlens, max_seqlen):
+    """kernel(q, k, v, dropout_p=p) traced: torch.ops.dilgen.attention_dropout_fwd, which
+    draws the mask's seed when the graph runs (dropout_call.py)."""
+    key = kernel if isinstance(kernel, str) else kernel._op_key
+    spec = kernel_spec(key)
+    name = spec["name"]
+    if not valid_p(p):
+        raise bad_p(name, p)
+    if cu_seqlens is not None or max_seqlen is not None:
+        raise InputError(f"{name}: dropout_p > 0 on packed rows is not traced by torch.compile yet; call the "
+                         f"model eagerly while dropout is on, or pass fixed-length rows")
+    if spec["ring_size"] > 1:
+        raise InputError(f"{name}: dropout_p > 0 on a ring is not traced by torch.compile yet; call the "
+                         f"ring eagerly while dropout is on")
+    if chunk_order != "contiguous" or group is not None:
+        raise InputError(f"{name}: group= and chunk_order apply only to ring_size > 1 specs")
+    check_inputs(spec, q, k, v)
+    out, lse, _ = attention_dropout_fwd(q, k, v, float(p), -1, key)
     return (out, lse) if return_lse else out
 
 

@@ -10,13 +10,17 @@ its rows). The seed is drawn from torch's default generator on the host (torch.m
 reproduces a run; successive calls differ): no device read, no sync."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from ..dropout import scale, threshold
 from .backward import backward_raw
 from .checks import InputError
 from .forward import forward_raw
-from .registry import twin
+from .op import _keep_nothing, _no_double_backward, plain_eager
+from .registry import attention_for, op_key, register, twin
 
 #: seeds are drawn in [0, 2^62): tl.randint takes them as a signed 64-bit argument
 SEED_BOUND = 1 << 62
@@ -76,19 +80,19 @@ class _DropoutFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None, packing=None):
-    """attention(q, k, v, dropout_p=p) for p > 0 on one device (autograd-aware), inputs
-    already checked by the caller. packing (runtime.varlen.Packing): q, k, v are packed rows
-    (total, heads, D). `seed`: the mask's seed (tests and reproductions; default drawn from
-    torch's generator)."""
+def dropout_twin(attn, device):
+    """The dropout plan's module of attn's spec (planner.DROPOUT_TUNING), or one refusal."""
+    drop = twin(attn, device, tuning={"dropout": True})
+    if drop is None:
+        refuse(attn.spec["name"], "needs dilgen's compiler to build the spec's dropout kernels",
+               "call it through dilgen.compile(spec), not an imported generated module")
+    return drop
+
+
+def dropout_args(attn, q, p, seed, packing=None) -> tuple:
+    """The kernels' dropout arguments (seed, drop_cut, drop_scale, the counter's N, position
+    of row 0, head 0, heads: common.dropout_rows) of a call on q, or one refusal."""
     name = attn.spec["name"]
-    if attn.plan["ring"]["ring_size"] > 1:
-        refuse(name, "runs here on one device", "call a ring spec through kernel(...) on every rank")
-    if torch.compiler.is_compiling():
-        refuse(name, "is not traced by torch.compile yet", "call the model eagerly while dropout is on")
-    if isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing():
-        refuse(name, "is not captured in a CUDA graph (a graph would replay one mask)",
-               "capture the model in eval mode")
     if attn.spec.get("head_base", 0):
         refuse(name, "draws the coins of a model's heads, which a head_base spec called alone does not know",
                "call the model's spec (head_base 0); a ring's heads transport passes them")
@@ -97,14 +101,96 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     if B * H * nb >= 1 << 32 or n >= 1 << 32:
         refuse(name, f"counts (batch, head, branch) and positions in 32-bit words: batch {B} x heads {H} x "
                f"branches {nb} and N = {n} must stay below 2^32", "split the batch")
-    drop = twin(attn, q.device, tuning={"dropout": True})
-    if drop is None:
-        refuse(name, "needs dilgen's compiler to build the spec's dropout kernels",
-               "call it through dilgen.compile(spec), not an imported generated module")
-    # (seed, drop_cut, drop_scale, the counter's N, position of row 0, head 0, heads): common.dropout_rows
-    args = (*_seed_and_cut(name, p, seed), n, 0, 0, H)
+    return (*_seed_and_cut(name, p, seed), n, 0, 0, H)
+
+
+def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None, packing=None):
+    """attention(q, k, v, dropout_p=p) for p > 0 on one device (autograd-aware), inputs
+    already checked by the caller. packing (runtime.varlen.Packing): q, k, v are packed rows
+    (total, heads, D). `seed`: the mask's seed (tests and reproductions; default drawn from
+    torch's generator). Traced by torch.compile (or a tensor subclass): the custom op of
+    dropout_op.py, which draws the seed when it runs."""
+    name = attn.spec["name"]
+    if attn.plan["ring"]["ring_size"] > 1:
+        refuse(name, "runs here on one device", "call a ring spec through kernel(...) on every rank")
+    if isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        refuse(name, "is not captured in a CUDA graph (a graph would replay one mask)",
+               "capture the model in eval mode")
+    if not plain_eager(q, k, v):
+        if packing is not None:
+            refuse(name, "on packed or padded rows is not traced by torch.compile yet",
+                   "call the model eagerly while dropout is on, or pass fixed-length rows")
+        if not valid_p(p):
+            raise bad_p(name, p)
+        if not torch.compiler.is_compiling():
+            register(attn)
+        out, lse, _ = attention_dropout_fwd(q, k, v, float(p), -1 if seed is None else int(seed), op_key(attn))
+        return (out, lse) if return_lse else out
+    drop = dropout_twin(attn, q.device)
+    args = dropout_args(drop, q, p, seed, packing)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _DropoutFunction.apply(q, k, v, drop, args, packing)
     else:
         out, lse = forward_raw(drop, q, k, v, packing, dropout=args)
     return (out, lse) if return_lse else out
+
+# Under torch.compile (or for a tensor subclass) the call is one opaque node of each pass:
+#   torch.ops.dilgen.attention_dropout_fwd(q, k, v, p, seed, key) -> (out, lse, seed_used)
+#   torch.ops.dilgen.attention_dropout_bwd(q, k, v, out, lse, grad_out, grad_lse, seed_used, p, key)
+# The forward draws the seed when it runs (seed < 0: one draw of torch's generator, as an
+# eager call draws it, so torch.manual_seed gives a compiled call the eager call's mask) and
+# returns it (CPU int64, one element) for the backward. Tagged nondeterministic_seeded: the
+# compiler keeps one run per call and never recomputes it for the backward.
+
+
+@torch.library.custom_op("dilgen::attention_dropout_fwd", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def attention_dropout_fwd(q: Tensor, k: Tensor, v: Tensor, p: float, seed: int,
+                          key: str) -> tuple[Tensor, Tensor, Tensor]:
+    """out (B, N, H, D), lse (B, H, N) float32, and the seed drawn (CPU int64, one element)."""
+    drop = dropout_twin(attention_for(key, q.device), q.device)
+    seed = draw_seed() if seed < 0 else seed
+    out, lse = forward_raw(drop, q, k, v, None, dropout=dropout_args(drop, q, p, seed))
+    return out, lse, torch.tensor([seed], dtype=torch.int64)
+
+
+@attention_dropout_fwd.register_fake
+def _op_fwd_fake(q, k, v, p, seed, key):
+    B, N, H, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((B, H, N), dtype=torch.float32), torch.empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("dilgen::attention_dropout_bwd", mutates_args=())
+def attention_dropout_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Optional[Tensor],
+                          grad_lse: Optional[Tensor], seed: Tensor, p: float,
+                          key: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) under the forward's mask (its seed_used)."""
+    drop = dropout_twin(attention_for(key, q.device), q.device)
+    return backward_raw(drop, q, k, v, out, lse, grad_out, grad_lse, None,
+                        dropout=dropout_args(drop, q, p, int(seed.item())))
+
+
+@attention_dropout_bwd.register_fake
+def _op_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, seed, p, key):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _op_setup(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    q, k, v, p, _seed, key = inputs
+    out, lse, seed_used = output
+    ctx.save_for_backward(q, k, v, out, lse, seed_used)
+    ctx.p, ctx.key = p, key
+
+
+def _op_backward(ctx, grad_out, grad_lse, _grad_seed):
+    q, k, v, out, lse, seed_used = ctx.saved_tensors
+    if grad_out is None and grad_lse is None:
+        return None, None, None, None, None, None
+    dq, dk, dv = attention_dropout_bwd(q, k, v, out, lse, grad_out, grad_lse, seed_used, ctx.p, ctx.key)
+    return dq, dk, dv, None, None, None
+
+
+attention_dropout_fwd.register_autograd(_op_backward, setup_context=_op_setup)
+attention_dropout_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
