@@ -167,8 +167,6 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
 
 def _dropout_refusal(spec: Spec) -> str | None:
     """Why the dropout plan cannot run `spec` (the end of a sentence), or None."""
-    if spec.ring_size > 1:
-        return "runs in the single-device kernels (a ring's local and heads transports); the ring's windows refuse it"
     if spec.head_offsets == "block":
         return "does not run with head_offsets \"block\" (torchscale's layout) yet"
     if spec.short_segments == "zero_pad" and not spec.causal:

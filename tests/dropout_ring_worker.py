@@ -1,7 +1,7 @@
-"""One rank of tests/test_dropout.py's ring check (run under torchrun over gloo): for each case,
+"""One rank of tests/test_dropout.py's ring check (run under torchrun: NCCL on 2 GPUs, else gloo): for each case,
 the ring's rows of out, dq, dk, dv under attention dropout against the same rows of the
-single-device call, both seeded alike (rank 0's seed is the ring call's); refused cases must
-raise InputError on every rank. Writes rank<r>.json into the folder of argv[1]."""
+single-device call, both seeded alike (rank 0's seed is the ring call's), on every transport;
+refused cases must raise InputError on every rank. Writes rank<r>.json into the folder of argv[1]."""
 from __future__ import annotations
 
 import json
@@ -20,10 +20,17 @@ CASES = [
     ("local_contiguous", dict(segment_lengths=[8, 16], dilation_rates=[1, 2]), "contiguous", None),
     ("local_zigzag_causal_gqa", dict(segment_lengths=[8, 16], dilation_rates=[1, 2], causal=True, num_kv_heads=2),
      "zigzag", None),
-    ("heads_spanning", dict(segment_lengths=[8, 64], dilation_rates=[1, 4]), "contiguous", None),
+    ("heads_spanning", dict(segment_lengths=[8, 64], dilation_rates=[1, 4]), "contiguous", "heads"),
     ("heads_zigzag_causal_gqa_r3", dict(segment_lengths=[16, 48], dilation_rates=[1, 3], causal=True, num_kv_heads=2),
-     "zigzag", None),
+     "zigzag", "heads"),
     ("forced_ring", dict(segment_lengths=[8, 64], dilation_rates=[1, 4]), "contiguous", "ring"),
+    # r = 3 over a segment spanning the ranks: key windows start off a group of 8 lanes
+    ("forced_allgather_causal_gqa_r3", dict(segment_lengths=[16, 64], dilation_rates=[1, 3], causal=True,
+                                            num_kv_heads=2), "contiguous", "allgather"),
+    ("forced_ring_zigzag_r3", dict(segment_lengths=[16, 64], dilation_rates=[2, 3]), "zigzag", "ring"),
+    ("forced_ring_hilbert_segment", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
+                                         hilbert={"scope": "segment"}), "contiguous", "ring"),
+    ("windows_mqa", dict(segment_lengths=[8, 64], dilation_rates=[1, 3], num_kv_heads=1), "contiguous", None),
 ]
 
 
@@ -35,8 +42,8 @@ def run_case(name, fields, order, forced, rank, P):
     ring = dilgen.compile(dilgen.Spec(name=f"drop_ring_{name}", ring_size=P, **common))
     g = torch.Generator().manual_seed(5)
     N = 64
-    q, k, v = (torch.randn(1, N, h, 16, generator=g) for h in (4, kv, kv))
-    go = torch.randn(1, N, 4, 16, generator=g)
+    q, k, v = (torch.randn(1, N, h, 16, generator=g).to(DEVICE) for h in (4, kv, kv))
+    go = torch.randn(1, N, 4, 16, generator=g).to(DEVICE)
     os.environ["DILGEN_RING_TRANSPORT"] = forced or "auto"
     mine = [shard(t, P, rank, order).clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(77)
@@ -50,7 +57,7 @@ def run_case(name, fields, order, forced, rank, P):
     ref = one(*full, dropout_p=0.3)
     (ref * go).sum().backward()
     err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    res = {"transport": ring.compiled_for(q.device).attention.last_ring_transport,
+    res = {"transport": ring.compiled_for(q.device).attention.last_ring_transport, "device": DEVICE.type,
            "out": err(out, shard(ref, P, rank, order)),
            "plain_gap": err(out, shard(one(*(t.detach() for t in (q, k, v))), P, rank, order))}
     for label, a, b in zip(("dq", "dk", "dv"), mine, full):
@@ -58,10 +65,18 @@ def run_case(name, fields, order, forced, rank, P):
     return res
 
 
+DEVICE = torch.device("cpu")
+
+
 def main():
+    global DEVICE
     folder = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    gpus = torch.cuda.device_count() >= 2                     # NCCL on 2 GPUs, else gloo on the CPU
+    dist.init_process_group("nccl" if gpus else "gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
+    if gpus:
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
     results = {name: run_case(name, f, o, forced, rank, P) for name, f, o, forced in CASES}
     (folder / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -1,5 +1,4 @@
-"""Attention dropout on the ring: which transport draws the coins (the single-device kernels
-of the spec's dropout plan, on a rank's pieces or its heads), and what a rank proposes to the
+"""Attention dropout on the ring: what cannot draw the coins, and what a rank proposes to the
 agreement (the drop threshold, compared; a seed from torch's generator, of which every rank
 takes rank 0's). runtime/dropout_call.py is the single-device door; dilgen/dropout.py the coin."""
 from __future__ import annotations
@@ -7,29 +6,22 @@ from __future__ import annotations
 from ...dropout import threshold
 from ..checks import InputError
 from ..dropout_call import draw_seed, valid_p
-from .heads import heads_refusal, local_possible
+from ..registry import twins_available
 
 
-def dropout_transport(attn, sched: dict, P: int, packed: bool, forced: str) -> str:
-    """The transport of a ring call (schedule `sched`) with attention dropout: "local" where
-    every branch stays inside a rank, else "heads"; one InputError where neither runs it (the
-    ring's windows draw no coins yet) or DILGEN_RING_TRANSPORT (`forced`) names another."""
+def dropout_refusal(attn, packed: bool) -> None:
+    """One InputError for a ring call that cannot draw dropout's coins: packed rows, a Hilbert
+    sequence order, or no compiler to build the spec's dropout kernels. Every transport
+    draws them otherwise ("local" and "heads" in the single-device kernels, "ring" and
+    "allgather" in the window kernels of the dropout plan), one device's mask on each."""
     name = attn.spec["name"]
     if packed or attn.plan["ring"].get("curve") is not None:
         raise InputError(f"{name}: attention dropout on a ring takes fixed-length rows in raster or "
                          f"Hilbert-segment order (not packed rows, not Hilbert scope \"sequence\") yet; "
                          f"pass dropout_p=0.0")
-    if forced in ("ring", "allgather"):
-        raise InputError(f"{name}: DILGEN_RING_TRANSPORT={forced} draws no dropout coins (its window kernels "
-                         f"take no dropout yet); unset it, or set heads")
-    if forced != "heads" and local_possible(attn, sched, False):
-        return "local"
-    refusal = heads_refusal(attn, P, False)
-    if refusal is not None:
-        raise InputError(f"{name}: attention dropout on a ring runs where every segment lies inside a rank "
-                         f"or by the head-parallel transport, and here neither does ({refusal}); pass "
-                         f"dropout_p=0.0")
-    return "heads"
+    if not twins_available():
+        raise InputError(f"{name}: attention dropout on a ring needs dilgen's compiler to build the spec's "
+                         f"dropout kernels; call it through dilgen.compile(spec), not an imported module")
 
 
 def dropout_proposal(p, agreed) -> tuple[int, int]:

@@ -97,7 +97,7 @@ def _forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 run.bstride(vv), vv.stride(1), vv.stride(2),
                 run.bstride(dst), dst.stride(1), dst.stride(2),
                 run.bstride(lse_v), lse_v.stride(1),
-                run.interpret, bits, g, merged[qi], aligned, run.packed, **opts)
+                run.interpret, bits, g, merged[qi], aligned, run.packed, *run.drop_args(), **opts)
 
     if run.transport == "allgather":
         if len(steps) > 1:
@@ -180,12 +180,13 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
                 br = branches[idx]
                 n_seg, lanes = run.dkdv_grid(win, br, k_off, n_k)
                 n_o = min(group_size, br["r"])
-                n_jt = math.ceil(lanes / conf["kv_block_n"])
+                # dropout: a key tile starts on a group of 8 lanes, up to 7 before the window
+                n_jt = math.ceil((lanes + (7 if run.dropout_args else 0)) / conf["kv_block_n"])
                 dkdv[(n_seg * n_o * n_jt, win["count"] * Hkv)](
                     qv, kk, vv, dov, dkk, dvv, lse_v, delta_v, *run.tables,
                     N, n_jt, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
                     run.bstride(dkk), dkk.stride(1), dkk.stride(2), *l_strides,
-                    run.interpret, idx, g, run.packed, **launch["dkdv"])
+                    run.interpret, idx, g, run.packed, *run.drop_args(), **launch["dkdv"])
             bm = conf["dq_block_m"]
             num_m_tiles = math.ceil(math.ceil(win["n_q"] / run.lattice) / bm)
             classes = run.classes(bits, full=step["offset"] == 0)
@@ -194,7 +195,7 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
                 qv, kk, vv, dov, dqv, lse_v, delta_v, classes, *run.tables,
                 N, num_m_tiles, num_m_tiles, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
                 run.bstride(dqv), dqv.stride(1), dqv.stride(2), *l_strides,
-                run.interpret, bits, g, True, aligned, run.packed, **launch["dq"])
+                run.interpret, bits, g, True, aligned, run.packed, *run.drop_args(), **launch["dq"])
         return partials
 
     def settle(exchange):

@@ -18,8 +18,8 @@ from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
-from ..dropout_call import bad_p, cut_and_scale, valid_p
-from .dropout import dropout_proposal, dropout_transport
+from ..dropout_call import bad_p, cut_and_scale, dropout_twin, valid_p
+from .dropout import dropout_proposal, dropout_refusal
 from .faults import Guard, collective, remember, transfer
 from .heads import heads_refusal, local_possible
 
@@ -140,10 +140,11 @@ class RingRun:
         """cu_seqlens: a packed row: q (N/P, H, D), k, v (N/P, H_kv, D) hold the rank's rows
         and cu_seqlens the offsets of the sequences over the whole row, the same on every
         rank; ring_forward / ring_backward then take (1, N/P, heads, D) views of them.
-        dropout_p > 0: attention dropout on the "local" or "heads" transport, with rank 0's
-        seed (dropout_args: the single-device kernels' coins at global positions and heads)."""
+        dropout_p > 0: attention dropout with rank 0's seed (dropout_args), every transport
+        drawing one device's coins at global positions and heads: the call runs the spec's
+        dropout plan (self.attn becomes its module; self.main is the spec's own)."""
         spec = attn.spec
-        self.attn, self.group, self.order = attn, group, order
+        self.attn, self.main, self.group, self.order = attn, attn, group, order
         self.P, self.me, self.dist = _group_info(spec, group)
         self.packed = cu_seqlens is not None
         self._agreed = (cu_seqlens, max_seqlen)
@@ -152,6 +153,8 @@ class RingRun:
         self.keep_heads, self.kept = False, None
         self.dropout_p, self.dropout_args = dropout_p, None
         cu = self.agree(q, k, v, kind)
+        if dropout_p:
+            self.attn = dropout_twin(attn, q.device)     # built by the agreement's local check
         with Guard(self, "call", "setup"):      # past the agreement, no rank fails alone
             self._setup(q, k, v, cu)
 
@@ -167,8 +170,8 @@ class RingRun:
             if self.dropout_p and not valid_p(self.dropout_p):
                 raise bad_p(self.attn.spec["name"], self.dropout_p)
             if self.dropout_p:
-                sched = ring_schedule(self.attn.plan["ring"], n_loc * self.P, self.order)
-                dropout_transport(self.attn, sched, self.P, self.packed, _forced_transport())
+                dropout_refusal(self.main, self.packed)
+                dropout_twin(self.main, q.device)           # a plan that refuses, refused on every rank
         cu, self.fault_key, self.free_bytes, seed = _agree(
             self.attn.spec, q, k, v, self.order, self.group, self.P, self.me, self.dist,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kind=kind, local_check=local_check,
@@ -177,6 +180,11 @@ class RingRun:
             self.dropout_args = (seed, *cut_and_scale(self.dropout_p))
         remember(self.dist, self.group, self.fault_key)
         return cu
+
+    def drop_args(self) -> tuple:
+        """The window kernels' dropout arguments (common.dropout_rows: positions are global in
+        a window, the heads the model's), () without dropout."""
+        return () if self.dropout_args is None else (*self.dropout_args, self.N, 0, 0, self.H)
 
     def _setup(self, q, k, v, cu) -> None:
         attn, group, order = self.attn, self.group, self.order
@@ -219,7 +227,7 @@ class RingRun:
                                         dtype=torch.int32, device=q.device)
             self._windows = {}
         self.lattice = plan["query"]["lattice"]
-        self.transport = attn.last_ring_transport = self._transport(q)
+        self.transport = attn.last_ring_transport = self.main.last_ring_transport = self._transport(q)
         self.gathered = None
 
     def _transport(self, q) -> str:
@@ -229,8 +237,6 @@ class RingRun:
         rows first) and "heads" (all-to-all to head shards, the single-device kernels);
         DILGEN_RING_TRANSPORT overrides the model (ring, allgather or heads)."""
         forced = _forced_transport()
-        if self.dropout_p:      # the transports whose kernels draw dropout's coins
-            return dropout_transport(self.attn, self.sched, self.P, self.packed, forced)
         if forced != "auto":
             return forced
         costs = self.costs(q)
