@@ -30,6 +30,8 @@ CASES = [
     ("forced_ring_zigzag_r3", dict(segment_lengths=[16, 64], dilation_rates=[2, 3]), "zigzag", "ring"),
     ("forced_ring_hilbert_segment", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
                                          hilbert={"scope": "segment"}), "contiguous", "ring"),
+    ("refused_hilbert_sequence", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
+                                      hilbert={"scope": "sequence", "grid": [8, 8]}), "contiguous", None),
     ("windows_mqa", dict(segment_lengths=[8, 64], dilation_rates=[1, 3], num_kv_heads=1), "contiguous", None),
 ]
 
@@ -68,6 +70,36 @@ def run_case(name, fields, order, forced, rank, P):
 DEVICE = torch.device("cpu")
 
 
+def run_packed(rank, P):
+    """A packed row of two sequences (20 and 44 rows: the second spans the ranks) on the ring
+    against the single-device packed call: the rows drawn as one sequence of the whole row."""
+    common = dict(num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", segment_lengths=[8, 32],
+                  dilation_rates=[1, 2])
+    one = dilgen.compile(dilgen.Spec(name="drop_one_packed", **common))
+    ring = dilgen.compile(dilgen.Spec(name="drop_ring_packed", ring_size=P, **common))
+    g = torch.Generator().manual_seed(6)
+    N, n_loc = 64, 64 // P
+    q, k, v = (torch.randn(N, h, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    go = torch.randn(N, 4, 16, generator=g).to(DEVICE)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32, device=DEVICE)
+    rows = slice(rank * n_loc, (rank + 1) * n_loc)
+    mine = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(78)
+    out = ring(*mine, cu_seqlens=cu, max_seqlen=44, dropout_p=0.3)
+    (out * go[rows]).sum().backward()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(78)
+    ref = one(*full, cu_seqlens=cu, max_seqlen=44, dropout_p=0.3)
+    (ref * go).sum().backward()
+    err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    res = {"transport": ring.compiled_for(q.device).attention.last_ring_transport, "device": DEVICE.type,
+           "out": err(out, ref[rows]),
+           "plain_gap": err(out, one(*(t.detach() for t in (q, k, v)), cu_seqlens=cu, max_seqlen=44)[rows])}
+    for label, a, b in zip(("dq", "dk", "dv"), mine, full):
+        res[label] = err(a.grad, b.grad[rows])
+    return res
+
+
 def main():
     global DEVICE
     folder = Path(sys.argv[1])
@@ -78,6 +110,8 @@ def main():
         DEVICE = torch.device("cuda", rank)
         torch.cuda.set_device(DEVICE)
     results = {name: run_case(name, f, o, forced, rank, P) for name, f, o, forced in CASES}
+    os.environ["DILGEN_RING_TRANSPORT"] = "auto"
+    results["packed_spanning"] = run_packed(rank, P)
     (folder / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

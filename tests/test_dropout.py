@@ -105,11 +105,8 @@ def test_what_dropout_does_not_run_yet_is_refused_by_name():
     spec = _spec("refusals", **CASES["two_branches"])
     kernel = dilgen.compile(spec)
     q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "refusals"))
-    ring = dilgen.Spec(name="dropout_ring", num_heads=4, head_dim=16, dtype="float32",
-                       segment_lengths=[16], dilation_rates=[1], ring_size=2)
-    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device=q.device)
-    with pytest.raises(InputError, match="packed rows on a ring"):
-        dilgen.compile(ring)(q[0], k[0], v[0], cu_seqlens=cu, dropout_p=0.1)
+    with pytest.raises(InputError, match="chunk_order"):
+        kernel(q, k, v, dropout_p=0.1, chunk_order="zigzag")
     block = dilgen.Spec(name="dropout_block", num_heads=4, head_dim=16, dtype="float32",
                         segment_lengths=[16, 32], dilation_rates=[1, 2], head_offsets="block")
     with pytest.raises(dilgen.SpecError, match="head_offsets"):
@@ -200,6 +197,10 @@ def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
             assert r["transport"] == transport, (name, r)
             assert max(r[x] for x in ("out", "dq", "dk", "dv")) < (1e-5 if r["device"] == "cpu" else 1e-4), (name, r)
             assert r["plain_gap"] > 1e-2, (name, r)             # the mask mattered
+        assert "Hilbert scope" in res["refused_hilbert_sequence"]["refused"]
+        r = res["packed_spanning"]                          # packed rows: the windows
+        assert r["transport"] in ("ring", "allgather") and max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-4, r
+        assert r["plain_gap"] > 1e-2, r
         r = res["windows_mqa"]                              # one kv head: no heads transport
         assert r["transport"] in ("ring", "allgather") and max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-4, r
 

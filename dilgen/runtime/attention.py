@@ -242,9 +242,8 @@ class GeneratedAttention:
         return None if recipe is None else replay_forward(self, recipe, q, k, v)
 
     def _dropout_ready(self, group, chunk_order) -> None:
-        if self.plan["ring"]["ring_size"] > 1 or group is not None or chunk_order != "contiguous":
-            raise InputError(f"{self.spec['name']}: dropout_p > 0 does not run on packed rows on a ring, "
-                             f"nor with group= or chunk_order= on a ring_size = 1 spec (pass dropout_p=0.0 there)")
+        if self.plan["ring"]["ring_size"] == 1 and (group is not None or chunk_order != "contiguous"):
+            raise InputError(f"{self.spec['name']}: group= and chunk_order= apply only to ring_size > 1 specs")
 
     # -- variable-length batches (dilgen.runtime.varlen) --------------------------------------
     def _varlen_ready(self) -> None:
@@ -267,7 +266,7 @@ class GeneratedAttention:
             self._dropout_ready(group, chunk_order)
         if self.plan["ring"]["ring_size"] > 1:   # this rank's rows of a packed row
             return ring_varlen_attention(self, q, k, v, cu_seqlens, group=group, max_seqlen=max_seqlen,
-                                         return_lse=return_lse, chunk_order=chunk_order)
+                                         return_lse=return_lse, chunk_order=chunk_order, dropout_p=dropout_p)
         if group is not None or chunk_order != "contiguous":
             raise InputError(f"{self.spec['name']}: cu_seqlens does not combine with group= or "
                              f"chunk_order= on a ring_size = 1 spec (one device)")

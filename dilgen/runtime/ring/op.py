@@ -159,14 +159,15 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
 
 
 def ring_varlen_attention(attn, q, k, v, cu_seqlens, *, group=None, max_seqlen=None,
-                          return_lse: bool = False, chunk_order: str = "contiguous"):
+                          return_lse: bool = False, chunk_order: str = "contiguous", dropout_p: float = 0.0):
     """A packed row on the ring (SPEC §3 "Variable-length batches"): every rank of `group`
     passes its contiguous N/P rows q (N/P, H, D), k, v (N/P, H_kv, D) and the same
     cu_seqlens over the whole row of N rows (sequences may span rank borders). Returns its
     rows of out (and lse (H, N/P)), autograd-aware, equal to the single-device packed call.
-    Runs eagerly (not as a torch.ops op) on `group` (or its name) or the default group."""
+    Runs eagerly (not as a torch.ops op) on `group` (or its name) or the default group.
+    dropout_p > 0: attention dropout, the packed rows drawn as one sequence, as one device."""
     run = RingRun(attn, q, k, v, resolve_group(group), chunk_order, cu_seqlens=cu_seqlens,
-                  max_seqlen=max_seqlen)
+                  max_seqlen=max_seqlen, dropout_p=dropout_p)
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad:
