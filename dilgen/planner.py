@@ -167,10 +167,6 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
 
 def _dropout_refusal(spec: Spec) -> str | None:
     """Why the dropout plan cannot run `spec` (the end of a sentence), or None."""
-    if spec.head_offsets == "block":
-        return "does not run with head_offsets \"block\" (torchscale's layout) yet"
-    if spec.short_segments == "zero_pad" and not spec.causal:
-        return "does not run with short_segments \"zero_pad\" yet"
     return None
 
 

@@ -324,13 +324,24 @@ def test_unsupported_forward_arguments_are_named(kwargs, word):
 
 
 def test_dropout_while_training_and_bad_masks():
-    args = tm.make_args([8], [2], embed_dim=32, heads=2)
-    layer = compat.DilatedAttention(args, 32, 2, dropout=0.1, self_attention=True)
-    x = torch.randn(2, 12, 32)
-    with pytest.raises(NotImplementedError) as exc:
-        layer(x, x, x)
-    assert "dropout" in _one_line(exc)
+    """torchscale's `dropout` while training runs in the kernels: the layer equals its
+    projections through the float64 reference under the same mask (torchscale's head layout
+    and zero padding: w 8 over N 12), and eval mode has no dropout."""
+    from dilgen.runtime.dropout_call import draw_seed
+    args = tm.make_args([8, 16], [1, 2], embed_dim=32, heads=2)
+    layer = compat.DilatedAttention(args, 32, 2, dropout=0.3, self_attention=True)
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(3)
+    out = layer(x, x, x)[0]
+    torch.manual_seed(3)
+    seed = draw_seed()                                # the seed the layer's call drew
+    q, k, v = (proj(x).view(2, 12, 2, 16).double() for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    ref = differentiable_reference(q, k, v, layer.spec, dropout_p=0.3, seed=seed)[0]
+    want = layer.out_proj(ref.reshape(2, 12, 32).float())
+    assert tm.rel_error(out, want) < TOL_FP32
     layer.eval()
+    assert tm.rel_error(layer(x, x, x)[0], want) > 1e-2   # eval: no dropout
+    x = torch.randn(2, 12, 32)
     hole = torch.zeros(2, 12, dtype=torch.bool)
     hole[0, 3] = True
     left = torch.zeros(2, 12, dtype=torch.bool)

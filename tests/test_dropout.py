@@ -24,6 +24,9 @@ CASES = {
     "hilbert_sequence": dict(segment_lengths=[16, 32], dilation_rates=[1, 2],
                              hilbert={"scope": "sequence", "grid": [8, 8]}),
     "causal_mqa_one_branch": dict(segment_lengths=[64], dilation_rates=[4], causal=True, num_kv_heads=1),
+    "torchscale_head_blocks_gqa": dict(segment_lengths=[16, 32], dilation_rates=[1, 2], head_offsets="block",
+                                       num_kv_heads=2),
+    "zero_pad_short_last": dict(segment_lengths=[24, 40], dilation_rates=[1, 2], short_segments="zero_pad"),
 }
 
 
@@ -107,10 +110,6 @@ def test_what_dropout_does_not_run_yet_is_refused_by_name():
     q, k, v = (t.detach() for t in _inputs(spec, 1, 32, "refusals"))
     with pytest.raises(InputError, match="chunk_order"):
         kernel(q, k, v, dropout_p=0.1, chunk_order="zigzag")
-    block = dilgen.Spec(name="dropout_block", num_heads=4, head_dim=16, dtype="float32",
-                        segment_lengths=[16, 32], dilation_rates=[1, 2], head_offsets="block")
-    with pytest.raises(dilgen.SpecError, match="head_offsets"):
-        dilgen.compile(block)(q, k, v, dropout_p=0.1)
 
 
 def _sequences_against_reference(spec, q, k, v, out, lse, spans, total, p, seed):

@@ -18,9 +18,10 @@ them under no_grad: same forward, different gradients).
 
 What is refused, with one line naming it: torchscale's xpos (`args.xpos_rel_pos`),
 `incremental_state`, `attn_mask`, `rel_pos`, multiway projections (`args.multiway`),
-cross-attention, attention dropout while training, and torchscale's layout slip (min(w, N)
-not a multiple of r with two or more segments, where torchscale's outputs land on shifted
-rows).
+cross-attention, attention dropout while training with `args.seq_parallel`, and torchscale's
+layout slip (min(w, N) not a multiple of r with two or more segments, where torchscale's
+outputs land on shifted rows). Attention dropout while training (`dropout`) runs in the
+kernels (`dropout_p`: the probabilities of LongNet Eq. 10's one softmax, docs/api.md).
 
 `args.seq_parallel` (read at every forward, as torchscale does) with torch.distributed set
 up and more than one rank in `module.seq_parallel_group` (None: the default group, which
@@ -117,16 +118,19 @@ def spec_for(args, num_heads: int, head_dim: int, *, causal: bool = False,
 # --------------------------------------------------------------------------- the kernel calls
 # Module-level, so that a test can swap in dilgen.reference while the kernels refuse.
 
-def _attend(q, k, v, spec: Spec):
-    """dilgen's dilated attention of (B, N, H, D) tensors."""
+def _attend(q, k, v, spec: Spec, dropout_p: float = 0.0):
+    """dilgen's dilated attention of (B, N, H, D) tensors; dropout_p > 0: attention dropout
+    (torchscale's `dropout` while training) in the kernels."""
     msg = unsupported_by_kernels(spec)
     if msg:
         raise NotImplementedError(f"{PREFIX}: {msg}; torchscale's layout in the kernels is pending")
     from .. import compiler
+    if dropout_p:
+        return compiler._kernel_for(spec)(q, k, v, dropout_p=dropout_p)
     return compiler.dilated_attention(q, k, v, spec)
 
 
-def _attend_padded(q, k, v, key_padding_mask, spec: Spec):
+def _attend_padded(q, k, v, key_padding_mask, spec: Spec, dropout_p: float = 0.0):
     """A padded batch (B, N, H, D), key_padding_mask (B, N) bool with True = padding:
     each item at its own length, padded rows 0, through the kernel's padded call (rows read
     in place, autograd-aware)."""
@@ -136,7 +140,7 @@ def _attend_padded(q, k, v, key_padding_mask, spec: Spec):
     from .. import compiler
     from ..runtime import InputError
     try:
-        return compiler._kernel_for(spec).padded(q, k, v, key_padding_mask)
+        return compiler._kernel_for(spec).padded(q, k, v, key_padding_mask, dropout_p=dropout_p)
     except InputError as exc:
         text = str(exc)
         if "key_padding_mask" not in text:      # q, k, v errors read as on the unpadded path
@@ -232,10 +236,7 @@ class DilatedAttention(nn.Module):
                                "(and is_causal=True for causal attention)")
         if rel_pos is not None:
             raise _unsupported("rel_pos (relative position bias)", "pass rel_pos=None")
-        if self.training and self.dropout > 0:
-            raise _unsupported(f"attention dropout while training (dropout = {self.dropout}) in torchscale's "
-                               f"head layout (dilgen's dropout kernels do not run head_offsets \"block\" yet)",
-                               "set the attention dropout to 0 (or call model.eval())")
+        p = float(self.dropout) if self.training else 0.0    # attention dropout, in the kernels
         if not isinstance(is_causal, bool):
             raise TypeError(f"{PREFIX}: is_causal = {is_causal!r}: pass True or False")
         key = query if key is None else key
@@ -249,6 +250,10 @@ class DilatedAttention(nn.Module):
         H, D = self.num_heads, self.head_dim
         layout = mask = None
         if getattr(self.args, "seq_parallel", False) and seq.group_size(self.seq_parallel_group) > 1:
+            if p > 0:
+                raise _unsupported(f"attention dropout while training (dropout = {self.dropout}) with "
+                                   f"args.seq_parallel", "set the attention dropout to 0 (or call model.eval()), "
+                                   "or train on one rank's whole sequence")
             # this rank holds rows of the sequence: every rank agrees, or all raise
             layout = seq.agree(B, N, key_padding_mask, query.device, self.seq_parallel_group)
             longest = layout.N
@@ -264,10 +269,10 @@ class DilatedAttention(nn.Module):
         if layout is not None:
             out = seq.attend(q, k, v, layout, self.spec.segment_lengths, self.spec.dilation_rates,
                              causal=is_causal, group=self.seq_parallel_group)
-        elif mask is None:
-            out = _attend(q, k, v, self._spec(q.dtype, is_causal))
-        else:
-            out = _attend_padded(q, k, v, mask, self._spec(q.dtype, is_causal))
+        else:       # the seams take dropout_p only when it is on (tests and benches swap them)
+            drop = (p,) if p else ()
+            out = (_attend(q, k, v, self._spec(q.dtype, is_causal), *drop) if mask is None
+                   else _attend_padded(q, k, v, mask, self._spec(q.dtype, is_causal), *drop))
         attn = out.reshape(B, N, E)
         if self.inner_attn_ln is not None:
             attn = self.inner_attn_ln(attn)

@@ -283,5 +283,5 @@ class _Launches:
             self._launch("dq_lanes", lane_launch_grid(plan, B * self.H, n_seg, n_tiles, at.varlen),
                 q, k, v, *kv, grad_out, dq, lse, delta, *at.tables,
                 N, n_tiles, *seqs, *self.common, *self.dq_strides, *at.l,
-                self.interpret, i, accumulate, clear, at.varlen, *flag)
+                self.interpret, i, accumulate, clear, at.varlen, *flag, *self.dropout)
             accumulate, clear = True, False

@@ -140,7 +140,7 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
             launches.append((attn._kernel(interpret, source_fn=attn.lane_kernel),
                              lane_launch_grid(plan, B * H, n_seg, n_tiles, varlen),
                              (q, k, v, *kv, out, lse, *tables, N, n_tiles, *seqs,
-                              *strides, interpret, i, accumulate, clear, varlen, *flag),
+                              *strides, interpret, i, accumulate, clear, varlen, *flag, *dropout),
                              {"num_warps": cfg["lane_fwd"][2], "num_stages": cfg["lane_fwd"][3]}))
             accumulate, clear = True, False
 
