@@ -1,13 +1,14 @@
 """Attention dropout's mask as a function (issue 60, the part the kernels and the reference share).
 
-The mask keeps the probability of query q and key k in branch i of batch item b and head h
-(LongNet Eq. 10: the one softmax over every branch's keys, a pair kept by two branches being
-two entries) when a 16-bit draw clears the cut of p. The key enters through its lane j in
+The mask keeps the probability of query q and key k in branch i and head h (LongNet Eq. 10:
+the one softmax over every branch's keys, a pair kept by two branches being two entries)
+when a 16-bit draw clears the cut of p. Every batch draws as one sequence of its rows: q is
+the query's row, b N + position for item b of a fixed-length batch, its row in a packed one. The key enters through its lane j in
 branch i, its index among the segment's dilated keys (key = segment start + offset + r j, or
 the curve's lane for Hilbert), so the 8 keys of lanes 8g .. 8g + 7 share one Philox call:
 
-    stream = (b H + h) n_branches + i
-    w_0, w_1, w_2, w_3 = philox(seed, (g, q, stream, 0))           g = j // 8, q global
+    stream = h n_branches + i
+    w_0, w_1, w_2, w_3 = philox(seed, (g, q, stream, 0))           g = j // 8, q = b N + position
     draw   = 16-bit half (j mod 2) of word w_((j mod 8) // 2)       (low half first)
     keep   = draw >= cut,  cut = round(p 2^16)
 
@@ -71,12 +72,11 @@ def scale(cut: int) -> float:
     return _ONE / (_ONE - cut)
 
 
-def stream(batch: int, heads: int, n_branches: int, b, h, branch):
-    """The third counter word of (b, h, branch); refuses a batch x heads x branches past 2^32."""
-    if batch * heads * n_branches > _MASK32:
-        raise ValueError(f"dropout: batch {batch} x heads {heads} x branches {n_branches} passes 2^32 "
-                         f"(one 32-bit counter word)")
-    return (b * heads + h) * n_branches + branch
+def stream(heads: int, n_branches: int, h, branch):
+    """The third counter word of (head h, branch); refuses heads x branches past 2^32."""
+    if heads * n_branches > _MASK32:
+        raise ValueError(f"dropout: heads {heads} x branches {n_branches} passes 2^32 (one 32-bit counter word)")
+    return h * n_branches + branch
 
 
 def draws(seed: int, stream_, q, lane) -> torch.Tensor:

@@ -329,24 +329,23 @@ def reference_branch_pairs(n, spec, head) -> list[torch.Tensor]:
 def dropout_weights(spec, batch: int, heads: int, n: int, head: int, p: float, seed: int,
                     rows: tuple[int, int] | None = None) -> torch.Tensor:
     """(B, N, N) float64: sum over the branches keeping (i, j) of keep * scale, keep the coin
-    of dilgen.dropout for (b, head, branch, query position i, key j's lane in the branch) and
+    of dilgen.dropout for (head, branch, query row b N + i, key j's lane in the branch) and
     scale = 1 / (1 - p') (dropout.scale): the numerator's pair weights under attention dropout
-    (the normalizer keeps every pair: dropout acts on the probabilities). rows = (row0,
-    total): one sequence of a packed batch of `total` rows starting at row0, whose coins are
-    those of the packed rows as one sequence (b = 0, query positions row0 + i)."""
+    (the normalizer keeps every pair: dropout acts on the probabilities). Every batch draws
+    as one sequence of its rows. rows = (row0, total): one sequence of a packed batch whose
+    rows start at row0 (query rows row0 + i)."""
     from .dropout import keep, scale, stream, threshold
     pairs = reference_branch_pairs(n, spec, head)
     layouts = _layouts(n, spec)
-    b = torch.arange(batch)[:, None, None]
-    i = torch.arange(n)[:, None]
+    i = torch.arange(batch)[:, None, None] * n + torch.arange(n)[:, None]   # row b N + position
     if rows is not None:
         if batch != 1:
             raise ValueError("dropout_weights: rows= takes one sequence (batch 1)")
-        b, i = 0, i + rows[0]
+        i = torch.arange(n)[:, None] + rows[0]
     w = torch.zeros(batch, n, n, dtype=torch.float64)
     for branch, (pair, (r, _seg, lane)) in enumerate(zip(pairs, layouts)):
         lane_j = torch.as_tensor(lane, dtype=torch.int64)[None, :] // r   # key j's dilated lane
-        coin = keep(seed, p, stream(batch, heads, len(pairs), b, head, branch), i, lane_j)
+        coin = keep(seed, p, stream(heads, len(pairs), head, branch), i, lane_j)
         w += (coin & pair[None]).to(torch.float64)
     return w * scale(threshold(p))
 

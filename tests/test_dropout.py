@@ -220,7 +220,7 @@ def test_over_200_seeds_the_mean_output_is_the_output_without_dropout():
     inside = ((outs.mean(0) - plain).abs() <= 3 * se + 1e-12).double().mean().item()
     assert inside >= 0.99, inside
     branch, q, lane = torch.arange(2)[:, None, None], torch.arange(16)[:, None], torch.arange(16)
-    c = torch.stack([coins.keep(1000 + s, p, coins.stream(1, 1, 2, 0, 0, branch), q, lane) for s in range(n)])
+    c = torch.stack([coins.keep(1000 + s, p, coins.stream(1, 2, 0, branch), q, lane) for s in range(n)])
     kept = c.double().mean().item()
     assert abs(kept - (1 - p)) < 3 * (p * (1 - p) / c.numel()) ** 0.5, kept
 
@@ -279,3 +279,32 @@ def test_opcheck_the_dropout_ops():
     for g_lse in (torch.randn(lse.shape, generator=torch.Generator().manual_seed(6)).to(lse), None):
         torch.library.opcheck(torch.ops.dilgen.attention_dropout_bwd.default,
                               (q, k, v, out, lse, g, g_lse, seed, 0.2, key))
+
+
+def test_packed_rows_under_torch_compile_draw_the_eager_calls_mask():
+    """kernel(rows, cu_seqlens=, max_seqlen=, dropout_p=) traced whole: the packed dropout op
+    (offsets on the device) at one torch.manual_seed equals the eager packed call bit for bit,
+    output and gradients."""
+    import torch._dynamo
+    spec = _spec("compiled_packed", **CASES["causal_gqa_r3"])
+    kernel = dilgen.compile(spec)
+    base = [t.detach()[0] for t in _inputs(spec, 1, 80, "compiled_packed")]
+    cu = torch.tensor([0, 30, 80], dtype=torch.int32, device=base[0].device)
+    grad = torch.randn(base[0].shape, generator=torch.Generator().manual_seed(4)).to(base[0])
+
+    def call(q, k, v):
+        return kernel(q, k, v, cu_seqlens=cu, max_seqlen=50, dropout_p=0.3)
+
+    torch._dynamo.reset()
+    runs = {}
+    for name, fn in (("eager", call), ("compiled", torch.compile(call, backend="aot_eager", fullgraph=True))):
+        torch.manual_seed(12)
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = fn(q, k, v)
+        (out * grad).sum().backward()
+        runs[name] = (out.detach(), q.grad, k.grad, v.grad)
+    torch._dynamo.reset()
+    for mine, eager in zip(runs["compiled"], runs["eager"]):
+        assert torch.equal(mine, eager)
+    plain = kernel(*base, cu_seqlens=cu, max_seqlen=50)
+    assert rel_error(runs["compiled"][0], plain) > 1e-2             # the mask mattered

@@ -1,6 +1,6 @@
 """attn_implementation="dilgen" under torch.compile(fullgraph=True) (issue 40): a training
 step (forward and backward) traces as one graph, with no mask, an all-ones mask or a padded
-batch (left and right), and equals the eager model; what a traced call cannot read on the
+batch (left and right), with or without attention dropout, and equals the eager model; what a traced call cannot read on the
 host (position_ids that restart inside a row, a mask with holes) fails when the graph runs,
 with the message that says what to pass instead. CPU, Triton's interpreter, aot_eager."""
 from __future__ import annotations
@@ -15,25 +15,31 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 B, T, VOCAB = 2, 32, 100
 
 
-def _model():
+def _model(dropout: float = 0.0):
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=1, intermediate_size=128, vocab_size=VOCAB)
+                         num_hidden_layers=1, intermediate_size=128, vocab_size=VOCAB,
+                         attention_dropout=dropout)
     config.dilgen_spec = {"segment_lengths": [8, 16], "dilation_rates": [1, 2]}
     return AutoModelForCausalLM.from_config(config, attn_implementation="dilgen")
 
 
 def _step(model, ids, **kwargs):
-    """Logits, and the gradient of a fixed function of them for every parameter."""
+    """Logits, and the gradient of a fixed function of them for every parameter (attention
+    dropout's seed drawn after torch.manual_seed(5))."""
     model.zero_grad()
+    torch.manual_seed(5)
     logits = model(ids, **kwargs).logits
     (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
     return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("mask", ["none", "ones", "padded"])
-def test_fullgraph_training_step_equals_eager(mask):
-    model = _model()
+@pytest.mark.parametrize("mask, dropout", [("none", 0.0), ("ones", 0.0), ("padded", 0.0), ("none", 0.2),
+                                           ("ones", 0.2), ("padded", 0.2)])
+def test_fullgraph_training_step_equals_eager(mask, dropout):
+    """With attention dropout too: at one torch.manual_seed the traced step draws the eager
+    step's mask (an all-ones mask traced as packed rows draws the rows b T + t as eagerly)."""
+    model = _model(dropout)
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
     kwargs = {}
     if mask == "ones":

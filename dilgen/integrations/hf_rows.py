@@ -87,7 +87,7 @@ def _restarts(pos, batch: int, rows: int):
     return cu, None
 
 
-def _traced_padded(kernel: Kernel, q, k, v, mask):
+def _traced_padded(kernel: Kernel, q, k, v, mask, **drop):
     """A padded batch under torch.compile, read on the device only: row b's pieces (its
     left padding, its tokens, its right padding) become three packed sequences (cu_seqlens
     of fixed length 3B + 1, max_seqlen T), so its tokens are computed alone as in the eager
@@ -101,29 +101,24 @@ def _traced_padded(kernel: Kernel, q, k, v, mask):
     cu = torch.cat([torch.stack([base, base + first, base + first + count], dim=1).reshape(-1),
                     base.new_full((1,), B * T)]).to(torch.int32)
     rows = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))
-    out = kernel(*rows, cu_seqlens=cu, max_seqlen=T).view(B, T, *q.shape[2:])
+    out = kernel(*rows, cu_seqlens=cu, max_seqlen=T, **drop).view(B, T, *q.shape[2:])
     return out * m[:, :, None, None].to(out.dtype)
 
 
-def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0, refuse_dropout=None):
+def prefill(kernel: Kernel, q, k, v, mask, kwargs, dropout: float = 0.0):
     """The rows of a prefill (T queries over T keys): one batch, packed rows (position_ids
-    or cu_seq_lens), or padded rows (a mask); dropout: attention dropout's p (eager only:
-    refuse_dropout(where) -> the error for padded or packed rows under torch.compile)."""
+    or cu_seq_lens), or padded rows (a mask); dropout: attention dropout's p, eager or traced."""
     B, T = q.shape[0], q.shape[1]
     drop = {"dropout_p": dropout} if dropout else {}
-    if dropout and torch.compiler.is_compiling() and mask is not None:
-        raise refuse_dropout("a padded batch in a model traced by torch.compile")
     if mask is not None and torch.compiler.is_compiling() and "cu_seq_lens_q" not in kwargs:
         _packed_offsets(kwargs, B, T)                 # the device-side check that rows are not packed
-        return _traced_padded(kernel, q, k, v, mask)
+        return _traced_padded(kernel, q, k, v, mask, **drop)
     # every layer gets the same mask: read on the host once (varlen.remembered)
     if mask is not None and not remembered(mask, ("hf padded", B, T), lambda: not bool(mask.all())):
         mask = None
     # padding wins over position_ids that restart (generate() gives padded rows position 0)
     packed = _packed_offsets(kwargs, B, T) if mask is None or "cu_seq_lens_q" in kwargs else None
     if packed is not None:
-        if dropout and torch.compiler.is_compiling():
-            raise refuse_dropout("packed rows in a model traced by torch.compile")
         if mask is not None and not bool(mask.all()):
             raise ValueError("attn_implementation='dilgen': packed rows come without padding "
                              "(drop the attention_mask or the packing)")

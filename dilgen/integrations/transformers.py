@@ -204,8 +204,7 @@ def dilgen_attention_forward(module, query, key, value, attention_mask, dropout:
     if ring is not None:
         out = hf_ring.attention(kernel, ring, q, k, v, attention_mask, kwargs, causal, dropout)
     elif k.shape[1] == q.shape[1]:
-        out = hf_rows.prefill(kernel, q, k, v, attention_mask, kwargs, dropout,
-                              lambda where: dropout_refusal(module, dropout, where))
+        out = hf_rows.prefill(kernel, q, k, v, attention_mask, kwargs, dropout)
     elif not causal:
         raise ValueError("attn_implementation='dilgen': fewer queries than keys (a KV cache) "
                          "needs a causal model")

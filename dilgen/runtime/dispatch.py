@@ -7,7 +7,7 @@ import torch
 
 from .checks import InputError, check_inputs, check_max_seqlen
 from .decode import check_decode_inputs
-from .dropout_call import attention_dropout_fwd, bad_p, valid_p
+from .dropout_call import attention_dropout_fwd, attention_varlen_dropout_fwd, bad_p, valid_p
 from .op import attention_fwd, attention_varlen_fwd, decode_op, refused
 from .registry import kernel_spec
 from .ring.op import ring_attention_fwd
@@ -92,14 +92,21 @@ def _traced_dropout(kernel, q, k, v, p, *, return_lse, group, chunk_order, cu_se
     name = spec["name"]
     if not valid_p(p):
         raise bad_p(name, p)
-    if cu_seqlens is not None or max_seqlen is not None:
-        raise InputError(f"{name}: dropout_p > 0 on packed rows is not traced by torch.compile yet; call the "
-                         f"model eagerly while dropout is on, or pass fixed-length rows")
     if spec["ring_size"] > 1:
         raise InputError(f"{name}: dropout_p > 0 on a ring is not traced by torch.compile yet; call the "
                          f"ring eagerly while dropout is on")
     if chunk_order != "contiguous" or group is not None:
         raise InputError(f"{name}: group= and chunk_order apply only to ring_size > 1 specs")
+    if cu_seqlens is not None:      # packed rows: drawn as one sequence of the rows, as eagerly
+        if max_seqlen is None:
+            raise InputError(f"{name}: under torch.compile pass max_seqlen= with cu_seqlens "
+                             f"(the longest sequence; the offsets are not read on the host)")
+        longest = check_max_seqlen(name, max_seqlen)
+        starts, lens = _traced_offsets(name, cu_seqlens, q.shape[0], longest)
+        out, lse, _ = attention_varlen_dropout_fwd(q, k, v, starts, lens, longest, float(p), -1, key)
+        return (out, lse) if return_lse else out
+    if max_seqlen is not None:
+        raise InputError(f"{name}: max_seqlen goes with cu_seqlens (packed batches)")
     check_inputs(spec, q, k, v)
     out, lse, _ = attention_dropout_fwd(q, k, v, float(p), -1, key)
     return (out, lse) if return_lse else out

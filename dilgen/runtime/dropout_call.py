@@ -91,17 +91,17 @@ def dropout_twin(attn, device):
 
 def dropout_args(attn, q, p, seed, packing=None) -> tuple:
     """The kernels' dropout arguments (seed, drop_cut, drop_scale, the counter's N, position
-    of row 0, head 0, heads: common.dropout_rows) of a call on q, or one refusal."""
+    of row 0, head 0: common.dropout_rows) of a call on q, or one refusal."""
     name = attn.spec["name"]
     if attn.spec.get("head_base", 0):
         refuse(name, "draws the coins of a model's heads, which a head_base spec called alone does not know",
                "call the model's spec (head_base 0); a ring's heads transport passes them")
     B, n = (1, q.shape[0]) if packing is not None else (q.shape[0], q.shape[1])
     H, nb = attn.spec["num_heads"], len(attn.plan["branches"])
-    if B * H * nb >= 1 << 32 or n >= 1 << 32:
-        refuse(name, f"counts (batch, head, branch) and positions in 32-bit words: batch {B} x heads {H} x "
-               f"branches {nb} and N = {n} must stay below 2^32", "split the batch")
-    return (*_seed_and_cut(name, p, seed), n, 0, 0, H)
+    if H * nb >= 1 << 32 or B * n >= 1 << 32:
+        refuse(name, f"counts (head, branch) and rows in 32-bit words: heads {H} x branches {nb} and "
+               f"batch {B} x N = {n} must stay below 2^32", "split the batch")
+    return (*_seed_and_cut(name, p, seed), n, 0, 0)
 
 
 def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None, packing=None):
@@ -194,3 +194,65 @@ def _op_backward(ctx, grad_out, grad_lse, _grad_seed):
 
 attention_dropout_fwd.register_autograd(_op_backward, setup_context=_op_setup)
 attention_dropout_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
+
+
+@torch.library.custom_op("dilgen::attention_varlen_dropout_fwd", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def attention_varlen_dropout_fwd(q: Tensor, k: Tensor, v: Tensor, seq_starts: Tensor, seq_lens: Tensor,
+                                 max_seqlen: int, p: float, seed: int, key: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed rows' call (sequence b is rows seq_starts[b] + [0, seq_lens[b]) of q (rows,
+    H, D), covering every row): out, lse (H, rows) and the seed drawn."""
+    drop = dropout_twin(attention_for(key, q.device), q.device)
+    packing = _op_packing(seq_starts, seq_lens, max_seqlen)
+    seed = draw_seed() if seed < 0 else seed
+    out, lse = forward_raw(drop, q, k, v, packing, dropout=dropout_args(drop, q, p, seed, packing))
+    return out, lse, torch.tensor([seed], dtype=torch.int64)
+
+
+@attention_varlen_dropout_fwd.register_fake
+def _op_varlen_fwd_fake(q, k, v, seq_starts, seq_lens, max_seqlen, p, seed, key):
+    return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+            torch.empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("dilgen::attention_varlen_dropout_bwd", mutates_args=())
+def attention_varlen_dropout_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                 grad_out: Optional[Tensor], grad_lse: Optional[Tensor], seq_starts: Tensor,
+                                 seq_lens: Tensor, max_seqlen: int, seed: Tensor, p: float,
+                                 key: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the packed rows under the forward's mask."""
+    drop = dropout_twin(attention_for(key, q.device), q.device)
+    packing = _op_packing(seq_starts, seq_lens, max_seqlen)
+    return backward_raw(drop, q, k, v, out, lse, grad_out, grad_lse, packing,
+                        dropout=dropout_args(drop, q, p, int(seed.item()), packing))
+
+
+@attention_varlen_dropout_bwd.register_fake
+def _op_varlen_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, seq_starts, seq_lens, max_seqlen, seed, p, key):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _op_packing(seq_starts, seq_lens, max_seqlen: int):
+    from .varlen import Packing
+    return Packing(seq_starts, seq_lens, int(max_seqlen), True)
+
+
+def _op_varlen_setup(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    q, k, v, seq_starts, seq_lens, max_seqlen, p, _seed, key = inputs
+    out, lse, seed_used = output
+    ctx.save_for_backward(q, k, v, out, lse, seq_starts, seq_lens, seed_used)
+    ctx.max_seqlen, ctx.p, ctx.key = max_seqlen, p, key
+
+
+def _op_varlen_backward(ctx, grad_out, grad_lse, _grad_seed):
+    q, k, v, out, lse, seq_starts, seq_lens, seed_used = ctx.saved_tensors
+    if grad_out is None and grad_lse is None:
+        return (None,) * 9
+    dq, dk, dv = attention_varlen_dropout_bwd(q, k, v, out, lse, grad_out, grad_lse, seq_starts, seq_lens,
+                                              ctx.max_seqlen, seed_used, ctx.p, ctx.key)
+    return (dq, dk, dv) + (None,) * 6
+
+
+attention_varlen_dropout_fwd.register_autograd(_op_varlen_backward, setup_context=_op_varlen_setup)
+attention_varlen_dropout_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)

@@ -206,7 +206,7 @@ def _dropout(run, tw, pos0: int = 0) -> tuple:
     (common.dropout_rows), so every transport draws one device's mask. () without dropout."""
     if run.dropout_args is None:
         return ()
-    return (*run.dropout_args, run.N, pos0, tw.spec.get("head_base", 0), run.H)
+    return (*run.dropout_args, run.N, pos0, tw.spec.get("head_base", 0))
 
 
 def _local_pieces(run, tw, fn, tensors, outs) -> None:

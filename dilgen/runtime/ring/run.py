@@ -184,7 +184,7 @@ class RingRun:
     def drop_args(self) -> tuple:
         """The window kernels' dropout arguments (common.dropout_rows: positions are global in
         a window, the heads the model's), () without dropout."""
-        return () if self.dropout_args is None else (*self.dropout_args, self.N, 0, 0, self.H)
+        return () if self.dropout_args is None else (*self.dropout_args, self.N, 0, 0)
 
     def _setup(self, q, k, v, cu) -> None:
         attn, group, order = self.attn, self.group, self.order
