@@ -80,7 +80,7 @@ def attention(kernel, ring: RingPlacement, q, k, v, mask, kwargs, causal: bool, 
     """This rank's rows of the attention output: q (B, T, H, D) and k, v (B, T, H_kv, D)
     hold the rank's T rows of each sequence (ring.order; contiguous for a packed row);
     `kernel` is the call's spec with ring_size = ring.size. Returns out (B, T, H, D).
-    dropout: attention dropout's p (the ring's local and heads transports; packed rows refuse it)."""
+    dropout: attention dropout's p (every transport of the ring, packed rows included)."""
     drop = {"dropout_p": dropout} if dropout else {}
     if k.shape[1] != q.shape[1]:
         raise ValueError(GENERATION)

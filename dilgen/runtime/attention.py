@@ -203,7 +203,7 @@ class GeneratedAttention:
                  chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen: int | None = None,
                  dropout_p: float = 0.0):
         if dropout_p and cu_seqlens is None and max_seqlen is None:   # attention dropout (dropout_call.py)
-            if self.plan["ring"]["ring_size"] > 1:      # the local and heads transports draw the coins
+            if self.plan["ring"]["ring_size"] > 1:      # every transport of the ring draws the coins
                 return ring_attention(self, q, k, v, group=group, return_lse=return_lse,
                                       chunk_order=chunk_order, dropout_p=dropout_p)
             self._dropout_ready(group, chunk_order)

@@ -9,7 +9,7 @@ from ..dropout_call import draw_seed, valid_p
 from ..registry import twins_available
 
 
-def dropout_refusal(attn, packed: bool) -> None:
+def dropout_refusal(attn) -> None:
     """One InputError for a ring call that cannot draw dropout's coins: a Hilbert sequence
     order, or no compiler to build the spec's dropout kernels. Every transport draws them
     otherwise ("local" and "heads" in the single-device kernels, "ring" and "allgather" in

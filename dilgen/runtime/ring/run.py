@@ -170,7 +170,7 @@ class RingRun:
             if self.dropout_p and not valid_p(self.dropout_p):
                 raise bad_p(self.attn.spec["name"], self.dropout_p)
             if self.dropout_p:
-                dropout_refusal(self.main, self.packed)
+                dropout_refusal(self.main)
                 dropout_twin(self.main, q.device)           # a plan that refuses, refused on every rank
         cu, self.fault_key, self.free_bytes, seed = _agree(
             self.attn.spec, q, k, v, self.order, self.group, self.P, self.me, self.dist,
