@@ -225,12 +225,27 @@ def test_over_200_seeds_the_mean_output_is_the_output_without_dropout():
     assert abs(kept - (1 - p)) < 3 * (p * (1 - p) / c.numel()) ** 0.5, kept
 
 
+def _eager_and_compiled(call, base, grad, seed: int) -> dict:
+    """{"eager", "compiled"}: (out, dq, dk, dv, a second call's out) of `call` on clones of
+    `base` at torch.manual_seed(seed), eagerly and traced whole (aot_eager, fullgraph)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    runs = {}
+    for name, fn in (("eager", call), ("compiled", torch.compile(call, backend="aot_eager", fullgraph=True))):
+        torch.manual_seed(seed)
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = fn(q, k, v)
+        (out * grad).sum().backward()
+        runs[name] = (out.detach(), q.grad, k.grad, v.grad, fn(q, k, v).detach())
+    torch._dynamo.reset()
+    return runs
+
+
 def test_under_torch_compile_the_mask_is_the_eager_calls_and_the_reference():
     """kernel(q, k, v, dropout_p=p) traced whole (fullgraph) runs the dropout custom ops: at the
     same torch.manual_seed the compiled call draws the eager call's seed, so its output and
     gradients equal the eager ones bit for bit and the float64 reference's under that seed;
     a second call draws another mask."""
-    import torch._dynamo
     from dilgen.runtime.dropout_call import draw_seed
     spec = _spec("compiled", **CASES["causal_gqa_r3"])
     kernel = dilgen.compile(spec)
@@ -240,15 +255,7 @@ def test_under_torch_compile_the_mask_is_the_eager_calls_and_the_reference():
     def call(q, k, v):
         return kernel(q, k, v, dropout_p=0.3)
 
-    torch._dynamo.reset()
-    runs = {}
-    for name, fn in (("eager", call), ("compiled", torch.compile(call, backend="aot_eager", fullgraph=True))):
-        torch.manual_seed(11)
-        q, k, v = (t.clone().requires_grad_() for t in base)
-        out = fn(q, k, v)
-        (out * grad).sum().backward()
-        runs[name] = (out.detach(), q.grad, k.grad, v.grad, fn(q, k, v).detach())
-    torch._dynamo.reset()
+    runs = _eager_and_compiled(call, base, grad, 11)
     for mine, eager in zip(runs["compiled"], runs["eager"]):
         assert torch.equal(mine, eager)
     out, dq, dk, dv, second = runs["compiled"]
@@ -285,7 +292,6 @@ def test_packed_rows_under_torch_compile_draw_the_eager_calls_mask():
     """kernel(rows, cu_seqlens=, max_seqlen=, dropout_p=) traced whole: the packed dropout op
     (offsets on the device) at one torch.manual_seed equals the eager packed call bit for bit,
     output and gradients."""
-    import torch._dynamo
     spec = _spec("compiled_packed", **CASES["causal_gqa_r3"])
     kernel = dilgen.compile(spec)
     base = [t.detach()[0] for t in _inputs(spec, 1, 80, "compiled_packed")]
@@ -295,15 +301,7 @@ def test_packed_rows_under_torch_compile_draw_the_eager_calls_mask():
     def call(q, k, v):
         return kernel(q, k, v, cu_seqlens=cu, max_seqlen=50, dropout_p=0.3)
 
-    torch._dynamo.reset()
-    runs = {}
-    for name, fn in (("eager", call), ("compiled", torch.compile(call, backend="aot_eager", fullgraph=True))):
-        torch.manual_seed(12)
-        q, k, v = (t.clone().requires_grad_() for t in base)
-        out = fn(q, k, v)
-        (out * grad).sum().backward()
-        runs[name] = (out.detach(), q.grad, k.grad, v.grad)
-    torch._dynamo.reset()
+    runs = _eager_and_compiled(call, base, grad, 12)
     for mine, eager in zip(runs["compiled"], runs["eager"]):
         assert torch.equal(mine, eager)
     plain = kernel(*base, cu_seqlens=cu, max_seqlen=50)

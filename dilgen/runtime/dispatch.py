@@ -30,6 +30,21 @@ def _traced_offsets(name: str, cu, total: int, max_seqlen: int):
     return starts, (ends - starts).clamp(0, max_seqlen)
 
 
+def _need_max_seqlen(name: str, max_seqlen) -> None:
+    """Traced packed rows: the offsets are not read on the host (no check of their values), so
+    the grid needs max_seqlen from the caller, as FlashAttention's varlen functions take it."""
+    if max_seqlen is None:
+        raise InputError(f"{name}: under torch.compile pass max_seqlen= with cu_seqlens "
+                         f"(the longest sequence; the offsets are not read on the host)")
+
+
+def _traced_packing(name: str, cu, total: int, max_seqlen):
+    """(starts, lengths, longest) of traced cu_seqlens over `total` rows (_traced_offsets)."""
+    _need_max_seqlen(name, max_seqlen)
+    longest = check_max_seqlen(name, max_seqlen)
+    return (*_traced_offsets(name, cu, total, longest), longest)
+
+
 def kernel_call(kernel, q, k, v, *, return_lse: bool = False, group=None,
                 chunk_order: str = "contiguous", cu_seqlens=None, max_seqlen=None, dropout_p: float = 0.0):
     """`kernel(q, k, v, ...)` for a dilgen.Kernel registered with register_kernel (its key
@@ -54,19 +69,14 @@ def _traced_call(kernel, q, k, v, *, return_lse, group, chunk_order, cu_seqlens,
     key = kernel if isinstance(kernel, str) else kernel._op_key
     spec = kernel_spec(key)
     if cu_seqlens is not None:
-        # traced: the offsets are not read on the host (no check of their values), so the
-        # grid needs max_seqlen from the caller, as FlashAttention's varlen functions take it
-        if max_seqlen is None:
-            raise InputError(f"{spec['name']}: under torch.compile pass max_seqlen= with cu_seqlens "
-                             f"(the longest sequence; the offsets are not read on the host)")
+        _need_max_seqlen(spec["name"], max_seqlen)
         if spec["ring_size"] > 1:
             raise NotImplementedError(
                 f"{spec['name']}: a packed row on a ring (cu_seqlens with ring_size > 1) runs "
                 f"eagerly, not as a torch.ops op: call the kernel outside torch.compile")
         if group is not None:
             raise InputError(f"{spec['name']}: group= applies only to ring_size > 1 specs")
-        longest = check_max_seqlen(spec["name"], max_seqlen)
-        starts, lens = _traced_offsets(spec["name"], cu_seqlens, q.shape[0], longest)
+        starts, lens, longest = _traced_packing(spec["name"], cu_seqlens, q.shape[0], max_seqlen)
         out, lse = attention_varlen_fwd(q, k, v, starts, lens, longest, True, [], key)
         return (out, lse) if return_lse else out
     if spec["ring_size"] > 1:
@@ -98,11 +108,7 @@ def _traced_dropout(kernel, q, k, v, p, *, return_lse, group, chunk_order, cu_se
     if chunk_order != "contiguous" or group is not None:
         raise InputError(f"{name}: group= and chunk_order apply only to ring_size > 1 specs")
     if cu_seqlens is not None:      # packed rows: drawn as one sequence of the rows, as eagerly
-        if max_seqlen is None:
-            raise InputError(f"{name}: under torch.compile pass max_seqlen= with cu_seqlens "
-                             f"(the longest sequence; the offsets are not read on the host)")
-        longest = check_max_seqlen(name, max_seqlen)
-        starts, lens = _traced_offsets(name, cu_seqlens, q.shape[0], longest)
+        starts, lens, longest = _traced_packing(name, cu_seqlens, q.shape[0], max_seqlen)
         out, lse, _ = attention_varlen_dropout_fwd(q, k, v, starts, lens, longest, float(p), -1, key)
         return (out, lse) if return_lse else out
     if max_seqlen is not None:

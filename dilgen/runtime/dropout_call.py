@@ -4,9 +4,8 @@ forward drops each branch's entry of each probability by the coin of dilgen.drop
 scales the kept ones by 1 / (1 - p), and whose backward draws the same coins again from the
 seed the forward kept (nothing of size N x N is stored).
 
-Fixed-length batches draw with (b, N, positions); a packed batch (cu_seqlens, or a padded
-one, whose rows pack) draws as one sequence of its total rows (b = 0, N = total, positions
-its rows). The seed is drawn from torch's default generator on the host (torch.manual_seed
+Every batch draws as one sequence of its rows (item b of a fixed-length batch: rows b N +
+position; a packed or padded batch: its rows), so a batch gets one mask in every layout. The seed is drawn from torch's default generator on the host (torch.manual_seed
 reproduces a run; successive calls differ): no device read, no sync."""
 from __future__ import annotations
 
@@ -21,8 +20,9 @@ from .checks import InputError
 from .forward import forward_raw
 from .op import _keep_nothing, _no_double_backward, plain_eager
 from .registry import attention_for, op_key, register, twin
+from .varlen import Packing
 
-#: seeds are drawn in [0, 2^62): tl.randint takes them as a signed 64-bit argument
+#: seeds are drawn in [0, 2^62): the kernels take them as a signed 64-bit argument
 SEED_BOUND = 1 << 62
 
 
@@ -108,8 +108,8 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     """attention(q, k, v, dropout_p=p) for p > 0 on one device (autograd-aware), inputs
     already checked by the caller. packing (runtime.varlen.Packing): q, k, v are packed rows
     (total, heads, D). `seed`: the mask's seed (tests and reproductions; default drawn from
-    torch's generator). Traced by torch.compile (or a tensor subclass): the custom op of
-    dropout_op.py, which draws the seed when it runs."""
+    torch's generator). Traced by torch.compile (or a tensor subclass): the custom op below,
+    which draws the seed when it runs."""
     name = attn.spec["name"]
     if attn.plan["ring"]["ring_size"] > 1:
         refuse(name, "runs here on one device", "call a ring spec through kernel(...) on every rank")
@@ -133,6 +133,7 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     else:
         out, lse = forward_raw(drop, q, k, v, packing, dropout=args)
     return (out, lse) if return_lse else out
+
 
 # Under torch.compile (or for a tensor subclass) the call is one opaque node of each pass:
 #   torch.ops.dilgen.attention_dropout_fwd(q, k, v, p, seed, key) -> (out, lse, seed_used)
@@ -233,7 +234,6 @@ def _op_varlen_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, seq_starts, seq_l
 
 
 def _op_packing(seq_starts, seq_lens, max_seqlen: int):
-    from .varlen import Packing
     return Packing(seq_starts, seq_lens, int(max_seqlen), True)
 
 

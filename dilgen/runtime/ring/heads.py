@@ -204,9 +204,7 @@ def _dropout(run, tw, pos0: int = 0) -> tuple:
     """The kernels' dropout arguments for twin `tw` on rows whose row 0 is position pos0 of
     the whole sequence: the coins of the model's heads at global positions
     (common.dropout_rows), so every transport draws one device's mask. () without dropout."""
-    if run.dropout_args is None:
-        return ()
-    return (*run.dropout_args, run.N, pos0, tw.spec.get("head_base", 0))
+    return run.drop_args(pos0, tw.spec.get("head_base", 0))
 
 
 def _local_pieces(run, tw, fn, tensors, outs) -> None:

@@ -181,10 +181,11 @@ class RingRun:
         remember(self.dist, self.group, self.fault_key)
         return cu
 
-    def drop_args(self) -> tuple:
-        """The window kernels' dropout arguments (common.dropout_rows: positions are global in
-        a window, the heads the model's), () without dropout."""
-        return () if self.dropout_args is None else (*self.dropout_args, self.N, 0, 0)
+    def drop_args(self, pos0: int = 0, head0: int = 0) -> tuple:
+        """The kernels' dropout arguments (common.dropout_rows) on rows whose row 0 is position
+        pos0 of the whole sequence and heads from the model's head0 (a window: global
+        positions, the model's heads), () without dropout."""
+        return () if self.dropout_args is None else (*self.dropout_args, self.N, pos0, head0)
 
     def _setup(self, q, k, v, cu) -> None:
         attn, group, order = self.attn, self.group, self.order
