@@ -3,7 +3,8 @@
 The mask keeps the probability of query q and key k in branch i and head h (LongNet Eq. 10:
 the one softmax over every branch's keys, a pair kept by two branches being two entries)
 when a 16-bit draw clears the cut of p. Every batch draws as one sequence of its rows: q is
-the query's row, b N + position for item b of a fixed-length batch, its row in a packed one. The key enters through its lane j in
+the query's row, b N + position for item b of a fixed-length batch (the position counted
+along the curve for Hilbert scope "sequence"), its row in a packed one. The key enters through its lane j in
 branch i, its index among the segment's dilated keys (key = segment start + offset + r j, or
 the curve's lane for Hilbert), so the 8 keys of lanes 8g .. 8g + 7 share one Philox call:
 

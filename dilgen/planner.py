@@ -52,16 +52,17 @@ def _row_order(spec: Spec) -> ir.TableMap | None:
     return None if _is_identity(rows, cols) else ir.TableMap(f"curve_{rows}x{cols}", "sequence", rows, cols)
 
 
-def _branch_orders(spec: Spec, dropout: bool = False) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
+def _branch_orders(spec: Spec) -> tuple[ir.TableMap | None, list[ir.TableMap | None]]:
     """The query order and each branch's order (None = raster, read without a table)."""
     hil = spec.hilbert
     if hil is None:
         return None, [None] * spec.num_branches
-    if hil.scope == "sequence" and (spec.ring_size > 1 or not (spec.causal or dropout)):
+    if hil.scope == "sequence" and (spec.ring_size > 1 or not spec.causal):
         # the ring runs on curve-ordered rows (shard gives each rank a run of the curve), and
         # so does one device, non-causal (the runtime permutes the rows: _row_order):
-        # virtual positions are the rows themselves, read with no table. Causal masks and
-        # dropout's coins need raster positions: those read through the table
+        # virtual positions are the rows themselves, read with no table (dropout's coins
+        # count queries in curve order too). Causal masks need raster positions: those read
+        # through the table
         return None, [None] * spec.num_branches
     if hil.scope == "sequence":
         rows, cols = hil.grid
@@ -122,7 +123,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
         tuning.update(DROPOUT_TUNING)
-    query_order, orders = _branch_orders(spec, dropout)
+    query_order, orders = _branch_orders(spec)
     tiles = _tiles(spec, target, tuning, query_order)
     lanes = _lanes(spec, target, tiles, orders)
     tiles.block_m = _nested_block_m(spec, tiles.block_m, lanes)
@@ -160,7 +161,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=spec.dtype, causal=spec.causal, scale=spec.scale, query=tiling,
         branches=tuple(branches), config=_config(spec, target, tiles, branches, lanes, dual_chain, tuning, gluon),
-        ring=_ring(spec, branches), tables=tuple(tables), row_order=None if dropout else _row_order(spec), dropout=dropout,
+        ring=_ring(spec, branches), tables=tuple(tables), row_order=_row_order(spec), dropout=dropout,
         lane_order=lane_order, gap_lane=gap_lane, dkdv_first_writes=dkdv_first_writes,
         head_base=spec.head_base)
 

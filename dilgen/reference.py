@@ -329,7 +329,8 @@ def reference_branch_pairs(n, spec, head) -> list[torch.Tensor]:
 def dropout_weights(spec, batch: int, heads: int, n: int, head: int, p: float, seed: int,
                     rows: tuple[int, int] | None = None) -> torch.Tensor:
     """(B, N, N) float64: sum over the branches keeping (i, j) of keep * scale, keep the coin
-    of dilgen.dropout for (head, branch, query row b N + i, key j's lane in the branch) and
+    of dilgen.dropout for (head, branch, query row b N + i, key j's lane in the branch; with
+    Hilbert scope "sequence" the query's curve index stands for i, the rows' sequence order) and
     scale = 1 / (1 - p') (dropout.scale): the numerator's pair weights under attention dropout
     (the normalizer keeps every pair: dropout acts on the probabilities). Every batch draws
     as one sequence of its rows. rows = (row0, total): one sequence of a packed batch whose
@@ -337,11 +338,15 @@ def dropout_weights(spec, batch: int, heads: int, n: int, head: int, p: float, s
     from .dropout import keep, scale, stream, threshold
     pairs = reference_branch_pairs(n, spec, head)
     layouts = _layouts(n, spec)
-    i = torch.arange(batch)[:, None, None] * n + torch.arange(n)[:, None]   # row b N + position
+    order = torch.arange(n)                         # the query's index in the sequence's order
+    hil = _attr(spec, "hilbert")
+    if hil is not None and _attr(hil, "scope") == "sequence":
+        order = _branch_layout(n, n, 0, hil, None)[1]   # raster position -> curve index
+    i = torch.arange(batch)[:, None, None] * n + order[:, None]   # row b N + position
     if rows is not None:
         if batch != 1:
             raise ValueError("dropout_weights: rows= takes one sequence (batch 1)")
-        i = torch.arange(n)[:, None] + rows[0]
+        i = order[:, None] + rows[0]
     w = torch.zeros(batch, n, n, dtype=torch.float64)
     for branch, (pair, (r, _seg, lane)) in enumerate(zip(pairs, layouts)):
         lane_j = torch.as_tensor(lane, dtype=torch.int64)[None, :] // r   # key j's dilated lane

@@ -30,8 +30,11 @@ CASES = [
     ("forced_ring_zigzag_r3", dict(segment_lengths=[16, 64], dilation_rates=[2, 3]), "zigzag", "ring"),
     ("forced_ring_hilbert_segment", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
                                          hilbert={"scope": "segment"}), "contiguous", "ring"),
-    ("refused_hilbert_sequence", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
-                                      hilbert={"scope": "sequence", "grid": [8, 8]}), "contiguous", None),
+    # Hilbert scope "sequence": each rank holds a run of the curve; coins at curve positions
+    ("forced_ring_hilbert_sequence", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
+                                          hilbert={"scope": "sequence", "grid": [8, 8]}), "contiguous", "ring"),
+    ("heads_hilbert_sequence", dict(segment_lengths=[16, 32], dilation_rates=[2, 4],
+                                    hilbert={"scope": "sequence", "grid": [8, 8]}), "contiguous", "heads"),
     ("windows_mqa", dict(segment_lengths=[8, 64], dilation_rates=[1, 3], num_kv_heads=1), "contiguous", None),
 ]
 
@@ -41,29 +44,31 @@ def run_case(name, fields, order, forced, rank, P):
     kv = fields.pop("num_kv_heads", 4)
     common = dict(num_heads=4, num_kv_heads=kv, head_dim=16, dtype="float32", **fields)
     one = dilgen.compile(dilgen.Spec(name=f"drop_one_{name}", **common))
-    ring = dilgen.compile(dilgen.Spec(name=f"drop_ring_{name}", ring_size=P, **common))
+    ring_spec = dilgen.Spec(name=f"drop_ring_{name}", ring_size=P, **common)
+    ring = dilgen.compile(ring_spec)
+    mine_of = lambda t: shard(t, P, rank, order, spec=ring_spec)  # noqa: E731  (curve order first)
     g = torch.Generator().manual_seed(5)
     N = 64
     q, k, v = (torch.randn(1, N, h, 16, generator=g).to(DEVICE) for h in (4, kv, kv))
     go = torch.randn(1, N, 4, 16, generator=g).to(DEVICE)
     os.environ["DILGEN_RING_TRANSPORT"] = forced or "auto"
-    mine = [shard(t, P, rank, order).clone().requires_grad_() for t in (q, k, v)]
+    mine = [mine_of(t).clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(77)
     try:
         out = ring(*mine, dropout_p=0.3, chunk_order=order)
     except InputError as exc:
         return {"refused": str(exc)}
-    (out * shard(go, P, rank, order)).sum().backward()
+    (out * mine_of(go)).sum().backward()
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(77)
     ref = one(*full, dropout_p=0.3)
     (ref * go).sum().backward()
     err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     res = {"transport": ring.compiled_for(q.device).attention.last_ring_transport, "device": DEVICE.type,
-           "out": err(out, shard(ref, P, rank, order)),
-           "plain_gap": err(out, shard(one(*(t.detach() for t in (q, k, v))), P, rank, order))}
+           "out": err(out, mine_of(ref)),
+           "plain_gap": err(out, mine_of(one(*(t.detach() for t in (q, k, v)))))}
     for label, a, b in zip(("dq", "dk", "dv"), mine, full):
-        res[label] = err(a.grad, shard(b.grad, P, rank, order))
+        res[label] = err(a.grad, mine_of(b.grad))
     return res
 
 

@@ -5,8 +5,11 @@ scales the kept ones by 1 / (1 - p), and whose backward draws the same coins aga
 seed the forward kept (nothing of size N x N is stored).
 
 Every batch draws as one sequence of its rows (item b of a fixed-length batch: rows b N +
-position; a packed or padded batch: its rows), so a batch gets one mask in every layout. The seed is drawn from torch's default generator on the host (torch.manual_seed
-reproduces a run; successive calls differ): no device read, no sync."""
+position; a packed or padded batch: its rows), so a batch gets one mask in every layout.
+The seed is drawn from torch's default generator on the host (torch.manual_seed reproduces a
+run; successive calls differ; no device read, no sync) and handed to the kernels as one int64
+on the device, which they read when they run: inside a CUDA-graph capture it is drawn there
+by the device's generator instead, so every replay draws a new mask (seed_tensor)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -44,21 +47,37 @@ def draw_seed() -> int:
     return int(torch.randint(0, SEED_BOUND, (1,)).item())
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def seed_tensor(seed, device: torch.device) -> Tensor:
+    """The mask's seed as the kernels read it: one int64 on `device`. seed: a tensor of one
+    (the forward's, for a backward), an int, or None: drawn by torch's generator on the host,
+    or, inside a CUDA-graph capture, by the device's generator in the graph, whose replays
+    each draw a new one (PyTorch's graph-safe Philox offsets)."""
+    if isinstance(seed, Tensor):
+        return seed
+    if seed is None and _capturing(device):
+        return torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, device=device)
+    return torch.full((1,), draw_seed() if seed is None else seed, dtype=torch.int64, device=device)
+
+
 def cut_and_scale(p: float) -> tuple[int, float]:
     """The kernels' (drop_cut, drop_scale) of probability p (common.dropout_keep)."""
     cut = threshold(float(p))
     return cut, scale(cut)
 
 
-def _seed_and_cut(name: str, p, seed) -> tuple[int, int, float]:
-    """(seed, drop_cut, drop_scale) of a call with drop probability p, or one InputError."""
+def _seed_and_cut(name: str, p, seed, device) -> tuple[Tensor, int, float]:
+    """(seed tensor, drop_cut, drop_scale) of a call with drop probability p, or one InputError."""
     if not valid_p(p):
         raise bad_p(name, p)
-    if seed is None:
-        seed = draw_seed()
-    elif not 0 <= int(seed) < SEED_BOUND:
-        raise InputError(f"{name}: dropout seed {seed} must be in [0, 2^62)")
-    return (int(seed), *cut_and_scale(p))
+    if seed is not None and not isinstance(seed, Tensor):
+        if not 0 <= int(seed) < SEED_BOUND:
+            raise InputError(f"{name}: dropout seed {seed} must be in [0, 2^62)")
+        seed = int(seed)
+    return (seed_tensor(seed, device), *cut_and_scale(p))
 
 
 class _DropoutFunction(torch.autograd.Function):
@@ -90,8 +109,9 @@ def dropout_twin(attn, device):
 
 
 def dropout_args(attn, q, p, seed, packing=None) -> tuple:
-    """The kernels' dropout arguments (seed, drop_cut, drop_scale, the counter's N, position
-    of row 0, head 0: common.dropout_rows) of a call on q, or one refusal."""
+    """The kernels' dropout arguments (seed tensor, drop_cut, drop_scale, the counter's N,
+    position of row 0, head 0: common.dropout_rows) of a call on q, or one refusal. seed: an
+    int, the forward's seed tensor, or None (drawn: seed_tensor)."""
     name = attn.spec["name"]
     if attn.spec.get("head_base", 0):
         refuse(name, "draws the coins of a model's heads, which a head_base spec called alone does not know",
@@ -101,7 +121,7 @@ def dropout_args(attn, q, p, seed, packing=None) -> tuple:
     if H * nb >= 1 << 32 or B * n >= 1 << 32:
         refuse(name, f"counts (head, branch) and rows in 32-bit words: heads {H} x branches {nb} and "
                f"batch {B} x N = {n} must stay below 2^32", "split the batch")
-    return (*_seed_and_cut(name, p, seed), n, 0, 0)
+    return (*_seed_and_cut(name, p, seed, q.device), n, 0, 0)
 
 
 def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None, packing=None):
@@ -113,9 +133,6 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
     name = attn.spec["name"]
     if attn.plan["ring"]["ring_size"] > 1:
         refuse(name, "runs here on one device", "call a ring spec through kernel(...) on every rank")
-    if isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.is_current_stream_capturing():
-        refuse(name, "is not captured in a CUDA graph (a graph would replay one mask)",
-               "capture the model in eval mode")
     if not plain_eager(q, k, v):
         if packing is not None:
             refuse(name, "on packed or padded rows is not traced by torch.compile yet",
@@ -140,7 +157,7 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
 #   torch.ops.dilgen.attention_dropout_bwd(q, k, v, out, lse, grad_out, grad_lse, seed_used, p, key)
 # The forward draws the seed when it runs (seed < 0: one draw of torch's generator, as an
 # eager call draws it, so torch.manual_seed gives a compiled call the eager call's mask) and
-# returns it (CPU int64, one element) for the backward. Tagged nondeterministic_seeded: the
+# returns it (int64, one element on q's device) for the backward. Tagged nondeterministic_seeded: the
 # compiler keeps one run per call and never recomputes it for the backward.
 
 
@@ -148,18 +165,18 @@ def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int |
                          tags=(torch.Tag.nondeterministic_seeded,))
 def attention_dropout_fwd(q: Tensor, k: Tensor, v: Tensor, p: float, seed: int,
                           key: str) -> tuple[Tensor, Tensor, Tensor]:
-    """out (B, N, H, D), lse (B, H, N) float32, and the seed drawn (CPU int64, one element)."""
+    """out (B, N, H, D), lse (B, H, N) float32, and the seed drawn (int64, one element on q's device)."""
     drop = dropout_twin(attention_for(key, q.device), q.device)
-    seed = draw_seed() if seed < 0 else seed
-    out, lse = forward_raw(drop, q, k, v, None, dropout=dropout_args(drop, q, p, seed))
-    return out, lse, torch.tensor([seed], dtype=torch.int64)
+    args = dropout_args(drop, q, p, None if seed < 0 else seed)
+    out, lse = forward_raw(drop, q, k, v, None, dropout=args)
+    return out, lse, args[0]
 
 
 @attention_dropout_fwd.register_fake
 def _op_fwd_fake(q, k, v, p, seed, key):
     B, N, H, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((B, H, N), dtype=torch.float32), torch.empty(1, dtype=torch.int64))
+            q.new_empty((B, H, N), dtype=torch.float32), q.new_empty(1, dtype=torch.int64))
 
 
 @torch.library.custom_op("dilgen::attention_dropout_bwd", mutates_args=())
@@ -169,7 +186,7 @@ def attention_dropout_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     """(dq, dk, dv) under the forward's mask (its seed_used)."""
     drop = dropout_twin(attention_for(key, q.device), q.device)
     return backward_raw(drop, q, k, v, out, lse, grad_out, grad_lse, None,
-                        dropout=dropout_args(drop, q, p, int(seed.item())))
+                        dropout=dropout_args(drop, q, p, seed))
 
 
 @attention_dropout_bwd.register_fake
@@ -205,15 +222,15 @@ def attention_varlen_dropout_fwd(q: Tensor, k: Tensor, v: Tensor, seq_starts: Te
     H, D), covering every row): out, lse (H, rows) and the seed drawn."""
     drop = dropout_twin(attention_for(key, q.device), q.device)
     packing = _op_packing(seq_starts, seq_lens, max_seqlen)
-    seed = draw_seed() if seed < 0 else seed
-    out, lse = forward_raw(drop, q, k, v, packing, dropout=dropout_args(drop, q, p, seed, packing))
-    return out, lse, torch.tensor([seed], dtype=torch.int64)
+    args = dropout_args(drop, q, p, None if seed < 0 else seed, packing)
+    out, lse = forward_raw(drop, q, k, v, packing, dropout=args)
+    return out, lse, args[0]
 
 
 @attention_varlen_dropout_fwd.register_fake
 def _op_varlen_fwd_fake(q, k, v, seq_starts, seq_lens, max_seqlen, p, seed, key):
     return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
-            torch.empty(1, dtype=torch.int64))
+            q.new_empty(1, dtype=torch.int64))
 
 
 @torch.library.custom_op("dilgen::attention_varlen_dropout_bwd", mutates_args=())
@@ -225,7 +242,7 @@ def attention_varlen_dropout_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     drop = dropout_twin(attention_for(key, q.device), q.device)
     packing = _op_packing(seq_starts, seq_lens, max_seqlen)
     return backward_raw(drop, q, k, v, out, lse, grad_out, grad_lse, packing,
-                        dropout=dropout_args(drop, q, p, int(seed.item()), packing))
+                        dropout=dropout_args(drop, q, p, seed, packing))
 
 
 @attention_varlen_dropout_bwd.register_fake

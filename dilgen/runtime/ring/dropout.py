@@ -10,15 +10,12 @@ from ..registry import twins_available
 
 
 def dropout_refusal(attn) -> None:
-    """One InputError for a ring call that cannot draw dropout's coins: a Hilbert sequence
-    order, or no compiler to build the spec's dropout kernels. Every transport draws them
-    otherwise ("local" and "heads" in the single-device kernels, "ring" and "allgather" in
-    the window kernels of the dropout plan, packed rows as one sequence of the whole row),
-    one device's mask on each."""
+    """One InputError for a ring call that cannot draw dropout's coins: no compiler to build
+    the spec's dropout kernels. Every transport draws them otherwise ("local" and "heads" in
+    the single-device kernels, "ring" and "allgather" in the window kernels of the dropout
+    plan, packed rows as one sequence of the whole row, Hilbert scope "sequence" at the curve
+    positions its ranks hold, which is where one device counts them), one device's mask on each."""
     name = attn.spec["name"]
-    if attn.plan["ring"].get("curve") is not None:
-        raise InputError(f"{name}: attention dropout on a ring takes rows in raster or Hilbert-segment "
-                         f"order (not Hilbert scope \"sequence\") yet; pass dropout_p=0.0")
     if not twins_available():
         raise InputError(f"{name}: attention dropout on a ring needs dilgen's compiler to build the spec's "
                          f"dropout kernels; call it through dilgen.compile(spec), not an imported module")

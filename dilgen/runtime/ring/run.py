@@ -18,7 +18,7 @@ from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
-from ..dropout_call import bad_p, cut_and_scale, dropout_twin, valid_p
+from ..dropout_call import bad_p, cut_and_scale, dropout_twin, seed_tensor, valid_p
 from .dropout import dropout_proposal, dropout_refusal
 from .faults import Guard, collective, remember, transfer
 from .heads import heads_refusal, local_possible
@@ -178,6 +178,7 @@ class RingRun:
             dropout=proposal)
         if self.dropout_p and self.dropout_args is None:     # the forward's: its backward reuses them
             self.dropout_args = (seed, *cut_and_scale(self.dropout_p))
+            self.seed_on_device = seed_tensor(seed, q.device)
         remember(self.dist, self.group, self.fault_key)
         return cu
 
@@ -185,7 +186,9 @@ class RingRun:
         """The kernels' dropout arguments (common.dropout_rows) on rows whose row 0 is position
         pos0 of the whole sequence and heads from the model's head0 (a window: global
         positions, the model's heads), () without dropout."""
-        return () if self.dropout_args is None else (*self.dropout_args, self.N, pos0, head0)
+        if self.dropout_args is None:
+            return ()
+        return (self.seed_on_device, *self.dropout_args[1:], self.N, pos0, head0)
 
     def _setup(self, q, k, v, cu) -> None:
         attn, group, order = self.attn, self.group, self.order
