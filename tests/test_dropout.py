@@ -253,13 +253,14 @@ def test_a_training_step_in_a_cuda_graph_draws_a_new_mask_each_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    seed_drawn = out.grad_fn.args[0]                    # the graph's seed: each replay writes it
     seeds = []
     for _ in range(2):
         for t in (out, q.grad, k.grad, v.grad):
-            t.fill_(float("nan"))                       # an unwritten entry fails
+            t.detach().fill_(float("nan"))              # an unwritten entry fails
         graph.replay()
         torch.cuda.synchronize()
-        seeds.append(int(out.grad_fn.args[0].item()))   # the seed this replay drew
+        seeds.append(int(seed_drawn.item()))
         ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
         ref_out = differentiable_reference(*ref_in, spec, dropout_p=0.3, seed=seeds[-1])[0]
         (ref_out * grad.double().cpu()).sum().backward()
