@@ -119,11 +119,39 @@ def _ring_case(name: str) -> dict:
     return result
 
 
+DROPOUT_CASES = ("encoder_uneven", "layer_packed")     # slot maps with a dummy; packed calls, batch 2
+
+
+def _dropout_case(name: str) -> dict:
+    """Attention dropout 0.3 while training: this rank's seq_parallel outputs and input
+    gradients, and the one-process module's (dilgen's kernels on the whole sequence), both
+    from torch.manual_seed(11): the ring calls draw the one-process call's mask."""
+    res = {}
+    for seq_parallel in (True, False):
+        model, inputs, weights, causal = CASES[name]()
+        if name == "layer_packed":
+            model = compat.DilatedAttention.from_torchscale(model.float())
+        else:
+            compat.patch(model.float(), verbose=False)
+        for layer in model.modules():
+            if isinstance(layer, compat.DilatedAttention):
+                layer.dropout = 0.3
+        model.args.seq_parallel = seq_parallel
+        model.train()
+        chunk = compat.chunk_rows if seq_parallel else (lambda t: t)
+        x = chunk(inputs.float()).clone().requires_grad_(True)
+        torch.manual_seed(11)
+        out = forward(name, model, x, causal)
+        (out * chunk(weights.float())).sum().backward()
+        res["ring" if seq_parallel else "one"] = {"out": out.detach(), "dx": x.grad}
+    return res
+
+
 def _refusal(name: str, rank: int) -> str:
     """The one line every rank raises (type: message), or what happened instead."""
     args = tm.make_args([8, 16], [1, 2], embed_dim=32, heads=2, seq_parallel=True)
     layer = compat.DilatedAttention(args, 32, 2, self_attention=True)
-    n, mask, dropout_training = 20, None, False
+    n, mask = 20, None
     if name == "mask_on_one_rank":
         mask = torch.zeros(1, n, dtype=torch.bool)
         mask[0, -3:] = rank == 1                   # rank 1 pads, rank 0 passes an all-False mask
@@ -132,10 +160,7 @@ def _refusal(name: str, rank: int) -> str:
     elif name == "layout_slip":
         args.segment_length, args.dilated_ratio = [8, 12], [2, 8]
         layer = compat.DilatedAttention(args, 32, 2, self_attention=True)   # N = 40 > 12, 12 % 8
-    elif name == "dropout":
-        layer = compat.DilatedAttention(args, 32, 2, dropout=0.1, self_attention=True)
-        dropout_training = True
-    layer.train(dropout_training)
+    layer.train(False)
     x = torch.randn(1, n, 32)
     try:
         layer(x, x, x, key_padding_mask=mask)
@@ -146,8 +171,7 @@ def _refusal(name: str, rank: int) -> str:
 
 REFUSALS = {"mask_on_one_rank": ("NotImplementedError", "key_padding_mask with padding (rank(s) [1])"),
             "rows_per_rank": ("ValueError", "rows per rank [10, 12]"),
-            "layout_slip": ("ValueError", "N = 40 with segment_lengths[1] = 12"),
-            "dropout": ("NotImplementedError", "attention dropout while training")}
+            "layout_slip": ("ValueError", "N = 40 with segment_lengths[1] = 12")}
 
 
 def rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -164,6 +188,9 @@ def rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         for name in CASES:
             phase = name
             report[name] = _ring_case(name)
+        for name in DROPOUT_CASES:
+            phase = f"dropout_{name}"
+            report[phase] = _dropout_case(name)
         report["refusals"] = {name: _refusal(name, rank) for name in REFUSALS}
         phase = "report"
         torch.save(report, os.path.join(out_dir, f"rank{rank}.pt.tmp"))
@@ -242,6 +269,21 @@ def test_seq_parallel_equals_one_process(reports, name, monkeypatch):
         assert [r[name]["out"].shape[1] for r in reports] == [23, 22]
 
 
+@pytest.mark.parametrize("name", DROPOUT_CASES)
+def test_seq_parallel_draws_the_one_process_dropout_mask(reports, name):
+    """With attention dropout while training, every rank's rows (and input gradients) are the
+    one-process call's at the same torch.manual_seed: the layer's ring calls (slot maps with
+    a dummy head, branches split over calls, the packed calls of a batch of 2) draw the coins
+    of the model's heads, branches and rows; and the mask mattered."""
+    for rank, report in enumerate(reports):
+        got = report[f"dropout_{name}"]
+        ring, one = got["ring"], got["one"]
+        assert tm.rel_error(ring["out"].double(), _rows(one["out"], rank).double()) < TOL, (name, rank)
+        assert tm.rel_error(ring["dx"].double(), _rows(one["dx"], rank).double()) < 2 * TOL, (name, rank)
+        plain = report[name]["out"]
+        assert tm.rel_error(ring["out"].double(), plain.double()) > 1e-2, (name, rank)
+
+
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_seq_parallel_refusals_are_one_line_on_every_rank(reports, name):
     kind, words = REFUSALS[name]
@@ -276,7 +318,8 @@ def test_head_slots_make_block_offsets_mod_offsets():
             assert sorted(h for h in slots if h >= 0) == list(range(H))
             assert all(h // -(-H // r) == j % r for j, h in enumerate(slots) if h >= 0)
     calls = seq.plan(16, 48, (1024, 5792, 32768, 185363, 1048576), (1, 2, 4, 8, 16), False, "bfloat16", 2)
-    assert [spec.dilation_rates for spec, _ in calls] == [(1, 16), (2,), (4,), (8,)]
+    assert [spec.dilation_rates for spec, _, _ in calls] == [(1, 16), (2,), (4,), (8,)]
+    assert [members for _, _, members in calls] == [(0, 4), (1,), (2,), (3,)]
 
 
 def test_which_uneven_cases_append_a_zero_row():

@@ -18,10 +18,11 @@ them under no_grad: same forward, different gradients).
 
 What is refused, with one line naming it: torchscale's xpos (`args.xpos_rel_pos`),
 `incremental_state`, `attn_mask`, `rel_pos`, multiway projections (`args.multiway`),
-cross-attention, attention dropout while training with `args.seq_parallel`, and torchscale's
-layout slip (min(w, N) not a multiple of r with two or more segments, where torchscale's
-outputs land on shifted rows). Attention dropout while training (`dropout`) runs in the
-kernels (`dropout_p`: the probabilities of LongNet Eq. 10's one softmax, docs/api.md).
+cross-attention, and torchscale's layout slip (min(w, N) not a multiple of r with two or
+more segments, where torchscale's outputs land on shifted rows). Attention dropout while
+training (`dropout`) runs in the kernels (`dropout_p`: the probabilities of LongNet Eq. 10's
+one softmax, docs/api.md), with `args.seq_parallel` too (each rank its rows of the
+one-process call's mask).
 
 `args.seq_parallel` (read at every forward, as torchscale does) with torch.distributed set
 up and more than one rank in `module.seq_parallel_group` (None: the default group, which
@@ -250,10 +251,6 @@ class DilatedAttention(nn.Module):
         H, D = self.num_heads, self.head_dim
         layout = mask = None
         if getattr(self.args, "seq_parallel", False) and seq.group_size(self.seq_parallel_group) > 1:
-            if p > 0:
-                raise _unsupported(f"attention dropout while training (dropout = {self.dropout}) with "
-                                   f"args.seq_parallel", "set the attention dropout to 0 (or call model.eval()), "
-                                   "or train on one rank's whole sequence")
             # this rank holds rows of the sequence: every rank agrees, or all raise
             layout = seq.agree(B, N, key_padding_mask, query.device, self.seq_parallel_group)
             longest = layout.N
@@ -268,7 +265,7 @@ class DilatedAttention(nn.Module):
         v = self.v_proj(value).view(B, N, H, D)
         if layout is not None:
             out = seq.attend(q, k, v, layout, self.spec.segment_lengths, self.spec.dilation_rates,
-                             causal=is_causal, group=self.seq_parallel_group)
+                             causal=is_causal, group=self.seq_parallel_group, dropout_p=p)
         else:       # the seams take dropout_p only when it is on (tests and benches swap them)
             drop = (p,) if p else ()
             out = (_attend(q, k, v, self._spec(q.dtype, is_causal), *drop) if mask is None

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..runtime.dropout_call import draw_seed
 from ..spec import Spec
 
 PREFIX = "dilgen.compat.torchscale"
@@ -170,8 +171,9 @@ def _fits(slots: tuple, H: int, r: int) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def plan(H: int, D: int, segments: tuple, rates: tuple, causal: bool, dtype: str, P: int) -> tuple:
-    """((ring spec, slot map), ...): the ring calls of torchscale's function (block offsets,
-    exact segments; the zero padding is added afterwards)."""
+    """((ring spec, slot map, its branches' indices among the model's), ...): the ring calls
+    of torchscale's function (block offsets, exact segments; the zero padding is added
+    afterwards)."""
     groups: list[list] = []                  # [slots, [branch indices]]
     for i, r in enumerate(rates):
         for g in groups:
@@ -183,7 +185,7 @@ def plan(H: int, D: int, segments: tuple, rates: tuple, causal: bool, dtype: str
     return tuple((Spec(name="torchscale_seq_parallel", num_heads=len(slots), head_dim=D, dtype=dtype,
                        segment_lengths=[segments[i] for i in members],
                        dilation_rates=[rates[i] for i in members], causal=causal, ring_size=P,
-                       source=f"{PREFIX} seq_parallel"), slots)
+                       source=f"{PREFIX} seq_parallel"), slots, tuple(members))
                  for slots, members in groups)
 
 
@@ -248,10 +250,39 @@ def _cu(N: int, padded: int, device: torch.device) -> torch.Tensor:
 # --------------------------------------------------------------------------- the call
 
 
-def _ring_call(q, k, v, spec: Spec, group, cu_seqlens):
+@functools.lru_cache(maxsize=64)
+def _streams(slots: tuple, members: tuple, n_branches: int, device: torch.device) -> torch.Tensor:
+    """(call slots, call branches) int64 on `device`: the stream of each entry in the one-
+    process call, model head h and branch i: h n_branches + i (dilgen.dropout.stream; a
+    dummy slot's rows are dropped, it draws head 0's)."""
+    return torch.tensor([[max(h, 0) * n_branches + i for i in members] for h in slots],
+                        dtype=torch.int64, device=device)
+
+
+def _dropout_call(q, k, v, spec: Spec, group, cu_seqlens, dropout):
+    """_ring_call under attention dropout = (p, seed, N, streams): the call draws its heads'
+    and branches' part of the one-process call's mask (ring.dropout.Counter), rows b N +
+    position as one device counts them (a packed call of item b: from row b N)."""
+    from .. import compiler
+    from ..runtime.ring.dropout import Counter
+    from ..runtime.ring.op import ring_attention, ring_varlen_attention
+    p, seed, n, streams = dropout
+    attn = compiler._kernel_for(spec).compiled_for(q.device).attention
+    if cu_seqlens is None:
+        return ring_attention(attn, q, k, v, group=group, return_lse=True, dropout_p=p,
+                              counter=Counter(seed, n, 0, streams))
+    outs, lses = zip(*(ring_varlen_attention(attn, q[b], k[b], v[b], cu_seqlens, group=group, return_lse=True,
+                                             dropout_p=p, counter=Counter(seed, n, b * n, streams))
+                       for b in range(q.shape[0])))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _ring_call(q, k, v, spec: Spec, group, cu_seqlens, dropout=None):
     """(out (B, c, H, D), lse (B, H, c)) of one ring spec: the plain ring, or one packed
     call per batch item."""
     from .. import compiler
+    if dropout is not None:
+        return _dropout_call(q, k, v, spec, group, cu_seqlens, dropout)
     if cu_seqlens is None:
         return compiler.dilated_attention(q, k, v, spec, return_lse=True, group=group)
     outs, lses = zip(*(compiler.dilated_attention(q[b], k[b], v[b], spec, return_lse=True,
@@ -301,9 +332,14 @@ def _pad_keys(out, lse, counts):
     return out.to(acc) * keep.unsqueeze(-1)
 
 
-def attend(q, k, v, layout: Layout, segments: tuple, rates: tuple, *, causal: bool, group):
+def attend(q, k, v, layout: Layout, segments: tuple, rates: tuple, *, causal: bool, group,
+           dropout_p: float = 0.0):
     """torchscale's dilated attention of this rank's rows q, k, v (B, n_loc, H, D) of the
-    whole sequence: this rank's rows of the one-process result, autograd-aware."""
+    whole sequence: this rank's rows of the one-process result, autograd-aware. dropout_p >
+    0: attention dropout, the one-process call's mask (one seed for the layer's ring calls,
+    each drawing its heads' and branches' coins). The calls are mixed by their lse, which
+    dropout leaves alone, and dropout scales each probability of the one softmax: the
+    mixture is the one-process call's, mask included."""
     _, n, H, D = q.shape
     dtype = _DTYPES.get(q.dtype, "float32")     # others: the kernels refuse them in one line
     extra = layout.c - n
@@ -313,14 +349,16 @@ def attend(q, k, v, layout: Layout, segments: tuple, rates: tuple, *, causal: bo
     # causal queries never see the zero rows (they follow every real row): appending fits
     packed = not causal and padded > N and not appended_rows_fit(N, padded, segments, rates)
     cu = _cu(N, padded, q.device) if packed else None
+    seed = draw_seed() if dropout_p else None   # one seed a layer call, as one process draws
     parts = []
-    for spec, slots in plan(H, D, segments, rates, causal, dtype, layout.P):
+    for spec, slots, members in plan(H, D, segments, rates, causal, dtype, layout.P):
         index = _indices(slots, H, q.device)
+        drop = None if not dropout_p else (dropout_p, seed, N, _streams(slots, members, len(rates), q.device))
         if index is None:
-            o, lse = _ring_call(q, k, v, spec, group, cu)
+            o, lse = _ring_call(q, k, v, spec, group, cu, drop)
         else:
             o, lse = _ring_call(*(_in_slots(x, index[0], -1 in slots) for x in (q, k, v)),
-                                spec, group, cu)
+                                spec, group, cu, drop)
             o, lse = o.index_select(2, index[1]), lse.index_select(1, index[1])
         parts.append((o, lse))
     out, lse = _mix(parts)

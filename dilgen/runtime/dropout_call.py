@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..dropout import scale, threshold
+from ..dropout import scale, stream, threshold
 from .backward import backward_raw
 from .checks import InputError
 from .forward import forward_raw
@@ -61,6 +61,23 @@ def seed_tensor(seed, device: torch.device) -> Tensor:
     if seed is None and _capturing(device):
         return torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, device=device)
     return torch.full((1,), draw_seed() if seed is None else seed, dtype=torch.int64, device=device)
+
+
+_STREAMS: dict = {}
+
+
+def model_streams(heads: int, n_branches: int, device: torch.device) -> Tensor:
+    """(heads, n_branches) int64 on `device`: the counter's stream h n_branches + i of head h
+    and branch i (dilgen.dropout.stream), which the kernels read (common.dropout_rows); kept
+    per shape and device, but made anew inside a CUDA-graph capture (its kernels run at replay)."""
+    key = (heads, n_branches, device)
+    table = _STREAMS.get(key)
+    if table is None:
+        table = stream(heads, n_branches, torch.arange(heads, device=device)[:, None],
+                       torch.arange(n_branches, device=device)[None, :])
+        if not _capturing(device):
+            _STREAMS[key] = table
+    return table
 
 
 def cut_and_scale(p: float) -> tuple[int, float]:
@@ -110,8 +127,8 @@ def dropout_twin(attn, device):
 
 def dropout_args(attn, q, p, seed, packing=None) -> tuple:
     """The kernels' dropout arguments (seed tensor, drop_cut, drop_scale, the counter's N,
-    position of row 0, head 0: common.dropout_rows) of a call on q, or one refusal. seed: an
-    int, the forward's seed tensor, or None (drawn: seed_tensor)."""
+    position of row 0, the streams of the heads and branches: common.dropout_rows) of a call
+    on q, or one refusal. seed: an int, the forward's seed tensor, or None (drawn: seed_tensor)."""
     name = attn.spec["name"]
     if attn.spec.get("head_base", 0):
         refuse(name, "draws the coins of a model's heads, which a head_base spec called alone does not know",
@@ -121,7 +138,7 @@ def dropout_args(attn, q, p, seed, packing=None) -> tuple:
     if H * nb >= 1 << 32 or B * n >= 1 << 32:
         refuse(name, f"counts (head, branch) and rows in 32-bit words: heads {H} x branches {nb} and "
                f"batch {B} x N = {n} must stay below 2^32", "split the batch")
-    return (*_seed_and_cut(name, p, seed, q.device), n, 0, 0)
+    return (*_seed_and_cut(name, p, seed, q.device), n, 0, model_streams(H, nb, q.device))
 
 
 def dropout_attention(attn, q, k, v, p, *, return_lse: bool = False, seed: int | None = None, packing=None):

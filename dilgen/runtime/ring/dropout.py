@@ -3,6 +3,10 @@ agreement (the drop threshold, compared; a seed from torch's generator, of which
 takes rank 0's). runtime/dropout_call.py is the single-device door; dilgen/dropout.py the coin."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from ...dropout import threshold
 from ..checks import InputError
 from ..dropout_call import draw_seed, valid_p
@@ -21,10 +25,27 @@ def dropout_refusal(attn) -> None:
                          f"dropout kernels; call it through dilgen.compile(spec), not an imported module")
 
 
-def dropout_proposal(p, agreed) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Counter:
+    """How a ring call that computes part of a larger attention counts dropout's coins, so
+    that the parts together draw the larger call's mask (compat.torchscale's seq_parallel:
+    one layer in ring calls of some heads and branches each). seed: the larger call's (a
+    proposal: every rank takes rank 0's); n: its sequence length (rows b n + position of a
+    fixed-length batch); row0: added to every row (a packed call of batch item b: b n);
+    streams: (call heads, call branches) int64 on the device, each entry's stream in the
+    larger call (dropout_call.model_streams of its heads and branches)."""
+    seed: int
+    n: int
+    row0: int
+    streams: torch.Tensor
+
+
+def dropout_proposal(p, agreed, counter: Counter | None = None) -> tuple[int, int]:
     """(the call's drop threshold, compared by the agreement; this rank's seed proposal from
-    torch's generator, or the agreed seed again for a backward). A bad p proposes (0, 0) and
-    is refused by the agreement's local check, on every rank together."""
+    torch's generator or the counter, or the agreed seed again for a backward). A bad p
+    proposes (0, 0) and is refused by the agreement's local check, on every rank together."""
     if not valid_p(p):
         return 0, 0
-    return threshold(float(p)), agreed[0] if agreed is not None else draw_seed()
+    if agreed is not None:
+        return threshold(float(p)), agreed[0]
+    return threshold(float(p)), counter.seed if counter is not None else draw_seed()

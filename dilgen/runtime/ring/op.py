@@ -125,18 +125,19 @@ def _op_takes(q, k, v, chunk_order) -> bool:
 
 
 def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
-                   chunk_order: str = "contiguous", dropout_p: float = 0.0):
+                   chunk_order: str = "contiguous", dropout_p: float = 0.0, counter=None):
     """Every rank of `group` (P = ring_size ranks) calls this with its rows; returns its
     rows of out (and lse (B, H, N/P)), autograd-aware (SPEC §3 "Ring"). `group` is a
     ProcessGroup, its name, or None (the default group). dropout_p > 0: attention dropout,
-    the mask one device draws (RingRun; eager only)."""
+    the mask one device draws (RingRun; eager only), or the part of a larger call's mask
+    that `counter` (ring.dropout.Counter) says."""
     name = group if isinstance(group, str) else None
     group = resolve_group(group)
     if dropout_p:
         if not plain_eager(q, k, v):
             raise InputError(f"{attn.spec['name']}: dropout_p > 0 on a ring is not traced by torch.compile "
                              f"yet; call the model eagerly while dropout is on")
-        run = RingRun(attn, q, k, v, group, chunk_order, dropout_p=dropout_p)
+        run = RingRun(attn, q, k, v, group, chunk_order, dropout_p=dropout_p, counter=counter)
         needs = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         out, lse = _RingFunction.apply(q, k, v, run) if needs else ring_forward(run, q, k, v)
         return (out, lse) if return_lse else out
@@ -159,15 +160,17 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
 
 
 def ring_varlen_attention(attn, q, k, v, cu_seqlens, *, group=None, max_seqlen=None,
-                          return_lse: bool = False, chunk_order: str = "contiguous", dropout_p: float = 0.0):
+                          return_lse: bool = False, chunk_order: str = "contiguous", dropout_p: float = 0.0,
+                          counter=None):
     """A packed row on the ring (SPEC §3 "Variable-length batches"): every rank of `group`
     passes its contiguous N/P rows q (N/P, H, D), k, v (N/P, H_kv, D) and the same
     cu_seqlens over the whole row of N rows (sequences may span rank borders). Returns its
     rows of out (and lse (H, N/P)), autograd-aware, equal to the single-device packed call.
     Runs eagerly (not as a torch.ops op) on `group` (or its name) or the default group.
-    dropout_p > 0: attention dropout, the packed rows drawn as one sequence, as one device."""
+    dropout_p > 0: attention dropout, the packed rows drawn as one sequence, as one device
+    (counter: as ring_attention's)."""
     run = RingRun(attn, q, k, v, resolve_group(group), chunk_order, cu_seqlens=cu_seqlens,
-                  max_seqlen=max_seqlen, dropout_p=dropout_p)
+                  max_seqlen=max_seqlen, dropout_p=dropout_p, counter=counter)
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad:

@@ -18,8 +18,8 @@ from ..interpreter import interpreting
 from ..tables import table_tensors
 from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
-from ..dropout_call import bad_p, cut_and_scale, dropout_twin, seed_tensor, valid_p
-from .dropout import dropout_proposal, dropout_refusal
+from ..dropout_call import bad_p, cut_and_scale, dropout_twin, model_streams, seed_tensor, valid_p
+from .dropout import Counter, dropout_proposal, dropout_refusal
 from .faults import Guard, collective, remember, transfer
 from .heads import heads_refusal, local_possible
 
@@ -136,13 +136,14 @@ class RingRun:
     """One ring call's geometry: group, pieces, schedule, kernels and launch helpers."""
 
     def __init__(self, attn, q, k, v, group, order: str, cu_seqlens=None, max_seqlen=None,
-                 kind: str = "forward", dropout_p: float = 0.0):
+                 kind: str = "forward", dropout_p: float = 0.0, counter: Counter | None = None):
         """cu_seqlens: a packed row: q (N/P, H, D), k, v (N/P, H_kv, D) hold the rank's rows
         and cu_seqlens the offsets of the sequences over the whole row, the same on every
         rank; ring_forward / ring_backward then take (1, N/P, heads, D) views of them.
         dropout_p > 0: attention dropout with rank 0's seed (dropout_args), every transport
         drawing one device's coins at global positions and heads: the call runs the spec's
-        dropout plan (self.attn becomes its module; self.main is the spec's own)."""
+        dropout plan (self.attn becomes its module; self.main is the spec's own). counter:
+        the call is part of a larger one, whose mask it draws (ring.dropout.Counter)."""
         spec = attn.spec
         self.attn, self.main, self.group, self.order = attn, attn, group, order
         self.P, self.me, self.dist = _group_info(spec, group)
@@ -151,7 +152,7 @@ class RingRun:
         # "heads" under autograd: the forward's head-sharded q, k, v, out, lse per chunk, on
         # which the backward runs (it then exchanges only dO); heads.twin_forward fills it
         self.keep_heads, self.kept = False, None
-        self.dropout_p, self.dropout_args = dropout_p, None
+        self.dropout_p, self.dropout_args, self.counter = dropout_p, None, counter
         cu = self.agree(q, k, v, kind)
         if dropout_p:
             self.attn = dropout_twin(attn, q.device)     # built by the agreement's local check
@@ -163,7 +164,8 @@ class RingRun:
         raise the same RingError. The backward of a call agrees again (kind "backward"), so
         a rank that skipped it, or is in another call, is refused with the others."""
         cu_seqlens, max_seqlen = self._agreed
-        proposal = (0, 0) if not self.dropout_p else dropout_proposal(self.dropout_p, self.dropout_args)
+        proposal = (0, 0) if not self.dropout_p else dropout_proposal(self.dropout_p, self.dropout_args,
+                                                                      self.counter)
 
         def local_check(n_loc):
             _check_geometry(self.attn, n_loc, self.P, self.order, self.packed)
@@ -184,11 +186,16 @@ class RingRun:
 
     def drop_args(self, pos0: int = 0, head0: int = 0) -> tuple:
         """The kernels' dropout arguments (common.dropout_rows) on rows whose row 0 is position
-        pos0 of the whole sequence and heads from the model's head0 (a window: global
-        positions, the model's heads), () without dropout."""
+        pos0 of the whole sequence and on the call's heads from head0 (a window: global
+        positions, all heads), () without dropout."""
         if self.dropout_args is None:
             return ()
-        return (self.seed_on_device, *self.dropout_args[1:], self.N, pos0, head0)
+        if self.counter is None:
+            n, row0 = self.N, 0
+            streams = model_streams(self.H, len(self.attn.plan["branches"]), self.seed_on_device.device)
+        else:
+            n, row0, streams = self.counter.n, self.counter.row0, self.counter.streams
+        return (self.seed_on_device, *self.dropout_args[1:], n, row0 + pos0, streams[head0:])
 
     def _setup(self, q, k, v, cu) -> None:
         attn, group, order = self.attn, self.group, self.order
