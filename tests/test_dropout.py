@@ -192,11 +192,11 @@ def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
             "heads_zigzag_causal_gqa_r3": "heads", "forced_ring": "ring",
             "forced_allgather_causal_gqa_r3": "allgather", "forced_ring_zigzag_r3": "ring",
             "forced_ring_hilbert_segment": "ring", "forced_ring_hilbert_sequence": "ring",
-            "heads_hilbert_sequence": "heads"}
+            "heads_hilbert_sequence": "heads", "compiled_zigzag_causal_gqa_r3": None}
     for res in ranks:
         for name, transport in want.items():
             r = res[name]
-            assert r["transport"] == transport, (name, r)
+            assert transport is None or r["transport"] == transport, (name, r)
             assert max(r[x] for x in ("out", "dq", "dk", "dv")) < (1e-5 if r["device"] == "cpu" else 1e-4), (name, r)
             assert r["plain_gap"] > 1e-2, (name, r)             # the mask mattered
         r = res["packed_spanning"]                          # packed rows: the windows

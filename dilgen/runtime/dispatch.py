@@ -10,7 +10,7 @@ from .decode import check_decode_inputs
 from .dropout_call import attention_dropout_fwd, attention_varlen_dropout_fwd, bad_p, valid_p
 from .op import attention_fwd, attention_varlen_fwd, decode_op, refused
 from .registry import kernel_spec
-from .ring.op import ring_attention_fwd
+from .ring.op import ring_attention_fwd, traced_ring_dropout
 
 
 def _traced_offsets(name: str, cu, total: int, max_seqlen: int):
@@ -95,16 +95,21 @@ def _traced_call(kernel, q, k, v, *, return_lse, group, chunk_order, cu_seqlens,
 
 
 def _traced_dropout(kernel, q, k, v, p, *, return_lse, group, chunk_order, cu_seqlens, max_seqlen):
-    """kernel(q, k, v, dropout_p=p) traced: torch.ops.dilgen.attention_dropout_fwd, which
-    draws the mask's seed when the graph runs (dropout_call.py)."""
+    """kernel(q, k, v, dropout_p=p) traced: torch.ops.dilgen.attention_dropout_fwd (a ring
+    spec: ring_attention_dropout_fwd), which draws the mask's seed when the graph runs
+    (dropout_call.py, ring/op.py)."""
     key = kernel if isinstance(kernel, str) else kernel._op_key
     spec = kernel_spec(key)
     name = spec["name"]
     if not valid_p(p):
         raise bad_p(name, p)
     if spec["ring_size"] > 1:
-        raise InputError(f"{name}: dropout_p > 0 on a ring is not traced by torch.compile yet; call the "
-                         f"ring eagerly while dropout is on")
+        if cu_seqlens is not None:
+            raise NotImplementedError(
+                f"{name}: a packed row on a ring (cu_seqlens with ring_size > 1) runs eagerly, not as a "
+                f"torch.ops op: call the kernel outside torch.compile")
+        out, lse = traced_ring_dropout(key, q, k, v, chunk_order, group, p)
+        return (out, lse) if return_lse else out
     if chunk_order != "contiguous" or group is not None:
         raise InputError(f"{name}: group= and chunk_order apply only to ring_size > 1 specs")
     if cu_seqlens is not None:      # packed rows: drawn as one sequence of the rows, as eagerly

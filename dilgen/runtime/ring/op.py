@@ -7,6 +7,13 @@ takes no ProcessGroup; "" is the default group), as torch's functional collectiv
     torch.ops.dilgen.ring_attention_fwd(q, k, v, key, chunk_order, group_name) -> (out, lse)
     torch.ops.dilgen.ring_attention_bwd(..., key, chunk_order, group_name) -> (dq, dk, dv)
 
+and under attention dropout (p > 0) the ops that draw the seed when they run (every rank
+takes rank 0's, as eagerly) and hand it to the backward:
+
+    torch.ops.dilgen.ring_attention_dropout_fwd(q, k, v, key, chunk_order, group_name, p)
+        -> (out, lse, seed_used)
+    torch.ops.dilgen.ring_attention_dropout_bwd(..., key, chunk_order, group_name, seed_used, p)
+
 For packed rows, and for plain eager tensors (nothing traced: the op's dispatch would only
 add host time), an autograd Function runs the same passes eagerly. `group=` takes a
 ProcessGroup or its name (`group.group_name`), which a traced caller can hold as a string."""
@@ -20,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward, plain_eager
 from ..checks import InputError
+from ..dropout_call import bad_p, valid_p
 from ..registry import attention_for, op_key, register
 from .executor import ring_backward, ring_forward
 from .heads import stand_in
@@ -93,6 +101,70 @@ ring_attention_fwd.register_autograd(_ring_backward, setup_context=_ring_setup_c
 ring_attention_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
 
 
+@torch.library.custom_op("dilgen::ring_attention_dropout_fwd", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def ring_attention_dropout_fwd(q: Tensor, k: Tensor, v: Tensor, key: str, chunk_order: str, group_name: str,
+                               p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """My rows of out and lse under attention dropout p, and the seed the ranks agreed (rank
+    0's, drawn when the op runs; CPU int64, one element) for the backward."""
+    attn = attention_for(key, q.device)
+    run = RingRun(attn, q, k, v, resolve_group(group_name), chunk_order, dropout_p=p)
+    out, lse = ring_forward(run, q, k, v)
+    return out, lse, torch.tensor([run.dropout_args[0]], dtype=torch.int64)
+
+
+@ring_attention_dropout_fwd.register_fake
+def _ring_dropout_fwd_fake(q, k, v, key, chunk_order, group_name, p):
+    return (*_attention_fwd_fake(q, k, v, key), torch.empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("dilgen::ring_attention_dropout_bwd", mutates_args=())
+def ring_attention_dropout_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                               grad_lse: Optional[Tensor], key: str, chunk_order: str, group_name: str,
+                               seed: Tensor, p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of my rows under the forward's mask (its seed_used)."""
+    attn = attention_for(key, q.device)
+    run = RingRun(attn, q, k, v, resolve_group(group_name), chunk_order, kind="backward", dropout_p=p,
+                  dropout_seed=int(seed.item()))
+    return ring_backward(run, q, k, v, out, lse, grad_out, grad_lse)
+
+
+@ring_attention_dropout_bwd.register_fake
+def _ring_dropout_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key, chunk_order, group_name, seed, p):
+    return _attention_bwd_fake(q, k, v, out, lse, grad_out, grad_lse, key)
+
+
+def _ring_dropout_setup(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    q, k, v, key, chunk_order, group_name, p = inputs
+    out, lse, seed = output
+    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.key, ctx.chunk_order, ctx.group_name, ctx.p = key, chunk_order, group_name, p
+
+
+def _ring_dropout_backward(ctx, grad_out, grad_lse, _grad_seed):
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = ring_attention_dropout_bwd(q, k, v, out, lse, grad_out, grad_lse, ctx.key, ctx.chunk_order,
+                                            ctx.group_name, seed, ctx.p)
+    return dq, dk, dv, None, None, None, None
+
+
+ring_attention_dropout_fwd.register_autograd(_ring_dropout_backward, setup_context=_ring_dropout_setup)
+ring_attention_dropout_bwd.register_autograd(_no_double_backward, setup_context=_keep_nothing)
+
+
+def traced_ring_dropout(attn_or_key, q, k, v, chunk_order: str, group, p) -> tuple[Tensor, Tensor]:
+    """(out, lse) of my rows through torch.ops.dilgen.ring_attention_dropout_fwd (traced)."""
+    key = attn_or_key if isinstance(attn_or_key, str) else op_key(attn_or_key)
+    if not valid_p(p):
+        raise bad_p(key.split("@")[0], p)
+    if not isinstance(attn_or_key, str) and not torch.compiler.is_compiling():
+        register(attn_or_key)
+    name = group if isinstance(group, str) else "" if group is None else group.group_name
+    out, lse, _ = ring_attention_dropout_fwd(q, k, v, key, chunk_order, name, float(p))
+    return out, lse
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, run):
@@ -135,8 +207,12 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
     group = resolve_group(group)
     if dropout_p:
         if not plain_eager(q, k, v):
-            raise InputError(f"{attn.spec['name']}: dropout_p > 0 on a ring is not traced by torch.compile "
-                             f"yet; call the model eagerly while dropout is on")
+            if counter is not None:
+                raise InputError(f"{attn.spec['name']}: a ring call drawing part of a larger call's dropout "
+                                 f"mask (torchscale's seq_parallel) runs eagerly; call the model outside "
+                                 f"torch.compile while attention dropout is on")
+            out, lse = traced_ring_dropout(attn, q, k, v, chunk_order, name or group, dropout_p)
+            return (out, lse) if return_lse else out
         run = RingRun(attn, q, k, v, group, chunk_order, dropout_p=dropout_p, counter=counter)
         needs = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         out, lse = _RingFunction.apply(q, k, v, run) if needs else ring_forward(run, q, k, v)

@@ -136,14 +136,17 @@ class RingRun:
     """One ring call's geometry: group, pieces, schedule, kernels and launch helpers."""
 
     def __init__(self, attn, q, k, v, group, order: str, cu_seqlens=None, max_seqlen=None,
-                 kind: str = "forward", dropout_p: float = 0.0, counter: Counter | None = None):
+                 kind: str = "forward", dropout_p: float = 0.0, counter: Counter | None = None,
+                 dropout_seed: int | None = None):
         """cu_seqlens: a packed row: q (N/P, H, D), k, v (N/P, H_kv, D) hold the rank's rows
         and cu_seqlens the offsets of the sequences over the whole row, the same on every
         rank; ring_forward / ring_backward then take (1, N/P, heads, D) views of them.
         dropout_p > 0: attention dropout with rank 0's seed (dropout_args), every transport
         drawing one device's coins at global positions and heads: the call runs the spec's
         dropout plan (self.attn becomes its module; self.main is the spec's own). counter:
-        the call is part of a larger one, whose mask it draws (ring.dropout.Counter)."""
+        the call is part of a larger one, whose mask it draws (ring.dropout.Counter).
+        dropout_seed: a backward's run of its own (the traced backward op), with the seed its
+        forward agreed."""
         spec = attn.spec
         self.attn, self.main, self.group, self.order = attn, attn, group, order
         self.P, self.me, self.dist = _group_info(spec, group)
@@ -153,6 +156,9 @@ class RingRun:
         # which the backward runs (it then exchanges only dO); heads.twin_forward fills it
         self.keep_heads, self.kept = False, None
         self.dropout_p, self.dropout_args, self.counter = dropout_p, None, counter
+        if dropout_seed is not None:
+            self.dropout_args = (dropout_seed, *cut_and_scale(dropout_p))
+            self.seed_on_device = seed_tensor(dropout_seed, q.device)
         cu = self.agree(q, k, v, kind)
         if dropout_p:
             self.attn = dropout_twin(attn, q.device)     # built by the agreement's local check
