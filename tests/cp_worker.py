@@ -28,16 +28,17 @@ BERT = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_laye
 N = 64
 
 
-def build(model: str):
+def build(model: str, dropout: float = 0.0):
     """A float32 model with fixed weights: "causal" (Llama), "bidirectional" (the same Llama,
-    every layer non-causal) or "bert" (BertForMaskedLM, an encoder)."""
+    every layer non-causal) or "bert" (BertForMaskedLM, an encoder); dropout: the Llama's
+    attention dropout (in train mode)."""
     import dilgen.integrations.transformers  # noqa: F401  registers "dilgen"
     import transformers
     if model == "bert":
         config = transformers.BertConfig(**BERT)
         cls = transformers.BertForMaskedLM
     else:
-        config = transformers.LlamaConfig(**LLAMA)
+        config = transformers.LlamaConfig(**dict(LLAMA, attention_dropout=dropout))
         cls = transformers.LlamaForCausalLM
     config.dilgen_spec = dict(PATTERN)
     torch.manual_seed(0)
@@ -46,7 +47,14 @@ def build(model: str):
         net.config.is_causal = False
         for layer in net.model.layers:
             layer.self_attn.is_causal = False
-    return net.float()
+    return net.float().train(bool(dropout)) if dropout else net.float()
+
+
+def _seed_dropout(case: dict) -> None:
+    """Attention dropout's draws start from one seed in every process (the ring takes rank
+    0's seed at each layer, one device draws its own: the same seeds)."""
+    if case.get("dropout"):
+        torch.manual_seed(7)
 
 
 def full_batch(case: dict) -> dict:
@@ -85,8 +93,9 @@ def _grads(model) -> dict:
 def reference(case: dict) -> dict:
     """Loss and gradients of one process on the whole batch (the model's own loss: the
     mean over every valid label; for a padded batch the one-device padded kernels)."""
-    model = build(case.get("model", "causal"))
+    model = build(case.get("model", "causal"), case.get("dropout", 0.0))
     batch = full_batch(case)
+    _seed_dropout(case)
     loss = model(**batch).loss
     loss.backward()
     return {"loss": loss.item(), "grads": _grads(model)}
@@ -94,7 +103,7 @@ def reference(case: dict) -> dict:
 
 def run_lm(case: dict, rank: int, world: int) -> dict:
     from dilgen.integrations.context_parallel import context_parallel
-    model = build(case.get("model", "causal"))
+    model = build(case.get("model", "causal"), case.get("dropout", 0.0))
     # a sub-group holding the same ranks is not the default group: its calls pass the group
     # (its name, traced)
     group = torch.distributed.new_group(list(range(world))) if case.get("subgroup") else None
@@ -109,6 +118,7 @@ def run_lm(case: dict, rank: int, world: int) -> dict:
         cp.reduce_gradients()
         return {"loss": whole.item(), "grads": _grads(model), "order": cp.order}
     labels = batch.get("shift_labels", batch["labels"])
+    _seed_dropout(case)
     out = step(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")})
     loss = cp.loss(out.logits, labels)
     loss.backward()

@@ -32,12 +32,14 @@ def _check(case: dict, results: list[dict], rows: int | None = None) -> None:
 
 
 LM_P2 = [{"name": "causal", "model": "causal"}, {"name": "bidirectional", "model": "bidirectional"},
-         {"name": "bert", "model": "bert"}, {"name": "own_loss", "own_loss": True}]
+         {"name": "bert", "model": "bert"}, {"name": "own_loss", "own_loss": True},
+         {"name": "attention_dropout", "model": "causal", "dropout": 0.2}]
 
 
 def test_p2_loss_and_every_gradient_equal_one_process(tmp_path):
     """cp.loss and cp.reduce_gradients, and the model's own loss (its part L_j: the forward
-    passes the count of every rank's labels as num_items_in_batch)."""
+    passes the count of every rank's labels as num_items_in_batch); with the Llama's
+    attention dropout 0.2 in training, the ring draws the one-process mask."""
     results = cp_worker.spawn(2, LM_P2, tmp_path, timeout_s=120)
     for case in LM_P2:
         _check(case, results[case["name"]])
@@ -69,13 +71,15 @@ def test_p2_packed_rows_and_right_padding(tmp_path):
 
 
 COMPILED = [{"name": "compiled", "compile": True, "bad_positions": True},
-            {"name": "compiled_subgroup", "compile": True, "subgroup": True}]
+            {"name": "compiled_subgroup", "compile": True, "subgroup": True},
+            {"name": "compiled_dropout", "compile": True, "dropout": 0.2}]
 
 
 def test_p2_under_torch_compile(tmp_path):
     """torch.compile(model, fullgraph=True) of a context-parallel model, on the default
     group and on a group of its own: the ring runs as torch.ops.dilgen.ring_attention_fwd/bwd
-    inside the graph, the group passed by its name."""
+    inside the graph, the group passed by its name; with attention dropout, as
+    ring_attention_dropout_fwd/bwd, drawing the one-process mask."""
     results = cp_worker.spawn(2, COMPILED, tmp_path, timeout_s=240)
     for case in COMPILED:
         _check(case, results[case["name"]])
