@@ -35,8 +35,9 @@ def _target(name: str, newer: list | None = None):
     return target
 
 
-def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) -> str:
-    """A one-screen summary of a plan, in words (cu: a packed row, for the ring schedule)."""
+def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None, dropout_plan=None) -> str:
+    """A one-screen summary of a plan, in words (cu: a packed row, for the ring schedule;
+    dropout_plan: the spec's plan for attention dropout, whose kernels it names too)."""
     q, cfg = plan.query, plan.config
     lines = [
         f"spec {plan.spec['name']}  (key {plan.spec_key[:12]})  target {plan.target}",
@@ -58,6 +59,9 @@ def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None) 
             f" {'one segment per tile' if b.single_segment else 'tiles span segments'}"
             + (f", table {b.order.name}" if b.order else ""))
     lines.append("  kernels: " + kernel_families(plan))
+    if dropout_plan is not None:
+        lines.append("  with attention dropout (dropout_p > 0): " + kernel_families(dropout_plan)
+                     + "; Philox coins in the kernels, 8 a call (dilgen.dropout)")
     if seq_len:
         from .stats import useful_flops
         lines.append(f"  at N = {seq_len}: {useful_flops(plan, seq_len) / 1e9:.3f} GFLOP useful "
@@ -351,7 +355,12 @@ class _Progress:
 def cmd_explain(args) -> int:
     spec = _load(args.spec)
     from .planner import plan as make_plan
-    plan = make_plan(spec, _target(args.arch))
+    target = _target(args.arch)
+    plan = make_plan(spec, target)
+    try:
+        dropout_plan = make_plan(spec, target, {"dropout": True})
+    except SpecError:       # a spec the dropout plan refuses: its calls with dropout_p > 0 say why
+        dropout_plan = None
     cu = parse_cu_seqlens(args.cu_seqlens) if args.cu_seqlens else None
     if cu is not None and args.seq_len is not None:
         raise SpecError("--cu-seqlens and --seq-len: give one (a packed batch has cu_seqlens[-1] rows)")
@@ -361,7 +370,7 @@ def cmd_explain(args) -> int:
         n = cu[-1] if cu is not None else (args.seq_len or default_seq_len(spec))
         pattern = prepare_pattern(spec, n, heads=args.heads, cu_seqlens=cu)
         check_png_path(args.png)
-    print(plan_summary(plan, args.seq_len, cu))
+    print(plan_summary(plan, args.seq_len, cu, dropout_plan))
     if cu is not None:
         print("\n".join(packed_summary(plan, cu)))
     if args.ring is not None:

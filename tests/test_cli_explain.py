@@ -56,6 +56,9 @@ def test_explain_names_the_kernels_a_plan_launches(tmp_path, arch, want):
     res = dilgen_cli(tmp_path, "explain", spec_path, "--arch", arch)
     assert res.returncode == 0, res.stderr
     assert want in res.stdout, res.stdout
+    # attention dropout runs the spec's dropout plan: every branch in the fused tl kernels
+    assert ("with attention dropout (dropout_p > 0): forward tl (fused), dK/dV tl (per branch), dQ tl (fused)"
+            in res.stdout), res.stdout
 
 
 @pytest.mark.parametrize("over, want", [
