@@ -114,6 +114,22 @@ def test_what_dropout_does_not_run_yet_is_refused_by_name():
         kernel(q, k, v, dropout_p=0.1, chunk_order="zigzag")
 
 
+def test_a_traced_ring_call_drawing_part_of_a_larger_mask_is_refused():
+    """torchscale's seq_parallel draws a layer's mask over several ring calls (a Counter),
+    which run eagerly: such a call traced (here under a fake-tensor mode) is refused by
+    name before any collective, not run with a mask of its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from dilgen.runtime.ring.dropout import Counter
+    from dilgen.runtime.ring.op import ring_attention
+    spec = _spec("part_traced", ring_size=2, **CASES["two_branches"])
+    attn = dilgen.compile(spec).compiled_for(torch.device("cpu")).attention
+    counter = Counter(1, 64, 0, torch.zeros(4, 2, dtype=torch.int64))
+    with FakeTensorMode():
+        q = torch.empty(1, 32, 4, 16)
+        with pytest.raises(InputError, match="seq_parallel"):
+            ring_attention(attn, q, q, q, dropout_p=0.1, counter=counter)
+
+
 def _sequences_against_reference(spec, q, k, v, out, lse, spans, total, p, seed):
     """Each (row0, length) span of the packed rows against the float64 reference of that
     sequence alone under the packed call's coins (dropout_rows = (row0, total)); then its
