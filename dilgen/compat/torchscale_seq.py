@@ -255,8 +255,9 @@ def _streams(slots: tuple, members: tuple, n_branches: int, device: torch.device
     """(call slots, call branches) int64 on `device`: the stream of each entry in the one-
     process call, model head h and branch i: h n_branches + i (dilgen.dropout.stream; a
     dummy slot's rows are dropped, it draws head 0's)."""
-    return torch.tensor([[max(h, 0) * n_branches + i for i in members] for h in slots],
-                        dtype=torch.int64, device=device)
+    from ..dropout import stream
+    heads = torch.tensor([max(h, 0) for h in slots], device=device)
+    return stream(len(slots), n_branches, heads[:, None], torch.tensor(members, device=device)[None, :])
 
 
 def _dropout_call(q, k, v, spec: Spec, group, cu_seqlens, dropout):

@@ -11,7 +11,7 @@ branch reads in raster order with r | w). Memory per rank is O(N / P).
     agreement.py  every rank checks its inputs, and all pass or all fail together
     faults.py     a rank that fails mid-call makes every rank raise (RingAborted), never wait
     run.py        one call: pieces, schedule, transport, transfers, windows (RingRun)
-    dropout.py    attention dropout: what a ring cannot draw coins for, the seed's proposal
+    dropout.py    attention dropout: the refusal, the seed's proposal, a part-call's Counter
     executor.py   the forward and backward passes over a RingRun
     op.py         the doors: ring_attention, ring_varlen_attention (torch ops, autograd)
 

@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 from ..op import _attention_bwd_fake, _attention_fwd_fake, _keep_nothing, _no_double_backward, plain_eager
 from ..checks import InputError
 from ..dropout_call import bad_p, valid_p
-from ..registry import attention_for, op_key, register
+from ..registry import attention_for, kernel_spec, op_key, register
 from .executor import ring_backward, ring_forward
 from .heads import stand_in
 from .run import RingRun
@@ -157,7 +157,7 @@ def traced_ring_dropout(attn_or_key, q, k, v, chunk_order: str, group, p) -> tup
     """(out, lse) of my rows through torch.ops.dilgen.ring_attention_dropout_fwd (traced)."""
     key = attn_or_key if isinstance(attn_or_key, str) else op_key(attn_or_key)
     if not valid_p(p):
-        raise bad_p(key.split("@")[0], p)
+        raise bad_p(kernel_spec(key)["name"], p)
     if not isinstance(attn_or_key, str) and not torch.compiler.is_compiling():
         register(attn_or_key)
     name = group if isinstance(group, str) else "" if group is None else group.group_name
@@ -211,7 +211,7 @@ def ring_attention(attn, q, k, v, *, group=None, return_lse: bool = False,
                 raise InputError(f"{attn.spec['name']}: a ring call drawing part of a larger call's dropout "
                                  f"mask (torchscale's seq_parallel) runs eagerly; call the model outside "
                                  f"torch.compile while attention dropout is on")
-            out, lse = traced_ring_dropout(attn, q, k, v, chunk_order, name or group, dropout_p)
+            out, lse = traced_ring_dropout(attn, q, k, v, chunk_order, group if name is None else name, dropout_p)
             return (out, lse) if return_lse else out
         run = RingRun(attn, q, k, v, group, chunk_order, dropout_p=dropout_p, counter=counter)
         needs = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

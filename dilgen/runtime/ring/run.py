@@ -157,8 +157,7 @@ class RingRun:
         self.keep_heads, self.kept = False, None
         self.dropout_p, self.dropout_args, self.counter = dropout_p, None, counter
         if dropout_seed is not None:
-            self.dropout_args = (dropout_seed, *cut_and_scale(dropout_p))
-            self.seed_on_device = seed_tensor(dropout_seed, q.device)
+            self._keep_seed(dropout_seed, q.device)
         cu = self.agree(q, k, v, kind)
         if dropout_p:
             self.attn = dropout_twin(attn, q.device)     # built by the agreement's local check
@@ -185,10 +184,15 @@ class RingRun:
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kind=kind, local_check=local_check,
             dropout=proposal)
         if self.dropout_p and self.dropout_args is None:     # the forward's: its backward reuses them
-            self.dropout_args = (seed, *cut_and_scale(self.dropout_p))
-            self.seed_on_device = seed_tensor(seed, q.device)
+            self._keep_seed(seed, q.device)
         remember(self.dist, self.group, self.fault_key)
         return cu
+
+    def _keep_seed(self, seed: int, device) -> None:
+        """The call's agreed seed: dropout_args (seed, drop_cut, drop_scale) and the seed the
+        kernels read on the device."""
+        self.dropout_args = (seed, *cut_and_scale(self.dropout_p))
+        self.seed_on_device = seed_tensor(seed, device)
 
     def drop_args(self, pos0: int = 0, head0: int = 0) -> tuple:
         """The kernels' dropout arguments (common.dropout_rows) on rows whose row 0 is position
