@@ -75,19 +75,22 @@ COMPILED = [{"name": "compiled", "compile": True, "bad_positions": True},
             {"name": "compiled_dropout", "compile": True, "dropout": 0.2}]
 
 
-def test_p2_under_torch_compile(tmp_path):
+@pytest.mark.parametrize("case", COMPILED, ids=[c["name"] for c in COMPILED])
+def test_p2_under_torch_compile(case, tmp_path):
     """torch.compile(model, fullgraph=True) of a context-parallel model, on the default
     group and on a group of its own: the ring runs as torch.ops.dilgen.ring_attention_fwd/bwd
     inside the graph, the group passed by its name; with attention dropout, as
-    ring_attention_dropout_fwd/bwd, drawing the one-process mask."""
-    results = cp_worker.spawn(2, COMPILED, tmp_path, timeout_s=240)
-    for case in COMPILED:
-        _check(case, results[case["name"]])
-    # position_ids that restart (no cu_seq_lens_q) or are a per-rank arange: a device-side
-    # assert in the traced pre-hook (no host sync), on every rank
-    for rank in (0, 1):
-        for key, got in results["compiled"][rank]["refused"].items():
-            assert got is not None and "not each rank's global positions" in got, (key, rank, got)
+    ring_attention_dropout_fwd/bwd, drawing the one-process mask. One spawn per case: each
+    compiles its model's forward and backward with inductor in both ranks (about 100 s on a
+    busy 16-core GPU host, so three in one spawn outran its bound)."""
+    results = cp_worker.spawn(2, [case], tmp_path, timeout_s=240)
+    _check(case, results[case["name"]])
+    if case.get("bad_positions"):
+        # position_ids that restart (no cu_seq_lens_q) or are a per-rank arange: a
+        # device-side assert in the traced pre-hook (no host sync), on every rank
+        for rank in (0, 1):
+            for key, got in results[case["name"]][rank]["refused"].items():
+                assert got is not None and "not each rank's global positions" in got, (key, rank, got)
 
 
 def test_fsdp2_on_a_2x2_mesh(tmp_path):
