@@ -6,20 +6,25 @@ when a 16-bit draw clears the cut of p. Every batch draws as one sequence of its
 the query's row, b N + position for item b of a fixed-length batch (the position counted
 along the curve for Hilbert scope "sequence"), its row in a packed one. The key enters through its lane j in
 branch i, its index among the segment's dilated keys (key = segment start + offset + r j, or
-the curve's lane for Hilbert), so the 8 keys of lanes 8g .. 8g + 7 share one Philox call:
+the curve's lane for Hilbert). One Philox call serves 8 lanes, spread over a span of 32:
+write j = 32 a + 8 k + 2 c + half (k, c in 0..3, half in 0..1), then
 
     stream = h n_branches + i
-    w_0, w_1, w_2, w_3 = philox(seed, (g, q, stream, 0))           g = j // 8, q = b N + position
-    draw   = 16-bit half (j mod 2) of word w_((j mod 8) // 2)       (low half first)
+    w_0, w_1, w_2, w_3 = philox(seed, (4 a + c, q, stream, 0))     q = b N + position
+    draw   = 16-bit half `half` of word w_k                         (low half first)
     keep   = draw >= cut,  cut = round(p 2^16)
 
-`philox` is Triton's `tl.philox` (Philox 4x32, 10 rounds, the seed's low and high words as
-the key), reproduced here bit for bit on int64 tensors, so the float64 reference regenerates
-the kernels' mask, and every transport of the ring (which sees global positions and whole
-segments) draws the same mask as one device. One call serves 8 entries, a quarter of a
-32-bit draw each: FlashAttention 2 serves 16 at 8 bits; 16 bits keep p within 2^-17 of what
-was asked. The kept entries are scaled by 2^16 / (2^16 - cut) = 1 / (1 - p'), p' = cut / 2^16
-the probability actually drawn, so dropout leaves the expectation exact.
+The 8 lanes of one call (k and half vary, a and c fixed) are the columns one thread holds of
+a Hopper or Ampere MMA accumulator (column pairs 2c, 2c + 1 every 8 columns), so the kernels
+draw each call in the registers of the probabilities it thins, as FlashAttention 2 draws in
+fragment order. `philox` is Philox 4x32 with 7 rounds, FlashAttention 2's (Triton's
+`tl.philox(..., n_rounds=7)`; Salmon et al. 2011 find 7 rounds Crush-resistant), the seed's low
+and high words as the key, reproduced here bit for bit on int64 tensors, so the float64
+reference regenerates the kernels' mask, and every transport of the ring (which sees global
+positions and whole segments) draws the same mask as one device. One call serves 8 entries,
+a quarter of a 32-bit draw each: FlashAttention 2 serves 16 at 8 bits; 16 bits keep p within
+2^-17 of what was asked. The kept entries are scaled by 2^16 / (2^16 - cut) = 1 / (1 - p'),
+p' = cut / 2^16 the probability actually drawn, so dropout leaves the expectation exact.
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ import torch
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85          # Philox 4x32's key increments (Weyl)
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57      # its round multipliers
-ROUNDS = 10
+ROUNDS = 7                                       # FlashAttention 2's Philox 4x32-7
 GROUP = 8                                        # key lanes per Philox call: 4 words x 2 halves
+SPAN = 32                                        # lanes 32 a .. 32 a + 31: 4 calls (c), interleaved
 BITS = 16                                        # bits of one draw
 _ONE = 1 << BITS
 
@@ -46,7 +52,7 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox(seed: int, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
-    """tl.philox(seed, c0, c1, c2, c3) for uint32 counters: its 4 words as non-negative int64
+    """tl.philox(seed, c0, c1, c2, c3, n_rounds=ROUNDS) for uint32 counters: its 4 words as non-negative int64
     (broadcast int64 tensors or ints in [0, 2^32))."""
     if not 0 <= seed < 2**64:
         raise ValueError(f"dropout seed {seed}: must be in [0, 2^64)")
@@ -86,10 +92,11 @@ def draws(seed: int, stream_, q, lane) -> torch.Tensor:
     lane = torch.as_tensor(lane, dtype=torch.int64)
     if (torch.as_tensor(q) >= 1 << 32).any():
         raise ValueError("dropout: a query position passes 2^32 (one 32-bit counter word)")
-    words = torch.stack(torch.broadcast_tensors(*philox(seed, lane // GROUP, q, stream_, 0)))
-    lane = lane.expand(words.shape[1:])
-    word = torch.gather(words, 0, ((lane % GROUP) // 2)[None]).squeeze(0)
-    return (word >> (BITS * (lane % 2))) & (_ONE - 1)
+    a, within = lane // SPAN, lane % SPAN
+    k, c, half = within // GROUP, (within % GROUP) // 2, within % 2
+    words = torch.stack(torch.broadcast_tensors(*philox(seed, 4 * a + c, q, stream_, 0)))
+    word = torch.gather(words, 0, k.expand(words.shape[1:])[None]).squeeze(0)
+    return (word >> (BITS * half)) & (_ONE - 1)
 
 
 def keep(seed: int, p: float, stream_, q, lane) -> torch.Tensor:

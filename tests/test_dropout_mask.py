@@ -1,6 +1,7 @@
 """Attention dropout's mask (issue 60, dilgen/dropout.py): the reference's Philox is Triton's
-tl.philox bit for bit (the kernels and the float64 reference must draw the same mask), a
-group of 8 key lanes reads the 8 16-bit halves of one call, and the kept fraction is 1 - p."""
+tl.philox bit for bit at the mask's 7 rounds (the kernels and the float64 reference must draw
+the same mask), the 8 key lanes 32 a + 8 k + 2 c + half of a span read the 8 16-bit halves
+of one call, and the kept fraction is 1 - p."""
 from __future__ import annotations
 
 import math
@@ -13,12 +14,14 @@ import triton.language as tl
 from dilgen import dropout
 from dilgen.runtime.interpreter import interpreting
 
+ROUNDS: tl.constexpr = tl.constexpr(dropout.ROUNDS)
+
 
 def _draw_fn(Out, C, seed, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     c = [tl.load(C + x * n + i, mask=m, other=0).to(tl.uint32) for x in range(4)]
-    w = tl.philox(seed, c[0], c[1], c[2], c[3])
+    w = tl.philox(seed, c[0], c[1], c[2], c[3], n_rounds=ROUNDS)
     for x in tl.static_range(4):
         tl.store(Out + x * n + i, w[x].to(tl.int64), mask=m)
 
@@ -37,9 +40,16 @@ def test_philox_is_tritons_philox_bit_for_bit(seed):
 
 
 def test_a_group_of_8_lanes_reads_the_8_halves_of_one_call_and_the_kept_fraction_is_one_minus_p():
-    words = torch.stack(dropout.philox(5, 3, 17, 9, 0))
-    halves = torch.stack([(words >> 16 * x) & 0xFFFF for x in (0, 1)], 1).flatten()   # w0 lo, w0 hi, w1 lo, ...
-    assert torch.equal(dropout.draws(5, 9, 17, torch.arange(24, 32)), halves)
+    assert dropout.ROUNDS == 7      # FlashAttention 2's Philox 4x32-7
+    for a, c in ((0, 0), (2, 3), (5, 1)):
+        words = torch.stack(dropout.philox(5, 4 * a + c, 17, 9, 0))
+        halves = torch.stack([(words >> 16 * x) & 0xFFFF for x in (0, 1)], 1).flatten()   # w0 lo, w0 hi, w1 lo, ...
+        lanes = torch.tensor([32 * a + 8 * k + 2 * c + half for k in range(4) for half in range(2)])
+        assert torch.equal(dropout.draws(5, 9, 17, lanes), halves)
+    # a span's 32 lanes are 4 calls' 32 halves, each once
+    span = dropout.draws(5, 9, 17, torch.arange(64, 96))
+    calls = torch.stack([torch.stack(dropout.philox(5, g, 17, 9, 0)) for g in range(8, 12)])
+    assert sorted(span.tolist()) == sorted(torch.cat([calls & 0xFFFF, calls >> 16]).flatten().tolist())
     q, lane = torch.arange(300)[:, None], torch.arange(200)[None, :]
     d = dropout.draws(7, 3, q, lane)
     assert d.min() >= 0 and d.max() < 1 << 16 and d.unique().numel() > 38000   # 60000 draws of 2^16 values: ~39300 distinct

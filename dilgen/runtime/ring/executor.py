@@ -180,8 +180,8 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
                 br = branches[idx]
                 n_seg, lanes = run.dkdv_grid(win, br, k_off, n_k)
                 n_o = min(group_size, br["r"])
-                # dropout: a key tile starts on a group of 8 lanes, up to 7 before the window
-                n_jt = math.ceil((lanes + (7 if run.dropout_args else 0)) / conf["kv_block_n"])
+                # dropout: a key tile starts on a span of 32 lanes, up to 31 before the window
+                n_jt = math.ceil((lanes + (31 if run.dropout_args else 0)) / conf["kv_block_n"])
                 dkdv[(n_seg * n_o * n_jt, win["count"] * Hkv)](
                     qv, kk, vv, dov, dkk, dvv, lse_v, delta_v, *run.tables,
                     N, n_jt, q_off, n_q, k_off, n_k, *win["args"], *qs, *ks, *vs, *dos,
