@@ -98,12 +98,15 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2", "dropout")
 LANES_CHOICES = ("auto", "all", "none")
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
-# each entry's raster query and key positions (the mask's counter, dilgen.dropout), with
-# pointer loads and one chain; no lane, curve-row, descriptor or Gluon kernel, no row order
-DROPOUT_TUNING = {"lanes": "none", "fused_tma": False, "bwd_tma": False, "dual_chain": False,
+# each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
+# chain; no lane, curve-row or Gluon kernel, no row order. One device reads keys and queries
+# through descriptors where the target does; a ring's windows, whose dropout blocks start
+# before the window (on a span of 32 lanes), read them through masked pointers
+DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
                   "fused_dkdv": False, "curve_rows": False, "gluon_fwd": False, "gluon_dkdv": False,
                   "gluon_dq": False, "gluon_lanes": False, "gluon_lanes_bwd": False,
                   "gluon_dkdv_lanes": False}
+DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
 
 def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
@@ -123,6 +126,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
         tuning.update(DROPOUT_TUNING)
+        if spec.ring_size > 1:
+            tuning.update(DROPOUT_RING_TUNING)
     query_order, orders = _branch_orders(spec)
     tiles = _tiles(spec, target, tuning, query_order)
     lanes = _lanes(spec, target, tiles, orders)

@@ -117,7 +117,11 @@ class _DropoutFunction(torch.autograd.Function):
 
 
 def dropout_twin(attn, device):
-    """The dropout plan's module of attn's spec (planner.DROPOUT_TUNING), or one refusal."""
+    """The dropout plan's module of attn's spec (planner.DROPOUT_TUNING), or one refusal. A
+    module built with the planner's tuning {"dropout": True, ...} (a tile sweep's variant) is
+    its own."""
+    if attn.plan.get("dropout"):
+        return attn
     drop = twin(attn, device, tuning={"dropout": True})
     if drop is None:
         refuse(attn.spec["name"], "needs dilgen's compiler to build the spec's dropout kernels",
