@@ -100,8 +100,9 @@ LANES_CHOICES = ("auto", "all", "none")
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
 # each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
 # chain; no lane, curve-row or Gluon kernel, no row order. One device reads keys and queries
-# through descriptors where the target does; a ring's windows, whose dropout blocks start
-# before the window (on a span of 32 lanes), read them through masked pointers
+# through descriptors where the target does (the forward's at head_dim 128 only); a ring's
+# windows, whose dropout blocks start before the window (on a span of 32 lanes), read them
+# through masked pointers
 DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
                   "fused_dkdv": False, "curve_rows": False, "gluon_fwd": False, "gluon_dkdv": False,
                   "gluon_dq": False, "gluon_lanes": False, "gluon_lanes_bwd": False,
@@ -128,6 +129,11 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         tuning.update(DROPOUT_TUNING)
         if spec.ring_size > 1:
             tuning.update(DROPOUT_RING_TUNING)
+        elif spec.head_dim != 128:
+            # the forward's descriptors pay at head_dim 128 only (H200, fwd+bwd at p = 0.1,
+            # bench/results/backward_dropout-2026-11-29-h200-descriptors.json: A 12.04 -> 11.44
+            # ms, C at head_dim 64 9.43 -> 10.04); the backward's stay (C causal 7.17 -> 7.11)
+            tuning.setdefault("fused_tma", False)
     query_order, orders = _branch_orders(spec)
     tiles = _tiles(spec, target, tuning, query_order)
     lanes = _lanes(spec, target, tiles, orders)

@@ -177,3 +177,16 @@ def test_no_branch_keeping_every_row_runs_lanes_on_sm90():
     assert not any(b.lanes for b in p.branches) and not p.config.lane_tma
     p = plan(_spec(**dict(d, head_offsets="block")), SM90)
     assert all(b.lanes for b in p.branches) and not p.config.lane_tma
+
+
+@pytest.mark.parametrize("head_dim, ring_size, causal, fwd_tma, bwd_tma", [
+    (128, 1, False, True, True),       # A: the forward's descriptors pay at head_dim 128
+    (128, 1, True, False, True),       # causal: the forward keeps pointer loads, as without dropout
+    (64, 1, False, False, True),       # C: the backward's only
+    (128, 2, False, False, False)])    # a ring's windows start their blocks before the window
+def test_the_dropout_plan_reads_through_descriptors_where_they_pay(head_dim, ring_size, causal, fwd_tma, bwd_tma):
+    spec = dilgen.Spec(name="drop_plan", num_heads=8, head_dim=head_dim, dtype="bfloat16", causal=causal,
+                       segment_lengths=[2048, 4096], dilation_rates=[1, 2], ring_size=ring_size)
+    config = plan(spec, SM90, {"dropout": True}).config
+    assert (config.fused_tma, config.bwd_tma, config.dual_chain, config.fused_ws) == (fwd_tma, bwd_tma, False, False)
+    assert plan(spec, SM90, {"dropout": True, "fused_tma": False, "bwd_tma": False}).config.bwd_tma is False
