@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dilgen
+from dilgen.compiler import Kernel
 from dilgen.runtime.checks import InputError
 from dilgen.runtime.ring import shard
 
@@ -24,10 +25,17 @@ CASES = [
     ("heads_zigzag_causal_gqa_r3", dict(segment_lengths=[16, 48], dilation_rates=[1, 3], causal=True, num_kv_heads=2),
      "zigzag", "heads"),
     ("forced_ring", dict(segment_lengths=[8, 64], dilation_rates=[1, 4]), "contiguous", "ring"),
-    # r = 3 over a segment spanning the ranks: key windows start off a group of 8 lanes
+    # r = 3 over a segment spanning the ranks: key windows start off a span of 32 lanes
     ("forced_allgather_causal_gqa_r3", dict(segment_lengths=[16, 64], dilation_rates=[1, 3], causal=True,
                                             num_kv_heads=2), "contiguous", "allgather"),
     ("forced_ring_zigzag_r3", dict(segment_lengths=[16, 64], dilation_rates=[2, 3]), "zigzag", "ring"),
+    # 64 lanes in one segment, zigzag chunks of 16: windows from lanes 16 and 48, so blocks
+    # start on the spans at lanes 0 and 32
+    ("forced_ring_zigzag_second_span", dict(segment_lengths=[16, 64], dilation_rates=[2, 1]), "zigzag", "ring"),
+    # the same and r = 3 with the GPU's key blocks of 32 lanes (WIDE: the windows' blocks
+    # must start on a span, not on a block of the interpreter's 16)
+    ("forced_ring_zigzag_second_span_wide", dict(segment_lengths=[16, 64], dilation_rates=[2, 1]), "zigzag", "ring"),
+    ("forced_ring_zigzag_r3_wide", dict(segment_lengths=[16, 64], dilation_rates=[2, 3]), "zigzag", "ring"),
     ("forced_ring_hilbert_segment", dict(segment_lengths=[16, 64], dilation_rates=[1, 2],
                                          hilbert={"scope": "segment"}), "contiguous", "ring"),
     # Hilbert scope "sequence": each rank holds a run of the curve; coins at curve positions
@@ -42,13 +50,17 @@ CASES = [
 ]
 
 
+#: a ring module built as the dropout plan (its own dropout twin) with key blocks of 32 lanes
+WIDE = {"dropout": True, "block_n": 32, "bwd_kv": (32, 16, 1, 1), "bwd_dq": (16, 32, 1, 1)}
+
+
 def run_case(name, fields, order, forced, rank, P):
     fields = dict(fields)
     kv = fields.pop("num_kv_heads", 4)
     common = dict(num_heads=4, num_kv_heads=kv, head_dim=16, dtype="float32", **fields)
     one = dilgen.compile(dilgen.Spec(name=f"drop_one_{name}", **common))
     ring_spec = dilgen.Spec(name=f"drop_ring_{name}", ring_size=P, **common)
-    ring = dilgen.compile(ring_spec)
+    ring = Kernel(ring_spec, None, WIDE) if name.endswith("_wide") else dilgen.compile(ring_spec)
     mine_of = lambda t: shard(t, P, rank, order, spec=ring_spec)  # noqa: E731  (curve order first)
     g = torch.Generator().manual_seed(5)
     N = 64

@@ -219,7 +219,7 @@ def test_a_padded_batch_draws_as_its_packed_rows():
 def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
     """P = 2 under torchrun (NCCL on 2 GPUs, else gloo): the local transport (each piece at its global offset), the
     head-parallel one (each rank's heads as the model's) and the window transports (ring and
-    all-gather, their key windows starting off a group of 8 lanes with r = 3) give every rank
+    all-gather, their key windows starting off a span of 32 lanes) give every rank
     the rows, and the gradients, of the single-device call with the same seed (rank 0's)."""
     import json
     import os
@@ -238,6 +238,8 @@ def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
     want = {"local_contiguous": "local", "local_zigzag_causal_gqa": "local", "heads_spanning": "heads",
             "heads_zigzag_causal_gqa_r3": "heads", "forced_ring": "ring",
             "forced_allgather_causal_gqa_r3": "allgather", "forced_ring_zigzag_r3": "ring",
+            "forced_ring_zigzag_second_span": "ring", "forced_ring_zigzag_second_span_wide": "ring",
+            "forced_ring_zigzag_r3_wide": "ring",
             "forced_ring_hilbert_segment": "ring", "forced_ring_hilbert_sequence": "ring",
             "heads_hilbert_sequence": "heads", "compiled_zigzag_causal_gqa_r3": None}
     for res in ranks:
