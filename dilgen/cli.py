@@ -60,8 +60,12 @@ def plan_summary(plan, seq_len: int | None = None, cu: list[int] | None = None, 
             + (f", table {b.order.name}" if b.order else ""))
     lines.append("  kernels: " + kernel_families(plan))
     if dropout_plan is not None:
+        cfg = dropout_plan.config
+        loads = [x for x, on in (("forward", cfg.fused_tma), ("backward", cfg.bwd_tma)) if on]
         lines.append("  with attention dropout (dropout_p > 0): " + kernel_families(dropout_plan)
-                     + "; Philox coins in the kernels, 8 a call (dilgen.dropout)")
+                     + (f"; {' and '.join(loads)} through tensor descriptors" if loads else "")
+                     + "; Philox 4x32-7 coins in the kernels, 8 a call in the MMA's column order"
+                     " (dilgen.dropout)")
     if seq_len:
         from .stats import useful_flops
         lines.append(f"  at N = {seq_len}: {useful_flops(plan, seq_len) / 1e9:.3f} GFLOP useful "
