@@ -244,6 +244,10 @@ class KernelConfig:
     # the Gluon forward's and lanes' softmax: one exponential in every gluon_exp2 as a cubic
     # on the FMA pipe instead of the MUFU unit (0: every one on the MUFU unit)
     gluon_exp2: int = 0
+    # attention dropout's dK/dV: each step's block with queries along rows (P = Q K^T, the
+    # coins in the MMA's column order as in the forward; P^T and dS^T go through shared
+    # memory into the dV and dK products) instead of keys along rows (whose coins are shuffled)
+    dkdv_rows_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -292,6 +296,7 @@ class KernelConfig:
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
                 **({"gluon_exp2": self.gluon_exp2} if self.gluon_exp2 else {}),
+                **({"dkdv_rows_first": True} if self.dkdv_rows_first else {}),
                 "decode": list(self.decode)}
 
 

@@ -95,7 +95,7 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
            "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
-           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2", "dropout")
+           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2", "dropout", "dkdv_rows_first")
 LANES_CHOICES = ("auto", "all", "none")
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
 # each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
@@ -436,6 +436,7 @@ def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
         l2_bytes=target.l2_bytes or 0,
         lattice_group=int(tuning.get("lattice_group", 0)),
         bwd_tma=tiles.bwd_tma,
+        dkdv_rows_first=bool(tuning.get("dkdv_rows_first", False)) and bool(tuning.get("dropout", False)),
         decode=tuple(tuning.get("decode", target.decode_table(tiles.tile_d, tiles.itemsize))),
         **(gluon or {}),
         dot_precision="ieee" if spec.dtype == "float32" else None)

@@ -72,24 +72,28 @@ def test_forward_and_gradients_equal_the_reference_under_the_same_mask(name):
     _check(_spec(name, **CASES[name]), 2, 64, 0.25, 20261128 + len(name), name)
 
 
-@pytest.mark.parametrize("block_n, descriptors", [(32, False), (64, False), (64, True)])
+@pytest.mark.parametrize("block_n, descriptors, rows_first", [(32, False, False), (64, False, False),
+                                                           (64, True, False), (64, False, True), (64, True, True)])
 @pytest.mark.parametrize("name", ["two_branches", "causal_gqa_r3"])
-def test_key_blocks_of_32_and_64_lanes_draw_the_reference_mask(name, block_n, descriptors):
+def test_key_blocks_of_32_and_64_lanes_draw_the_reference_mask(name, block_n, descriptors, rows_first):
     """The GPU's key blocks (32 lanes and more: each call's 8 coins in the registers of an MMA
     accumulator's columns, common.dropout_keep) against the reference, here in the interpreter,
-    whose own blocks are 16 lanes wide (the half-span path); dK/dV's keys along rows too; and
-    with keys and queries read through tensor descriptors, as one H200 runs the plan."""
+    whose own blocks are 16 lanes wide (the half-span path); dK/dV's keys along rows too, or
+    its queries (dkdv_rows_first); and with keys and queries read through tensor descriptors,
+    as one H200 runs the plan."""
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
     from dilgen.runtime.registry import twin
-    spec = _spec(f"wide_{name}_{block_n}{'_tma' if descriptors else ''}", **CASES[name])
+    spec = _spec(f"wide_{name}_{block_n}{'_tma' if descriptors else ''}{'_rows' if rows_first else ''}", **CASES[name])
     q, k, v = _inputs(spec, 2, 128, name)
     attn = dilgen.compile(spec).compiled_for(q.device).attention
     tuning = {"dropout": True, "block_m": 32, "block_n": block_n, "bwd_kv": (block_n, 32, 4, 1),
-              "bwd_dq": (32, block_n, 4, 1), **({"fused_tma": True, "bwd_tma": True} if descriptors else {})}
+              "bwd_dq": (32, block_n, 4, 1), "dkdv_rows_first": rows_first,
+              **({"fused_tma": True, "bwd_tma": True} if descriptors else {})}
     drop = twin(attn, q.device, tuning=tuning)
     config = drop.plan["config"]
     assert config["block_n"] == block_n and config["bwd_kv"][0] == block_n
     assert config.get("fused_tma", False) == descriptors and config.get("bwd_tma", False) == descriptors
+    assert config.get("dkdv_rows_first", False) == rows_first
     seed, p = 4242 + block_n, 0.3
     out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
