@@ -270,9 +270,12 @@ def _build(args, cache) -> int:
     aot = [resolve_arch(a)[0] for a in (args.arch or ["sm90"]) if a not in newer]
     progress = _Progress(jobs, lambda job: f"{job[0].name} [{job[1].name}]")
     for spec, target in progress:
-        compiled = build(spec, target)
-        changed = not compiled.cache_hit
-        if target.capability is not None and target in aot:   # a GPU target: its kernels ahead of time
+        modules = [build(spec, target)]
+        if args.dropout:       # the module a call with dropout_p > 0 runs (dropout_call.dropout_twin)
+            modules.append(build(spec, target, {"dropout": True}))
+        changed = any(not m.cache_hit for m in modules)
+        ahead = target.capability is not None and target in aot   # a GPU target: its kernels ahead of time
+        for compiled in (modules if ahead else []):
             report = _compile_ahead(compiled, target, seq_lens, args.jobs, progress.note)
             binaries += report.compiled
             cached += report.cached
@@ -418,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the kernels' specializations for this sequence length, "
                         "repeatable (default: powers of two 1024..131072)")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    p.add_argument("--dropout", action="store_true",
+                   help="also the kernels a call with dropout_p > 0 runs (the spec's dropout plan)")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("explain", help="the plan in words, and a picture of the pattern")

@@ -19,6 +19,7 @@ import torch
 import dilgen
 from dilgen import aot, cache
 from dilgen.aot import run as aot_run
+from dilgen.aot.binder import jit_generated
 from dilgen.compiler import build
 from dilgen.targets import SM90
 
@@ -86,10 +87,11 @@ class _Recorder:
         return lambda *args, **opts: self.calls.append((self.source_fn, grid, args, opts))
 
 
-def _runtime_launches(attn, n, monkeypatch, *, grad_lse=None, batch=1):
+def _runtime_launches(attn, n, monkeypatch, *, grad_lse=None, batch=1, dropout_p=0.0):
     """The launches forward_raw + backward_raw make for (batch, n) inputs, recorded on the
     CPU and turned into what they are on a GPU: UPCAST False, the launch options of the
-    plan and of BACKWARD_KERNELS (on the CPU those are interpreter settings)."""
+    plan and of BACKWARD_KERNELS (on the CPU those are interpreter settings). dropout_p: a
+    dropout plan's call (its seed, cut, scale, rows and streams: dropout_call.dropout_args)."""
     calls = []
     monkeypatch.setattr(attn, "_kernel", lambda interpret, source_fn=None:
                         _Recorder(calls, source_fn or attn._source_fn))
@@ -98,9 +100,12 @@ def _runtime_launches(attn, n, monkeypatch, *, grad_lse=None, batch=1):
     q = torch.randn(batch, n, spec["num_heads"], spec["head_dim"]).to(dt)
     k = torch.randn(batch, n, spec["num_kv_heads"], spec["head_dim"]).to(dt)
     v = torch.randn_like(k)
-    out, lse = attn.forward_raw(q, k, v)
     from dilgen.runtime.backward import backward_raw
-    backward_raw(attn, q, k, v, out, lse, torch.randn_like(out), grad_lse)
+    from dilgen.runtime.dropout_call import dropout_args
+    from dilgen.runtime.forward import forward_raw
+    drop = dropout_args(attn, q, dropout_p, 1) if dropout_p else ()
+    out, lse = forward_raw(attn, q, k, v, None, dropout=drop)
+    backward_raw(attn, q, k, v, out, lse, torch.randn_like(out), grad_lse, None, dropout=drop)
     opts = {fn: o for _, fn, o in aot.kernel_roles(attn)}
     fixed = []
     for fn, grid, args, _ in calls:
@@ -127,9 +132,10 @@ def gpu(monkeypatch):
     return rec
 
 
-def _fresh_attention(spec_dict):
-    """The sm90 module of a spec and its GeneratedAttention, no launchables cached yet."""
-    compiled = build(dilgen.spec_from_dict(spec_dict), SM90)
+def _fresh_attention(spec_dict, tuning=None):
+    """The sm90 module of a spec (planner `tuning`) and its GeneratedAttention, no
+    launchables cached yet."""
+    compiled = build(dilgen.spec_from_dict(spec_dict), SM90, tuning)
     attn = compiled.module.attention
     attn._jitted.clear()
     return compiled, attn
@@ -207,7 +213,7 @@ def test_launch_model_matches_the_runtime(monkeypatch):
     jitted = {}
 
     def desc(fn, args, opts):
-        jf = jitted.get(fn) or jitted.setdefault(fn, triton.jit(fn))
+        jf = jitted.get(fn) or jitted.setdefault(fn, jit_generated(fn))
         return aot.specialize(jf, backend, args, opts).desc
 
     for spec_dict in specs:
@@ -221,6 +227,33 @@ def test_launch_model_matches_the_runtime(monkeypatch):
                     for fn, _, args, opts in _runtime_launches(attn, n, mp, grad_lse=grad_lse):
                         real.add(desc(fn, args, opts))
             assert real == model, (spec_dict["name"], n)
+
+
+def test_launch_model_matches_the_runtime_of_the_dropout_plan(monkeypatch):
+    """A dropout plan's kernels (seed and streams on the device; the cut and row 0's position
+    never specialize them): the model's specializations are the runtime's, at p = 0.1 and
+    0.5 alike (cuts 6554 and 32768: one not divisible by 16, one divisible)."""
+    from triton.compiler import make_backend
+    backend = make_backend(aot.gpu_target(SM90))
+    jitted = {}
+
+    def desc(fn, args, opts):
+        jf = jitted.get(fn) or jitted.setdefault(fn, jit_generated(fn))
+        return aot.specialize(jf, backend, args, opts).desc
+
+    for spec_dict in (TINY, dict(OTHER, name="aot_other_dropout")):
+        _, attn = _fresh_attention(spec_dict, {"dropout": True})
+        assert attn.plan.get("dropout")
+        for n in (7, 64, 100):
+            model = {desc(launch.source_fn, launch.args, launch.launch_opts)
+                     for launch in aot.predicted_launches(attn, n)}
+            for p in (0.1, 0.5):
+                real = set()
+                for grad_lse in (None, torch.zeros(1, spec_dict["num_heads"], n)):
+                    with monkeypatch.context() as mp:
+                        real |= {desc(fn, args, opts) for fn, _, args, opts
+                                 in _runtime_launches(attn, n, mp, grad_lse=grad_lse, dropout_p=p)}
+                assert real == model, (spec_dict["name"], n, p)
 
 
 def test_runtime_finds_and_launches_the_artifacts(built, monkeypatch, gpu):

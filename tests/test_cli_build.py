@@ -84,6 +84,46 @@ def test_build_prints_a_line_per_binary_as_it_is_stored(tmp_path, cache_dir, mon
                              f"binaries ahead of time (0 already in the cache)"], lines
 
 
+def test_build_dropout_compiles_the_dropout_plans_kernels_too(tmp_path, cache_dir, monkeypatch):
+    """`dilgen build --dropout`: each spec's dropout plan (the module a call with dropout_p > 0
+    runs) is built and its kernels compiled ahead of time beside the spec's own, and the
+    runtime then finds that module in the cache. The compile (ptxas) is replaced; the launch
+    model and the binder are the real ones."""
+    import contextlib
+    import io
+
+    import dilgen
+    from dilgen import aot
+    from dilgen.aot import build as aot_build
+    from dilgen.cli import main
+    from dilgen import compiler
+    from dilgen.compiler import Kernel
+    from dilgen.targets import SM90
+    compiled: list = []
+    monkeypatch.setattr(aot_build, "compile_job", lambda job: compiled.append(job) or (b"", "{}"))
+    monkeypatch.setattr(aot_build, "store_job", lambda job, cubin, meta: None)
+    for module in (aot, aot_build):
+        monkeypatch.setattr(module, "ptxas_path", lambda: "ptxas")
+    specs = tmp_path / "specs"
+    write_spec(specs, dict(TINY, name="aot_drop", dtype="float16"))
+    write_spec(specs, dict(TINY_GQA_CAUSAL, name="aot_drop_causal", dtype="float16"))
+
+    def run(*extra):
+        compiled.clear()
+        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+            rc = main(["build", str(specs), "--arch", "sm90", "--seq-len", "64", *extra])
+        assert rc == 0, out.getvalue()
+        return out.getvalue(), {job.module_path for job in compiled}, len(compiled)
+
+    _, plain_modules, plain = run()
+    out, modules, with_dropout = run("--dropout")
+    assert with_dropout > plain and len(modules) == 2 * len(plain_modules) == 4, (plain, with_dropout, modules)
+    assert "not compiled ahead of time" not in out, out
+    spec = dilgen.spec_from_dict(dict(TINY, name="aot_drop", dtype="float16"))
+    monkeypatch.setattr(compiler, "_MODULES", {})           # a new process: the cache on disk
+    assert Kernel(spec, SM90, {"dropout": True}).compiled_for("cuda").cache_hit
+
+
 def test_build_progress_bar_on_a_terminal(tmp_path, cache_dir):
     """On a terminal (stdout.isatty()) with tqdm installed, `dilgen build` draws a bar."""
     import contextlib

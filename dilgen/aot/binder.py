@@ -12,6 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 
+#: Arguments whose values never specialize a generated kernel: attention dropout's cut (one
+#: for each p) and the position of a call's row 0 (a ring rank's offset in the sequence), so
+#: a new p or another rank runs the kernel already compiled, and `dilgen build` covers both
+UNSPECIALIZED = ("drop_cut", "drop_pos0")
+
+
+def jit_generated(fn):
+    """triton.jit of a generated kernel function, as the runtime and `dilgen build` both make
+    it (UNSPECIALIZED arguments not specialized)."""
+    import inspect
+    import triton
+    names = [n for n in UNSPECIALIZED if n in inspect.signature(fn).parameters]
+    return triton.jit(fn, do_not_specialize=names) if names else triton.jit(fn)
+
+
 @dataclass(frozen=True)
 class Specialization:
     """What Triton's JIT derives from one launch: the compile inputs and their canonical

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 from .. import cache
 from . import artifacts
-from .binder import make_binder, specialize
+from .binder import jit_generated, make_binder, specialize
 from .launch_model import DEFAULT_SEQ_LENS, UnknownParameter, predicted_launches, seq_lens_for
 
 
@@ -132,9 +132,8 @@ def plan_jobs(module_or_plan, target, seq_lens: Iterable[int] | None = None) -> 
 def as_jit(fn):
     """A generated kernel as a JITFunction: the `tl` kernels are plain functions (the runtime
     jits them), the Gluon forward is a @gluon.jit function already."""
-    import triton
     from triton.runtime.jit import JITFunction
-    return fn if isinstance(fn, JITFunction) else triton.jit(fn)
+    return fn if isinstance(fn, JITFunction) else jit_generated(fn)
 
 
 def _import_path(path: str, sha: str):

@@ -32,6 +32,10 @@ def _mock(dtype):
     return MockTensor(dtype)       # data_ptr() == 0: 16-byte aligned, like torch's allocations
 
 
+_DROPOUT_SCALARS = {"drop_cut": lambda ctx: 6554, "drop_pos0": lambda ctx: 0, "drop_scale": lambda ctx: 1.0,
+                    "drop_n": lambda ctx: ctx["N"]}
+
+
 def _param_value(name: str, ctx: dict):
     """The value the runtime passes for parameter `name` for inputs (B, N, H, D),
     contiguous (dilgen.runtime.forward.forward_raw, runtime.backward.backward_raw)."""
@@ -44,6 +48,13 @@ def _param_value(name: str, ctx: dict):
         return _mock(torch.float32)
     if name in ("ClassOrder", "SeqStart", "SeqLen", "CurveBlockCount", "CurveBlocks") or re.fullmatch(r"(Fwd|Inv)\d+", name):
         return _mock(torch.int32)
+    # attention dropout (a dropout plan, runtime.dropout_call.dropout_args): the seed and the
+    # (heads, branches) streams on the device, the cut and row 0's position (neither
+    # specializes: binder.UNSPECIALIZED), the 1 / (1 - p) scale, the counter's N
+    if name in ("seed_ptr", "drop_streams"):
+        return _mock(torch.int64)
+    if name in _DROPOUT_SCALARS:
+        return _DROPOUT_SCALARS[name](ctx)
     m = _STRIDE.match(name)
     if m:
         N, H, Hkv, D = ctx["N"], ctx["H"], ctx["Hkv"], ctx["D"]

@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from ..aot.binder import jit_generated
 from ..aot.run import launcher
 from .interpreter import interpreting
 from ..knobs import flag
@@ -36,8 +37,7 @@ def make_kernel(source_fn, interpret: bool):
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
         return InterpretedFunction(source_fn)
-    import triton
-    return launcher(triton.jit(source_fn), source_fn)
+    return launcher(jit_generated(source_fn), source_fn)
 
 
 def ensure_descriptor_allocator() -> None:
