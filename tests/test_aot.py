@@ -18,6 +18,7 @@ import torch
 
 import dilgen
 from dilgen import aot, cache
+from dilgen.aot import build as aot_build
 from dilgen.aot import run as aot_run
 from dilgen.aot.binder import jit_generated
 from dilgen.compiler import build
@@ -254,6 +255,17 @@ def test_launch_model_matches_the_runtime_of_the_dropout_plan(monkeypatch):
                         real |= {desc(fn, args, opts) for fn, _, args, opts
                                  in _runtime_launches(attn, n, mp, grad_lse=grad_lse, dropout_p=p)}
                 assert real == model, (spec_dict["name"], n, p)
+
+
+def test_the_dropout_plans_kernels_compile_for_sm90(cache_dir):
+    """Every kernel of TINY's dropout plan (Philox coins in the MMA's column order, 7 rounds)
+    compiles for sm90 on this machine: ptxas gives a cubin for each job of the build."""
+    compiled = build(dilgen.spec_from_dict(dict(TINY, name="aot_tiny_dropout")), SM90, {"dropout": True})
+    jobs, skipped = aot.plan_jobs(compiled, SM90, [SEQ])
+    assert not skipped and {job.role for job in jobs} == {"forward", "preprocess", "dkdv", "dq"}, (jobs, skipped)
+    for job in jobs:
+        cubin, meta = aot_build.compile_job(job)
+        assert cubin[:4] == b"\x7fELF" and json.loads(meta)["name"] == job.fn_name, job.desc
 
 
 def test_runtime_finds_and_launches_the_artifacts(built, monkeypatch, gpu):
