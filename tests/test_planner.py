@@ -190,3 +190,12 @@ def test_the_dropout_plan_reads_through_descriptors_where_they_pay(head_dim, rin
     config = plan(spec, SM90, {"dropout": True}).config
     assert (config.fused_tma, config.bwd_tma, config.dual_chain, config.fused_ws) == (fwd_tma, bwd_tma, False, False)
     assert plan(spec, SM90, {"dropout": True, "fused_tma": False, "bwd_tma": False}).config.bwd_tma is False
+
+
+def test_dkdv_rows_first_is_the_dropout_plans_and_refused_elsewhere():
+    spec = dilgen.Spec(name="rows_first", num_heads=4, head_dim=64, dtype="bfloat16",
+                       segment_lengths=[256, 512], dilation_rates=[1, 2])
+    assert plan(spec, SM90, {"dropout": True, "dkdv_rows_first": True}).config.dkdv_rows_first
+    assert not plan(spec, SM90, {"dropout": True}).config.dkdv_rows_first
+    with pytest.raises(dilgen.SpecError, match="dkdv_rows_first applies to the dropout plan"):
+        plan(spec, SM90, {"dkdv_rows_first": True})
