@@ -45,10 +45,9 @@ def _inputs(spec, batch: int, n: int, name: str):
             for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)]
 
 
-def _check(spec, batch: int, n: int, p: float, seed: int, name: str) -> None:
-    q, k, v = _inputs(spec, batch, n, name)
-    attn = dilgen.compile(spec).compiled_for(q.device).attention
-    out, lse = dropout_attention(attn, q, k, v, p, return_lse=True, seed=seed)
+def _out_and_grads_equal_the_reference(spec, q, k, v, out, p: float, seed: int):
+    """The call's out and, through one random cotangent, its q, k, v gradients against the
+    float64 reference under the same mask; returns the reference's (out, lse, inputs)."""
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
     (out * grad).sum().backward()
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
@@ -57,11 +56,20 @@ def _check(spec, batch: int, n: int, p: float, seed: int, name: str) -> None:
     tol = TOL[spec.dtype]
     assert not torch.isnan(out).any(), "unwritten rows"
     assert rel_error(out, ref_out) < tol
+    for mine, ref in zip((q, k, v), ref_in):
+        assert rel_error(mine.grad, ref.grad) < 2 * tol
+    return ref_out, ref_lse, ref_in
+
+
+def _check(spec, batch: int, n: int, p: float, seed: int, name: str) -> None:
+    q, k, v = _inputs(spec, batch, n, name)
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    out, lse = dropout_attention(attn, q, k, v, p, return_lse=True, seed=seed)
+    ref_out, ref_lse, ref_in = _out_and_grads_equal_the_reference(spec, q, k, v, out, p, seed)
+    tol = TOL[spec.dtype]
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
     assert rel_error(lse.cpu()[finite], ref_lse[finite]) < tol
-    for mine, ref in zip((q, k, v), ref_in):
-        assert rel_error(mine.grad, ref.grad) < 2 * tol
     # the mask mattered: without dropout the output is another one
     plain = differentiable_reference(*(t.detach() for t in ref_in), spec)[0]
     assert rel_error(out, plain) > 10 * tol
@@ -95,16 +103,8 @@ def test_key_blocks_of_32_and_64_lanes_draw_the_reference_mask(name, block_n, de
     assert config.get("fused_tma", False) == descriptors and config.get("bwd_tma", False) == descriptors
     assert config.get("dkdv_rows_first", False) == rows_first
     seed, p = 4242 + block_n, 0.3
-    out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
-    (out * grad).sum().backward()
-    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
-    (ref_out * grad.double().cpu()).sum().backward()
-    tol = TOL[spec.dtype]
-    assert rel_error(out, ref_out) < tol
-    for mine, ref in zip((q, k, v), ref_in):
-        assert rel_error(mine.grad, ref.grad) < 2 * tol
+    out, _ = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
+    _out_and_grads_equal_the_reference(spec, q, k, v, out, p, seed)
 
 
 def test_bfloat16_and_a_high_drop_rate():
