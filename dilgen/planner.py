@@ -99,12 +99,14 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
 LANES_CHOICES = ("auto", "all", "none")
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
 # each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
-# chain; no lane, curve-row or Gluon kernel, no row order. One device reads keys and queries
+# chain; no lane or curve-row kernel, no row order, and of the Gluon kernels only the forward
+# (sm90, non-causal, one device: its key blocks are whole spans of a branch's lanes, so its
+# threads draw their coins in the accumulator's registers). One device reads keys and queries
 # through descriptors where the target does (the forward's at head_dim 128 only); a ring's
 # windows, whose dropout blocks start before the window (on a span of 32 lanes), read them
 # through masked pointers
 DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
-                  "fused_dkdv": False, "curve_rows": False, "gluon_fwd": False, "gluon_dkdv": False,
+                  "fused_dkdv": False, "curve_rows": False, "gluon_dkdv": False,
                   "gluon_dq": False, "gluon_lanes": False, "gluon_lanes_bwd": False,
                   "gluon_dkdv_lanes": False}
 DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}

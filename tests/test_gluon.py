@@ -102,9 +102,10 @@ def test_a_tile_that_cannot_run_is_refused_by_name(asked, why):
     assert plan(_spec(head_dim=64), get_target("sm90"), {"gluon_fwd": [128, 5]}).config.gluon_fwd == (128, 5)
 
 
-def _source(exp2: int = 0, **over) -> str:
+def _source(exp2: int = 0, dropout: bool = False, **over) -> str:
     return codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_fwd": True, "gluon_dkdv": False,
-                                                                 "gluon_dq": False, "gluon_exp2": exp2}))
+                                                                 "gluon_dq": False, "gluon_exp2": exp2,
+                                                                 "dropout": dropout}))
 
 
 @needs_gluon
@@ -175,8 +176,13 @@ def _module(tmp_path, **over):
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"),
                     reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
 @pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=4),
-                                  dict(head_dim=64, num_kv_heads=16, exp2=2)])
+                                  dict(head_dim=64, num_kv_heads=16, exp2=2), dict(dropout=True),
+                                  dict(head_dim=64, num_kv_heads=16, exp2=8, dropout=True)])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
+    """The PTX has the warpgroup MMAs, the TMA loads, the producer's register budget, the exp2
+    cubic where asked; with dropout, Philox's rounds (its multiplier 0xCD9E8D57), and the
+    coins' joins and reshape landed on the accumulator's layout with no data moved (the
+    template's convert_layout(..., assert_trivial=True) would not compile otherwise)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -188,11 +194,15 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
         return f"tensordesc<bf16[{rows}, 1, {D}],{layout!r}>"
     sig = {"q_desc": desc(64), "o_desc": desc(64), **{f"{x}{i}": desc(128) for x in "kv" for i in range(3)},
            "Lse": "*fp32", "N": "i32"}
+    if over.get("dropout"):
+        sig.update(seed_ptr="*i64", drop_cut="i32", drop_scale="fp32", drop_n="i32", drop_pos0="i32",
+                   drop_streams="*i64")
     kernel = triton.compile(GluonASTSource(mod.gx_gluon_fwd, sig, {}), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "maxnreg": 168})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert ("0f3F31798D" in ptx) == bool(over.get("exp2"))     # the cubic of gluon_exp2 (its c1)
+    assert ("-845247145" in ptx) == bool(over.get("dropout"))  # Philox's round multiplier B, as an s32
 
 
 class _Descriptor:
@@ -322,3 +332,41 @@ def test_beside_lane_branches_matches_the_float64_reference_on_sm90(case, monkey
     monkeypatch.setattr(forward, "gluon_launch", spy)
     check_against_reference(_spec(name="gxl_" + name, **over), B, N, {}, name)
     assert taken and all(taken), taken
+
+
+@on_sm90
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_in_the_gluon_forward_matches_the_float64_reference_on_sm90(head_dim, monkeypatch):
+    """The dropout plan's forward in Gluon (its coins drawn in the accumulator's registers,
+    common.gluon_dropout) under the same mask as the float64 reference: out, lse and, through
+    the `tl` backward, every gradient, on fresh random inputs."""
+    from dilgen.reference import differentiable_reference
+    from dilgen.runtime import forward
+    from dilgen.runtime.dropout_call import dropout_attention
+    from conftest import TOL, rel_error
+    spec = _spec(name=f"gx_drop_{head_dim}", head_dim=head_dim, **SMALL)
+    taken = []
+
+    def spy(*args, real=forward.gluon_launch, **kw):
+        got = real(*args, **kw)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(forward, "gluon_launch", spy)
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(2, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
+               for h in (8, 2, 2))
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    p, seed = 0.2, 60 + head_dim
+    out, lse = dropout_attention(attn, q, k, v, p, return_lse=True, seed=seed)
+    assert taken and all(taken), taken
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    (out * grad).sum().backward()
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
+    (ref_out * grad.double().cpu()).sum().backward()
+    tol = TOL["bfloat16"]
+    assert rel_error(out, ref_out) < tol and rel_error(lse.cpu(), ref_lse) < tol
+    for mine, ref in zip((q, k, v), ref_in):
+        assert rel_error(mine.grad, ref.grad) < 2 * tol
+    plain = differentiable_reference(*(t.detach() for t in ref_in), spec)[0]
+    assert rel_error(out, plain) > 10 * tol          # the mask mattered

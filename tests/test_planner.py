@@ -192,6 +192,17 @@ def test_the_dropout_plan_reads_through_descriptors_where_they_pay(head_dim, rin
     assert plan(spec, SM90, {"dropout": True, "fused_tma": False, "bwd_tma": False}).config.bwd_tma is False
 
 
+def test_the_dropout_plan_runs_the_gluon_forward_where_one_device_can():
+    """sm90, non-causal, one device: the Gluon forward (common.gluon_dropout's coins); a ring's
+    windows and causal specs keep the `tl` kernels, and no Gluon backward runs."""
+    spec = dict(name="drop_gluon", num_heads=8, head_dim=128, dtype="bfloat16", segment_lengths=[2048, 4096],
+                dilation_rates=[1, 2])
+    config = plan(dilgen.Spec(**spec), SM90, {"dropout": True}).config
+    assert config.gluon_fwd == (128, 3) and not (config.gluon_dkdv or config.gluon_dq or config.gluon_lanes)
+    assert plan(dilgen.Spec(**spec, ring_size=2), SM90, {"dropout": True}).config.gluon_fwd is None
+    assert plan(dilgen.Spec(**spec, causal=True), SM90, {"dropout": True}).config.gluon_fwd is None
+
+
 def test_dkdv_rows_first_is_the_dropout_plans_and_refused_elsewhere():
     spec = dilgen.Spec(name="rows_first", num_heads=4, head_dim=64, dtype="bfloat16",
                        segment_lengths=[256, 512], dilation_rates=[1, 2])

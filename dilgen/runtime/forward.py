@@ -113,7 +113,7 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
     lanes = lane_order(plan)
     fused = any(not br["lanes"] for br in plan["branches"])
     for seqs, B, N in groups:   # packed batches: one group per length class of sequences
-        gluon = None if (interpret or varlen) else gluon_launch(attn, q, k, v, out, lse, B, N)
+        gluon = None if (interpret or varlen) else gluon_launch(attn, q, k, v, out, lse, B, N, dropout)
         if gluon is not None:       # the same work as the fused kernel, in Gluon (sm90)
             launches.append(gluon)
         elif fused:   # every branch that is not a lane branch

@@ -51,13 +51,15 @@ def _takes(attn, fn, N: int, *tensors) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def gluon_launch(attn, q, k, v, out, lse, B: int, N: int):
+def gluon_launch(attn, q, k, v, out, lse, B: int, N: int, dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon forward for this call, or None when the call
-    takes the `tl` kernel instead (_takes)."""
+    takes the `tl` kernel instead (_takes); `dropout`: a dropout plan's arguments
+    (runtime.dropout_call.dropout_args), after the others."""
     plan = attn.plan
     if plan["config"].get("gluon_fwd") is None or not _takes(attn, attn.gluon_fn, N, q, k, v, out):
         return None
-    return attn.gluon_kernel, (N // 128, B * plan["num_heads"]), gluon_args(plan, q, k, v, out, lse, B, N), OPTIONS
+    return (attn.gluon_kernel, (N // 128, B * plan["num_heads"]),
+            (*gluon_args(plan, q, k, v, out, lse, B, N), *dropout), OPTIONS)
 
 
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False):
