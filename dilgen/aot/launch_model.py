@@ -32,9 +32,14 @@ def _mock(dtype):
     return MockTensor(dtype)       # data_ptr() == 0: 16-byte aligned, like torch's allocations
 
 
-_DROPOUT_ARGS = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")   # their order
 _DROPOUT_SCALARS = {"drop_cut": lambda ctx: 6554, "drop_pos0": lambda ctx: 0, "drop_scale": lambda ctx: 1.0,
                     "drop_n": lambda ctx: ctx["N"]}
+
+
+def _dropout_values(plan: dict, ctx: dict) -> tuple:
+    """A dropout plan's trailing arguments of the Gluon forward (its `tl` kernels name theirs)."""
+    names = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")
+    return tuple(_param_value(n, ctx) for n in names) if plan.get("dropout") else ()
 
 
 def _param_value(name: str, ctx: dict):
@@ -149,9 +154,8 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..runtime.gluon_launch import gluon_args
                 mock = _mock(base["dtype"])
-                drop = tuple(_param_value(n, base) for n in _DROPOUT_ARGS) if plan.get("dropout") else ()
-                out.append(Launch(role, fn, (*gluon_args(plan, mock, mock, mock, mock, _mock(torch.float32),
-                                                         1, N), *drop), opts))
+                out.append(Launch(role, fn, (*gluon_args(plan, mock, mock, mock, mock, _mock(torch.float32), 1, N),
+                                             *_dropout_values(plan, base)), opts))
         elif role == "gluon_dkdv":        # as gluon_forward: whole segments, any batch
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..runtime.gluon_launch import gluon_dkdv_args
