@@ -107,8 +107,10 @@ LANES_CHOICES = ("auto", "all", "none")
 # through masked pointers
 DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
                   "fused_dkdv": False, "curve_rows": False, "gluon_dkdv": False,
-                  "gluon_dq": False, "gluon_lanes": False, "gluon_lanes_bwd": False,
-                  "gluon_dkdv_lanes": False}
+                  "gluon_lanes": False, "gluon_lanes_bwd": False, "gluon_dkdv_lanes": False}
+# ... and, unless a tuning asks, the `tl` dQ: the Gluon dQ draws its coins as the Gluon forward
+# does (common.gluon_coins), compiled for sm90 but not yet checked or timed on a GPU
+DROPOUT_DEFAULTS = {"gluon_dq": False}
 DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
 
@@ -129,6 +131,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
         tuning.update(DROPOUT_TUNING)
+        tuning = {**DROPOUT_DEFAULTS, **tuning}
         if spec.ring_size > 1:
             tuning.update(DROPOUT_RING_TUNING)
         elif spec.head_dim != 128:

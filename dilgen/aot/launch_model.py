@@ -37,7 +37,7 @@ _DROPOUT_SCALARS = {"drop_cut": lambda ctx: 6554, "drop_pos0": lambda ctx: 0, "d
 
 
 def _dropout_values(plan: dict, ctx: dict) -> tuple:
-    """A dropout plan's trailing arguments of the Gluon forward (its `tl` kernels name theirs)."""
+    """A dropout plan's trailing arguments of the Gluon forward and dQ (its `tl` kernels name theirs)."""
     names = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")
     return tuple(_param_value(n, ctx) for n in names) if plan.get("dropout") else ()
 
@@ -166,7 +166,8 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..runtime.gluon_launch import gluon_dq_args
                 mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
-                out.append(Launch(role, fn, gluon_dq_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N), opts))
+                out.append(Launch(role, fn, (*gluon_dq_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N),
+                                             *_dropout_values(plan, base)), opts))
         elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..gluon_plan import gluon_lane_branch

@@ -256,7 +256,7 @@ class _Launches:
         plan, conf, at = self.plan, self.conf, self.at
         q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
         gluon = None if (self.interpret or at.varlen or not has_fused_q or lanes) else \
-            gluon_dq_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N)
+            gluon_dq_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N, self.dropout)
         if gluon is not None:       # the fused dq's work, in Gluon (sm90)
             self._run(*gluon)
         elif has_fused_q:

@@ -116,14 +116,15 @@ def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: in
 OPTIONS = {"num_warps": 4, "maxnreg": 168}
 
 
-def gluon_dq_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int):
+def gluon_dq_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon dQ for this call, or None when the call takes
-    the `tl` dq kernel instead (_takes): program (d + L*t, b*H + h), as the Gluon forward's."""
+    the `tl` dq kernel instead (_takes): program (d + L*t, b*H + h), as the Gluon forward's;
+    `dropout` as gluon_launch's."""
     plan = attn.plan
     if not plan["config"].get("gluon_dq") or not _takes(attn, attn.gluon_dq_fn, N, q, k, v, grad_out, dq):
         return None
     return (attn.gluon_dq_kernel, (N // 128, B * plan["num_heads"]),
-            gluon_dq_args(plan, q, k, v, grad_out, lse, delta, dq, B, N), OPTIONS)
+            (*gluon_dq_args(plan, q, k, v, grad_out, lse, delta, dq, B, N), *dropout), OPTIONS)
 
 
 def _boxes(plan: dict, B: int, N: int):

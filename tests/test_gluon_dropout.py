@@ -1,0 +1,105 @@
+"""Attention dropout in sm90's Gluon kernels (issue 60): the dropout plan's forward and, where a
+tuning asks, its dQ draw the mask's coins in the wgmma accumulator's registers
+(common.gluon_coins). On the CPU: the plan, and the kernels compiled for sm90 (Triton 3.6, no
+GPU), whose coin layout conversions move no data (assert_trivial) and whose PTX has Philox's
+rounds. On an sm90 GPU: out, lse and every gradient against the float64 reference under the
+same mask, on fresh random inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+import dilgen
+from dilgen import codegen
+from dilgen.gluon_plan import gluon_available
+from dilgen.planner import plan
+from dilgen.targets import get_target
+
+from conftest import TOL, rel_error
+
+needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
+on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
+SMALL = dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048], dilation_rates=[1, 2, 4])
+DROP_ARGS = dict(seed_ptr="*i64", drop_cut="i32", drop_scale="fp32", drop_n="i32", drop_pos0="i32",
+                 drop_streams="*i64")
+
+
+def _spec(name: str, **over) -> dilgen.Spec:
+    fields = dict(name=name, num_heads=16, num_kv_heads=4, head_dim=128, segment_lengths=[2048, 4096, 8192],
+                  dilation_rates=[1, 2, 4], dtype="bfloat16")
+    fields.update(over)
+    return dilgen.Spec(**fields)
+
+
+@needs_gluon
+def test_the_dq_in_gluon_is_the_dropout_plans_where_a_tuning_asks():
+    sm90 = get_target("sm90")
+    assert plan(_spec("gd"), sm90, {"dropout": True}).config.gluon_dq is None
+    assert plan(_spec("gd"), sm90, {"dropout": True, "gluon_dq": True}).config.gluon_dq == 4
+    with pytest.raises(dilgen.SpecError, match="tuning gluon_dq cannot run here: causal"):
+        plan(_spec("gd", causal=True), sm90, {"dropout": True, "gluon_dq": True})
+
+
+@needs_gluon
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_dropout_dq_compiles_for_sm90_without_a_gpu(tmp_path, head_dim):
+    import importlib.util
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    spec = _spec(f"gd_{head_dim}", head_dim=head_dim)
+    path = tmp_path / f"{spec.name}.py"
+    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dq": True})))
+    loader = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(mod)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)
+    desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
+    sig = {"q_desc": desc, "do_desc": desc, **{f"{x}{i}": desc for x in "kv" for i in range(3)},
+           "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", "N": "i32", **DROP_ARGS}
+    kernel = triton.compile(GluonASTSource(getattr(mod, f"{spec.name}_gluon_dq"), sig, {}),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
+
+
+@on_sm90
+@pytest.mark.parametrize("head_dim, gluon_dq", [(64, False), (128, False), (64, True), (128, True)])
+def test_gluon_dropout_matches_the_float64_reference_on_sm90(head_dim, gluon_dq, monkeypatch):
+    """The Gluon forward (and dQ where asked) under the same mask as the float64 reference:
+    out, lse and every gradient (dK/dV in the `tl` kernel)."""
+    from dilgen.reference import differentiable_reference
+    from dilgen.runtime import backward, forward
+    from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
+    from dilgen.runtime.registry import twin
+    spec = _spec(f"gd_{head_dim}_{int(gluon_dq)}", head_dim=head_dim, **SMALL)
+    taken = {"gluon_launch": [], "gluon_dq_launch": []}
+    for module, name in ((forward, "gluon_launch"), (backward, "gluon_dq_launch")):
+        def spy(*args, real=getattr(module, name), name=name):
+            got = real(*args)
+            taken[name].append(got is not None)
+            return got
+        monkeypatch.setattr(module, name, spy)
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(1, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
+               for h in (8, 2, 2))
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    drop = twin(attn, q.device, tuning={"dropout": True, "gluon_dq": gluon_dq})
+    p, seed = 0.2, 60 + head_dim
+    out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    (out * grad).sum().backward()
+    assert taken == {"gluon_launch": [True], "gluon_dq_launch": [gluon_dq]}, taken
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
+    (ref_out * grad.double().cpu()).sum().backward()
+    tol = TOL["bfloat16"]
+    assert rel_error(out, ref_out) < tol and rel_error(lse.cpu(), ref_lse) < tol
+    for mine, ref in zip((q, k, v), ref_in):
+        assert rel_error(mine.grad, ref.grad) < 2 * tol
+    plain = differentiable_reference(*(t.detach() for t in ref_in), spec)[0]
+    assert rel_error(out, plain) > 10 * tol          # the mask mattered
