@@ -36,6 +36,19 @@ _DROPOUT_SCALARS = {"drop_cut": lambda ctx: 6554, "drop_pos0": lambda ctx: 0, "d
                     "drop_n": lambda ctx: ctx["N"]}
 
 
+def _gluon_args(plan: dict, role: str, N: int, base: dict) -> tuple:
+    """The Gluon forward's, dK/dV's or dQ's arguments at batch 1, as runtime/gluon_launch.py
+    makes them (a dropout plan's forward and dQ take its arguments after them)."""
+    import torch
+    from ..runtime.gluon_launch import gluon_args, gluon_dkdv_args, gluon_dq_args
+    x, f32 = _mock(base["dtype"]), _mock(torch.float32)
+    if role == "gluon_forward":
+        return (*gluon_args(plan, x, x, x, x, f32, 1, N), *_dropout_values(plan, base))
+    if role == "gluon_dq":
+        return (*gluon_dq_args(plan, x, x, x, x, f32, f32, x, 1, N), *_dropout_values(plan, base))
+    return gluon_dkdv_args(plan, x, x, x, x, f32, f32, x, x, 1, N)
+
+
 def _dropout_values(plan: dict, ctx: dict) -> tuple:
     """A dropout plan's trailing arguments of the Gluon forward and dQ (its `tl` kernels name theirs)."""
     names = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")
@@ -148,26 +161,11 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             n_t = math.ceil(math.ceil(N / lattice) / plan["config"]["block_m"])
             add(role, fn, opts, num_m_tiles=n_t,
                 group_tiles=lattice_group_tiles(plan, n_t, plan["config"]["block_m"], kv_row_bytes))
-        elif role == "gluon_forward":
-            # sm90 takes it for whole segments (runtime/gluon_launch.py); B is in no argument
-            # that specializes it (its descriptors' shapes are not specialized)
+        elif role in ("gluon_forward", "gluon_dkdv", "gluon_dq"):
+            # sm90 takes them for whole segments (runtime/gluon_launch.py); B is in no argument
+            # that specializes them (their descriptors' shapes are not specialized)
             if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..runtime.gluon_launch import gluon_args
-                mock = _mock(base["dtype"])
-                out.append(Launch(role, fn, (*gluon_args(plan, mock, mock, mock, mock, _mock(torch.float32), 1, N),
-                                             *_dropout_values(plan, base)), opts))
-        elif role == "gluon_dkdv":        # as gluon_forward: whole segments, any batch
-            if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..runtime.gluon_launch import gluon_dkdv_args
-                mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
-                out.append(Launch(role, fn, gluon_dkdv_args(plan, mock, mock, mock, mock, f32, f32, mock, mock,
-                                                            1, N), opts))
-        elif role == "gluon_dq":
-            if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..runtime.gluon_launch import gluon_dq_args
-                mock, f32 = _mock(base["dtype"]), _mock(torch.float32)
-                out.append(Launch(role, fn, (*gluon_dq_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N),
-                                             *_dropout_values(plan, base)), opts))
+                out.append(Launch(role, fn, _gluon_args(plan, role, N, base), opts))
         elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..gluon_plan import gluon_lane_branch
