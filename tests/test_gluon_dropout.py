@@ -67,6 +67,35 @@ def test_the_dropout_dq_compiles_for_sm90_without_a_gpu(tmp_path, head_dim):
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
 
 
+@needs_gluon
+def test_the_launch_models_dropout_kernels_specialize_as_the_runtimes(cache_dir):
+    """`dilgen build --dropout` compiles the Gluon forward and dQ a call then launches: the
+    launch model's arguments (aot.launch_model) and a call's (runtime.gluon_launch, then
+    dropout_args at two drop rates and row offsets, which do not specialize) give one
+    specialization each."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    from dilgen.runtime.dropout_call import dropout_args
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_args, gluon_dq_args
+    spec = _spec("gd_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
+    attn = build(spec, get_target("sm90"), {"dropout": True, "gluon_dq": True}).module.attention
+    models = {x.role: x for x in predicted_launches(attn, 1024) if x.role in ("gluon_forward", "gluon_dq")}
+    assert set(models) == {"gluon_forward", "gluon_dq"}
+    q = torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16), torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16)
+    f32, backend = torch.empty(2, 4, 1024), make_backend(GPUTarget("cuda", 90, 32))
+    calls = {"gluon_forward": (attn.gluon_fn, gluon_args(attn.plan, q, k, v, torch.empty_like(q), f32, 2, 1024)),
+             "gluon_dq": (attn.gluon_dq_fn, gluon_dq_args(attn.plan, q, k, v, q, f32, f32, q, 2, 1024))}
+    for role, (fn, args) in calls.items():
+        want = specialize(fn, backend, models[role].args, models[role].launch_opts).desc
+        for p, pos0 in ((0.1, 3), (0.25, 0)):   # cuts 6554 and 16384: one divides by 16
+            seed, cut, scale, n, _, streams = dropout_args(attn, q, p, 7)
+            assert specialize(fn, backend, (*args, seed, cut, scale, n, pos0, streams), OPTIONS).desc == want, role
+
+
 @on_sm90
 @pytest.mark.parametrize("head_dim, gluon_dq", [(64, False), (128, False), (64, True), (128, True)])
 def test_gluon_dropout_matches_the_float64_reference_on_sm90(head_dim, gluon_dq, monkeypatch):
