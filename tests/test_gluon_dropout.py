@@ -43,10 +43,10 @@ def test_the_dq_in_gluon_is_the_dropout_plans_where_a_tuning_asks():
 
 
 @needs_gluon
-@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
-                    reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_dropout_dq_compiles_for_sm90_without_a_gpu(tmp_path, head_dim):
+    """Under both CI Tritons (the GPU machines' 3.6 and pip's 3.9): the coins' joins and reshape
+    move no data (the template's assert_trivial), and the PTX has Philox's rounds."""
     import importlib.util
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
