@@ -111,6 +111,21 @@ def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: 
     return want and lanes_bwd is not None
 
 
+def gluon_dkdv_prefetch(spec: Spec, dkdv: int | None, tuning: dict) -> bool:
+    """KernelConfig.gluon_dkdv_prefetch: the tuning's, true by default. False loads each
+    block's lse and Delta at its top, holding one copy in registers, not two (A's dK/dV at
+    head_dim 128 spills 732 bytes with the prefetch, 44 without it:
+    bench/results/gluon_dkdv_spills-2026-11-29-sm90.json). Asked of a plan with no Gluon
+    dK/dV, refused by name."""
+    want = tuning.get("gluon_dkdv_prefetch", True)
+    if not isinstance(want, bool):
+        raise SpecError(f"{spec.name}: tuning gluon_dkdv_prefetch takes true or false (asked: {want!r})")
+    if "gluon_dkdv_prefetch" in tuning and dkdv is None:
+        raise SpecError(f"{spec.name}: tuning gluon_dkdv_prefetch needs the Gluon dK/dV, which this plan does not "
+                        f"run; ask for it with {{\"gluon_dkdv\": true}} to see why")
+    return want
+
+
 def gluon_exp2(spec: Spec, target: Target, tiles, gluon: dict, tuning: dict) -> int:
     """KernelConfig.gluon_exp2: the target's for the head_dim, or the tuning's `gluon_exp2`
     (0, 2, 4 or 8); a plan running neither the Gluon forward nor its lanes takes 0, and a

@@ -248,6 +248,9 @@ class KernelConfig:
     # coins in the MMA's column order as in the forward; P^T and dS^T go through shared
     # memory into the dV and dK products) instead of keys along rows (whose coins are shuffled)
     dkdv_rows_first: bool = False
+    # the Gluon dK/dV loads the next block's lse and Delta while this block's products run
+    # (two copies in registers); False: each block's at its top
+    gluon_dkdv_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("bwd_kv", "bwd_dq", "lane_fwd", "lane_dq", "decode"):
@@ -297,6 +300,7 @@ class KernelConfig:
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
                 **({"gluon_exp2": self.gluon_exp2} if self.gluon_exp2 else {}),
                 **({"dkdv_rows_first": True} if self.dkdv_rows_first else {}),
+                **({} if self.gluon_dkdv_prefetch else {"gluon_dkdv_prefetch": False}),
                 "decode": list(self.decode)}
 
 

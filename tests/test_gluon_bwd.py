@@ -75,6 +75,21 @@ def test_refused_by_name_where_it_cannot_run(over, tuning, why):
 
 
 @needs_gluon
+def test_the_lse_and_delta_prefetch_is_a_knob_refused_without_the_gluon_dkdv():
+    """gluon_dkdv_prefetch: on by default (the plan's key unchanged); false emits each block's
+    loads at its top; asked of a plan with no Gluon dK/dV, or as a non-bool, refused by name."""
+    sm90 = get_target("sm90")
+    assert plan(_spec(), sm90).config.gluon_dkdv_prefetch
+    off = plan(_spec(), sm90, {"gluon_dkdv_prefetch": False})
+    assert not off.config.gluon_dkdv_prefetch and off.key() != plan(_spec(), sm90).key()
+    assert "lse_next" in codegen.emit(plan(_spec(), sm90)) and "lse_next" not in codegen.emit(off)
+    with pytest.raises(SpecError, match="gluon_dkdv_prefetch needs the Gluon dK/dV"):
+        plan(_spec(), sm90, {"gluon_dkdv": False, "gluon_dkdv_prefetch": False})
+    with pytest.raises(SpecError, match="gluon_dkdv_prefetch takes true or false"):
+        plan(_spec(), sm90, {"gluon_dkdv_prefetch": 1})
+
+
+@needs_gluon
 def test_generated_source_is_golden_and_stable():
     text = codegen.emit(plan(_spec(), get_target("sm90")))
     assert text == codegen.emit(plan(_spec(), get_target("sm90")))
@@ -88,9 +103,10 @@ def test_generated_source_is_golden_and_stable():
     assert "gluon_dq=gb_gluon_dq)" in text
 
 
-def _module(tmp_path, **over):
-    path = tmp_path / f"gb_{abs(hash(tuple(sorted(over.items())))) % 10**6}.py"
-    path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True})))
+def _module(tmp_path, prefetch: bool = True, **over):
+    path = tmp_path / f"gb_{abs(hash(tuple(sorted(over.items())))) % 10**6}_{int(prefetch)}.py"
+    path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True,
+                                                                          "gluon_dkdv_prefetch": prefetch})))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -98,7 +114,8 @@ def _module(tmp_path, **over):
 
 
 @needs_gluon
-@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=16, num_kv_heads=1)])
+@pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=16, num_kv_heads=1),
+                                  dict(prefetch=False)])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     """Under both CI Tritons (3.9 names its TMA copies differently)."""
     from triton.backends.compiler import GPUTarget
@@ -155,6 +172,8 @@ SMALL = dict(segment_lengths=[512, 1024, 2048])     # whole 128 x L tiles; a flo
 GPU_CASES = [
     # (id, spec fields, (B, N), tuning)
     ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dq": True}),
+    ("a_like_gqa_no_prefetch", dict(SMALL, num_heads=8, num_kv_heads=2), (1, 2048),
+     {"gluon_dq": True, "gluon_dkdv_prefetch": False}),
     ("mha_fp16_stages3", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096),
      {"gluon_dkdv": 3, "gluon_dq": 3}),
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],
