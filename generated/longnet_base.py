@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: a2c9c5d27b03290d
+# template hash: 355112408a74e35e
 # plan key:      8c77eb6af35ffba89bdb25f499bb559026e49245c4102469bc47c3f68dd0bf62
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
