@@ -111,13 +111,15 @@ def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: 
     return want and lanes_bwd is not None
 
 
-def gluon_dkdv_prefetch(spec: Spec, dkdv: int | None, tuning: dict) -> bool:
-    """KernelConfig.gluon_dkdv_prefetch: the tuning's, true by default. False loads each
-    block's lse and Delta at its top, holding one copy in registers, not two (A's dK/dV at
-    head_dim 128 spills 732 bytes with the prefetch, 44 without it:
-    bench/results/gluon_dkdv_spills-2026-11-29-sm90.json). Asked of a plan with no Gluon
-    dK/dV, refused by name."""
-    want = tuning.get("gluon_dkdv_prefetch", True)
+def gluon_dkdv_prefetch(spec: Spec, tile_d: int, dkdv: int | None, tuning: dict) -> bool:
+    """KernelConfig.gluon_dkdv_prefetch: the tuning's, else true at head_dim 64 and false at
+    128. False loads each block's lse and Delta at its top, holding one copy in registers, not
+    two: A's dK/dV at head_dim 128 spills 732 bytes with the prefetch, 44 without it
+    (bench/results/gluon_dkdv_spills-2026-11-29-sm90.json), and its backward runs 6.76 -> 6.25
+    ms on one H200, B 32.81 -> 30.31; at head_dim 64 there is no spill to save and the prefetch
+    wins, C 4.82 -> 4.63 (bench/results/backward-2026-11-29-h200-prefetch.json). Asked of a
+    plan with no Gluon dK/dV, refused by name."""
+    want = tuning.get("gluon_dkdv_prefetch", dkdv is None or tile_d < 128)   # no Gluon dK/dV: moot
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_dkdv_prefetch takes true or false (asked: {want!r})")
     if "gluon_dkdv_prefetch" in tuning and dkdv is None:
@@ -149,9 +151,12 @@ def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_
                             tiles, branches, lattice, query_order, tuning, extra)
 
 
-def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, tuning: dict) -> int | None:
-    """The Gluon dQ's K/V stages (KernelConfig.gluon_dq), or None (_backward_stages)."""
-    return _backward_stages("gluon_dq", target.gluon_dq_default, target.gluon_dq_stages, spec, target,
+def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, tuning: dict,
+             default_dims: tuple[int, ...] | None = None) -> int | None:
+    """The Gluon dQ's K/V stages (KernelConfig.gluon_dq), or None (_backward_stages); by default
+    at the target's head dims, or at `default_dims` (the dropout plan's)."""
+    dims = target.gluon_dq_default if default_dims is None else default_dims
+    return _backward_stages("gluon_dq", dims, target.gluon_dq_stages, spec, target,
                             tiles, branches, lattice, query_order, tuning)
 
 

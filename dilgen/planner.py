@@ -110,9 +110,10 @@ LANES_CHOICES = ("auto", "all", "none")
 DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
                   "fused_dkdv": False, "curve_rows": False, "gluon_dkdv": False,
                   "gluon_lanes": False, "gluon_lanes_bwd": False, "gluon_dkdv_lanes": False}
-# ... and, unless a tuning asks, the `tl` dQ: the Gluon dQ draws its coins as the Gluon forward
-# does (common.gluon_coins), compiled for sm90 but not yet checked or timed on a GPU
-DROPOUT_DEFAULTS = {"gluon_dq": False}
+# ... and the Gluon dQ at head_dim 64 as well as 128 (its coins drawn as the Gluon forward's,
+# common.gluon_coins): fwd+bwd at p = 0.1 on one H200, A 11.17 -> 11.05 ms, C (head_dim 64)
+# 9.84 -> 9.30 (bench/results/backward_dropout-2026-11-29-h200-gluondq.json)
+DROPOUT_GLUON_DQ_DIMS = (64, 128)
 DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
 
@@ -133,7 +134,6 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
         tuning.update(DROPOUT_TUNING)
-        tuning = {**DROPOUT_DEFAULTS, **tuning}
         if spec.ring_size > 1:
             tuning.update(DROPOUT_RING_TUNING)
         elif spec.head_dim != 128:
@@ -152,11 +152,12 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     gluon = dict(
         gluon_fwd=gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
         gluon_dkdv=gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning),
-        gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
+        gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning,
+                          DROPOUT_GLUON_DQ_DIMS if dropout else None),
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
         gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
     gluon["gluon_dkdv_lanes"] = gluon_dkdv_lanes(spec, target, gluon["gluon_lanes_bwd"], tuning)
-    gluon["gluon_dkdv_prefetch"] = gluon_dkdv_prefetch(spec, gluon["gluon_dkdv"], tuning)
+    gluon["gluon_dkdv_prefetch"] = gluon_dkdv_prefetch(spec, tiles.tile_d, gluon["gluon_dkdv"], tuning)
     gluon["gluon_exp2"] = gluon_exp2(spec, target, tiles, gluon, tuning)
     tables = []
     for t in [query_order, *orders]:

@@ -76,13 +76,15 @@ def test_refused_by_name_where_it_cannot_run(over, tuning, why):
 
 @needs_gluon
 def test_the_lse_and_delta_prefetch_is_a_knob_refused_without_the_gluon_dkdv():
-    """gluon_dkdv_prefetch: on by default (the plan's key unchanged); false emits each block's
-    loads at its top; asked of a plan with no Gluon dK/dV, or as a non-bool, refused by name."""
+    """gluon_dkdv_prefetch: off by default at head_dim 128 (where holding two blocks' lse and
+    Delta spills), on at 64; false emits each block's loads at its top; asked of a plan with no
+    Gluon dK/dV, or as a non-bool, refused by name."""
     sm90 = get_target("sm90")
-    assert plan(_spec(), sm90).config.gluon_dkdv_prefetch
-    off = plan(_spec(), sm90, {"gluon_dkdv_prefetch": False})
-    assert not off.config.gluon_dkdv_prefetch and off.key() != plan(_spec(), sm90).key()
-    assert "lse_next" in codegen.emit(plan(_spec(), sm90)) and "lse_next" not in codegen.emit(off)
+    assert not plan(_spec(), sm90).config.gluon_dkdv_prefetch
+    assert plan(_spec(head_dim=64), sm90).config.gluon_dkdv_prefetch
+    on = plan(_spec(), sm90, {"gluon_dkdv_prefetch": True})
+    assert on.config.gluon_dkdv_prefetch and on.key() != plan(_spec(), sm90).key()
+    assert "lse_next" in codegen.emit(on) and "lse_next" not in codegen.emit(plan(_spec(), sm90))
     with pytest.raises(SpecError, match="gluon_dkdv_prefetch needs the Gluon dK/dV"):
         plan(_spec(), sm90, {"gluon_dkdv": False, "gluon_dkdv_prefetch": False})
     with pytest.raises(SpecError, match="gluon_dkdv_prefetch takes true or false"):
@@ -172,8 +174,8 @@ SMALL = dict(segment_lengths=[512, 1024, 2048])     # whole 128 x L tiles; a flo
 GPU_CASES = [
     # (id, spec fields, (B, N), tuning)
     ("a_like_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dq": True}),
-    ("a_like_gqa_no_prefetch", dict(SMALL, num_heads=8, num_kv_heads=2), (1, 2048),
-     {"gluon_dq": True, "gluon_dkdv_prefetch": False}),
+    ("a_like_gqa_prefetch", dict(SMALL, num_heads=8, num_kv_heads=2), (1, 2048),
+     {"gluon_dq": True, "gluon_dkdv_prefetch": True}),
     ("mha_fp16_stages3", dict(SMALL, num_heads=4, num_kv_heads=4, dtype="float16"), (1, 4096),
      {"gluon_dkdv": 3, "gluon_dq": 3}),
     ("head_base_mqa", dict(num_heads=4, num_kv_heads=1, head_base=4, segment_lengths=[512, 1024],

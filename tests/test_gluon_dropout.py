@@ -34,10 +34,15 @@ def _spec(name: str, **over) -> dilgen.Spec:
 
 
 @needs_gluon
-def test_the_dq_in_gluon_is_the_dropout_plans_where_a_tuning_asks():
+def test_the_dropout_plans_dq_is_gluon_at_head_dim_64_and_128_unless_a_tuning_declines():
+    """At head_dim 64 the plain plan keeps the `tl` dQ; the dropout plan takes the Gluon one,
+    which draws its coins in registers. Causal specs keep `tl` (and refuse it when asked)."""
     sm90 = get_target("sm90")
-    assert plan(_spec("gd"), sm90, {"dropout": True}).config.gluon_dq is None
-    assert plan(_spec("gd"), sm90, {"dropout": True, "gluon_dq": True}).config.gluon_dq == 4
+    for head_dim in (64, 128):
+        assert plan(_spec("gd", head_dim=head_dim), sm90, {"dropout": True}).config.gluon_dq == 4
+    assert plan(_spec("gd", head_dim=64), sm90).config.gluon_dq is None
+    assert plan(_spec("gd"), sm90, {"dropout": True, "gluon_dq": False}).config.gluon_dq is None
+    assert plan(_spec("gd", causal=True), sm90, {"dropout": True}).config.gluon_dq is None
     with pytest.raises(dilgen.SpecError, match="tuning gluon_dq cannot run here: causal"):
         plan(_spec("gd", causal=True), sm90, {"dropout": True, "gluon_dq": True})
 

@@ -66,22 +66,16 @@ def gb_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, D
         lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
             + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
         blocks = (W // R) // GLUON_LANES
-        lse_next = gl.load(Lse + lanes)
-        delta_next = gl.load(Delta + lanes)
         for j in range(blocks):
-            lse = lse_next * 1.4426950408889634
-            delta = delta_next
+            # this block's lse and Delta, in flight while the producer's stage is awaited
+            lse = gl.load(Lse + lanes + j * (GLUON_LANES * R)) * 1.4426950408889634
+            delta = gl.load(Delta + lanes + j * (GLUON_LANES * R))
             st = it % GLUON_BWD_STAGES
             mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)
             qj = q_smem.index(st).reshape([GLUON_LANES, 128])
             doj = do_smem.index(st).reshape([GLUON_LANES, 128])
             s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # the next block's lse and Delta (the last block's again at the end): in flight
-            # while this block's products run
-            after = gl.minimum(j + 1, blocks - 1) * (GLUON_LANES * R)
-            lse_next = gl.load(Lse + lanes + after)
-            delta_next = gl.load(Delta + lanes + after)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             pt = gl.exp2(s * 0.12751743082459868 - gl.expand_dims(lse, 0))
             dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
