@@ -193,14 +193,15 @@ def test_the_dropout_plan_reads_through_descriptors_where_they_pay(head_dim, rin
 
 
 def test_the_dropout_plan_runs_the_gluon_forward_where_one_device_can():
-    """sm90, non-causal, one device: the Gluon forward (common.gluon_dropout's coins); a ring's
-    windows and causal specs keep the `tl` kernels, and no Gluon backward runs."""
+    """sm90, non-causal, one device: the Gluon forward and dQ (common.gluon_coins); a ring's
+    windows and causal specs keep the `tl` kernels, and the dK/dV is the `tl` one."""
     spec = dict(name="drop_gluon", num_heads=8, head_dim=128, dtype="bfloat16", segment_lengths=[2048, 4096],
                 dilation_rates=[1, 2])
     config = plan(dilgen.Spec(**spec), SM90, {"dropout": True}).config
-    assert config.gluon_fwd == (128, 3) and not (config.gluon_dkdv or config.gluon_dq or config.gluon_lanes)
-    assert plan(dilgen.Spec(**spec, ring_size=2), SM90, {"dropout": True}).config.gluon_fwd is None
-    assert plan(dilgen.Spec(**spec, causal=True), SM90, {"dropout": True}).config.gluon_fwd is None
+    assert config.gluon_fwd == (128, 3) and config.gluon_dq == 4 and not (config.gluon_dkdv or config.gluon_lanes)
+    for other in (dict(ring_size=2), dict(causal=True)):
+        config = plan(dilgen.Spec(**spec, **other), SM90, {"dropout": True}).config
+        assert config.gluon_fwd is None and config.gluon_dq is None, other
 
 
 def test_dkdv_rows_first_is_the_dropout_plans_and_refused_elsewhere():
