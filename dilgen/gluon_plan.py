@@ -85,12 +85,14 @@ def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
 
 
 def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fused_dkdv: bool,
-                    tuning: dict) -> int | None:
+                    tuning: dict, dropout: bool = False) -> int | None:
     """The Gluon causal backward's stages (KernelConfig.gluon_lanes_bwd: the per-branch dK/dV,
-    every branch, and the lane dq), or None (_backward_stages, then the branches' tiles)."""
+    every branch, and the lane dq), or None (_backward_stages, then the branches' tiles). A
+    dropout plan's, causal or not, is its per-branch dK/dV only (templates/gluon_lanes_bwd.py.jinja)."""
     extra = "the backward runs the fused dK/dV kernel here" if fused_dkdv else None
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, target.gluon_lanes_bwd_stages,
-                              spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True)
+                              spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True,
+                              dropout=dropout)
     bad = [b for b in branches if not gluon_lane_branch(b.segment_length, b.dilation, 64)]
     if stages is not None and bad:
         if "gluon_lanes_bwd" in tuning:
@@ -162,7 +164,7 @@ def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_or
 
 def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, target: Target, tiles, branches,
                      lattice: int, query_order, tuning: dict, extra: str | None = None,
-                     lanes: bool = False) -> int | None:
+                     lanes: bool = False, dropout: bool = False) -> int | None:
     """A Gluon backward kernel's stages, or None: the target's default for the head_dim, or the
     tuning's `name` (true, false, or the stages). A tuning that asks for it where it cannot run
     (the reasons shared with the forward, `extra`, its own limits) is refused with the reason."""
@@ -171,8 +173,8 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
         return None
     stages = default_stages if want is True else want
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes) or extra
-           or _backward_refusal(name, tiles, target, branches, lattice, stages))
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes, noncausal_lanes=dropout) or extra
+           or _backward_refusal(name, tiles, target, branches, lattice, stages, dropout))
     if why is not None:
         if name in tuning:
             raise SpecError(f"{spec.name}: tuning {name} cannot run here: {why}")
@@ -181,13 +183,14 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 
 
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
-             forward_lanes: bool = False, lattice_only: bool = False) -> str | None:
+             forward_lanes: bool = False, lattice_only: bool = False, noncausal_lanes: bool = False) -> str | None:
     """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels
     (every branch r | w, unless `forward_lanes`); `forward_lanes`: for the forward lane kernel,
     which runs causal or not, takes the r | w branches beside `tl` ones, and needs no r = 1
     branch (its first launch writes "no branch" into the rows its branch does not keep);
     `lattice_only`: `branches` are the forward's lattice branches, which read no table even
-    when a Hilbert spec's lane branches do."""
+    when a Hilbert spec's lane branches do; `noncausal_lanes`: the lane backward of a dropout
+    plan, which runs non-causal specs too."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -197,7 +200,8 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
     checks = [
         (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
-        (lanes and not forward_lanes and not spec.causal, "the Gluon lane backward takes causal specs only"),
+        (lanes and not forward_lanes and not noncausal_lanes and not spec.causal,
+         "the Gluon lane backward takes causal specs only (and a dropout plan's dK/dV)"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
         (query_order is not None or (any(b.order is not None for b in branches) if lattice_only
                                      else spec.hilbert is not None), "Hilbert orders read through tables"),
@@ -231,12 +235,15 @@ def _forward_refusal(tiles, target: Target, branches, lattice: int, tile) -> str
     return None
 
 
-def _backward_refusal(name: str, tiles, target: Target, branches, lattice: int, stages) -> str | None:
+def _backward_refusal(name: str, tiles, target: Target, branches, lattice: int, stages,
+                      dropout: bool = False) -> str | None:
     """The dK/dV's and the dQ's own limits: two tiles of 64 rows held (K, V or Q, dO), a ring
-    of stages of two 64-row blocks, 64-row blocks of every branch's lanes."""
+    of stages of two 64-row blocks, 64-row blocks of every branch's lanes; a dropout plan's
+    lane dK/dV also holds each consumer's (P Z)^T and dS^T (64 x 64)."""
     if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= 8:
         return f"{name} takes true, false or the stages 2 to 8 (asked: {stages!r})"
     smem = (2 * 2 + 2 * stages) * 64 * tiles.tile_d * tiles.itemsize + 1024    # held tiles; the ring; barriers
+    smem += 4 * 64 * 64 * tiles.itemsize if dropout else 0
     if smem > target.smem_bytes:
         return (f"{stages} stages at head_dim {tiles.tile_d} need {smem} bytes of shared memory, "
                 f"{target.name} has {target.smem_bytes}: fewer stages")

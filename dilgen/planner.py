@@ -114,6 +114,11 @@ DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
 # common.gluon_coins): fwd+bwd at p = 0.1 on one H200, A 11.17 -> 11.05 ms, C (head_dim 64)
 # 9.84 -> 9.30 (bench/results/backward_dropout-2026-11-29-h200-gluondq.json)
 DROPOUT_GLUON_DQ_DIMS = (64, 128)
+# ... and where a tuning asks ({"dropout": true, "gluon_dkdv_lanes": true or its stages}), the
+# per-branch dK/dV in Gluon, causal or not: its blocks hold queries along rows, so its coins
+# are drawn in registers as the forward's (templates/gluon_lanes_bwd.py.jinja). Compiled for
+# sm90, not yet run on a GPU; 3 stages leave room for its (P Z)^T and dS^T tiles
+DROPOUT_LANE_DKDV_STAGES = 3
 DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
 
@@ -133,7 +138,11 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         refusal = _dropout_refusal(spec)
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
+        lane_dkdv = tuning.get("gluon_dkdv_lanes")
         tuning.update(DROPOUT_TUNING)
+        if lane_dkdv:       # asked: the per-branch dK/dV in Gluon, its coins the forward's
+            tuning.update(gluon_lanes_bwd=lane_dkdv if isinstance(lane_dkdv, int) and lane_dkdv is not True
+                          else DROPOUT_LANE_DKDV_STAGES, gluon_dkdv_lanes=True)
         if spec.ring_size > 1:
             tuning.update(DROPOUT_RING_TUNING)
         elif spec.head_dim != 128:
@@ -155,7 +164,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_dq=gluon_dq(spec, target, tiles, branches, lanes.lattice, query_order, tuning,
                           DROPOUT_GLUON_DQ_DIMS if dropout else None),
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
-        gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning))
+        gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning, dropout))
     gluon["gluon_dkdv_lanes"] = gluon_dkdv_lanes(spec, target, gluon["gluon_lanes_bwd"], tuning)
     gluon["gluon_dkdv_prefetch"] = gluon_dkdv_prefetch(spec, tiles.tile_d, gluon["gluon_dkdv"], tuning)
     gluon["gluon_exp2"] = gluon_exp2(spec, target, tiles, gluon, tuning)

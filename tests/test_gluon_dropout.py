@@ -1,6 +1,6 @@
-"""Attention dropout in sm90's Gluon kernels (issue 60): the dropout plan's forward and, where a
-tuning asks, its dQ draw the mask's coins in the wgmma accumulator's registers
-(common.gluon_coins). On the CPU: the plan, and the kernels compiled for sm90 (Triton 3.6, no
+"""Attention dropout in sm90's Gluon kernels (issue 60): the dropout plan's forward, its dQ and,
+where a tuning asks, its per-branch dK/dV draw the mask's coins in the wgmma accumulator's
+registers (common.gluon_coins). On the CPU: the plan, and the kernels compiled for sm90 (Triton 3.6, no
 GPU), whose coin layout conversions move no data (assert_trivial) and whose PTX has Philox's
 rounds. On an sm90 GPU: out, lse and every gradient against the float64 reference under the
 same mask, on fresh random inputs."""
@@ -48,6 +48,57 @@ def test_the_dropout_plans_dq_is_gluon_at_head_dim_64_and_128_unless_a_tuning_de
 
 
 @needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_dropout_plans_lane_dkdv_is_gluon_where_a_tuning_asks(causal):
+    """{"gluon_dkdv_lanes": true} gives the dropout plan the Gluon per-branch dK/dV at 3 stages
+    (its (P Z)^T and dS^T tiles need the room), causal or not; the plan's dq stays the fused one
+    (no lane dq in the module); off by default; refused by name where it cannot run."""
+    sm90 = get_target("sm90")
+    spec = _spec("gdl", causal=causal)
+    assert not plan(spec, sm90, {"dropout": True}).config.gluon_dkdv_lanes
+    config = plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}).config
+    assert config.gluon_dkdv_lanes and config.gluon_lanes_bwd == 3
+    assert plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 2}).config.gluon_lanes_bwd == 2
+    text = codegen.emit(plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}))
+    assert "gluon_dkdv_lanes=gdl_gluon_dkdv_lanes" in text and "gluon_dq_lanes" not in text
+    assert "def gdl_gluon_dkdv_lanes_drop_block(" in text and "_keep64(" in text
+    with pytest.raises(dilgen.SpecError, match="gluon_lanes_bwd cannot run here: a ring"):
+        plan(_spec("gdl", causal=causal, ring_size=2), sm90, {"dropout": True, "gluon_dkdv_lanes": True})
+    with pytest.raises(dilgen.SpecError, match="8 stages at head_dim 128 need"):
+        plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 8})
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (64, True)])
+def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_dim, causal):
+    """Under both CI Tritons: the queries-along-rows blocks with the forward's coins compile for
+    sm90; each consumer's (P Z)^T and dS^T are stored, fenced and barriered before the wgmma
+    that reads them (a 128-thread named barrier: the warpgroup's)."""
+    import importlib.util
+    import re
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    spec = _spec(f"gdl_{head_dim}_{int(causal)}", head_dim=head_dim, causal=causal)
+    path = tmp_path / f"{spec.name}.py"
+    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dkdv_lanes": True})))
+    loader = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(mod)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)
+    desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
+    sig = {**{x: desc for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
+           "DK": "*bf16", "DV": "*bf16", "N": "i32",
+           **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "BI")}, **DROP_ARGS}
+    kernel = triton.compile(GluonASTSource(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
+                                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "BI": 1}),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
+    assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
+
+
+@needs_gluon
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_dropout_dq_compiles_for_sm90_without_a_gpu(tmp_path, head_dim):
     """Under both CI Tritons (the GPU machines' 3.6 and pip's 3.9): the coins' joins and reshape
@@ -84,10 +135,12 @@ def test_the_launch_models_dropout_kernels_specialize_as_the_runtimes(cache_dir)
     from dilgen.aot.launch_model import predicted_launches
     from dilgen.compiler import build
     from dilgen.runtime.dropout_call import dropout_args
-    from dilgen.runtime.gluon_launch import OPTIONS, gluon_args, gluon_dq_args
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_args, gluon_dkdv_lanes_args, gluon_dq_args
     spec = _spec("gd_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
-    attn = build(spec, get_target("sm90"), {"dropout": True, "gluon_dq": True}).module.attention
-    models = {x.role: x for x in predicted_launches(attn, 1024) if x.role in ("gluon_forward", "gluon_dq")}
+    attn = build(spec, get_target("sm90"), {"dropout": True, "gluon_dq": True,
+                                            "gluon_dkdv_lanes": True}).module.attention
+    launches = predicted_launches(attn, 1024)
+    models = {x.role: x for x in launches if x.role in ("gluon_forward", "gluon_dq")}
     assert set(models) == {"gluon_forward", "gluon_dq"}
     q = torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16)
     k, v = torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16), torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16)
@@ -99,6 +152,50 @@ def test_the_launch_models_dropout_kernels_specialize_as_the_runtimes(cache_dir)
         for p, pos0 in ((0.1, 3), (0.25, 0)):   # cuts 6554 and 16384: one divides by 16
             seed, cut, scale, n, _, streams = dropout_args(attn, q, p, 7)
             assert specialize(fn, backend, (*args, seed, cut, scale, n, pos0, streams), OPTIONS).desc == want, role
+    lanes = [x for x in launches if x.role == "gluon_dkdv_lanes"]     # one per branch, the first writing
+    assert len(lanes) == 2
+    for model, br, accumulate in zip(lanes, attn.plan["branches"], (False, True)):
+        want = specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc
+        seed, cut, scale, n, _, streams = dropout_args(attn, q, 0.1, 7)
+        args = gluon_dkdv_lanes_args(attn.plan, q, k, v, q, f32, f32, k, v, 2, 1024, br, accumulate,
+                                     (seed, cut, scale, n, 3, streams))
+        assert specialize(attn.gluon_dkdv_lanes_fn, backend, args, OPTIONS).desc == want, br["index"]
+
+
+@on_sm90
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (64, False), (128, True)])
+def test_gluon_dropout_lane_dkdv_matches_the_float64_reference_on_sm90(head_dim, causal, monkeypatch):
+    """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}) under the same mask as the float64
+    reference: every branch's launch taken, every gradient exact."""
+    from dilgen.reference import differentiable_reference
+    from dilgen.runtime import backward
+    from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
+    from dilgen.runtime.registry import twin
+    spec = _spec(f"gdl_{head_dim}_{int(causal)}", head_dim=head_dim, causal=causal, **SMALL)
+    taken = []
+
+    def spy(*args, real=backward.gluon_dkdv_lanes_launch):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(backward, "gluon_dkdv_lanes_launch", spy)
+    gen = torch.Generator().manual_seed(head_dim + causal)
+    q, k, v = (torch.randn(1, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
+               for h in (8, 2, 2))
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    drop = twin(attn, q.device, tuning={"dropout": True, "gluon_dkdv_lanes": True})
+    p, seed = 0.2, 70 + head_dim
+    out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
+    (out * grad).sum().backward()       # dK and dV poisoned first (conftest): an unwritten key fails
+    assert taken == [True] * 3, taken
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
+    (ref_out * grad.double().cpu()).sum().backward()
+    tol = TOL["bfloat16"]
+    assert rel_error(out, ref_out) < tol
+    for mine, ref in zip((q, k, v), ref_in):
+        assert torch.isfinite(mine.grad).all() and rel_error(mine.grad, ref.grad) < 2 * tol
 
 
 @on_sm90

@@ -50,7 +50,7 @@ def _gluon_args(plan: dict, role: str, N: int, base: dict) -> tuple:
 
 
 def _dropout_values(plan: dict, ctx: dict) -> tuple:
-    """A dropout plan's trailing arguments of the Gluon forward and dQ (its `tl` kernels name theirs)."""
+    """A dropout plan's trailing arguments of the Gluon forward, dQ and lane dK/dV (its `tl` kernels name theirs)."""
     names = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")
     return tuple(_param_value(n, ctx) for n in names) if plan.get("dropout") else ()
 
@@ -182,7 +182,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                                           opts))
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
-                out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N))
+                out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N, base))
         elif role == "preprocess":
             for has_dlse in (True, False):
                 add(role, fn, opts, HAS_DLSE=has_dlse)
@@ -241,7 +241,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     return out
 
 
-def _gluon_lanes_bwd_args(plan: dict, role: str, N: int) -> list[tuple]:
+def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tuple]:
     """The Gluon causal backward's launches at length N (batch 1), as runtime/backward.py makes
     them: per branch for dK/dV (the first writes where Plan.dkdv_first_writes is on; such a
     first launch that must zero keys no head keeps, r > group, is the `tl` kernel's), per lane
@@ -258,7 +258,7 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int) -> list[tuple]:
             first = n == 0 and writes
             if not (first and br["r"] > group):
                 out.append(gluon_dkdv_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, mock, 1, N, br,
-                                                 not first))
+                                                 not first, _dropout_values(plan, base)))
     elif role == "gluon_dq_lanes":
         fused_q = any(not br["lanes"] for br in plan["branches"])
         for n, i in enumerate(lane_order(plan)):

@@ -224,8 +224,8 @@ class _Launches:
         for br in per_branch:
             w, r = br["w"], br["r"]
             gluon = None if (self.interpret or at.varlen) else gluon_dkdv_lanes_launch(
-                self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear)
-            if gluon is not None:   # the same work in Gluon (sm90, causal)
+                self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, self.dropout)
+            if gluon is not None:   # the same work in Gluon (sm90: causal, or a dropout plan's)
                 self._run(*gluon)
                 accumulate, clear = True, False
                 continue

@@ -76,10 +76,11 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
 
 
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
-                            accumulate: bool, clear: bool):
+                            accumulate: bool, clear: bool, dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon causal dK/dV of branch `br`, or None when the
     call takes the `tl` per-branch kernel (_takes; a first launch that must also zero the keys
-    no head of a kv group keeps, r > group): program ((s*NO + g0)*J + jt, b*H_kv + kvh)."""
+    no head of a kv group keeps, r > group): program ((s*NO + g0)*J + jt, b*H_kv + kvh);
+    `dropout` as gluon_launch's (a dropout plan's dK/dV, causal or not)."""
     plan = attn.plan
     group = plan["num_heads"] // plan["num_kv_heads"]
     if (not plan["config"].get("gluon_dkdv_lanes") or (clear and br["r"] > group)
@@ -87,7 +88,8 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
-            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate), OPTIONS)
+            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, dropout),
+            OPTIONS)
 
 
 def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool):
@@ -163,14 +165,15 @@ def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, ac
 
 
 def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
-                          accumulate: bool) -> tuple:
+                          accumulate: bool, dropout: tuple = ()) -> tuple:
     """The causal dK/dV's arguments for branch `br`: q's and dO's descriptors through its
     (B*N/r, r*H, D) view, k's and v's through (B*N/r, r*H_kv, D) (64-row boxes), lse, Delta, dk,
-    dv, N; the constexprs w, r, NO = min(group, r) and ACCUMULATE."""
+    dv, N; the constexprs w, r, NO = min(group, r) and ACCUMULATE; with `dropout` (a dropout
+    plan's arguments), the branch's index (a constexpr) and them."""
     box, w, r = _boxes(plan, B, N), br["w"], br["r"]
     group = plan["num_heads"] // plan["num_kv_heads"]
     return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv, N,
-            w, r, min(group, r), bool(accumulate))
+            w, r, min(group, r), bool(accumulate), *((br["index"], *dropout) if dropout else ()))
 
 
 def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict,
