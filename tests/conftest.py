@@ -135,6 +135,41 @@ def device():
 TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 
 
+def _on_sm90() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _gluon() -> bool:
+    from dilgen.gluon_plan import gluon_available
+    return gluon_available()
+
+
+# The Gluon kernels' tests: compiled for sm90 wherever this Triton has Gluon's Hopper API (no GPU
+# needed), launched on an sm90 GPU only
+needs_gluon = pytest.mark.skipif(not _gluon(), reason="this Triton has no Gluon Hopper API")
+on_sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
+
+
+def load_emitted(path, text: str):
+    """The generated module `text`, written to `path` (a .py file) and imported."""
+    import importlib.util
+    path.write_text(text)
+    loader = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def compile_sm90(fn, signature: dict, constants: dict | None = None, **options):
+    """A @gluon.jit kernel compiled for sm90 (no GPU needed), with the Gluon launches' options."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    return triton.compile(GluonASTSource(fn, signature, constants or {}), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": 168, **options})
+
+
 def rel_error(a, b) -> float:
     """||a - b|| / ||b|| in float64 on the CPU."""
     b = b.detach().double().cpu()

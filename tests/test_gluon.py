@@ -15,15 +15,15 @@ import triton
 
 import dilgen
 from dilgen import codegen
-from dilgen.gluon_plan import gluon_available
 from dilgen.planner import plan
 from dilgen.runtime import replay
 from dilgen.spec import SpecError
 from dilgen.targets import get_target
 
+from conftest import needs_gluon, on_sm90
+
 GOLDEN = Path(__file__).parent / "golden" / "gluon_fwd_sm90.py"
 MARK = "# ---- sm90: the same forward in Gluon"
-needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
 
 
 def _spec(**over):
@@ -306,8 +306,6 @@ def test_build_compiles_the_gluon_forward_and_the_runtime_finds_it(cache_dir, mo
 
 
 # -- on an sm90 GPU: the Gluon forward beside lane launches, float64 out, lse and gradients --
-on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
 SMALL = dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048])
 BESIDE_LANES = [
     # (id, spec fields, (B, N)): the Gluon forward's rows, then the lane launches adding into them

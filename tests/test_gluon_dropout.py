@@ -1,6 +1,6 @@
-"""Attention dropout in sm90's Gluon kernels (issue 60): the dropout plan's forward, its dQ and,
-where a tuning asks, its per-branch dK/dV draw the mask's coins in the wgmma accumulator's
-registers (common.gluon_coins). On the CPU: the plan, and the kernels compiled for sm90 (Triton 3.6, no
+"""Attention dropout in sm90's Gluon kernels (issue 60): the dropout plan's forward, its dQ
+and, where a tuning asks, its per-branch dK/dV draw the mask's coins in the wgmma accumulator's
+registers (common.gluon_coins). On the CPU: the plan, and the kernels compiled for sm90 (no
 GPU), whose coin layout conversions move no data (assert_trivial) and whose PTX has Philox's
 rounds. On an sm90 GPU: out, lse and every gradient against the float64 reference under the
 same mask, on fresh random inputs."""
@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 import dilgen
 from dilgen import codegen
-from dilgen.gluon_plan import gluon_available
 from dilgen.planner import plan
 from dilgen.targets import get_target
 
-from conftest import TOL, rel_error
+from conftest import TOL, compile_sm90, load_emitted, needs_gluon, on_sm90, rel_error
 
-needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
-on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
 SMALL = dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048], dilation_rates=[1, 2, 4])
 DROP_ARGS = dict(seed_ptr="*i64", drop_cut="i32", drop_scale="fp32", drop_n="i32", drop_pos0="i32",
                  drop_streams="*i64")
@@ -74,25 +69,18 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     """Under both CI Tritons: the queries-along-rows blocks with the forward's coins compile for
     sm90; each consumer's (P Z)^T and dS^T are stored, fenced and barriered before the wgmma
     that reads them (a 128-thread named barrier: the warpgroup's)."""
-    import importlib.util
     import re
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     spec = _spec(f"gdl_{head_dim}_{int(causal)}", head_dim=head_dim, causal=causal)
-    path = tmp_path / f"{spec.name}.py"
-    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dkdv_lanes": True})))
-    loader = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(mod)
+    mod = load_emitted(tmp_path / f"{spec.name}.py",
+                       codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dkdv_lanes": True})))
     layout = gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)
     desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
     sig = {**{x: desc for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
            "DK": "*bf16", "DV": "*bf16", "N": "i32",
            **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "BI")}, **DROP_ARGS}
-    kernel = triton.compile(GluonASTSource(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
-                                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "BI": 1}),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
+                          {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "BI": 1})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
@@ -103,22 +91,15 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
 def test_the_dropout_dq_compiles_for_sm90_without_a_gpu(tmp_path, head_dim):
     """Under both CI Tritons (the GPU machines' 3.6 and pip's 3.9): the coins' joins and reshape
     move no data (the template's assert_trivial), and the PTX has Philox's rounds."""
-    import importlib.util
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     spec = _spec(f"gd_{head_dim}", head_dim=head_dim)
-    path = tmp_path / f"{spec.name}.py"
-    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dq": True})))
-    loader = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(mod)
+    mod = load_emitted(tmp_path / f"{spec.name}.py",
+                       codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dq": True})))
     layout = gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)
     desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
     sig = {"q_desc": desc, "do_desc": desc, **{f"{x}{i}": desc for x in "kv" for i in range(3)},
            "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", "N": "i32", **DROP_ARGS}
-    kernel = triton.compile(GluonASTSource(getattr(mod, f"{spec.name}_gluon_dq"), sig, {}),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dq"), sig)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
 

@@ -16,20 +16,16 @@ import triton
 
 import dilgen
 from dilgen import codegen
-from dilgen.gluon_plan import gluon_available
 from dilgen.planner import plan
 from dilgen.spec import SpecError
 from dilgen.targets import get_target
 
-from conftest import check_against_reference
+from conftest import check_against_reference, needs_gluon, on_sm90
 
 GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"           # the lanes
 GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # to the end: dK/dV and dq
 MARK = "# ---- sm90: the lane branches in Gluon"
 MARK_BWD = "# ---- sm90: the causal dK, dV and dQ per branch in Gluon"
-needs_gluon = pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon Hopper API")
-on_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                             reason="needs an sm90 GPU (the Gluon kernel runs on Hopper only)")
 
 
 def _spec(**over):
