@@ -88,10 +88,22 @@ def stream(heads: int, n_branches: int, h, branch):
 
 def draws(seed: int, stream_, q, lane) -> torch.Tensor:
     """The 16-bit draws (int64) of query positions q and key lanes `lane` (broadcast tensors)
-    in counter stream `stream_`."""
+    in counter stream `stream_`: lane 32 a + 8 k + 2 c + half is half `half` of word k of the
+    call (4 a + c, q, stream_, 0)."""
+    q = torch.as_tensor(q, dtype=torch.int64)
     lane = torch.as_tensor(lane, dtype=torch.int64)
-    if (torch.as_tensor(q) >= 1 << 32).any():
+    stream_ = torch.as_tensor(stream_, dtype=torch.int64)
+    if (q >= 1 << 32).any():
         raise ValueError("dropout: a query position passes 2^32 (one 32-bit counter word)")
+    if lane.dim() and all(s == 1 for s in lane.shape[:-1]) and all(t.dim() == 0 or t.shape[-1] == 1
+                                                                   for t in (q, stream_)):
+        # lanes along the last axis only (a branch's keys repeat their lanes in every segment):
+        # one call per query and group of the distinct lanes, then each lane's half word
+        lanes, where = torch.unique(lane.reshape(-1), return_inverse=True)
+        groups, call = torch.unique(4 * (lanes // SPAN) + (lanes % GROUP) // 2, return_inverse=True)
+        words = torch.stack(philox(seed, groups, q, stream_, 0), -1)      # [..., group, word]
+        half = words[..., call, (lanes % SPAN) // GROUP] >> (BITS * (lanes % 2))
+        return (half & (_ONE - 1))[..., where].broadcast_to(torch.broadcast_shapes(q.shape, lane.shape, stream_.shape))
     a, within = lane // SPAN, lane % SPAN
     k, c, half = within // GROUP, (within % GROUP) // 2, within % 2
     words = torch.stack(torch.broadcast_tensors(*philox(seed, 4 * a + c, q, stream_, 0)))

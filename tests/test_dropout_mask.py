@@ -60,6 +60,12 @@ def test_a_group_of_8_lanes_reads_the_8_halves_of_one_call_and_the_kept_fraction
     assert dropout.keep(7, 0.0, 3, q, lane).all()
     assert not torch.equal(dropout.keep(7, 0.5, 3, q, lane), dropout.keep(8, 0.5, 3, q, lane))  # the seed matters
     assert not torch.equal(dropout.keep(7, 0.5, 3, q, lane), dropout.keep(7, 0.5, 4, q, lane))  # and the stream
+    # lanes along the last axis alone take draws' shortcut (one call per query and group of the
+    # distinct lanes); lanes spread over every axis take the call per entry: the same draws
+    q, stream = torch.arange(2)[:, None, None] * 64 + torch.arange(24)[:, None], torch.arange(3)[:, None, None, None]
+    lane = torch.tensor([5, 700, 3, 5, 64, 95, 700, 0, 31, 200])
+    full = lane.expand(3, 2, 24, lane.numel())
+    assert torch.equal(dropout.draws(11, stream, q, lane), dropout.draws(11, stream, q, full))
 
 
 def test_the_drawn_probability_is_within_2_to_the_minus_17_and_the_scale_undoes_it_exactly():
