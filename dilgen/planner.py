@@ -116,8 +116,11 @@ DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
 DROPOUT_GLUON_DQ_DIMS = (64, 128)
 # ... and where a tuning asks ({"dropout": true, "gluon_dkdv_lanes": true or its stages}), the
 # per-branch dK/dV in Gluon, causal or not: its blocks hold queries along rows, so its coins
-# are drawn in registers as the forward's (templates/gluon_lanes_bwd.py.jinja). Compiled for
-# sm90, not yet run on a GPU; 3 stages leave room for its (P Z)^T and dS^T tiles
+# are drawn in registers as the forward's (templates/gluon_lanes_bwd.py.jinja); 3 stages leave
+# room for its (P Z)^T and dS^T tiles. {"dropout": true, "lanes": "auto"} runs the branches as
+# lanes where the plain plan does (a causal spec's), in the `tl` lane kernels, and
+# {"dropout": true, "gluon_lanes": true} each lane kernel in Gluon (forward, dq, dK/dV) with
+# the same coins. The Gluon ones compiled for sm90, not yet run on a GPU
 DROPOUT_LANE_DKDV_STAGES = 3
 DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
@@ -138,8 +141,13 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         refusal = _dropout_refusal(spec)
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
-        lane_dkdv = tuning.get("gluon_dkdv_lanes")
+        lanes, lane_fwd, lane_dkdv = (tuning.get(x) for x in ("lanes", "gluon_lanes", "gluon_dkdv_lanes"))
         tuning.update(DROPOUT_TUNING)
+        if lanes or lane_fwd:       # asked: the branches as lanes where the plan would run them so
+            tuning["lanes"] = lanes or "auto"
+        if lane_fwd:                # ... and each lane kernel in Gluon
+            tuning["gluon_lanes"] = lane_fwd
+            lane_dkdv = lane_dkdv or True
         if lane_dkdv:       # asked: the per-branch dK/dV in Gluon, its coins the forward's
             tuning.update(gluon_lanes_bwd=lane_dkdv if isinstance(lane_dkdv, int) and lane_dkdv is not True
                           else DROPOUT_LANE_DKDV_STAGES, gluon_dkdv_lanes=True)

@@ -107,6 +107,22 @@ def test_key_blocks_of_32_and_64_lanes_draw_the_reference_mask(name, block_n, de
     _out_and_grads_equal_the_reference(spec, q, k, v, out, p, seed)
 
 
+@pytest.mark.parametrize("name", ["causal_gqa_r3", "causal_mqa_one_branch"])
+def test_a_causal_plans_lane_kernels_draw_the_reference_mask(name):
+    """{"dropout": true, "lanes": "all"}: every branch in its own lane launch (as a causal plan's
+    Gluon lane kernels run it on sm90, {"gluon_lanes": true}), the `tl` lane forward, dq and
+    dK/dV drawing the reference's coins."""
+    from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
+    from dilgen.runtime.registry import twin
+    spec = _spec(f"lanes_{name}", **CASES[name])
+    q, k, v = _inputs(spec, 2, 64, name)
+    attn = dilgen.compile(spec).compiled_for(q.device).attention
+    drop = twin(attn, q.device, tuning={"dropout": True, "lanes": "all"})
+    assert all(br["lanes"] for br in drop.plan["branches"])
+    out, _ = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, 0.3, 99), None)
+    _out_and_grads_equal_the_reference(spec, q, k, v, out, 0.3, 99)
+
+
 def test_bfloat16_and_a_high_drop_rate():
     _check(_spec("bf16", "bfloat16", **CASES["causal_gqa_r3"]), 1, 64, 0.6, 77, "bf16")
 

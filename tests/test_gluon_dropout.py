@@ -47,7 +47,7 @@ def test_the_dropout_plans_dq_is_gluon_at_head_dim_64_and_128_unless_a_tuning_de
 def test_the_dropout_plans_lane_dkdv_is_gluon_where_a_tuning_asks(causal):
     """{"gluon_dkdv_lanes": true} gives the dropout plan the Gluon per-branch dK/dV at 3 stages
     (its (P Z)^T and dS^T tiles need the room), causal or not; the plan's dq stays the fused one
-    (no lane dq in the module); off by default; refused by name where it cannot run."""
+    (no lane branch); off by default; refused by name where it cannot run."""
     sm90 = get_target("sm90")
     spec = _spec("gdl", causal=causal)
     assert not plan(spec, sm90, {"dropout": True}).config.gluon_dkdv_lanes
@@ -55,12 +55,28 @@ def test_the_dropout_plans_lane_dkdv_is_gluon_where_a_tuning_asks(causal):
     assert config.gluon_dkdv_lanes and config.gluon_lanes_bwd == 3
     assert plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 2}).config.gluon_lanes_bwd == 2
     text = codegen.emit(plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}))
-    assert "gluon_dkdv_lanes=gdl_gluon_dkdv_lanes" in text and "gluon_dq_lanes" not in text
+    assert "gluon_dkdv_lanes=gdl_gluon_dkdv_lanes" in text
     assert "def gdl_gluon_dkdv_lanes_drop_block(" in text and "_keep64(" in text
     with pytest.raises(dilgen.SpecError, match="gluon_lanes_bwd cannot run here: a ring"):
         plan(_spec("gdl", causal=causal, ring_size=2), sm90, {"dropout": True, "gluon_dkdv_lanes": True})
     with pytest.raises(dilgen.SpecError, match="8 stages at head_dim 128 need"):
         plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 8})
+
+
+@needs_gluon
+def test_the_dropout_plans_lanes_are_gluon_where_a_tuning_asks():
+    """{"gluon_lanes": true}: a causal spec's branches as lanes (as its plain plan runs them),
+    the forward, dq and dK/dV each a Gluon lane kernel with the forward's coins; a non-causal
+    spec, whose branches are lattice branches, refused by name."""
+    sm90 = get_target("sm90")
+    p = plan(_spec("gdf", causal=True), sm90, {"dropout": True, "gluon_lanes": True})
+    assert all(b.lanes for b in p.branches) and p.config.gluon_lanes == (128, 3)
+    assert p.config.gluon_lanes_bwd == 3 and p.config.gluon_dkdv_lanes and p.config.gluon_dq is None
+    text = codegen.emit(p)
+    for role in ("gluon_lanes", "gluon_dkdv_lanes", "gluon_dq_lanes"):
+        assert f"{role}=gdf_{role}" in text
+    with pytest.raises(dilgen.SpecError, match="gluon_lanes cannot run here: the plan has no lane branch"):
+        plan(_spec("gdf"), sm90, {"dropout": True, "gluon_lanes": True})
 
 
 @needs_gluon
@@ -84,6 +100,28 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
+
+
+@needs_gluon
+def test_the_dropout_lane_forward_and_dq_compile_for_sm90_without_a_gpu(tmp_path):
+    """Under both CI Tritons: the causal lane forward and dq with the forward's coins (their
+    conversions trivial, the template's assert_trivial)."""
+    from triton.experimental.gluon import language as gl
+    spec = _spec("gdf_c", causal=True)
+    p = plan(spec, get_target("sm90"), {"dropout": True, "gluon_lanes": True})
+    mod = load_emitted(tmp_path / f"{spec.name}.py", codegen.emit(p))
+
+    def desc(rows: int) -> str:
+        return f"tensordesc<bf16[{rows}, 1, 128],{gl.NVMMASharedLayout.get_default_for([rows, 1, 128], gl.bfloat16)!r}>"
+    keys = p.config.gluon_lanes[0]
+    lanes = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "Out": "*bf16",
+             "Lse": "*fp32", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
+    dq = {**{x: desc(64) for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
+          "DQ": "*bf16", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "BI")}, **DROP_ARGS}
+    for role, sig, consts in (("lanes", lanes, {"CLEAR": False}), ("dq_lanes", dq, {})):
+        kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_{role}"), sig,
+                              {"W": 4096, "R": 2, "ACCUMULATE": True, "BI": 1, **consts})
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and "-845247145" in kernel.asm["ptx"], role
 
 
 @needs_gluon
@@ -143,33 +181,73 @@ def test_the_launch_models_dropout_kernels_specialize_as_the_runtimes(cache_dir)
         assert specialize(attn.gluon_dkdv_lanes_fn, backend, args, OPTIONS).desc == want, br["index"]
 
 
+@needs_gluon
+def test_the_launch_models_dropout_lane_kernels_specialize_as_the_runtimes(cache_dir):
+    """A causal dropout plan's Gluon lane kernels ({"gluon_lanes": true}): the launch model's
+    arguments and a call's (the branch's index a constexpr, then dropout_args) give one
+    specialization per launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    from dilgen.runtime.dropout_call import dropout_args
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_lanes_args, gluon_dq_lanes_args, gluon_lanes_args
+    spec = _spec("gdf_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2,
+                 causal=True)
+    attn = build(spec, get_target("sm90"), {"dropout": True, "gluon_lanes": True}).module.attention
+    q = torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16), torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16)
+    f32, backend, plan_ = torch.empty(2, 4, 1024), make_backend(GPUTarget("cuda", 90, 32)), attn.plan
+    seed, cut, scale, n, _, streams = dropout_args(attn, q, 0.1, 7)
+    drop = (seed, cut, scale, n, 5, streams)
+    calls = {"gluon_lanes": (attn.gluon_lanes_fn, lambda br, acc: gluon_lanes_args(
+                 plan_, q, k, v, q, f32, 2, 1024, br, acc, False, drop)),
+             "gluon_dq_lanes": (attn.gluon_dq_lanes_fn, lambda br, acc: gluon_dq_lanes_args(
+                 plan_, q, k, v, q, f32, f32, q, 2, 1024, br, acc, drop)),
+             "gluon_dkdv_lanes": (attn.gluon_dkdv_lanes_fn, lambda br, acc: gluon_dkdv_lanes_args(
+                 plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, acc, drop))}
+    models = [x for x in predicted_launches(attn, 1024) if x.role in calls]
+    assert sorted({x.role for x in models}) == sorted(calls)
+    for role, (fn, args) in calls.items():
+        launches = [x for x in models if x.role == role]
+        assert len(launches) == 2, role                  # one per branch, the first writing
+        for model, br, accumulate in zip(launches, plan_["branches"], (False, True)):
+            want = specialize(fn, backend, model.args, model.launch_opts).desc
+            assert specialize(fn, backend, args(br, accumulate), OPTIONS).desc == want, (role, br["index"])
+
+
 @on_sm90
-@pytest.mark.parametrize("head_dim, causal", [(128, False), (64, False), (128, True)])
-def test_gluon_dropout_lane_dkdv_matches_the_float64_reference_on_sm90(head_dim, causal, monkeypatch):
-    """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}) under the same mask as the float64
-    reference: every branch's launch taken, every gradient exact."""
+@pytest.mark.parametrize("head_dim, causal, knob", [(128, False, "gluon_dkdv_lanes"), (64, False, "gluon_dkdv_lanes"),
+                                                    (128, True, "gluon_dkdv_lanes"), (128, True, "gluon_lanes")])
+def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim, causal, knob, monkeypatch):
+    """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), and a causal spec's lane
+    forward, dq and dK/dV ({"gluon_lanes": true}), under the same mask as the float64
+    reference: every branch's launch of them taken, out and every gradient exact."""
     from dilgen.reference import differentiable_reference
-    from dilgen.runtime import backward
+    from dilgen.runtime import backward, forward
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
     from dilgen.runtime.registry import twin
-    spec = _spec(f"gdl_{head_dim}_{int(causal)}", head_dim=head_dim, causal=causal, **SMALL)
-    taken = []
-
-    def spy(*args, real=backward.gluon_dkdv_lanes_launch):
-        got = real(*args)
-        taken.append(got is not None)
-        return got
-    monkeypatch.setattr(backward, "gluon_dkdv_lanes_launch", spy)
+    spec = _spec(f"gdl_{head_dim}_{int(causal)}_{knob}", head_dim=head_dim, causal=causal, **SMALL)
+    taken = {}
+    spied = [(backward, "gluon_dkdv_lanes_launch")] + ([(forward, "gluon_lanes_launch"),
+                                                        (backward, "gluon_dq_lanes_launch")] if knob == "gluon_lanes" else [])
+    for module, name in spied:
+        def spy(*args, real=getattr(module, name), name=name):
+            got = real(*args)
+            taken.setdefault(name, []).append(got is not None)
+            return got
+        monkeypatch.setattr(module, name, spy)
     gen = torch.Generator().manual_seed(head_dim + causal)
     q, k, v = (torch.randn(1, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
                for h in (8, 2, 2))
     attn = dilgen.compile(spec).compiled_for(q.device).attention
-    drop = twin(attn, q.device, tuning={"dropout": True, "gluon_dkdv_lanes": True})
+    drop = twin(attn, q.device, tuning={"dropout": True, knob: True})
     p, seed = 0.2, 70 + head_dim
     out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
     (out * grad).sum().backward()       # dK and dV poisoned first (conftest): an unwritten key fails
-    assert taken == [True] * 3, taken
+    assert taken == {name: [True] * 3 for _, name in spied}, taken
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     ref_out, _ = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
     (ref_out * grad.double().cpu()).sum().backward()

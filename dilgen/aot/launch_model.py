@@ -50,7 +50,7 @@ def _gluon_args(plan: dict, role: str, N: int, base: dict) -> tuple:
 
 
 def _dropout_values(plan: dict, ctx: dict) -> tuple:
-    """A dropout plan's trailing arguments of the Gluon forward, dQ and lane dK/dV (its `tl` kernels name theirs)."""
+    """A dropout plan's trailing arguments of its Gluon kernels (its `tl` kernels name theirs)."""
     names = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")
     return tuple(_param_value(n, ctx) for n in names) if plan.get("dropout") else ()
 
@@ -178,7 +178,8 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                     if gluon_lane_branch(br["w"], br["r"], keys):    # the others: the `tl` lane kernel
                         out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock,
                                                                      _mock(torch.float32), 1, N, br, n > 0 or fused_q,
-                                                                     n == 0 and plan.get("gap_lane") is not None),
+                                                                     n == 0 and plan.get("gap_lane") is not None,
+                                                                     _dropout_values(plan, base)),
                                           opts))
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
@@ -263,5 +264,5 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tup
         fused_q = any(not br["lanes"] for br in plan["branches"])
         for n, i in enumerate(lane_order(plan)):
             out.append(gluon_dq_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N, plan["branches"][i],
-                                           n > 0 or fused_q))
+                                           n > 0 or fused_q, _dropout_values(plan, base)))
     return out

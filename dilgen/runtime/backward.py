@@ -270,7 +270,7 @@ class _Launches:
         for i in lanes:
             br = plan["branches"][i]
             gluon = None if (self.interpret or at.varlen or clear) else gluon_dq_lanes_launch(
-                self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate)
+                self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, self.dropout)
             if gluon is not None:   # the same work in Gluon (sm90, causal)
                 self._run(*gluon)
                 accumulate = True

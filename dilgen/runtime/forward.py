@@ -127,7 +127,7 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
         for i in lanes:
             br = plan["branches"][i]
             gluon = None if (interpret or varlen) else \
-                gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear)
+                gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear, dropout)
             if gluon is not None:   # the same work as the lane kernel, in Gluon (sm90)
                 launches.append(gluon)
                 accumulate, clear = True, False

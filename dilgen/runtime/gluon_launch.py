@@ -62,17 +62,19 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int, dropout: tuple = ()):
             (*gluon_args(plan, q, k, v, out, lse, B, N), *dropout), OPTIONS)
 
 
-def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False):
+def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False,
+                       dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon lanes of branch `br` for this call, or
     None when the call takes the `tl` lane kernel instead (_takes): program (s*T + t, b*H + h),
-    T = w/r/128 lane tiles; `clear`: also write "no branch" into the other offsets' rows."""
+    T = w/r/128 lane tiles; `clear`: also write "no branch" into the other offsets' rows;
+    `dropout` as gluon_launch's."""
     plan = attn.plan
     tile = plan["config"].get("gluon_lanes")
     if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
             or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
         return None
     return (attn.gluon_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
-            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear), OPTIONS)
+            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear, dropout), OPTIONS)
 
 
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
@@ -92,15 +94,17 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
             OPTIONS)
 
 
-def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool):
+def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool,
+                          dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon causal dq of lane branch `br`, or None when the
-    call takes the `tl` lane dq (_takes): program (s*T + t, b*H + h), as the Gluon lanes'."""
+    call takes the `tl` lane dq (_takes): program (s*T + t, b*H + h), as the Gluon lanes';
+    `dropout` as gluon_launch's."""
     plan = attn.plan
     if not plan["config"].get("gluon_lanes_bwd") or not _takes(attn, attn.gluon_dq_lanes_fn, N, q, k, v, grad_out, dq):
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]),
-            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate), OPTIONS)
+            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, dropout), OPTIONS)
 
 
 def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
@@ -155,13 +159,14 @@ def gluon_args(plan: dict, q, k, v, out, lse, B: int, N: int) -> tuple:
 
 
 def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool,
-                     clear: bool = False) -> tuple:
+                     clear: bool = False, dropout: tuple = ()) -> tuple:
     """The Gluon lanes' arguments: q's and out's descriptors through the branch's
     (B*N/r, r*H, D) view (64-row boxes), k's and v's through (B*N/r, r*H_kv, D) (boxes of the
-    plan's keys per block), out, lse, N; the branch's w and r, ACCUMULATE and CLEAR (constexprs)."""
+    plan's keys per block), out, lse, N; the branch's w and r, ACCUMULATE and CLEAR (constexprs);
+    with `dropout` (a dropout plan's arguments), the branch's index (a constexpr) and them."""
     box, r, block = _boxes(plan, B, N), br["r"], plan["config"]["gluon_lanes"][0]
     return (box(q, "q", r), box(out, "q", r), box(k, "kv", r, block), box(v, "kv", r, block),
-            out, lse, N, br["w"], r, bool(accumulate), bool(clear))
+            out, lse, N, br["w"], r, bool(accumulate), bool(clear), *((br["index"], *dropout) if dropout else ()))
 
 
 def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
@@ -177,12 +182,13 @@ def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: 
 
 
 def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict,
-                        accumulate: bool) -> tuple:
+                        accumulate: bool, dropout: tuple = ()) -> tuple:
     """The causal dq's arguments for lane branch `br` (views as gluon_dkdv_lanes_args'): q, dO,
-    k, v descriptors, lse, Delta, dq, N; the constexprs w, r and ACCUMULATE."""
+    k, v descriptors, lse, Delta, dq, N; the constexprs w, r and ACCUMULATE; with `dropout`, the
+    branch's index and them."""
     box, w, r = _boxes(plan, B, N), br["w"], br["r"]
     return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dq, N,
-            w, r, bool(accumulate))
+            w, r, bool(accumulate), *((br["index"], *dropout) if dropout else ()))
 
 
 def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:
