@@ -84,13 +84,19 @@ def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
     return w % r == 0 and (w // r) % 128 == 0 and (w // r) % keys == 0
 
 
+# A dropout plan's per-branch dK/dV holds each consumer's (P Z)^T and dS^T tiles beside its
+# ring of Q/dO blocks: 3 stages leave them the room at head_dim 128
+DROPOUT_LANE_DKDV_STAGES = 3
+
+
 def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fused_dkdv: bool,
                     tuning: dict, dropout: bool = False) -> int | None:
     """The Gluon causal backward's stages (KernelConfig.gluon_lanes_bwd: the per-branch dK/dV,
     every branch, and the lane dq), or None (_backward_stages, then the branches' tiles). A
     dropout plan's, causal or not, is its per-branch dK/dV only (templates/gluon_lanes_bwd.py.jinja)."""
     extra = "the backward runs the fused dK/dV kernel here" if fused_dkdv else None
-    stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, target.gluon_lanes_bwd_stages,
+    default = DROPOUT_LANE_DKDV_STAGES if dropout else target.gluon_lanes_bwd_stages
+    stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, default,
                               spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True,
                               dropout=dropout)
     bad = [b for b in branches if not gluon_lane_branch(b.segment_length, b.dilation, 64)]

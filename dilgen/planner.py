@@ -20,8 +20,8 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import (gluon_dkdv, gluon_dkdv_lanes, gluon_dkdv_prefetch, gluon_dq, gluon_exp2, gluon_fwd,
-                         gluon_lanes, gluon_lanes_bwd)
+from .gluon_plan import (DROPOUT_LANE_DKDV_STAGES, gluon_dkdv, gluon_dkdv_lanes, gluon_dkdv_prefetch, gluon_dq,
+                         gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -109,19 +109,19 @@ LANES_CHOICES = ("auto", "all", "none")
 # through masked pointers
 DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
                   "fused_dkdv": False, "curve_rows": False, "gluon_dkdv": False,
-                  "gluon_lanes": False, "gluon_lanes_bwd": False, "gluon_dkdv_lanes": False}
+                  "gluon_lanes": False}
 # ... and the Gluon dQ at head_dim 64 as well as 128 (its coins drawn as the Gluon forward's,
 # common.gluon_coins): fwd+bwd at p = 0.1 on one H200, A 11.17 -> 11.05 ms, C (head_dim 64)
 # 9.84 -> 9.30 (bench/results/backward_dropout-2026-11-29-h200-gluondq.json)
 DROPOUT_GLUON_DQ_DIMS = (64, 128)
-# ... and where a tuning asks ({"dropout": true, "gluon_dkdv_lanes": true or its stages}), the
-# per-branch dK/dV in Gluon, causal or not: its blocks hold queries along rows, so its coins
-# are drawn in registers as the forward's (templates/gluon_lanes_bwd.py.jinja); 3 stages leave
-# room for its (P Z)^T and dS^T tiles. {"dropout": true, "lanes": "auto"} runs the branches as
-# lanes where the plain plan does (a causal spec's), in the `tl` lane kernels, and
-# {"dropout": true, "gluon_lanes": true} each lane kernel in Gluon (forward, dq, dK/dV) with
-# the same coins. The Gluon ones compiled for sm90, not yet run on a GPU
-DROPOUT_LANE_DKDV_STAGES = 3
+# ... and the per-branch dK/dV in Gluon wherever it runs (gluon_plan.gluon_lanes_bwd; off with
+# {"gluon_dkdv_lanes": false}), causal or not: its blocks hold queries along rows, so its coins
+# are drawn in registers as the forward's (templates/gluon_lanes_bwd.py.jinja). fwd+bwd at p =
+# 0.1 on one H200: A 10.99 -> 10.47 ms, A causal 7.44 -> 7.05, C 9.38 -> 8.16, C causal 7.12
+# -> 5.52 (bench/results/backward_dropout-2026-11-29-h200-lanes.json). A causal spec's branches
+# run as lanes where its plain plan's do and each lane kernel is Gluon (forward, dq, dK/dV, the
+# same coins) wherever all of them run: A causal 7.05 -> 6.66 ms. {"dropout": true, "lanes":
+# "auto"} asks for the lanes in the `tl` kernels; {"gluon_lanes": false} declines them
 DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
 
@@ -142,15 +142,21 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
         lanes, lane_fwd, lane_dkdv = (tuning.get(x) for x in ("lanes", "gluon_lanes", "gluon_dkdv_lanes"))
+        if (spec.causal and spec.ring_size == 1 and lanes is None and lane_fwd is None and lane_dkdv is not False
+                and target.gluon_lanes_default):
+            try:        # a causal spec's Gluon lanes, wherever every lane kernel of them runs
+                return plan(spec, target, {**tuning, "gluon_lanes": True})
+            except SpecError:
+                pass
         tuning.update(DROPOUT_TUNING)
         if lanes or lane_fwd:       # asked: the branches as lanes where the plan would run them so
             tuning["lanes"] = lanes or "auto"
         if lane_fwd:                # ... and each lane kernel in Gluon
             tuning["gluon_lanes"] = lane_fwd
-            lane_dkdv = lane_dkdv or True
-        if lane_dkdv:       # asked: the per-branch dK/dV in Gluon, its coins the forward's
-            tuning.update(gluon_lanes_bwd=lane_dkdv if isinstance(lane_dkdv, int) and lane_dkdv is not True
-                          else DROPOUT_LANE_DKDV_STAGES, gluon_dkdv_lanes=True)
+            lane_dkdv = True if lane_dkdv is None else lane_dkdv
+        if lane_dkdv is not None:   # asked (or declined): the per-branch dK/dV in Gluon
+            tuning.update(gluon_lanes_bwd=(DROPOUT_LANE_DKDV_STAGES if lane_dkdv is True else lane_dkdv),
+                          gluon_dkdv_lanes=bool(lane_dkdv))
         if spec.ring_size > 1:
             tuning.update(DROPOUT_RING_TUNING)
         elif spec.head_dim != 128:

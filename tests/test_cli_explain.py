@@ -57,10 +57,11 @@ def test_explain_names_the_kernels_a_plan_launches(tmp_path, arch, want):
     assert res.returncode == 0, res.stderr
     assert want in res.stdout, res.stdout
     # attention dropout runs the spec's dropout plan: every branch in the fused kernels, the
-    # forward and dQ in Gluon on sm90
-    forward, dq = {"sm90": ("forward Gluon (128 keys a block, 3 stages)", "dQ Gluon (4 stages)"),
-                   "sm80": ("forward tl (fused)", "dQ tl (fused)")}[arch]
-    assert (f"with attention dropout (dropout_p > 0): {forward}, dK/dV tl (per branch), {dq}"
+    # forward, per-branch dK/dV and dQ in Gluon on sm90
+    forward, dkdv, dq = {"sm90": ("forward Gluon (128 keys a block, 3 stages)", "dK/dV Gluon (per branch, 3 stages)",
+                                  "dQ Gluon (4 stages)"),
+                         "sm80": ("forward tl (fused)", "dK/dV tl (per branch)", "dQ tl (fused)")}[arch]
+    assert (f"with attention dropout (dropout_p > 0): {forward}, {dkdv}, {dq}"
             in res.stdout), res.stdout
     # sm90 reads the dropout plan's keys and queries through descriptors (head_dim 128, non-causal)
     loads = {"sm90": "; forward and backward through tensor descriptors; Philox 4x32-7",

@@ -44,15 +44,21 @@ def test_the_dropout_plans_dq_is_gluon_at_head_dim_64_and_128_unless_a_tuning_de
 
 @needs_gluon
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_dropout_plans_lane_dkdv_is_gluon_where_a_tuning_asks(causal):
-    """{"gluon_dkdv_lanes": true} gives the dropout plan the Gluon per-branch dK/dV at 3 stages
-    (its (P Z)^T and dS^T tiles need the room), causal or not; the plan's dq stays the fused one
-    (no lane branch); off by default; refused by name where it cannot run."""
+def test_the_dropout_plans_lane_dkdv_is_gluon_by_default_and_where_a_tuning_asks(causal):
+    """The dropout plan's per-branch dK/dV is Gluon at 3 stages (its (P Z)^T and dS^T tiles
+    need the room), causal or not, by default and where {"gluon_dkdv_lanes": true} asks; the
+    `tl` one where it declines, where a branch's w / r is no multiple of 128 lanes and on sm80;
+    refused by name where it is asked and cannot run."""
     sm90 = get_target("sm90")
     spec = _spec("gdl", causal=causal)
-    assert not plan(spec, sm90, {"dropout": True}).config.gluon_dkdv_lanes
-    config = plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}).config
-    assert config.gluon_dkdv_lanes and config.gluon_lanes_bwd == 3
+    for tuning in ({}, {"gluon_dkdv_lanes": True}):
+        config = plan(spec, sm90, {"dropout": True, **tuning}).config
+        assert config.gluon_dkdv_lanes and config.gluon_lanes_bwd == 3
+    declined = plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": False}).config
+    assert not declined.gluon_dkdv_lanes and declined.gluon_lanes_bwd is None and declined.gluon_lanes is None
+    odd = _spec("gdl", causal=causal, segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 48])
+    assert plan(odd, sm90, {"dropout": True}).config.gluon_lanes_bwd is None
+    assert not plan(spec, get_target("sm80"), {"dropout": True}).config.gluon_dkdv_lanes
     assert plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 2}).config.gluon_lanes_bwd == 2
     text = codegen.emit(plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}))
     assert "gluon_dkdv_lanes=gdl_gluon_dkdv_lanes" in text
@@ -64,17 +70,24 @@ def test_the_dropout_plans_lane_dkdv_is_gluon_where_a_tuning_asks(causal):
 
 
 @needs_gluon
-def test_the_dropout_plans_lanes_are_gluon_where_a_tuning_asks():
-    """{"gluon_lanes": true}: a causal spec's branches as lanes (as its plain plan runs them),
-    the forward, dq and dK/dV each a Gluon lane kernel with the forward's coins; a non-causal
+def test_the_dropout_plans_lanes_are_gluon_by_default_and_where_a_tuning_asks():
+    """A causal spec's branches as lanes (as its plain plan runs them), the forward, dq and
+    dK/dV each a Gluon lane kernel with the forward's coins: by default where all of them run,
+    and where {"gluon_lanes": true} asks; {"gluon_lanes": false} declines them; a non-causal
     spec, whose branches are lattice branches, refused by name."""
     sm90 = get_target("sm90")
-    p = plan(_spec("gdf", causal=True), sm90, {"dropout": True, "gluon_lanes": True})
-    assert all(b.lanes for b in p.branches) and p.config.gluon_lanes == (128, 3)
-    assert p.config.gluon_lanes_bwd == 3 and p.config.gluon_dkdv_lanes and p.config.gluon_dq is None
+    for tuning in ({}, {"gluon_lanes": True}):
+        p = plan(_spec("gdf", causal=True), sm90, {"dropout": True, **tuning})
+        assert all(b.lanes for b in p.branches) and p.config.gluon_lanes == (128, 3)
+        assert p.config.gluon_lanes_bwd == 3 and p.config.gluon_dkdv_lanes and p.config.gluon_dq is None
     text = codegen.emit(p)
     for role in ("gluon_lanes", "gluon_dkdv_lanes", "gluon_dq_lanes"):
         assert f"{role}=gdf_{role}" in text
+    declined = plan(_spec("gdf", causal=True), sm90, {"dropout": True, "gluon_lanes": False})
+    assert not any(b.lanes for b in declined.branches) and declined.config.gluon_lanes is None
+    assert declined.config.gluon_dkdv_lanes     # the per-branch dK/dV is still Gluon
+    kept = plan(_spec("gdf", causal=True), sm90, {"dropout": True, "gluon_lanes": True, "gluon_dkdv_lanes": False})
+    assert kept.config.gluon_lanes and not kept.config.gluon_dkdv_lanes
     with pytest.raises(dilgen.SpecError, match="gluon_lanes cannot run here: the plan has no lane branch"):
         plan(_spec("gdf"), sm90, {"dropout": True, "gluon_lanes": True})
 
