@@ -101,9 +101,9 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
 LANES_CHOICES = ("auto", "all", "none")
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
 # each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
-# chain; no lane or curve-row kernel, no row order, and of the Gluon kernels only the forward
-# (sm90, non-causal, one device: its key blocks are whole spans of a branch's lanes, so its
-# threads draw their coins in the accumulator's registers). One device reads keys and queries
+# chain; no curve-row kernel, no row order, and of the fused Gluon kernels only the forward and
+# dQ (sm90, non-causal, one device: their key blocks are whole spans of a branch's lanes, so
+# their threads draw their coins in the accumulator's registers). One device reads keys and queries
 # through descriptors where the target does (the forward's at head_dim 128 only); a ring's
 # windows, whose dropout blocks start before the window (on a span of 32 lanes), read them
 # through masked pointers
