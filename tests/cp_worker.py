@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 from ring_worker import _leave, write_json
-from proc_tree import free_port as _free_port, join_ranks  # noqa: E402
+from proc_tree import free_port as _free_port, join_ranks, port_taken  # noqa: E402
 
 PATTERN = {"segment_lengths": [16, 64], "dilation_rates": [1, 2]}
 LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -328,15 +328,21 @@ def spawn(world: int, cases: list[dict], out_dir, timeout_s: float) -> dict:
     import torch.multiprocessing as mp
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
     out_dir = Path(out_dir)
-    ctx = mp.start_processes(worker, args=(world, _free_port(), cases, str(out_dir)), nprocs=world,
-                             join=False, start_method=_forkserver())
-    try:
-        join_ranks(ctx, timeout_s, f"context parallel P={world}")
-    except (ProcessExitedException, ProcessRaisedException) as exc:
-        errors = [json.loads(f.read_text()) for f in out_dir.glob("rank*.error.json")]
-        fails = [x for f in out_dir.glob("rank?.json") for x in json.loads(f.read_text())["fails"]]
-        raise AssertionError(f"P={world}: {exc}" + "".join(f"\n-- rank {e['rank']} in {e['phase']}:\n{e['traceback']}"
-                                                           for e in errors) + "".join(fails)) from None
+    for attempt in (1, 2):          # once more on a fresh port if another process took it first
+        for f in list(out_dir.glob("rank*.json")):
+            f.unlink()
+        ctx = mp.start_processes(worker, args=(world, _free_port(), cases, str(out_dir)), nprocs=world,
+                                 join=False, start_method=_forkserver())
+        try:
+            join_ranks(ctx, timeout_s, f"context parallel P={world}")
+            break
+        except (ProcessExitedException, ProcessRaisedException) as exc:
+            errors = [json.loads(f.read_text()) for f in out_dir.glob("rank*.error.json")]
+            if attempt == 1 and port_taken(errors):
+                continue
+            fails = [x for f in out_dir.glob("rank?.json") for x in json.loads(f.read_text())["fails"]]
+            raise AssertionError(f"P={world}: {exc}" + "".join(f"\n-- rank {e['rank']} in {e['phase']}:\n{e['traceback']}"
+                                                               for e in errors) + "".join(fails)) from None
     fails = [x for r in range(world) for x in json.loads((out_dir / f"rank{r}.json").read_text())["fails"]]
     assert not fails, "\n".join(fails)
     return {c["name"]: [torch.load(out_dir / f"{c['name']}.rank{r}.pt", weights_only=False) for r in range(world)]

@@ -21,6 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_taken(errors: list[dict]) -> bool:
+    """Rank 0 could not listen on the port free_port gave: another process took it between
+    free_port's close and rank 0's bind (CI runs two suites side by side). `errors`: the
+    ranks' error reports ({"phase", "traceback"}); such a run may be tried once more."""
+    return any(e.get("phase") == "init_process_group"
+               and any(s in e.get("traceback", "") for s in ("EADDRINUSE", "failed to listen", "Address already in use"))
+               for e in errors)
+
+
 def join_ranks(ctx, timeout_s: float, what: str) -> None:
     """Wait for the ranks torch.multiprocessing.start_processes(join=False) started: a rank's
     failure raises as join raises it (ProcessExitedException, ProcessRaisedException); past

@@ -17,7 +17,7 @@ from dilgen.runtime.ring import RingError, shard, unshard
 from dilgen.targets import get_target
 
 import ring_worker
-from proc_tree import free_port as _free_port, join_ranks  # noqa: E402
+from proc_tree import free_port as _free_port, join_ranks, port_taken  # noqa: E402
 
 pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
@@ -190,11 +190,6 @@ def _rank_errors(P: int, tmp_path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files if f.exists()]
 
 
-def _port_taken(errors: list[dict]) -> bool:
-    """Rank 0 could not listen on the port (_free_port gave it up before rank 0 took it)."""
-    return any(e["phase"] == "init_process_group" and "EADDRINUSE" in e["traceback"] for e in errors)
-
-
 def _forkserver() -> str:
     """Ranks start from a fork server that imported torch, triton, dilgen and the worker
     once (a spawned rank imports them itself: 3.6 s of CPU each, 30 ranks in the suite), and
@@ -224,7 +219,7 @@ def _run_ring(P: int, cases: list[dict], tmp_path, timeout_s: float) -> list[dic
         except (ProcessExitedException, ProcessRaisedException) as exc:
             # join stopped the other ranks; a rank that failed on its own left its traceback
             errors = _rank_errors(P, tmp_path)
-            if attempt == 1 and _port_taken(errors):
+            if attempt == 1 and port_taken(errors):
                 warnings.warn(f"ring P={P}: the port was taken before rank 0 listened on it; "
                               f"running again on a fresh port")
                 continue
