@@ -100,7 +100,7 @@ def kernel_families(plan) -> str:
     dq = [f"Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else
           "tl (fused)" if len(lanes) < len(plan.branches) else None,
           None if not lanes else f"Gluon lanes ({cfg.gluon_lanes_bwd} stages)" if cfg.gluon_lanes_bwd else "tl lanes"]
-    parts.append("dQ " + ", ".join(x for x in dq if x))
+    parts.append("dQ in the dK/dV (float32 atomics)" if cfg.gluon_dkdv_dq else "dQ " + ", ".join(x for x in dq if x))
     gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq or cfg.gluon_lanes or cfg.gluon_lanes_bwd
     return ", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
 

@@ -119,6 +119,20 @@ def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: 
     return want and lanes_bwd is not None
 
 
+def gluon_dkdv_dq(spec: Spec, dkdv_lanes: bool, tuning: dict, dropout: bool) -> bool:
+    """KernelConfig.gluon_dkdv_dq: the tuning's (off by default), for a dropout plan whose
+    per-branch dK/dV is Gluon; asked of any other plan, refused by name."""
+    want = tuning.get("gluon_dkdv_dq", False)
+    if not isinstance(want, bool):
+        raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq takes true or false (asked: {want!r})")
+    if want and not (dropout and dkdv_lanes):
+        why = "a plan without attention dropout" if not dropout else "a plan whose per-branch dK/dV is not Gluon"
+        raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq cannot run here: {why} (it is the dropout plan's "
+                        f"Gluon dK/dV adding dQ; ask for that with {{\"dropout\": true, \"gluon_dkdv_lanes\": true}} "
+                        f"to see why)")
+    return want
+
+
 def gluon_dkdv_prefetch(spec: Spec, tile_d: int, dkdv: int | None, tuning: dict) -> bool:
     """KernelConfig.gluon_dkdv_prefetch: the tuning's, else true at head_dim 64 and false at
     128. False loads each block's lse and Delta at its top, holding one copy in registers, not

@@ -241,6 +241,9 @@ class KernelConfig:
     gluon_lanes_bwd: int | None = None
     # with gluon_lanes_bwd: the per-branch dK/dV in Gluon too (else only the lane dq)
     gluon_dkdv_lanes: bool = False
+    # a dropout plan's Gluon per-branch dK/dV adds each block's dQ share into a float32 buffer
+    # by atomics, so the backward runs no dq kernel and draws the coins once, not twice
+    gluon_dkdv_dq: bool = False
     # the Gluon forward's and lanes' softmax: one exponential in every gluon_exp2 as a cubic
     # on the FMA pipe instead of the MUFU unit (0: every one on the MUFU unit)
     gluon_exp2: int = 0
@@ -271,6 +274,8 @@ class KernelConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 2 <= value <= 8):
                 raise ValueError(f"KernelConfig.{name} = {value!r}: stages 2 to 8")
+        if self.gluon_dkdv_dq and not self.gluon_dkdv_lanes:
+            raise ValueError("KernelConfig.gluon_dkdv_dq needs gluon_dkdv_lanes (its dQ is that kernel's)")
         if self.gluon_exp2 not in (0, 2, 4, 8):
             raise ValueError(f"KernelConfig.gluon_exp2 = {self.gluon_exp2!r}: 0, 2, 4 or 8")
         if self.block_m % self.bwd_dq[0]:
@@ -298,6 +303,7 @@ class KernelConfig:
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
+                **({"gluon_dkdv_dq": True} if self.gluon_dkdv_dq else {}),
                 **({"gluon_exp2": self.gluon_exp2} if self.gluon_exp2 else {}),
                 **({"dkdv_rows_first": True} if self.dkdv_rows_first else {}),
                 **({} if self.gluon_dkdv_prefetch else {"gluon_dkdv_prefetch": False}),

@@ -20,8 +20,8 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import (DROPOUT_LANE_DKDV_STAGES, gluon_dkdv, gluon_dkdv_lanes, gluon_dkdv_prefetch, gluon_dq,
-                         gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd)
+from .gluon_plan import (DROPOUT_LANE_DKDV_STAGES, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
+                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -97,7 +97,7 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
            "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
            "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2", "dropout", "dkdv_rows_first",
-           "gluon_dkdv_prefetch")
+           "gluon_dkdv_prefetch", "gluon_dkdv_dq")
 LANES_CHOICES = ("auto", "all", "none")
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
 # each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
@@ -180,6 +180,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         gluon_lanes=gluon_lanes(spec, target, tiles, branches, query_order, tuning),
         gluon_lanes_bwd=gluon_lanes_bwd(spec, target, tiles, branches, query_order, fused_dkdv, tuning, dropout))
     gluon["gluon_dkdv_lanes"] = gluon_dkdv_lanes(spec, target, gluon["gluon_lanes_bwd"], tuning)
+    gluon["gluon_dkdv_dq"] = gluon_dkdv_dq(spec, gluon["gluon_dkdv_lanes"], tuning, dropout)
     gluon["gluon_dkdv_prefetch"] = gluon_dkdv_prefetch(spec, tiles.tile_d, gluon["gluon_dkdv"], tuning)
     gluon["gluon_exp2"] = gluon_exp2(spec, target, tiles, gluon, tuning)
     tables = []

@@ -93,26 +93,52 @@ def test_the_dropout_plans_lanes_are_gluon_by_default_and_where_a_tuning_asks():
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim, causal", [(128, False), (64, True)])
-def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_dim, causal):
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_dropout_plans_dkdv_adds_dq_where_a_tuning_asks(causal):
+    """{"gluon_dkdv_dq": true}: the dropout plan's Gluon per-branch dK/dV adds each block's dQ
+    share into a float32 buffer (the module's kernel takes DQ, its blocks atomics); off by
+    default; refused by name without dropout, with the `tl` dK/dV, and for a value not a bool."""
+    sm90 = get_target("sm90")
+    spec = _spec("gdq", causal=causal)
+    assert not plan(spec, sm90, {"dropout": True}).config.gluon_dkdv_dq
+    p = plan(spec, sm90, {"dropout": True, "gluon_dkdv_dq": True})
+    assert p.config.gluon_dkdv_dq and p.config.gluon_dkdv_lanes
+    text = codegen.emit(p)
+    assert "Lse, Delta, DK, DV, DQ, N, W: gl.constexpr" in text and "gl.atomic_add(dq_ptrs" in text
+    assert "gl.atomic_add" not in codegen.emit(plan(spec, sm90, {"dropout": True}))
+    for tuning, why in (({"gluon_dkdv_dq": True}, "a plan without attention dropout"),
+                        ({"dropout": True, "gluon_dkdv_lanes": False, "gluon_dkdv_dq": True}, "is not Gluon"),
+                        ({"dropout": True, "gluon_dkdv_dq": 1}, "takes true or false")):
+        with pytest.raises(dilgen.SpecError, match=f"tuning gluon_dkdv_dq.*{why}"):
+            plan(spec, sm90, tuning)
+    with pytest.raises(dilgen.SpecError, match="gluon_dkdv_dq cannot run here"):
+        plan(spec, get_target("sm80"), {"dropout": True, "gluon_dkdv_dq": True})
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim, causal, adds_dq", [(128, False, False), (64, True, False), (128, False, True),
+                                                       (64, True, True)])
+def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_dim, causal, adds_dq):
     """Under both CI Tritons: the queries-along-rows blocks with the forward's coins compile for
     sm90; each consumer's (P Z)^T and dS^T are stored, fenced and barriered before the wgmma
-    that reads them (a 128-thread named barrier: the warpgroup's)."""
+    that reads them (a 128-thread named barrier: the warpgroup's); with gluon_dkdv_dq, dQ's
+    shares reach the float32 buffer by relaxed float32 reductions."""
     import re
     from triton.experimental.gluon import language as gl
-    spec = _spec(f"gdl_{head_dim}_{int(causal)}", head_dim=head_dim, causal=causal)
-    mod = load_emitted(tmp_path / f"{spec.name}.py",
-                       codegen.emit(plan(spec, get_target("sm90"), {"dropout": True, "gluon_dkdv_lanes": True})))
+    spec = _spec(f"gdl_{head_dim}_{int(causal)}_{int(adds_dq)}", head_dim=head_dim, causal=causal)
+    tuning = {"dropout": True, "gluon_dkdv_lanes": True, **({"gluon_dkdv_dq": True} if adds_dq else {})}
+    mod = load_emitted(tmp_path / f"{spec.name}.py", codegen.emit(plan(spec, get_target("sm90"), tuning)))
     layout = gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)
     desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
     sig = {**{x: desc for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
-           "DK": "*bf16", "DV": "*bf16", "N": "i32",
+           "DK": "*bf16", "DV": "*bf16", **({"DQ": "*fp32"} if adds_dq else {}), "N": "i32",
            **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "BI")}, **DROP_ARGS}
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "BI": 1})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
+    assert bool(re.search(r"(red|atom)\.global\.gpu\.relaxed\.add\.f32", ptx)) == adds_dq   # 3.9: red, 3.6: atom
 
 
 @needs_gluon
@@ -230,13 +256,44 @@ def test_the_launch_models_dropout_lane_kernels_specialize_as_the_runtimes(cache
             assert specialize(fn, backend, args(br, accumulate), OPTIONS).desc == want, (role, br["index"])
 
 
+@needs_gluon
+def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir):
+    """{"gluon_dkdv_dq": true}: every branch's Gluon dK/dV adds (ACCUMULATE, into zeroed dk and
+    dv) and takes the float32 dQ after dv, in the launch model as in a call."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    from dilgen.runtime.dropout_call import dropout_args
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_lanes_args
+    spec = _spec("gdq_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
+    attn = build(spec, get_target("sm90"), {"dropout": True, "gluon_dkdv_dq": True}).module.attention
+    q = torch.randn(2, 1024, 4, 128, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16), torch.randn(2, 1024, 2, 128, dtype=torch.bfloat16)
+    f32, backend, plan_ = torch.empty(2, 4, 1024), make_backend(GPUTarget("cuda", 90, 32)), attn.plan
+    seed, cut, scale, n, _, streams = dropout_args(attn, q, 0.1, 7)
+    drop, dq32 = (seed, cut, scale, n, 5, streams), torch.zeros(q.shape)
+    launches = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"]
+    assert len(launches) == 2
+    for model, br in zip(launches, plan_["branches"]):
+        args = gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, True, drop, dq32)
+        assert args[8] is dq32
+        want = specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc
+        assert specialize(attn.gluon_dkdv_lanes_fn, backend, args, OPTIONS).desc == want, br["index"]
+    with pytest.raises(ValueError, match="no float32 dQ was given"):
+        gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, plan_["branches"][0], True, drop)
+
+
 @on_sm90
 @pytest.mark.parametrize("head_dim, causal, knob", [(128, False, "gluon_dkdv_lanes"), (64, False, "gluon_dkdv_lanes"),
-                                                    (128, True, "gluon_dkdv_lanes"), (128, True, "gluon_lanes")])
+                                                    (128, True, "gluon_dkdv_lanes"), (128, True, "gluon_lanes"),
+                                                    (128, False, "gluon_dkdv_dq"), (64, True, "gluon_dkdv_dq")])
 def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim, causal, knob, monkeypatch):
-    """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), and a causal spec's lane
-    forward, dq and dK/dV ({"gluon_lanes": true}), under the same mask as the float64
-    reference: every branch's launch of them taken, out and every gradient exact."""
+    """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), a causal spec's lane forward,
+    dq and dK/dV ({"gluon_lanes": true}), and the dK/dV adding dQ ({"gluon_dkdv_dq": true}: no
+    dq kernel launched), under the same mask as the float64 reference: every branch's launch
+    of them taken, out and every gradient exact."""
     from dilgen.reference import differentiable_reference
     from dilgen.runtime import backward, forward
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
@@ -251,6 +308,10 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
             taken.setdefault(name, []).append(got is not None)
             return got
         monkeypatch.setattr(module, name, spy)
+    if knob == "gluon_dkdv_dq":         # dQ comes from the dK/dV's blocks alone
+        def no_dq(*args, **kwargs):
+            raise AssertionError("a dq kernel was launched")
+        monkeypatch.setattr(backward._Launches, "dq", no_dq)
     gen = torch.Generator().manual_seed(head_dim + causal)
     q, k, v = (torch.randn(1, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
                for h in (8, 2, 2))

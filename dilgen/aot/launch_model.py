@@ -254,12 +254,13 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tup
     group = plan["num_heads"] // plan["num_kv_heads"]
     out = []
     if role == "gluon_dkdv_lanes" and plan["config"].get("gluon_dkdv_lanes"):
-        writes = plan.get("dkdv_first_writes", False)
+        adds_dq = plan["config"].get("gluon_dkdv_dq", False)   # every launch adds (runtime/backward.py)
+        writes = plan.get("dkdv_first_writes", False) and not adds_dq
         for n, br in enumerate(plan["branches"]):
             first = n == 0 and writes
             if not (first and br["r"] > group):
                 out.append(gluon_dkdv_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, mock, 1, N, br,
-                                                 not first, _dropout_values(plan, base)))
+                                                 not first, _dropout_values(plan, base), f32 if adds_dq else None))
     elif role == "gluon_dq_lanes":
         fused_q = any(not br["lanes"] for br in plan["branches"])
         for n, i in enumerate(lane_order(plan)):

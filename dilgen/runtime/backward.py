@@ -19,7 +19,8 @@ import math
 import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
-from .gluon_launch import gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch, gluon_dq_lanes_launch
+from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch,
+                           gluon_dq_lanes_launch)
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
@@ -113,9 +114,15 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
     # sum rounded once, and the <= 5 roundings of a row stay far inside SPEC's gradient bounds
     # (bf16 rel 4e-2), while float32 buffers cost a zero fill of twice the bytes and a
     # conversion pass (D causal, H200: 0.9 of 2.9 ms fwd+bwd).
+    # a dropout plan whose Gluon dK/dV adds dQ (KernelConfig.gluon_dkdv_dq): every branch's
+    # launch adds into zeroed dk, dv and, by atomics, a float32 dQ; no dq kernel runs
+    dq32 = (torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            if dropout and packing is None and gluon_dkdv_dq_taken(attn, q, k, v, grad_out, q.shape[-3]) else None)
+    if dq32 is not None:
+        dkdv_clears = False
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     poison(dq, delta)
-    if not (dq_writes_all or dq_clears):
+    if dq32 is None and not (dq_writes_all or dq_clears):
         dq.zero_()              # no launch writes every row of dq
     # the fused launch writes every row (lane branches add to it), or the first per-branch launch does
     dkdv_writes_all = (conf.get("fused_dkdv", False) and covers_all) or dkdv_clears
@@ -141,14 +148,17 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
     if at.B == 0 or at.N == 0:
         return dq, dk, dv
     recorder = Recorder() if record else None
-    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk, recorder, dropout)
+    run = _Launches(attn, at, class_order, packing, (q, k, v, grad_out, lse, delta), dq, dk, recorder, dropout, dq32)
 
     def launches():
         run.preprocess(out, dlse, has_dlse)
         for seqs, B, N in at.groups:   # packed batches: one group per length class
             run.dkdv(seqs, B, N, dk, dv, dkdv_clears)
-            run.dq(seqs, B, N, dq, has_fused_q, lanes,
-                   accumulate=has_fused_q or not (dq_writes_all or dq_clears), clear=dq_clears)
+            if dq32 is None:
+                run.dq(seqs, B, N, dq, has_fused_q, lanes,
+                       accumulate=has_fused_q or not (dq_writes_all or dq_clears), clear=dq_clears)
+        if dq32 is not None:
+            dq.copy_(dq32)
 
     allocator = bool((plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma"))
     if run.interpret:
@@ -169,9 +179,10 @@ class _Launches:
     """The backward's launches for one call: the preprocess, dK/dV (fused and per branch),
     dq (fused and per lane branch), with the call's tensors, strides and tables."""
 
-    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk, recorder=None, dropout=()):
+    def __init__(self, attn, at: _Rows, class_order, packing, tensors, dq, dk, recorder=None, dropout=(), dq32=None):
         self.attn, self.at, self.class_order, self.packing = attn, at, class_order, packing
         self.dropout = dropout         # a dropout plan's (seed, drop_cut, drop_scale): dkdv, dq
+        self.dq32 = dq32               # the float32 dQ the Gluon dK/dV adds into (gluon_dkdv_dq), or None
         self.recorder = recorder       # replay.Recorder: launches noted for a replay
         self.plan, self.kernels = attn.plan, attn.backward_kernels
         self.conf = self.kernels["config"]
@@ -224,11 +235,15 @@ class _Launches:
         for br in per_branch:
             w, r = br["w"], br["r"]
             gluon = None if (self.interpret or at.varlen) else gluon_dkdv_lanes_launch(
-                self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, self.dropout)
+                self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, self.dropout,
+                self.dq32)
             if gluon is not None:   # the same work in Gluon (sm90: causal, or a dropout plan's)
                 self._run(*gluon)
                 accumulate, clear = True, False
                 continue
+            if self.dq32 is not None:   # gluon_dkdv_dq_taken said every branch runs it: no dQ may go missing
+                raise RuntimeError(f"{plan['spec']['name']}: branch {br['index']}'s Gluon dK/dV, which adds its dQ, "
+                                   f"was not taken")
             n_seg = math.ceil(N / w)
             n_o = min(self.H // self.Hkv, r)
             n_jt = math.ceil(math.ceil(min(w, N) / r) / kv_bn)

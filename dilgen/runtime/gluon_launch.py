@@ -78,11 +78,12 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
 
 
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
-                            accumulate: bool, clear: bool, dropout: tuple = ()):
+                            accumulate: bool, clear: bool, dropout: tuple = (), dq32=None):
     """(kernel, grid, args, options) of the Gluon causal dK/dV of branch `br`, or None when the
     call takes the `tl` per-branch kernel (_takes; a first launch that must also zero the keys
     no head of a kv group keeps, r > group): program ((s*NO + g0)*J + jt, b*H_kv + kvh);
-    `dropout` as gluon_launch's (a dropout plan's dK/dV, causal or not)."""
+    `dropout` as gluon_launch's (a dropout plan's dK/dV, causal or not); `dq32`: the float32
+    dQ its blocks add into (KernelConfig.gluon_dkdv_dq, gluon_dkdv_dq_taken)."""
     plan = attn.plan
     group = plan["num_heads"] // plan["num_kv_heads"]
     if (not plan["config"].get("gluon_dkdv_lanes") or (clear and br["r"] > group)
@@ -90,8 +91,18 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
-            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, dropout),
+            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, dropout, dq32),
             OPTIONS)
+
+
+def gluon_dkdv_dq_taken(attn, q, k, v, grad_out, N: int) -> bool:
+    """Whether this call's dQ comes from its Gluon per-branch dK/dV (KernelConfig.gluon_dkdv_dq):
+    every branch's launch of it taken (_takes; the gradients, made by the call, are
+    contiguous), each adding into zeroed dk, dv (no first launch that writes) and a float32 dQ.
+    Otherwise the call runs its dq kernels as the plan without it."""
+    plan = attn.plan
+    return bool(plan["config"].get("gluon_dkdv_dq") and plan["config"].get("gluon_dkdv_lanes")
+                and _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out))
 
 
 def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool,
@@ -170,15 +181,20 @@ def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, ac
 
 
 def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
-                          accumulate: bool, dropout: tuple = ()) -> tuple:
+                          accumulate: bool, dropout: tuple = (), dq32=None) -> tuple:
     """The causal dK/dV's arguments for branch `br`: q's and dO's descriptors through its
     (B*N/r, r*H, D) view, k's and v's through (B*N/r, r*H_kv, D) (64-row boxes), lse, Delta, dk,
-    dv, N; the constexprs w, r, NO = min(group, r) and ACCUMULATE; with `dropout` (a dropout
-    plan's arguments), the branch's index (a constexpr) and them."""
+    dv, the float32 dQ where the plan's kernel adds into one (gluon_dkdv_dq), N; the constexprs
+    w, r, NO = min(group, r) and ACCUMULATE; with `dropout` (a dropout plan's arguments), the
+    branch's index (a constexpr) and them."""
     box, w, r = _boxes(plan, B, N), br["w"], br["r"]
     group = plan["num_heads"] // plan["num_kv_heads"]
-    return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv, N,
-            w, r, min(group, r), bool(accumulate), *((br["index"], *dropout) if dropout else ()))
+    adds_dq = plan["config"].get("gluon_dkdv_dq", False)
+    if adds_dq and dq32 is None:
+        raise ValueError("gluon_dkdv_lanes_args: the plan's dK/dV adds dQ (gluon_dkdv_dq), and no float32 dQ was given")
+    return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv,
+            *((dq32,) if adds_dq else ()), N, w, r, min(group, r), bool(accumulate),
+            *((br["index"], *dropout) if dropout else ()))
 
 
 def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict,
