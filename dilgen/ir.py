@@ -387,7 +387,7 @@ class Plan:
     # (h + head_base) mod r; pointers still index heads 0 .. num_heads - 1 of the tensors
     head_base: int = 0
     # attention dropout (dilgen.dropout): the kernels take a seed and drop each branch's
-    # entry of each probability by its coin (planner.DROPOUT_TUNING says which kernels run)
+    # entry of each probability by its coin (dropout_plan.DROPOUT_TUNING says which kernels run)
     dropout: bool = False
 
     def to_json(self) -> dict:

@@ -20,8 +20,9 @@ from functools import lru_cache, reduce
 import sympy
 
 from . import ir
-from .gluon_plan import (DROPOUT_LANE_DKDV_STAGES, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
-                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd)
+from .dropout_plan import DROPOUT_GLUON_DQ_DIMS, dropout_refusal, dropout_tuning
+from .gluon_plan import (gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch, gluon_dq, gluon_exp2,
+                         gluon_fwd, gluon_lanes, gluon_lanes_bwd)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -99,30 +100,6 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_exp2", "dropout", "dkdv_rows_first",
            "gluon_dkdv_prefetch", "gluon_dkdv_dq")
 LANES_CHOICES = ("auto", "all", "none")
-# Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
-# each entry's raster query and key positions (the mask's counter, dilgen.dropout), with one
-# chain; no curve-row kernel, no row order, and of the fused Gluon kernels only the forward and
-# dQ (sm90, non-causal, one device: their key blocks are whole spans of a branch's lanes, so
-# their threads draw their coins in the accumulator's registers). One device reads keys and queries
-# through descriptors where the target does (the forward's at head_dim 128 only); a ring's
-# windows, whose dropout blocks start before the window (on a span of 32 lanes), read them
-# through masked pointers
-DROPOUT_TUNING = {"lanes": "none", "dual_chain": False, "fused_ws": False,
-                  "fused_dkdv": False, "curve_rows": False, "gluon_dkdv": False,
-                  "gluon_lanes": False}
-# ... and the Gluon dQ at head_dim 64 as well as 128 (its coins drawn as the Gluon forward's,
-# common.gluon_coins): fwd+bwd at p = 0.1 on one H200, A 11.17 -> 11.05 ms, C (head_dim 64)
-# 9.84 -> 9.30 (bench/results/backward_dropout-2026-11-29-h200-gluondq.json)
-DROPOUT_GLUON_DQ_DIMS = (64, 128)
-# ... and the per-branch dK/dV in Gluon wherever it runs (gluon_plan.gluon_lanes_bwd; off with
-# {"gluon_dkdv_lanes": false}), causal or not: its blocks hold queries along rows, so its coins
-# are drawn in registers as the forward's (templates/gluon_lanes_bwd.py.jinja). fwd+bwd at p =
-# 0.1 on one H200: A 10.99 -> 10.47 ms, A causal 7.44 -> 7.05, C 9.38 -> 8.16, C causal 7.12
-# -> 5.52 (bench/results/backward_dropout-2026-11-29-h200-lanes.json). A causal spec's branches
-# run as lanes where its plain plan's do and each lane kernel is Gluon (forward, dq, dK/dV, the
-# same coins) wherever all of them run: A causal 7.05 -> 6.66 ms. {"dropout": true, "lanes":
-# "auto"} asks for the lanes in the `tl` kernels; {"gluon_lanes": false} declines them
-DROPOUT_RING_TUNING = {"fused_tma": False, "bwd_tma": False}
 
 
 def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
@@ -138,32 +115,13 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     tuning = dict(tuning or {})
     dropout = bool(tuning.get("dropout", False))
     if dropout:
-        refusal = _dropout_refusal(spec)
+        refusal = dropout_refusal(spec)
         if refusal is not None:
             raise SpecError(f"{spec.name}: attention dropout {refusal}")
-        lanes, lane_fwd, lane_dkdv = (tuning.get(x) for x in ("lanes", "gluon_lanes", "gluon_dkdv_lanes"))
-        if (spec.causal and spec.ring_size == 1 and lanes is None and lane_fwd is None and lane_dkdv is not False
-                and target.gluon_lanes_default):
-            try:        # a causal spec's Gluon lanes, wherever every lane kernel of them runs
-                return plan(spec, target, {**tuning, "gluon_lanes": True})
-            except SpecError:
-                pass
-        tuning.update(DROPOUT_TUNING)
-        if lanes or lane_fwd:       # asked: the branches as lanes where the plan would run them so
-            tuning["lanes"] = lanes or "auto"
-        if lane_fwd:                # ... and each lane kernel in Gluon
-            tuning["gluon_lanes"] = lane_fwd
-            lane_dkdv = True if lane_dkdv is None else lane_dkdv
-        if lane_dkdv is not None:   # asked (or declined): the per-branch dK/dV in Gluon
-            tuning.update(gluon_lanes_bwd=(DROPOUT_LANE_DKDV_STAGES if lane_dkdv is True else lane_dkdv),
-                          gluon_dkdv_lanes=bool(lane_dkdv))
-        if spec.ring_size > 1:
-            tuning.update(DROPOUT_RING_TUNING)
-        elif spec.head_dim != 128:
-            # the forward's descriptors pay at head_dim 128 only (H200, fwd+bwd at p = 0.1,
-            # bench/results/backward_dropout-2026-11-29-h200-descriptors.json: A 12.04 -> 11.44
-            # ms, C at head_dim 64 9.43 -> 10.04); the backward's stay (C causal 7.17 -> 7.11)
-            tuning.setdefault("fused_tma", False)
+        lanes_plan = _dropout_lanes_plan(spec, target, tuning)
+        if lanes_plan is not None:
+            return lanes_plan
+        tuning = dropout_tuning(spec, tuning)
     query_order, orders = _branch_orders(spec)
     tiles = _tiles(spec, target, tuning, query_order)
     lanes = _lanes(spec, target, tiles, orders)
@@ -210,9 +168,18 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
         head_base=spec.head_base)
 
 
-def _dropout_refusal(spec: Spec) -> str | None:
-    """Why the dropout plan cannot run `spec` (the end of a sentence), or None."""
-    return None
+def _dropout_lanes_plan(spec: Spec, target: Target, tuning: dict) -> ir.Plan | None:
+    """A causal spec's dropout plan with its branches as lanes and every lane kernel in Gluon,
+    where the tuning leaves the lanes to the planner and the target runs all three kernels
+    (forward, dq, dK/dV); else None."""
+    if (not spec.causal or spec.ring_size > 1 or not target.gluon_lanes_default
+            or tuning.get("lanes") is not None or tuning.get("gluon_lanes") is not None
+            or tuning.get("gluon_dkdv_lanes") is False):
+        return None
+    try:
+        return plan(spec, target, {**tuning, "gluon_lanes": True})
+    except SpecError:       # a lane kernel that cannot run it: the fused kernels' plan
+        return None
 
 
 @dataclass

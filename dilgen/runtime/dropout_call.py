@@ -1,5 +1,5 @@
 """Attention dropout's door (`attention(q, k, v, dropout_p=p)`, SPEC §3): the call runs the
-spec's dropout plan (planner.DROPOUT_TUNING: the fused `tl` kernels with Plan.dropout), whose
+spec's dropout plan (dropout_plan.DROPOUT_TUNING: the fused `tl` kernels with Plan.dropout), whose
 forward drops each branch's entry of each probability by the coin of dilgen.dropout and
 scales the kept ones by 1 / (1 - p), and whose backward draws the same coins again from the
 seed the forward kept (nothing of size N x N is stored).
@@ -117,7 +117,7 @@ class _DropoutFunction(torch.autograd.Function):
 
 
 def dropout_twin(attn, device):
-    """The dropout plan's module of attn's spec (planner.DROPOUT_TUNING), or one refusal. A
+    """The dropout plan's module of attn's spec (dropout_plan.DROPOUT_TUNING), or one refusal. A
     module built with the planner's tuning {"dropout": True, ...} (a tile sweep's variant) is
     its own."""
     if attn.plan.get("dropout"):
