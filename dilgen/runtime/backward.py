@@ -101,6 +101,10 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
     class_order = attn._class_order(q.device)
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
     covers_all = packing is None or packing.covers_all
+    # a dropout plan whose Gluon dK/dV adds dQ (KernelConfig.gluon_dkdv_dq): every branch's
+    # launch adds into zeroed dk, dv and, by atomics, a float32 dQ; no dq kernel runs
+    dq32 = (torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            if dropout and packing is None and gluon_dkdv_dq_taken(attn, q, k, v, grad_out, q.shape[-3]) else None)
     lanes = lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
     dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
@@ -108,18 +112,12 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
     # (Plan.gap_lane), and the first per-branch dK, dV launch writes (Plan.dkdv_first_writes):
     # no zero fills, except with padding rows between sequences
     dq_clears = covers_all and plan.get("gap_lane") is not None
-    dkdv_clears = covers_all and plan.get("dkdv_first_writes", False)
+    dkdv_clears = covers_all and plan.get("dkdv_first_writes", False) and dq32 is None
     # Launches that add into a gradient (lane dq after the fused dq or another lane branch,
     # per-branch dK, dV) read-add-write it in the inputs' dtype: each adds a float32 partial
     # sum rounded once, and the <= 5 roundings of a row stay far inside SPEC's gradient bounds
     # (bf16 rel 4e-2), while float32 buffers cost a zero fill of twice the bytes and a
     # conversion pass (D causal, H200: 0.9 of 2.9 ms fwd+bwd).
-    # a dropout plan whose Gluon dK/dV adds dQ (KernelConfig.gluon_dkdv_dq): every branch's
-    # launch adds into zeroed dk, dv and, by atomics, a float32 dQ; no dq kernel runs
-    dq32 = (torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            if dropout and packing is None and gluon_dkdv_dq_taken(attn, q, k, v, grad_out, q.shape[-3]) else None)
-    if dq32 is not None:
-        dkdv_clears = False
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     poison(dq, delta)
     if dq32 is None and not (dq_writes_all or dq_clears):

@@ -100,9 +100,7 @@ def gluon_dkdv_dq_taken(attn, q, k, v, grad_out, N: int) -> bool:
     every branch's launch of it taken (_takes; the gradients, made by the call, are
     contiguous), each adding into zeroed dk, dv (no first launch that writes) and a float32 dQ.
     Otherwise the call runs its dq kernels as the plan without it."""
-    plan = attn.plan
-    return bool(plan["config"].get("gluon_dkdv_dq") and plan["config"].get("gluon_dkdv_lanes")
-                and _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out))
+    return bool(attn.plan["config"].get("gluon_dkdv_dq") and _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out))
 
 
 def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool,
