@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dilgen
 from dilgen.runtime import launch, op, replay
+from dilgen.runtime.dropout_call import dropout_twin
 
 from conftest import device
 
@@ -345,6 +346,38 @@ def test_a_replayed_hilbert_call_equals_a_fresh_one(causal, poisoned):
     attn = kernel.compiled_for(device()).attention
     kinds = {k[0] for k, r in attn._replays.items() if hasattr(r, "launches")}
     assert kinds >= {"fwd", "bwd"}, kinds
+
+
+DROPOUT_CASES = {"tl": {}, "tl_causal": dict(causal=True), "hilbert": dict(hilbert={"scope": "segment"}, segment_lengths=[16, 64], dilation_rates=[1, 4]),
+                 "gluon": dict(head_dim=64, dtype="bfloat16", segment_lengths=[512, 1024], dilation_rates=[1, 2]),
+                 "gluon_causal": dict(head_dim=64, dtype="bfloat16", segment_lengths=[512, 1024],
+                                      dilation_rates=[1, 2], causal=True)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")
+@pytest.mark.parametrize("how", [*DROPOUT_CASES, "packed"])
+def test_a_replayed_dropout_call_equals_a_fresh_one(how, poisoned):
+    """Dropout calls of one signature and p replay the first one's launches, the seed a slot:
+    each step's seed (torch.manual_seed) gives the bits of a module that never replays, out,
+    lse and gradients; successive seeds give other masks."""
+    fields = DROPOUT_CASES.get(how, dict(segment_lengths=[16, 64], dilation_rates=[1, 4]))
+    kernel, plain = _kernel(name=f"host_drop_{how}", **fields), _kernel(name=f"host_drop_{how}_plain", **fields)
+    n = 2048 if how.startswith("gluon") else 128
+    cu = torch.tensor([0, 9, 9, 40], dtype=torch.int32, device=device())
+    shape, dtype = ((40, 4, 16) if how == "packed" else (2, n, 4, fields.get("head_dim", 16))), fields.get("dtype")
+    outs = []
+    for step in range(3):
+        def call(module, q, k, v, step=step):
+            torch.manual_seed(100 + step)
+            qkv = [t.to(torch.bfloat16) if dtype else t for t in (q, k, v)]
+            extra = dict(cu_seqlens=cu) if how == "packed" else {}
+            return module(*qkv, dropout_p=0.3, return_lse=True, **extra)
+        _replay_equals_plain(kernel, plain, call, shape, step, seed=70 + step)
+        outs.append(call(kernel, *_qkv(shape, 2, seed=70))[0])
+    assert not torch.equal(outs[0], outs[1])          # a new seed, a new mask
+    drop = dropout_twin(kernel.compiled_for(device()).attention, device())
+    kinds = {k[0] for k, r in drop._replays.items() if hasattr(r, "launches")}
+    assert kinds >= ({"vfwd", "vbwd"} if how == "packed" else {"fwd", "bwd"}), kinds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays run on CUDA only (GPU check)")

@@ -24,7 +24,7 @@ from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_la
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
-from .replay import Recorder, enabled, keep, lookup, recording_into, signature
+from .replay import Recorder, enabled, keep, lookup, recording_into, signature, split_dropout
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -131,12 +131,15 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
         poison(dk, dv)
     groups = None if packing is None else packing.groups(plan["num_heads"])
     seq_slots = () if packing is None else tuple(t for st, ln, _ in groups for t in (st, ln))
-    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv, *seq_slots)
+    drop_slots, drop_key = split_dropout(dropout)
+    slots = (q, k, v, out, lse, grad_out, delta, dlse, dq, dk, dv, *seq_slots, *drop_slots)
     record = False
-    if q.device.type == "cuda" and enabled() and not dropout:
-        # a call like an earlier one: its launches (a packing: the same launch groups)
-        key = signature("bwd", slots[:6], has_dlse) if packing is None else \
-            signature("vbwd", (*slots[:6], *seq_slots), (has_dlse, packing.buckets, packing.max_len, packing.covers_all))
+    if q.device.type == "cuda" and enabled() and dq32 is None:   # dq32: a conversion no recipe keeps
+        # a call like an earlier one: its launches (a packing: the same launch groups; dropout:
+        # the same p, the forward's seed a slot)
+        key = signature("bwd", (*slots[:6], *drop_slots), (has_dlse, drop_key)) if packing is None else \
+            signature("vbwd", (*slots[:6], *seq_slots, *drop_slots),
+                      (has_dlse, packing.buckets, packing.max_len, packing.covers_all, drop_key))
         recipe, record = lookup(attn, key)
         if recipe is not None:
             recipe.run(slots)

@@ -14,7 +14,7 @@ from .curve_rows import lane_key_args
 from .gluon_launch import gluon_lanes_launch, gluon_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
-from .replay import Recorder, enabled, keep, lookup, recording_into, signature
+from .replay import Recorder, enabled, keep, lookup, recording_into, signature, split_dropout
 from .tables import row_order_tensors
 from .varlen import packed_tables
 
@@ -41,13 +41,16 @@ def _forward(attn, q, k, v, packing, dropout=()) -> tuple[torch.Tensor, torch.Te
     if packing is not None:   # launch groups of sequences: their starts and lengths are slots
         groups = packing.groups(H)
         seq_slots = tuple(t for st, ln, _ in groups for t in (st, ln))
-    if q.device.type == "cuda" and enabled() and not dropout:   # a seed is not a recipe's
-        # a call like an earlier one launches what it launched (a packing: the same groups)
-        key = signature("fwd", (q, k, v)) if packing is None else \
-            signature("vfwd", (q, k, v, *seq_slots), (packing.buckets, packing.max_len, packing.covers_all))
+    drop_slots, drop_key = split_dropout(dropout)
+    if q.device.type == "cuda" and enabled():
+        # a call like an earlier one launches what it launched (a packing: the same groups;
+        # dropout: the same p, the seed a slot)
+        key = signature("fwd", (q, k, v, *drop_slots), drop_key) if packing is None else \
+            signature("vfwd", (q, k, v, *seq_slots, *drop_slots),
+                      (packing.buckets, packing.max_len, packing.covers_all, drop_key))
         recipe, record = lookup(attn, key)
         if recipe is not None:
-            return replay_forward(attn, recipe, q, k, v, seq_slots if packing is not None else None)
+            return replay_forward(attn, recipe, q, k, v, seq_slots if packing is not None else None, drop_slots)
     interpret = q.device.type == "cpu"
     if packing is None:
         B, N = check_inputs(attn.spec, q, k, v)
@@ -94,7 +97,7 @@ def _forward(attn, q, k, v, packing, dropout=()) -> tuple[torch.Tensor, torch.Te
     if record:
         for kernel, grid, args, opts in launches:
             recorder.launch(kernel, grid, args, opts)
-        recipe = recorder.recipe((q, k, v, out, lse, *seq_slots), attn, allocator)
+        recipe = recorder.recipe((q, k, v, out, lse, *seq_slots, *drop_slots), attn, allocator)
         if recipe is not None:
             recipe.fill = not (writes_all or clears)
         keep(attn, key, recipe)
@@ -145,10 +148,10 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
             accumulate, clear = True, False
 
 
-def replay_forward(attn, recipe, q, k, v, seqs=None) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_forward(attn, recipe, q, k, v, seqs=None, drop_slots=()) -> tuple[torch.Tensor, torch.Tensor]:
     """_forward's outputs and launches for a call whose signature was recorded; `seqs`: a
     packed call's group tensors (starts, lengths of each launch group), its rows' outputs
-    (rows, H, D) and lse (H, rows)."""
+    (rows, H, D) and lse (H, rows); `drop_slots`: a dropout call's seed and streams."""
     H = attn.plan["num_heads"]
     if seqs is None:
         B, N = q.shape[0], q.shape[1]
@@ -161,6 +164,6 @@ def replay_forward(attn, recipe, q, k, v, seqs=None) -> tuple[torch.Tensor, torc
     if recipe.fill:
         out.zero_()
         lse.fill_(float("-inf"))
-    recipe.run((q, k, v, out, lse, *(seqs or ())))
+    recipe.run((q, k, v, out, lse, *(seqs or ()), *drop_slots))
     attn.launches += 1
     return out, lse

@@ -58,6 +58,15 @@ def signature(tag: str, tensors, extra=()) -> tuple:
             *[(t.shape, t.stride(), t.dtype, t.get_device(), p & 15) for t, p in zip(tensors, ptrs)])
 
 
+def split_dropout(dropout: tuple) -> tuple[tuple, tuple]:
+    """A dropout plan's kernel arguments (runtime.dropout_call.dropout_args) as a recipe takes
+    them: the call's tensors (the seed, read by the kernels when they run, and the streams
+    table), which are slots, and its numbers (drop_cut, drop_scale, the counter's rows, the
+    first row's position), which a recipe keeps as recorded and so belong to the signature."""
+    return (tuple(x for x in dropout if isinstance(x, torch.Tensor)),
+            tuple(x for x in dropout if not isinstance(x, torch.Tensor)))
+
+
 def kept_tensors(attn) -> set[int]:
     """ids of the device tables a module keeps between calls (GeneratedAttention
     ._device_tensors: class order, Hilbert tables, block lists, decode's curves)."""
