@@ -64,7 +64,9 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
         tile = tuple(want)
     lanes = [b for b in branches if b.lanes]
     taken = [b for b in lanes if tile and gluon_lane_branch(b.segment_length, b.dilation, tile[0])]
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, forward_lanes=True)
+    curve = _curve_lanes(spec, lanes, query_order, tuning)     # else Hilbert lanes are refused below
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, forward_lanes=True,
+                    curve_lanes=bool(curve))
            or (None if lanes else "the plan has no lane branch")
            or (None if taken else f"no lane branch has r | w with w / r a multiple of 128 and of {tile[0]} "
                                   "keys")
@@ -76,6 +78,40 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     if spec.causal and all(b.dilation != 1 for b in branches) and "gluon_lanes" not in tuning:
         return None     # causal with no r = 1 branch: level with the `tl` lanes (H200, D 0.362 against 0.356 ms)
     return tile
+
+
+# A Hilbert plan's curve lanes in Gluon ({"gluon_curve_lanes": true}): off by default until an
+# H200 has checked them and timed them against the `tl` curve lanes (F forward)
+GLUON_CURVE_LANES_DEFAULT = False
+
+
+def _curve_lanes(spec: Spec, lanes, query_order, tuning: dict) -> bool | None:
+    """Whether the Gluon lanes run a plan's curve lanes (KernelConfig.gluon_curve_lanes): True;
+    None for a plan with no curve lanes; False for one whose curve lanes stay `tl` (the
+    default for now, a tuning's false, or a plan they cannot run). They take non-causal specs
+    whose every lane branch walks compact curve copies (BranchIR.curve_rows) and whose queries
+    are raster rows."""
+    if not any(b.curve_rows for b in lanes):
+        if tuning.get("gluon_curve_lanes"):
+            raise SpecError(f"{spec.name}: tuning gluon_curve_lanes needs lane branches with Hilbert curve "
+                            "tables (hilbert scope \"segment\", r > 1)")
+        return None
+    want = tuning.get("gluon_curve_lanes", GLUON_CURVE_LANES_DEFAULT)
+    if not isinstance(want, bool):
+        raise SpecError(f"{spec.name}: tuning gluon_curve_lanes takes true or false (asked: {want!r})")
+    why = ("causal curves read block lists" if spec.causal else
+           "the queries are in curve order (hilbert scope \"sequence\")" if query_order is not None else
+           "a lane branch reads its curve table in its inner loops" if not all(b.curve_rows for b in lanes) else None)
+    if want and why is not None:
+        if "gluon_curve_lanes" in tuning:
+            raise SpecError(f"{spec.name}: tuning gluon_curve_lanes cannot run here: {why}")
+        return False
+    return want
+
+
+def gluon_curve_lanes(spec: Spec, branches, query_order, tuning: dict, lanes_tile) -> bool:
+    """KernelConfig.gluon_curve_lanes: the Gluon lanes (lanes_tile) run curve lanes."""
+    return bool(lanes_tile) and bool(_curve_lanes(spec, [b for b in branches if b.lanes], query_order, tuning))
 
 
 def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
@@ -203,14 +239,16 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 
 
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
-             forward_lanes: bool = False, lattice_only: bool = False, noncausal_lanes: bool = False) -> str | None:
+             forward_lanes: bool = False, lattice_only: bool = False, noncausal_lanes: bool = False,
+             curve_lanes: bool = False) -> str | None:
     """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels
     (every branch r | w, unless `forward_lanes`); `forward_lanes`: for the forward lane kernel,
     which runs causal or not, takes the r | w branches beside `tl` ones, and needs no r = 1
     branch (its first launch writes "no branch" into the rows its branch does not keep);
     `lattice_only`: `branches` are the forward's lattice branches, which read no table even
     when a Hilbert spec's lane branches do; `noncausal_lanes`: the lane backward of a dropout
-    plan, which runs non-causal specs too."""
+    plan, which runs non-causal specs too; `curve_lanes`: the forward lanes of Hilbert curve
+    branches, which read compact copies (_curve_lanes)."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -224,7 +262,8 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
          "the Gluon lane backward takes causal specs only (and a dropout plan's dK/dV)"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
         (query_order is not None or (any(b.order is not None for b in branches) if lattice_only
-                                     else spec.hilbert is not None), "Hilbert orders read through tables"),
+                                     else spec.hilbert is not None and not curve_lanes),
+         "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
         (not forward_lanes and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),

@@ -236,6 +236,10 @@ class KernelConfig:
     # sm90: the causal lane branches as the Gluon kernel of templates/gluon_lanes.py.jinja
     # (the Gluon forward's shape, one branch a launch), keys per block and K/V stages
     gluon_lanes: tuple[int, int] | None = None
+    # with gluon_lanes: the lane branches are a Hilbert plan's curve lanes (non-causal), whose
+    # keys the Gluon lanes read from the compact curve copies (BranchIR.curve_rows) and whose
+    # query rows they gather and scatter through the curve table
+    gluon_curve_lanes: bool = False
     # sm90: a causal spec's per-branch dK/dV and lane dq as the Gluon kernels of
     # templates/gluon_lanes_bwd.py.jinja (the Gluon dK/dV's and dQ's shapes), their stages
     gluon_lanes_bwd: int | None = None
@@ -274,6 +278,8 @@ class KernelConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 2 <= value <= 8):
                 raise ValueError(f"KernelConfig.{name} = {value!r}: stages 2 to 8")
+        if self.gluon_curve_lanes and not self.gluon_lanes:
+            raise ValueError("KernelConfig.gluon_curve_lanes needs gluon_lanes (its curve lanes are that kernel's)")
         if self.gluon_dkdv_dq and not self.gluon_dkdv_lanes:
             raise ValueError("KernelConfig.gluon_dkdv_dq needs gluon_dkdv_lanes (its dQ is that kernel's)")
         if self.gluon_exp2 not in (0, 2, 4, 8):
@@ -301,6 +307,7 @@ class KernelConfig:
                 **({"gluon_dkdv": self.gluon_dkdv} if self.gluon_dkdv else {}),
                 **({"gluon_dq": self.gluon_dq} if self.gluon_dq else {}),
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
+                **({"gluon_curve_lanes": True} if self.gluon_curve_lanes else {}),
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
                 **({"gluon_dkdv_dq": True} if self.gluon_dkdv_dq else {}),

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 7679d18da37e4cd0
+# template hash: f703beb84a944723
 # plan key:      3f5c3b20e2614a24e716b4d5d329bd0f06099ad78f601ad232a6b1b7fc65d8a7
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -173,14 +173,20 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 mock = _mock(base["dtype"])
                 fused_q = any(not br["lanes"] for br in plan["branches"])
                 keys = plan["config"]["gluon_lanes"][0]
+                curve = plan["config"].get("gluon_curve_lanes", False)
                 for n, i in enumerate(lane_order(plan)):    # an r = 1 branch first: it writes; else
                     br = plan["branches"][i]                 # the first clears (Plan.gap_lane)
-                    if gluon_lane_branch(br["w"], br["r"], keys):    # the others: the `tl` lane kernel
-                        out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock,
-                                                                     _mock(torch.float32), 1, N, br, n > 0 or fused_q,
-                                                                     n == 0 and plan.get("gap_lane") is not None,
-                                                                     _dropout_values(plan, base)),
-                                          opts))
+                    if not gluon_lane_branch(br["w"], br["r"], keys):    # the `tl` lane kernel
+                        continue
+                    if curve:       # curve lanes: q, the table, descriptors over the compact copies
+                        from ..runtime.gluon_launch import gluon_curve_lanes_args
+                        args = gluon_curve_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
+                                                      _mock(torch.int32), 1, N, br, n > 0 or fused_q)
+                    else:
+                        args = gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32), 1, N, br,
+                                                n > 0 or fused_q, n == 0 and plan.get("gap_lane") is not None,
+                                                _dropout_values(plan, base))
+                    out.append(Launch(role, fn, args, opts))
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N, base))

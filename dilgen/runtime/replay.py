@@ -12,8 +12,8 @@ kernels, so the second call can launch the kernels the first one compiled, its t
 the slots where the first call's were. Tensors a call allocates for its own launches (the
 compact copies of curve-ordered rows, `Recorder.temporary`) are allocated afresh by each
 replay. A host-made TMA descriptor over a slot (the Gluon forward's, runtime/gluon_launch.py)
-is made again over the call's tensor: its shape and strides follow from the signature, its
-base is the slot's pointer. A recording in which a launch reads any other tensor, neither a
+is made again over the call's tensor (or temporary): its shape and strides follow from the
+signature, its base is the slot's pointer. A recording in which a launch reads any other tensor, neither a
 slot nor one of the module's kept device tables, is not kept: such calls take the full path
 every time.
 """
@@ -127,7 +127,7 @@ class Recorder:
                     elif id(a) not in kept:
                         return None
                 elif isinstance(getattr(a, "base", None), torch.Tensor):     # a TMA descriptor
-                    slot = _slot_under(a.base, slots)
+                    slot = _slot_under(a.base, (*slots, *self.temporaries.values()))   # holes' order
                     if slot is None:
                         return None
                     holes.append((pos, slot, (tuple(a.shape), tuple(a.strides), a.padding)))

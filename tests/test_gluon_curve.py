@@ -1,0 +1,169 @@
+"""sm90's Gluon lanes over Hilbert curve branches (KernelConfig.gluon_curve_lanes,
+templates/gluon_lanes.py.jinja): a non-causal Hilbert segment plan's lane branches read their
+keys from the compact curve copies (runtime/curve_rows.py) through descriptors and gather and
+scatter their query rows through the curve table. On the CPU: when the planner takes them and
+what it refuses by name, the kernel compiled for sm90 (both CI Tritons), its `dilgen build`
+launch; on an sm90 GPU: out, lse and gradients against the float64 reference with the Gluon
+curve lanes launched for every curve branch, and replayed calls equal to fresh ones."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dilgen
+from dilgen import codegen
+from dilgen.planner import plan
+from dilgen.spec import SpecError
+from dilgen.targets import get_target
+
+from conftest import check_against_reference, compile_sm90, load_emitted, needs_gluon, on_sm90
+
+ASK = {"gluon_curve_lanes": True}
+HILBERT = {"scope": "segment"}
+
+
+def _spec(**over):
+    fields = dict(name="glc", num_heads=16, num_kv_heads=4, head_dim=128, segment_lengths=[2048, 4096, 8192],
+                  dilation_rates=[1, 2, 4], dtype="bfloat16", hilbert=HILBERT)
+    fields.update(over)
+    return dilgen.Spec(**fields)
+
+
+@needs_gluon
+def test_taken_where_asked_and_off_by_default():
+    sm90 = get_target("sm90")
+    assert not plan(_spec(), sm90).config.gluon_curve_lanes and plan(_spec(), sm90).config.gluon_lanes is None
+    asked = plan(_spec(), sm90, ASK).config
+    assert asked.gluon_curve_lanes and asked.gluon_lanes == (128, 3) and asked.gluon_fwd == (128, 3)
+    assert plan(_spec(), get_target("sm80"), {}).config.gluon_curve_lanes is False
+    assert plan(_spec(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]), sm90, ASK).config.gluon_curve_lanes
+    assert "gluon_curve_lanes" not in plan(_spec(), sm90).config.to_json()      # the default plans' JSON as before
+
+
+@needs_gluon
+@pytest.mark.parametrize("over, tuning, why", [
+    (dict(causal=True), ASK, "causal curves read block lists"),
+    (dict(hilbert=None), ASK, "needs lane branches with Hilbert curve tables"),
+    (dict(hilbert={"scope": "sequence", "grid": [64, 64]}), ASK, "queries are in curve order|needs lane branches "
+                                                                  "with Hilbert curve tables"),
+    ({}, {"gluon_curve_lanes": 1}, "takes true or false"),
+    ({}, {"gluon_curve_lanes": True, "curve_rows": False}, "needs lane branches with Hilbert curve tables"),
+    ({}, {"gluon_curve_lanes": True, "gluon_lanes": False}, None),
+])
+def test_refused_by_name_where_it_cannot_run(over, tuning, why):
+    sm90 = get_target("sm90")
+    if why is None:     # the lanes declined: no curve lanes in Gluon, nothing refused
+        assert not plan(_spec(**over), sm90, tuning).config.gluon_curve_lanes
+        return
+    with pytest.raises(SpecError, match=why):
+        plan(_spec(**over), sm90, tuning)
+
+
+def _module(tmp_path, **over):
+    text = codegen.emit(plan(_spec(**over), get_target("sm90"), ASK))
+    return load_emitted(tmp_path / f"glc_{abs(hash(repr(sorted(over.items())))) % 10**6}.py", text)
+
+
+@needs_gluon
+@pytest.mark.parametrize("over", [dict(), dict(num_kv_heads=8), dict(num_kv_heads=16),
+                                  dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096])])
+def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
+    """The writing and merging variants of a branch of rate 4 (kv groups of 4, 2 and 1 heads:
+    a copy per offset, per query head, one), under both CI Tritons: wgmma, the keys by TMA, no
+    query or output descriptor."""
+    from triton.experimental.gluon import language as gl
+    mod = _module(tmp_path, **over)
+    D = over.get("head_dim", 128)
+    desc = f"tensordesc<bf16[128, 1, {D}],{gl.NVMMASharedLayout.get_default_for([128, 1, D], gl.bfloat16)!r}>"
+    sig = {"Q": "*bf16", "Fwd": "*i32", "k_desc": desc, "v_desc": desc, "Out": "*bf16", "Lse": "*fp32", "N": "i32",
+           "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr", "CLEAR": "constexpr"}
+    for merge in (False, True):
+        kernel = compile_sm90(mod.glc_gluon_lanes, sig, {(7,): 8192, (8,): 4, (9,): merge, (10,): False})
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+        assert "cp.async.bulk.tensor.3d.global.shared" not in ptx      # outputs scattered, not stored by TMA
+        assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+
+
+@needs_gluon
+def test_build_compiles_the_curve_lanes_as_the_runtime_specializes_them(cache_dir):
+    """`dilgen build` has a curve-lane launch per curve branch, merging after the Gluon forward's
+    r = 1 branch, and its arguments specialize as a call's real ones (batch 2) do."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    from dilgen.runtime.gluon_launch import OPTIONS, gluon_curve_lanes_args
+    spec = _spec(name="glc_aot", num_heads=4, num_kv_heads=2, segment_lengths=[256, 1024, 2048])
+    attn = build(spec, get_target("sm90"), ASK).module.attention
+    launches = [x for x in predicted_launches(attn, 2048) if x.role == "gluon_lanes"]
+    assert [x.args[-4:] for x in launches] == [(1024, 2, True, False), (2048, 4, True, False)]
+    br = attn.plan["branches"][2]
+    q = torch.randn(2, 2048, 4, 128, dtype=torch.bfloat16)
+    kc = torch.randn(2, 2, 2, 2048 // 4, 128, dtype=torch.bfloat16)
+    real = gluon_curve_lanes_args(attn.plan, q, kc, kc.clone(), torch.empty_like(q), torch.randn(2, 4, 2048),
+                                  torch.zeros(2048, dtype=torch.int32), 2, 2048, br, True)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    want = specialize(attn.gluon_lanes_fn, backend, real, OPTIONS).desc
+    assert specialize(attn.gluon_lanes_fn, backend, launches[-1].args, launches[-1].launch_opts).desc == want
+
+
+# -- on an sm90 GPU: float64 out, lse and gradients, the Gluon curve lanes launched ----------
+GPU_CASES = [
+    # (id, spec fields, (B, N))
+    ("gqa_4", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048]), (2, 2048)),
+    ("gqa_2_rate_past_group", dict(num_heads=8, num_kv_heads=4, segment_lengths=[512, 1024, 2048]), (1, 4096)),
+    ("mha_head_dim_64", dict(num_heads=4, num_kv_heads=4, head_dim=64, segment_lengths=[512, 1024, 2048]), (1, 4096)),
+]
+
+
+def _spy(monkeypatch) -> list:
+    from dilgen.runtime import forward
+    taken = []
+
+    def spy(*args, real=forward.gluon_lanes_launch):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(forward, "gluon_lanes_launch", spy)
+    return taken
+
+
+@on_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
+    name, over, (B, N) = case
+    taken = _spy(monkeypatch)
+    check_against_reference(_spec(name="glc_" + name, **over), B, N, ASK, name)
+    assert taken == [True, True], taken          # both curve branches, after the Gluon forward's r = 1
+
+
+@on_sm90
+def test_replayed_calls_equal_fresh_ones_and_the_tl_curve_lanes():
+    """Repeated calls replay their launches (the compact copies allocated afresh, the
+    descriptors made again over them): each equals a module that never replays bit for bit,
+    and the `tl` curve lanes to rounding."""
+    from conftest import rel_error
+    from dilgen.runtime import replay, set_poison
+    spec = _spec(name="glc_replay", num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048])
+    gluon, plain, tl = (dilgen.Kernel(spec, None, t) for t in (ASK, dict(ASK), {}))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    set_poison(True)
+    try:
+        for call in range(3):
+            q = torch.randn(2, 4096, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            k, v = (torch.randn(2, 4096, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+            out, lse = gluon(q, k, v, return_lse=True)
+            replay.ENABLED = False
+            try:
+                want, want_lse = plain(q, k, v, return_lse=True)
+            finally:
+                replay.ENABLED = True
+            assert torch.equal(out, want) and torch.equal(lse, want_lse), f"call {call}"
+            out_tl, lse_tl = tl(q, k, v, return_lse=True)
+            assert rel_error(out, out_tl) < 1e-2 and (lse - lse_tl).abs().max() < 1e-3, f"call {call}"
+    finally:
+        set_poison(False)
+    attn = gluon.compiled_for(torch.device("cuda")).attention
+    assert any(key[0] == "fwd" and hasattr(r, "launches") for key, r in attn._replays.items())
