@@ -91,7 +91,8 @@ def kernel_families(plan) -> str:
         parts.append("forward tl (fused)")
     gluon_lanes = [i for i in lanes if cfg.gluon_lanes and gluon_lane_branch(
         plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])]
-    for name, which in (("Gluon", gluon_lanes), ("tl", [i for i in lanes if i not in gluon_lanes])):
+    gluon_name = "Gluon curve" if cfg.gluon_curve_lanes else "Gluon"     # Hilbert curve lanes (compact copies)
+    for name, which in ((gluon_name, gluon_lanes), ("tl", [i for i in lanes if i not in gluon_lanes])):
         if which:
             parts.append(f"lanes {name} (branch{'es' if len(which) > 1 else ''} {', '.join(map(str, which))})")
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else

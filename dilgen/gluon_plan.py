@@ -80,15 +80,16 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     return tile
 
 
-# A Hilbert plan's curve lanes in Gluon ({"gluon_curve_lanes": true}): off by default until an
-# H200 has checked them and timed them against the `tl` curve lanes (F forward)
-GLUON_CURVE_LANES_DEFAULT = False
+# A Hilbert plan's curve lanes in Gluon by default ({"gluon_curve_lanes": false} declines them):
+# H200, F forward 1.82 -> 1.68 ms against the `tl` curve lanes, fwd+bwd 8.64 -> 8.51
+# (bench/results/forward_curve_lanes-2026-11-29-h200.json)
+GLUON_CURVE_LANES_DEFAULT = True
 
 
 def _curve_lanes(spec: Spec, lanes, query_order, tuning: dict) -> bool | None:
     """Whether the Gluon lanes run a plan's curve lanes (KernelConfig.gluon_curve_lanes): True;
-    None for a plan with no curve lanes; False for one whose curve lanes stay `tl` (the
-    default for now, a tuning's false, or a plan they cannot run). They take non-causal specs
+    None for a plan with no curve lanes; False for one whose curve lanes stay `tl` (a tuning's
+    false, or a plan they cannot run). They take non-causal specs
     whose every lane branch walks compact curve copies (BranchIR.curve_rows) and whose queries
     are raster rows."""
     if not any(b.curve_rows for b in lanes):

@@ -3,7 +3,7 @@
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
 # template hash: f703beb84a944723
-# plan key:      3f5c3b20e2614a24e716b4d5d329bd0f06099ad78f601ad232a6b1b7fc65d8a7
+# plan key:      f1eaa631761861a0749c805d9ed38bc62ce9d7b33ecc57ba211f611192dfe99e
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -86,8 +86,10 @@ PLAN = {
         "dual_chain": True,
         "fold_scale": True,
         "fused_tma": True,
+        "gluon_curve_lanes": True,
         "gluon_exp2": 8,
         "gluon_fwd": [128, 3],
+        "gluon_lanes": [128, 3],
         "l2_bytes": 52428800,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],
@@ -1474,10 +1476,261 @@ def slide_tiles_gluon_fwd(q_desc, o_desc, k0, v0, Lse, N):
     gl.warp_specialize([(slide_tiles_gluon_consumer0, (p,)), (slide_tiles_gluon_consumer1, (p,)), (slide_tiles_gluon_producer, (p,))],
                        [4, 1], [240, 24])
 
+# ---- sm90: the lane branches in Gluon (KernelConfig.gluon_lanes; runtime/forward.py launches it
+# on a GPU for fixed-length rows whose every segment is whole, slide_tiles_fwd_lanes otherwise) ----
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+# TMA copies: Triton 3.9 names them async_load / async_store (3.6: async_copy_*)
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+GLUON_LANE_ROWS = gl.constexpr(64)      # query lanes per consumer warpgroup; a program takes two
+GLUON_LANE_KEYS = gl.constexpr(128)     # key lanes per block
+GLUON_LANE_STAGES = gl.constexpr(3)   # K/V blocks in flight (the shared-memory ring)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_exp2(x):
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .f32 c, t, j, f, p;
+        .reg .b32 e, pb;
+        ex2.approx.ftz.f32 $0, $8;
+        ex2.approx.ftz.f32 $1, $9;
+        ex2.approx.ftz.f32 $2, $10;
+        ex2.approx.ftz.f32 $3, $11;
+        ex2.approx.ftz.f32 $4, $12;
+        ex2.approx.ftz.f32 $5, $13;
+        ex2.approx.ftz.f32 $6, $14;
+        max.ftz.f32 c, $15, 0fC2FC0000;
+        add.rn.ftz.f32 t, c, 0f4B400000;
+        sub.rn.ftz.f32 j, t, 0f4B400000;
+        sub.rn.ftz.f32 f, c, j;
+        fma.rn.ftz.f32 p, f, 0f3D61FB83, 0f3E786F02;
+        fma.rn.ftz.f32 p, p, f, 0f3F31798D;
+        fma.rn.ftz.f32 p, p, f, 0f3F7FFB49;
+        mov.b32 e, t;
+        shl.b32 e, e, 23;
+        mov.b32 pb, p;
+        add.s32 pb, pb, e;
+        mov.b32 $7, pb;
+        }""",
+        "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x], dtype=gl.float32, is_pure=True, pack=8)
+
+
+@gluon.jit
+def slide_tiles_gluon_curve_row0(b, h, s, N, W: gl.constexpr, R: gl.constexpr):
+    """The compact row of key lane 0 of segment s for query head h (runtime.curve_rows: per kv
+    head min(group, R) copies, one per offset its query heads use, of N / R rows each)."""
+    kvh = h // 4
+    if R <= 4:    # a copy per offset: this head's offset o = h mod R
+        copy = (b * 2 + kvh) * R + h % R
+    else:                   # a copy per query head of the group: its place in it
+        copy = (b * 2 + kvh) * 4 + h - kvh * 4
+    return copy * (N // R) + s * (W // R)
+
+
+@gluon.jit
+def slide_tiles_gluon_curve_rows(Fwd, s, q0, N, W: gl.constexpr, R: gl.constexpr, h, layout: gl.constexpr):
+    """The raster rows of query lanes q0 ... q0 + 63 of segment s (head h's offset o = h mod R):
+    Fwd[s W + o + R j], the curve position's raster row."""
+    lanes = q0 + gl.arange(0, GLUON_LANE_ROWS, layout=layout)
+    return gl.load(Fwd + s * W + h % R + R * lanes)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_producer(p):
+    """One warp: the segment's key blocks 0 ... T - 1 (the consumers gather their Q rows)."""
+    (Q, Fwd, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, s, mt, N, W, R) = p
+    row0 = slide_tiles_gluon_curve_row0(b, h, s, N, W, R)
+    kcol = 0
+    for t in range(W // R // GLUON_LANE_KEYS):
+        st = t % GLUON_LANE_STAGES
+        mbarrier.wait(kv_empty.index(st), ((t // GLUON_LANE_STAGES) & 1) ^ 1)   # both consumers let go of it
+        mbarrier.expect(k_ready.index(st), GLUON_LANE_KEYS * 64 * 2)
+        tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 64 * 2)
+        tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_scores(s, t, q0, s_layout: gl.constexpr, MASKED: gl.constexpr):
+    """A block's raw scores q·k (the scale enters exp2's argument); in a MASKED block (the
+    warpgroup's last, the one its diagonal crosses, and block 0) key lane j > query lane i is
+    masked."""
+    if MASKED:
+        keys = t * GLUON_LANE_KEYS + gl.arange(0, GLUON_LANE_KEYS, layout=gl.SliceLayout(0, s_layout))
+        lanes = q0 + gl.arange(0, GLUON_LANE_ROWS, layout=gl.SliceLayout(1, s_layout))
+        s = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(lanes, 1), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready, kv_empty, q0,
+                        s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr):
+    """Key block t: its scores issued, then block t - 1's P·V while they run, then block t's
+    online softmax (running max m_i, sum l_i; acc rescaled by exp2(m_old - m_new))."""
+    dtype: gl.constexpr = k_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
+    st = t % GLUON_LANE_STAGES
+    pst = (t - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(k_ready.index(st), (t // GLUON_LANE_STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(st).reshape([GLUON_LANE_KEYS, 64]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_LANE_STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_LANE_KEYS, 64]), acc, is_async=True)
+    x = slide_tiles_gluon_lanes_scores(warpgroup_mma_wait(1, deps=(s_tok,)), t, q0, s_layout, MASKED)
+    m_new = gl.maximum(m_i, gl.max(x, axis=1) * 0.18033688011112042)
+    alpha = gl.exp2(m_i - m_new)
+    pj = slide_tiles_gluon_lanes_exp2(gl.fma(x, 0.18033688011112042, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
+    l_i = l_i * alpha + gl.sum(pj, axis=1)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(kv_empty.index(pst), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return acc, m_new, l_i, gl.convert_layout(pj.to(dtype), p_layout)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """One consumer warpgroup: query lanes q0 = mt*128 + WG*64 ... of the segment against the
+    stream of key blocks, as the Gluon forward's consumers (block t's scores issued before
+    block t - 1's P·V); key block 0 holds lane 0, so every row's running max is finite from
+    the first."""
+    (Q, Fwd, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+     b, h, s, mt, N, W, R) = p
+    dtype: gl.constexpr = k_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, GLUON_LANE_KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([GLUON_LANE_ROWS, GLUON_LANE_KEYS], gl.float32, layout=s_layout)
+    acc = gl.zeros([GLUON_LANE_ROWS, 64], gl.float32, layout=o_layout)
+    q0 = mt * (2 * GLUON_LANE_ROWS) + WG * GLUON_LANE_ROWS
+    T = W // R // GLUON_LANE_KEYS     # every block of the segment, none masked
+
+    # the warpgroup's 64 query rows, gathered through the curve table into its Q buffer
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])     # 16-byte vectors
+    q_rows = slide_tiles_gluon_curve_rows(Fwd, s, q0, N, W, R, h, gl.SliceLayout(1, ld_layout))
+    q_offs = ((b * N + gl.expand_dims(q_rows, 1)).to(gl.int64) * 8 + h) * 64 \
+        + gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, ld_layout)), 0)
+    q_smem.index(WG).reshape([GLUON_LANE_ROWS, 64]).store(gl.load(Q + q_offs))
+    fence_async_shared()
+    q = q_smem.index(WG).reshape([GLUON_LANE_ROWS, 64])
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_LANE_KEYS, 64]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    x = slide_tiles_gluon_lanes_scores(warpgroup_mma_wait(0, deps=(s_tok,)), 0, q0, s_layout, False)
+    m_i = gl.max(x, axis=1) * 0.18033688011112042
+    pj = slide_tiles_gluon_lanes_exp2(gl.fma(x, 0.18033688011112042, -gl.expand_dims(m_i, 1)))
+    l_i = gl.sum(pj, axis=1)
+    p_op = gl.convert_layout(pj.to(dtype), p_layout)
+    for t in range(1, T):
+        acc, m_i, l_i, p_op = slide_tiles_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_smem, k_ready, v_ready,
+                                                  kv_empty, q0, s_layout, o_layout, False)
+    lst = (T - 1) % GLUON_LANE_STAGES
+    mbarrier.wait(v_ready.index(lst), ((T - 1) // GLUON_LANE_STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(lst).reshape([GLUON_LANE_KEYS, 64]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    mbarrier.arrive(kv_empty.index(lst), count=1)
+
+    rows_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, rows_l), 1)
+    lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, rows_l)     # natural log
+    rows = slide_tiles_gluon_curve_rows(Fwd, s, q0, N, W, R, h, rows_l)      # raster rows
+    lse_rows = Lse + (b * 8 + h).to(gl.int64) * N + rows
+    offs = ((b * N + gl.expand_dims(rows, 1)).to(gl.int64) * 8 + h) * 64 \
+        + gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout)), 0)
+    if ACCUMULATE:  # merge with the launches before this one (common.merge_partial)
+        lse_acc = gl.load(lse_rows)
+        top = gl.maximum(lse_acc, lse)              # finite: this launch's lse is
+        w_acc = gl.exp(lse_acc - top)
+        w_new = gl.exp(lse - top)
+        total = w_acc + w_new
+        out_acc = gl.where(gl.expand_dims(w_acc > 0.0, 1), gl.load(Out + offs).to(gl.float32)
+                           * gl.expand_dims(w_acc, 1), 0.0)
+        out = (out_acc + out * gl.expand_dims(w_new, 1)) / gl.expand_dims(total, 1)
+        lse = top + gl.log(total)
+    gl.store(Out + offs, out.to(dtype))     # scattered to the rows' raster places
+    gl.store(lse_rows, lse)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_write0(p):
+    slide_tiles_gluon_lanes_consume(p, 0, False)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_write1(p):
+    slide_tiles_gluon_lanes_consume(p, 1, False)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_add0(p):
+    slide_tiles_gluon_lanes_consume(p, 0, True)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes_add1(p):
+    slide_tiles_gluon_lanes_consume(p, 1, True)
+
+
+@gluon.jit
+def slide_tiles_gluon_lanes(Q, Fwd, k_desc, v_desc, Out, Lse, N, W: gl.constexpr, R: gl.constexpr,
+                  ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+    """Notation (as in slide_tiles_fwd_lanes, whose work this is for one branch).
+    W, R             the branch's segment length and rate (W / R a multiple of 128)
+    Q, Fwd           q (B, N, H, D); the branch's curve table: query lane j of segment s is raster
+                     row Fwd[s*W + o + R*j] of head h (o = h mod R), gathered
+    k_desc, v_desc   the branch's compact curve copies of k and v as (B*H_kv*min(group, R)*N/R, 1,
+                     D): key lane j of segment s at row s*W/R + j of its head's copy; boxes of 128
+    Out, Lse         (B, N, H, D) and (B, H, N): merged into (ACCUMULATE) or written; CLEAR
+                     (a first launch whose branch does not keep every row): the tile's span's
+                     rows of other offsets written "no branch" (0, -inf) too
+    program          (s*T + t, b*H + h): segment s, lane tile mt = T - 1 - t of 128 lanes
+                     (T = W/R/128 tiles, the longest first)
+    Two consumer warpgroups of 64 query lanes and one producer warp (gl.warp_specialize), as
+    the Gluon forward (gluon_fwd.py.jinja); every segment whole (runtime/forward.py)."""
+    dtype: gl.constexpr = k_desc.dtype
+    n_tiles: gl.constexpr = W // R // (2 * GLUON_LANE_ROWS)
+    s = gl.program_id(0) // n_tiles
+    mt = n_tiles - 1 - gl.program_id(0) % n_tiles
+    b = gl.program_id(1) // 8
+    h = gl.program_id(1) % 8
+    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANE_ROWS, 1, 64], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 64], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 64], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(GLUON_LANE_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+    p = (Q, Fwd, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R)
+    gl.static_assert(not CLEAR, "curve lanes write no gap rows: a plan with an r = 1 branch runs them")
+    if ACCUMULATE:
+        gl.warp_specialize([(slide_tiles_gluon_lanes_add0, (p,)), (slide_tiles_gluon_lanes_add1, (p,)),
+                            (slide_tiles_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([(slide_tiles_gluon_lanes_write0, (p,)), (slide_tiles_gluon_lanes_write1, (p,)),
+                            (slide_tiles_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
+
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
                                lane_kernel=slide_tiles_fwd_lanes,
                                curve_kernel=slide_tiles_curve_rows,
-                               gluon_kernel=slide_tiles_gluon_fwd)
+                               gluon_kernel=slide_tiles_gluon_fwd,
+                               gluon_lanes=slide_tiles_gluon_lanes)

@@ -70,9 +70,9 @@ def test_explain_names_the_kernels_a_plan_launches(tmp_path, arch, want):
 
 
 @pytest.mark.parametrize("over, want", [
-    # head_dim 64: one exponential in 8 on the FMA pipe; a Hilbert segment curve's branch as `tl` lanes
+    # head_dim 64: one exponential in 8 on the FMA pipe; a Hilbert segment curve's branch as Gluon curve lanes
     (dict(head_dim=64, hilbert={"scope": "segment"}),
-     "forward Gluon (128 keys a block, 3 stages, 1 exp2 in 8 on the FMA pipe), lanes tl (branch 1)"),
+     "forward Gluon (128 keys a block, 3 stages, 1 exp2 in 8 on the FMA pipe), lanes Gluon curve (branch 1)"),
     (dict(head_dim=128, segment_lengths=[2048, 4096], dilation_rates=[1, 3]),
      "forward Gluon (128 keys a block, 3 stages), lanes tl (branch 1)"),      # r = 3 does not divide w
 ])

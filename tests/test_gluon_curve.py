@@ -4,7 +4,8 @@ keys from the compact curve copies (runtime/curve_rows.py) through descriptors a
 scatter their query rows through the curve table. On the CPU: when the planner takes them and
 what it refuses by name, the kernel compiled for sm90 (both CI Tritons), its `dilgen build`
 launch; on an sm90 GPU: out, lse and gradients against the float64 reference with the Gluon
-curve lanes launched for every curve branch, and replayed calls equal to fresh ones."""
+curve lanes launched for every curve branch, and replayed calls equal to fresh ones. On by default;
+{"gluon_curve_lanes": false} declines them."""
 from __future__ import annotations
 
 import pytest
@@ -30,14 +31,18 @@ def _spec(**over):
 
 
 @needs_gluon
-def test_taken_where_asked_and_off_by_default():
+def test_taken_by_default_and_declined_where_asked():
     sm90 = get_target("sm90")
-    assert not plan(_spec(), sm90).config.gluon_curve_lanes and plan(_spec(), sm90).config.gluon_lanes is None
-    asked = plan(_spec(), sm90, ASK).config
-    assert asked.gluon_curve_lanes and asked.gluon_lanes == (128, 3) and asked.gluon_fwd == (128, 3)
+    taken = plan(_spec(), sm90).config
+    assert taken.gluon_curve_lanes and taken.gluon_lanes == (128, 3) and taken.gluon_fwd == (128, 3)
+    assert plan(_spec(), sm90, ASK).config == taken
+    declined = plan(_spec(), sm90, {"gluon_curve_lanes": False}).config
+    assert not declined.gluon_curve_lanes and declined.gluon_lanes is None        # the `tl` curve lanes
+    for quiet in (dict(causal=True), dict(hilbert={"scope": "sequence", "grid": [64, 64]})):   # not asked: `tl`
+        assert not plan(_spec(**quiet), sm90).config.gluon_curve_lanes
     assert plan(_spec(), get_target("sm80"), {}).config.gluon_curve_lanes is False
     assert plan(_spec(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]), sm90, ASK).config.gluon_curve_lanes
-    assert "gluon_curve_lanes" not in plan(_spec(), sm90).config.to_json()      # the default plans' JSON as before
+    assert "gluon_curve_lanes" not in declined.to_json()
 
 
 @needs_gluon
@@ -147,7 +152,7 @@ def test_replayed_calls_equal_fresh_ones_and_the_tl_curve_lanes():
     from conftest import rel_error
     from dilgen.runtime import replay, set_poison
     spec = _spec(name="glc_replay", num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048])
-    gluon, plain, tl = (dilgen.Kernel(spec, None, t) for t in (ASK, dict(ASK), {}))
+    gluon, plain, tl = (dilgen.Kernel(spec, None, t) for t in ({}, dict(ASK), {"gluon_curve_lanes": False}))
     gen = torch.Generator(device="cuda").manual_seed(9)
     set_poison(True)
     try:
