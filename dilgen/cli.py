@@ -90,7 +90,8 @@ def kernel_families(plan) -> str:
     elif len(lanes) < len(plan.branches):
         parts.append("forward tl (fused)")
     gluon_lanes = [i for i in lanes if cfg.gluon_lanes and gluon_lane_branch(
-        plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])]
+        plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])
+        and (plan.branches[i].curve_rows or not cfg.gluon_curve_lanes)]
     gluon_name = "Gluon curve" if cfg.gluon_curve_lanes else "Gluon"     # Hilbert curve lanes (compact copies)
     for name, which in ((gluon_name, gluon_lanes), ("tl", [i for i in lanes if i not in gluon_lanes])):
         if which:

@@ -84,25 +84,30 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
 # H200, F forward 1.82 -> 1.68 ms against the `tl` curve lanes, fwd+bwd 8.64 -> 8.51
 # (bench/results/forward_curve_lanes-2026-11-29-h200.json)
 GLUON_CURVE_LANES_DEFAULT = True
+# ... and a causal plan's, whose key blocks follow the curve's causal block lists: off by
+# default until an H200 has checked and timed them (F causal forward)
+GLUON_CAUSAL_CURVE_LANES_DEFAULT = False
 
 
 def _curve_lanes(spec: Spec, lanes, query_order, tuning: dict) -> bool | None:
     """Whether the Gluon lanes run a plan's curve lanes (KernelConfig.gluon_curve_lanes): True;
     None for a plan with no curve lanes; False for one whose curve lanes stay `tl` (a tuning's
-    false, or a plan they cannot run). They take non-causal specs
-    whose every lane branch walks compact curve copies (BranchIR.curve_rows) and whose queries
-    are raster rows."""
+    false, or a plan they cannot run). They take specs whose every lane branch with a curve
+    table walks compact curve copies (BranchIR.curve_rows; raster lane branches, a causal
+    plan's r = 1, keep the `tl` lane kernel beside them) and whose queries are raster rows;
+    causal ones read the curve's causal block lists (runtime.curve_rows.block_lists)."""
     if not any(b.curve_rows for b in lanes):
         if tuning.get("gluon_curve_lanes"):
             raise SpecError(f"{spec.name}: tuning gluon_curve_lanes needs lane branches with Hilbert curve "
                             "tables (hilbert scope \"segment\", r > 1)")
         return None
-    want = tuning.get("gluon_curve_lanes", GLUON_CURVE_LANES_DEFAULT)
+    default = GLUON_CAUSAL_CURVE_LANES_DEFAULT if spec.causal else GLUON_CURVE_LANES_DEFAULT
+    want = tuning.get("gluon_curve_lanes", default)
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_curve_lanes takes true or false (asked: {want!r})")
-    why = ("causal curves read block lists" if spec.causal else
-           "the queries are in curve order (hilbert scope \"sequence\")" if query_order is not None else
-           "a lane branch reads its curve table in its inner loops" if not all(b.curve_rows for b in lanes) else None)
+    why = ("the queries are in curve order (hilbert scope \"sequence\")" if query_order is not None else
+           "a lane branch reads its curve table in its inner loops"
+           if any(b.order is not None and not b.curve_rows for b in lanes) else None)
     if want and why is not None:
         if "gluon_curve_lanes" in tuning:
             raise SpecError(f"{spec.name}: tuning gluon_curve_lanes cannot run here: {why}")

@@ -40,6 +40,8 @@ def test_taken_by_default_and_declined_where_asked():
     assert not declined.gluon_curve_lanes and declined.gluon_lanes is None        # the `tl` curve lanes
     for quiet in (dict(causal=True), dict(hilbert={"scope": "sequence", "grid": [64, 64]})):   # not asked: `tl`
         assert not plan(_spec(**quiet), sm90).config.gluon_curve_lanes
+    causal = plan(_spec(causal=True), sm90, ASK).config     # causal: asked for (the r = 1 branch's lanes stay `tl`)
+    assert causal.gluon_curve_lanes and causal.gluon_lanes == (128, 3) and causal.gluon_lanes_bwd is None
     assert plan(_spec(), get_target("sm80"), {}).config.gluon_curve_lanes is False
     assert plan(_spec(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]), sm90, ASK).config.gluon_curve_lanes
     assert "gluon_curve_lanes" not in declined.to_json()
@@ -47,7 +49,6 @@ def test_taken_by_default_and_declined_where_asked():
 
 @needs_gluon
 @pytest.mark.parametrize("over, tuning, why", [
-    (dict(causal=True), ASK, "causal curves read block lists"),
     (dict(hilbert=None), ASK, "needs lane branches with Hilbert curve tables"),
     (dict(hilbert={"scope": "sequence", "grid": [64, 64]}), ASK, "queries are in curve order|needs lane branches "
                                                                   "with Hilbert curve tables"),
@@ -71,19 +72,23 @@ def _module(tmp_path, **over):
 
 @needs_gluon
 @pytest.mark.parametrize("over", [dict(), dict(num_kv_heads=8), dict(num_kv_heads=16),
-                                  dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096])])
+                                  dict(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]),
+                                  dict(causal=True), dict(causal=True, head_dim=64, segment_lengths=[1024, 2048, 4096])])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     """The writing and merging variants of a branch of rate 4 (kv groups of 4, 2 and 1 heads:
-    a copy per offset, per query head, one), under both CI Tritons: wgmma, the keys by TMA, no
-    query or output descriptor."""
+    a copy per offset, per query head, one; causal: the block lists), under both CI Tritons:
+    wgmma, the keys by TMA, no query or output descriptor."""
     from triton.experimental.gluon import language as gl
     mod = _module(tmp_path, **over)
     D = over.get("head_dim", 128)
     desc = f"tensordesc<bf16[128, 1, {D}],{gl.NVMMASharedLayout.get_default_for([128, 1, D], gl.bfloat16)!r}>"
-    sig = {"Q": "*bf16", "Fwd": "*i32", "k_desc": desc, "v_desc": desc, "Out": "*bf16", "Lse": "*fp32", "N": "i32",
-           "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr", "CLEAR": "constexpr"}
+    lists = {"Counts": "*i32", "Lists": "*i32"} if over.get("causal") else {}
+    sig = {"Q": "*bf16", "Fwd": "*i32", "k_desc": desc, "v_desc": desc, "Out": "*bf16", "Lse": "*fp32", **lists,
+           "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr", "CLEAR": "constexpr"}
+    at = len(lists)
     for merge in (False, True):
-        kernel = compile_sm90(mod.glc_gluon_lanes, sig, {(7,): 8192, (8,): 4, (9,): merge, (10,): False})
+        kernel = compile_sm90(mod.glc_gluon_lanes, sig, {(7 + at,): 8192, (8 + at,): 4, (9 + at,): merge,
+                                                         (10 + at,): False})
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
         assert "cp.async.bulk.tensor.3d.global.shared" not in ptx      # outputs scattered, not stored by TMA
@@ -112,6 +117,11 @@ def test_build_compiles_the_curve_lanes_as_the_runtime_specializes_them(cache_di
     backend = make_backend(GPUTarget("cuda", 90, 32))
     want = specialize(attn.gluon_lanes_fn, backend, real, OPTIONS).desc
     assert specialize(attn.gluon_lanes_fn, backend, launches[-1].args, launches[-1].launch_opts).desc == want
+    causal = build(_spec(name="glc_aot_causal", num_heads=4, num_kv_heads=2, segment_lengths=[256, 1024, 2048],
+                         causal=True), get_target("sm90"), ASK).module.attention
+    launches = [x for x in predicted_launches(causal, 2048) if x.role == "gluon_lanes"]     # r = 1: `tl` lanes
+    assert [x.args[-4:] for x in launches] == [(1024, 2, True, False), (2048, 4, True, False)]
+    assert len(launches[0].args) == len(real) + 2       # the block lists
 
 
 # -- on an sm90 GPU: float64 out, lse and gradients, the Gluon curve lanes launched ----------
@@ -120,6 +130,9 @@ GPU_CASES = [
     ("gqa_4", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048]), (2, 2048)),
     ("gqa_2_rate_past_group", dict(num_heads=8, num_kv_heads=4, segment_lengths=[512, 1024, 2048]), (1, 4096)),
     ("mha_head_dim_64", dict(num_heads=4, num_kv_heads=4, head_dim=64, segment_lengths=[512, 1024, 2048]), (1, 4096)),
+    ("causal_gqa_4", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048], causal=True), (2, 2048)),
+    ("causal_head_dim_64", dict(num_heads=4, num_kv_heads=4, head_dim=64, segment_lengths=[512, 1024, 2048],
+                                causal=True), (1, 4096)),
 ]
 
 
@@ -141,18 +154,21 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
     name, over, (B, N) = case
     taken = _spy(monkeypatch)
     check_against_reference(_spec(name="glc_" + name, **over), B, N, ASK, name)
-    assert taken == [True, True], taken          # both curve branches, after the Gluon forward's r = 1
+    # both curve branches, after the Gluon forward's r = 1 (causal: after its `tl` lanes)
+    assert taken == ([False, True, True] if over.get("causal") else [True, True]), taken
 
 
 @on_sm90
-def test_replayed_calls_equal_fresh_ones_and_the_tl_curve_lanes():
+@pytest.mark.parametrize("causal", [False, True])
+def test_replayed_calls_equal_fresh_ones_and_the_tl_curve_lanes(causal):
     """Repeated calls replay their launches (the compact copies allocated afresh, the
     descriptors made again over them): each equals a module that never replays bit for bit,
     and the `tl` curve lanes to rounding."""
     from conftest import rel_error
     from dilgen.runtime import replay, set_poison
-    spec = _spec(name="glc_replay", num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048])
-    gluon, plain, tl = (dilgen.Kernel(spec, None, t) for t in ({}, dict(ASK), {"gluon_curve_lanes": False}))
+    spec = _spec(name=f"glc_replay_{int(causal)}", num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048],
+                 causal=causal)
+    gluon, plain, tl = (dilgen.Kernel(spec, None, t) for t in (ASK, dict(ASK), {"gluon_curve_lanes": False}))
     gen = torch.Generator(device="cuda").manual_seed(9)
     set_poison(True)
     try:

@@ -176,12 +176,13 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 curve = plan["config"].get("gluon_curve_lanes", False)
                 for n, i in enumerate(lane_order(plan)):    # an r = 1 branch first: it writes; else
                     br = plan["branches"][i]                 # the first clears (Plan.gap_lane)
-                    if not gluon_lane_branch(br["w"], br["r"], keys):    # the `tl` lane kernel
-                        continue
+                    if not gluon_lane_branch(br["w"], br["r"], keys) or (curve and not br.get("curve_rows")):
+                        continue                                # the `tl` lane kernel
                     if curve:       # curve lanes: q, the table, descriptors over the compact copies
                         from ..runtime.gluon_launch import gluon_curve_lanes_args
+                        lists = (_mock(torch.int32),) * 2 if plan["causal"] else ()
                         args = gluon_curve_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
-                                                      _mock(torch.int32), 1, N, br, n > 0 or fused_q)
+                                                      _mock(torch.int32), 1, N, br, n > 0 or fused_q, lists)
                     else:
                         args = gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32), 1, N, br,
                                                 n > 0 or fused_q, n == 0 and plan.get("gap_lane") is not None,

@@ -71,7 +71,8 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
     plan = attn.plan
     tile = plan["config"].get("gluon_lanes")
     curve = plan["config"].get("gluon_curve_lanes", False)
-    if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0]) or (curve and (clear or dropout))
+    if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
+            or (curve and (clear or dropout or not br.get("curve_rows")))    # a raster lane beside curve lanes: `tl`
             or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
         return None
     grid = (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"])
@@ -81,8 +82,9 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
         group = plan["num_heads"] // plan["num_kv_heads"]
         kc, vc = copy_rows(attn, False, br, tables, k, v, heads=plan["num_kv_heads"], group=group)
         fwd = tables[2 * plan["tables"].index(br["order"])]     # (fwd, inv) per table
+        lists = attn._block_lists(br, N, (128, tile[0]), q.device) if plan["causal"] else ()
         return attn.gluon_lanes_kernel, grid, gluon_curve_lanes_args(plan, q, kc, vc, out, lse, fwd, B, N, br,
-                                                                     accumulate), OPTIONS
+                                                                     accumulate, lists), OPTIONS
     return (attn.gluon_lanes_kernel, grid,
             gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear, dropout), OPTIONS)
 
@@ -188,16 +190,19 @@ def gluon_lanes_args(plan: dict, q, k, v, out, lse, B: int, N: int, br: dict, ac
             out, lse, N, br["w"], r, bool(accumulate), bool(clear), *((br["index"], *dropout) if dropout else ()))
 
 
-def gluon_curve_lanes_args(plan: dict, q, kc, vc, out, lse, fwd, B: int, N: int, br: dict, accumulate: bool) -> tuple:
+def gluon_curve_lanes_args(plan: dict, q, kc, vc, out, lse, fwd, B: int, N: int, br: dict, accumulate: bool,
+                           lists: tuple = ()) -> tuple:
     """The Gluon curve lanes' arguments (KernelConfig.gluon_curve_lanes): q, the branch's curve
     table fwd, descriptors over its compact curve copies kc and vc ((B, H_kv, min(group, r),
     N/r, D): runtime.curve_rows.copy_rows) as (rows, 1, D) in boxes of the plan's keys per
-    block, out, lse, N; the branch's w and r, ACCUMULATE and CLEAR (false) as constexprs."""
+    block, out, lse, a causal plan's block lists (counts, blocks: runtime.curve_rows.block_lists
+    of 128-lane query tiles and blocks of the plan's keys), N; the branch's w and r,
+    ACCUMULATE and CLEAR (false) as constexprs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     D, r, block = plan["head_dim"], br["r"], plan["config"]["gluon_lanes"][0]
     rows = B * plan["num_kv_heads"] * min(plan["num_heads"] // plan["num_kv_heads"], r) * (N // r)
     box = lambda t: TensorDescriptor(t, [rows, 1, D], [D, D, 1], [block, 1, D], layout(block, D))  # noqa: E731
-    return (q, fwd, box(kc), box(vc), out, lse, N, br["w"], r, bool(accumulate), False)
+    return (q, fwd, box(kc), box(vc), out, lse, *lists, N, br["w"], r, bool(accumulate), False)
 
 
 def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
