@@ -80,13 +80,11 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     return tile
 
 
-# A Hilbert plan's curve lanes in Gluon by default ({"gluon_curve_lanes": false} declines them):
-# H200, F forward 1.82 -> 1.68 ms against the `tl` curve lanes, fwd+bwd 8.64 -> 8.51
-# (bench/results/forward_curve_lanes-2026-11-29-h200.json)
+# A Hilbert plan's curve lanes in Gluon by default ({"gluon_curve_lanes": false} declines them).
+# H200, against the `tl` curve lanes: F forward 1.82 -> 1.68 ms, fwd+bwd 8.64 -> 8.51
+# (bench/results/forward_curve_lanes-2026-11-29-h200.json); F causal forward 1.74 -> 1.43,
+# fwd+bwd 6.63 -> 6.31 (forward_curve_lanes_causal-2026-11-29-h200.json)
 GLUON_CURVE_LANES_DEFAULT = True
-# ... and a causal plan's, whose key blocks follow the curve's causal block lists: off by
-# default until an H200 has checked and timed them (F causal forward)
-GLUON_CAUSAL_CURVE_LANES_DEFAULT = False
 
 
 def _curve_lanes(spec: Spec, lanes, query_order, tuning: dict) -> bool | None:
@@ -101,8 +99,7 @@ def _curve_lanes(spec: Spec, lanes, query_order, tuning: dict) -> bool | None:
             raise SpecError(f"{spec.name}: tuning gluon_curve_lanes needs lane branches with Hilbert curve "
                             "tables (hilbert scope \"segment\", r > 1)")
         return None
-    default = GLUON_CAUSAL_CURVE_LANES_DEFAULT if spec.causal else GLUON_CURVE_LANES_DEFAULT
-    want = tuning.get("gluon_curve_lanes", default)
+    want = tuning.get("gluon_curve_lanes", GLUON_CURVE_LANES_DEFAULT)
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_curve_lanes takes true or false (asked: {want!r})")
     why = ("the queries are in curve order (hilbert scope \"sequence\")" if query_order is not None else
