@@ -236,9 +236,9 @@ class KernelConfig:
     # sm90: the causal lane branches as the Gluon kernel of templates/gluon_lanes.py.jinja
     # (the Gluon forward's shape, one branch a launch), keys per block and K/V stages
     gluon_lanes: tuple[int, int] | None = None
-    # with gluon_lanes: the lane branches are a Hilbert plan's curve lanes (non-causal), whose
-    # keys the Gluon lanes read from the compact curve copies (BranchIR.curve_rows) and whose
-    # query rows they gather and scatter through the curve table
+    # with gluon_lanes: the Gluon lanes run a Hilbert plan's curve lanes, whose keys they read
+    # from the compact curve copies (BranchIR.curve_rows), whose query rows they gather and
+    # scatter through the curve table, and whose causal key blocks follow the curve's lists
     gluon_curve_lanes: bool = False
     # sm90: a causal spec's per-branch dK/dV and lane dq as the Gluon kernels of
     # templates/gluon_lanes_bwd.py.jinja (the Gluon dK/dV's and dQ's shapes), their stages
