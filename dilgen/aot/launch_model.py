@@ -169,7 +169,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..gluon_plan import gluon_lane_branch
-                from ..runtime.gluon_launch import gluon_lanes_args
+                from ..runtime.gluon_launch import gluon_curve_lanes_args, gluon_lanes_args
                 mock = _mock(base["dtype"])
                 fused_q = any(not br["lanes"] for br in plan["branches"])
                 keys = plan["config"]["gluon_lanes"][0]
@@ -179,7 +179,6 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                     if not gluon_lane_branch(br["w"], br["r"], keys) or (curve and not br.get("curve_rows")):
                         continue                                # the `tl` lane kernel
                     if curve:       # curve lanes: q, the table, descriptors over the compact copies
-                        from ..runtime.gluon_launch import gluon_curve_lanes_args
                         lists = (_mock(torch.int32),) * 2 if plan["causal"] else ()
                         args = gluon_curve_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
                                                       _mock(torch.int32), 1, N, br, n > 0 or fused_q, lists)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..gluon_plan import gluon_lane_branch
+from .curve_rows import copy_rows
 
 _SM90: dict[int, bool] = {}      # device index -> compute capability 9.x
 
@@ -77,7 +78,6 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
         return None
     grid = (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"])
     if curve:       # keys from the branch's compact curve copies, made now (recorded as temporaries)
-        from .curve_rows import copy_rows
         tables = attn._launch_tensors(N, q.device)[1]
         group = plan["num_heads"] // plan["num_kv_heads"]
         kc, vc = copy_rows(attn, False, br, tables, k, v, heads=plan["num_kv_heads"], group=group)
