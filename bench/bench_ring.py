@@ -32,7 +32,7 @@ LONG = dict(ws=[2048, 8192, 32768, 131072, 524288, 2097152, 8388608], rs=[1, 2, 
 # causal_gqa: H_kv = H/4, causal, zigzag chunks; local: Hilbert segment tiles that all lie inside a rank
 ORDERS = ("raster", "segment", "sequence", "causal_gqa", "local")
 USER = {}            # --specs: name -> a spec's fields and its tokens_per_gpu, run as an "order" each
-TRANSPORTS = ("auto", "ring", "allgather", "heads")      # DILGEN_RING_TRANSPORT per row (auto: the model's)
+TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut")   # DILGEN_RING_TRANSPORT per row (auto: the model's)
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
 chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "contiguous"  # noqa: E731 - causal: balanced
 
@@ -145,7 +145,7 @@ class Rank:
         del full
         tk.cleanup(self.dev)
         kernel, rows = dilgen.compile(spec), []
-        for tr in self.transports(spec):       # the ring on this rank's rows, by each transport
+        for tr in self.transports(spec, N):    # the ring on this rank's rows, by each transport
             os.environ["DILGEN_RING_TRANSPORT"] = tr
             r = dict(row, forced_transport=tr)
             fwd, fwd_bwd, leaves = self.steps(kernel, *mine)
@@ -172,12 +172,13 @@ class Rank:
         tk.cleanup(self.dev)
         return rows
 
-    def transports(self, spec) -> list[str]:
-        """--transports that can run the spec at this P (all-gather: raster only, its rows must fit)."""
+    def transports(self, spec, N: int) -> list[str]:
+        """--transports that can run the spec at this P (all-gather: raster only; recut: a border inside N)."""
         P, H, Hk = self.P, spec.num_heads, spec.num_kv_heads
         return ["auto"] if P == 1 else [t for t in self.args.transports
                                         if (t != "heads" or not (H % P or Hk % P))
-                                        and (t != "allgather" or not (spec.causal or spec.hilbert))]
+                                        and (t != "allgather" or not (spec.causal or spec.hilbert))
+                                        and (t != "recut" or math.lcm(*spec.segment_lengths) < N)]
 
     def check(self, r, fwd, leaves, ref):
         """Every rank's rows of out, dq, dk, dv against the single-device kernel's same rows."""

@@ -7,6 +7,7 @@ the runtime's ring executes it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 CHUNK_ORDERS = ("contiguous", "zigzag")
@@ -110,6 +111,47 @@ def ring_schedule(ring: dict, n: int, order: str = "contiguous") -> dict:
     return {"n": n, "ring_size": P, "order": order, "pieces": pieces, "steps": steps,
             "local_only": local_only,
             "bytes_fraction": (sent_rows / full_rows) if full_rows else 0.0}
+
+
+def recut_pieces(ring: dict, n: int, order: str = "contiguous") -> list[list[tuple[int, int]]] | None:
+    """The "recut" transport's rows of each rank: ring_pieces with every border between two
+    ranks moved to a multiple of L = lcm of the segment lengths, so that every segment of
+    every branch lies inside one rank's piece and each rank runs the single-device kernels
+    on its pieces (the rows between a border and its multiple of L travel there and back).
+    A border goes down or up to its neighbouring multiple, whichever of the choices (all of
+    them for up to 10 borders, the nearest otherwise) leaves the least rows on the busiest
+    rank, then the fewest rows moving in or out of a rank. Pieces in ascending order per
+    rank, empty ones dropped; None when L >= n (a segment longer than the sequence, or no
+    common multiple inside it)."""
+    P = ring["ring_size"]
+    L = 1
+    for br in ring["branches"]:
+        L = math.lcm(L, br["w"])
+        if L >= n:
+            return None
+    runs = []                               # (start, end, rank), adjacent pieces of a rank merged
+    for start, ln, j in sorted((s, ln, j) for j, rank in enumerate(ring_pieces(n, P, order)) for s, ln in rank):
+        if runs and runs[-1][2] == j and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], start + ln, j)
+        else:
+            runs.append((start, start + ln, j))
+    borders = [end for _, end, _ in runs[:-1]]
+    options = [sorted({b // L * L, min(-(-b // L) * L, n)}) for b in borders]
+    if len(borders) > 10:
+        options = [[min(o, key=lambda x, b=b: (abs(x - b), x))] for o, b in zip(options, borders)]
+
+    def cut(choice):
+        edges, out = [0], [[] for _ in range(P)]
+        for c in list(choice) + [n]:
+            edges.append(max(c, edges[-1]))
+        for (_, _, j), a, b in zip(runs, edges, edges[1:]):
+            if b > a:
+                out[j].append((a, b - a))
+        busiest = max(sum(ln for _, ln in rank) for rank in out)
+        return busiest, max(recut_moved_rows(pieces, out)), out
+
+    pieces = ring_pieces(n, P, order)
+    return min((cut(c) for c in itertools.product(*options)), key=lambda x: x[:2])[2]
 
 
 def packed_window_mask(ring: dict, seq: tuple[int, int], qp: tuple[int, int],
@@ -239,14 +281,17 @@ def single_device_times(ring: dict, n: int, batch: int, heads: int, head_dim: in
 
 def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int,
                     head_dim: int, itemsize: int, lanes: bool, heads_ok: bool,
-                    local_ok: bool, rates) -> dict:
+                    local_ok: bool, rates, recut: list | None = None) -> dict:
     """The cost model's {transport: {"fwd_s", "fwd_bwd_s"}} of one call (every rank gets the
     same), priced by `rates` (a dilgen.calibration.Rates: this machine's calibration or the
     committed profile): "ring" and "allgather" run the window kernels (step_flops at the window rate,
     transfers by transport_times); "heads" runs the single-device kernels on H/P heads of
     the whole sequence (useful_flops / P at the fused or the lanes rate) plus its
     all-to-alls ((P-1)/P of the rank's q, k, v, out forward; q, k, v, out, dO in and dq, dk,
-    dv out backward); "local" (every branch inside a rank) the single-device kernels alone.
+    dv out backward); "local" (every branch inside a rank) the single-device kernels alone;
+    "recut" (recut_pieces, given as `recut` where it can run) the single-device kernels on the
+    busiest rank's rows plus the rows that move there and back (recut_moved_rows: q, k, v
+    there and out, lse back forward; q, k, v, out, dO, lse there and dq, dk, dv back backward).
     heads_ok / local_ok: whether those can run this call."""
     P, n = ring["ring_size"], schedule["n"]
     lat = rates.step_latency_us * 1e-6
@@ -273,7 +318,23 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
                           "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 8 * lat}
     if local_ok:
         costs["local"] = {"fwd_s": twin_f, "fwd_bwd_s": twin_f + twin_b}
+    if recut is not None and P > 1:
+        busiest = max(sum(ln for _, ln in rank) for rank in recut) * P / n
+        moved = max(recut_moved_rows(schedule["pieces"], recut))
+        row = batch * head_dim * itemsize
+        fwd_bytes = moved * (row * (2 * heads + 2 * kv_heads) + 4 * batch * heads)
+        bwd_bytes = moved * (row * (4 * heads + 4 * kv_heads) + 8 * batch * heads)
+        link = rates.link_gbytes_s * 1e9
+        costs["recut"] = {"fwd_s": busiest * twin_f + fwd_bytes / link + 2 * lat,
+                          "fwd_bwd_s": busiest * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / link + 4 * lat}
     return costs
+
+
+def recut_moved_rows(pieces: list, targets: list) -> list[int]:
+    """Per rank, the rows that move in or out of it between its pieces and its targets."""
+    def overlap(a: list, b: list) -> int:
+        return sum(max(0, min(s + ln, t + m) - max(s, t)) for s, ln in a for t, m in b)
+    return [sum(ln for _, ln in p) + sum(m for _, m in t) - 2 * overlap(p, t) for p, t in zip(pieces, targets)]
 
 
 def transport_times(ring: dict, schedule: dict, *, bytes_per_row: int,

@@ -43,6 +43,10 @@ CASES = [
                                           hilbert={"scope": "sequence", "grid": [8, 8]}), "contiguous", "ring"),
     ("heads_hilbert_sequence", dict(segment_lengths=[16, 32], dilation_rates=[2, 4],
                                     hilbert={"scope": "sequence", "grid": [8, 8]}), "contiguous", "heads"),
+    # rank borders moved onto multiples of 12 and 24 (zigzag: two pieces on rank 0, each drawn at its start)
+    ("forced_recut_zigzag_causal_gqa_r3", dict(segment_lengths=[6, 12], dilation_rates=[1, 3], causal=True,
+                                               num_kv_heads=2), "zigzag", "recut"),
+    ("forced_recut_r3", dict(segment_lengths=[8, 24], dilation_rates=[1, 3]), "contiguous", "recut"),
     ("windows_mqa", dict(segment_lengths=[8, 64], dilation_rates=[1, 3], num_kv_heads=1), "contiguous", None),
     # traced whole by torch.compile: the ring's dropout ops draw rank 0's seed when they run
     ("compiled_zigzag_causal_gqa_r3", dict(segment_lengths=[16, 48], dilation_rates=[1, 3], causal=True,

@@ -237,8 +237,8 @@ def test_a_padded_batch_draws_as_its_packed_rows():
 
 
 def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
-    """P = 2 under torchrun (NCCL on 2 GPUs, else gloo): the local transport (each piece at its global offset), the
-    head-parallel one (each rank's heads as the model's) and the window transports (ring and
+    """P = 2 under torchrun (NCCL on 2 GPUs, else gloo): the local and recut transports (each piece at its global
+    offset), the head-parallel one (each rank's heads as the model's) and the window transports (ring and
     all-gather, their key windows starting off a span of 32 lanes) give every rank
     the rows, and the gradients, of the single-device call with the same seed (rank 0's)."""
     import json
@@ -261,7 +261,8 @@ def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
             "forced_ring_zigzag_second_span": "ring", "forced_ring_zigzag_second_span_wide": "ring",
             "forced_ring_zigzag_r3_wide": "ring",
             "forced_ring_hilbert_segment": "ring", "forced_ring_hilbert_sequence": "ring",
-            "heads_hilbert_sequence": "heads", "compiled_zigzag_causal_gqa_r3": None}
+            "heads_hilbert_sequence": "heads", "compiled_zigzag_causal_gqa_r3": None,
+            "forced_recut_zigzag_causal_gqa_r3": "recut", "forced_recut_r3": "recut"}
     for res in ranks:
         for name, transport in want.items():
             r = res[name]

@@ -306,6 +306,13 @@ CASES_P2 += [
     {"name": "auto_local_hilbert_segment", "spec": {"segment_lengths": [16, 32], "dilation_rates": [1, 2],
                                                     "hilbert": {"scope": "segment"}},
      "shape": [1, 64], "transport": "auto", "expect_transport": "local"},
+    # "recut": the border at 56 moves to 48 (lcm 48; rows 48..55 travel there and back);
+    # zigzag causal GQA with r not dividing w: borders 32 and 96 move to 30 and 90, two pieces on rank 0
+    {"name": "recut_straddle", "spec": {"segment_lengths": [8, 48], "dilation_rates": [1, 3]},
+     "shape": [2, 112], "transport": "recut", "expect_transport": "recut"},
+    {"name": "recut_zigzag_causal_gqa", "spec": {"segment_lengths": [6, 30], "dilation_rates": [2, 7], "num_heads": 4,
+                                                 "num_kv_heads": 2, "causal": True},
+     "shape": [1, 64], "order": "zigzag", "transport": "recut", "expect_transport": "recut"},
 ]
 CASES_P4 = [
     {"name": "p4_mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
@@ -328,6 +335,10 @@ CASES_P4 = [
     {"name": "p4_heads_hilbert_segment_spans_all", "spec": {"segment_lengths": [16, 128], "dilation_rates": [2, 8],
                                                        "num_heads": 4, "hilbert": {"scope": "segment"}},
      "shape": [1, 128], "transport": "heads"},
+    # six borders of zigzag chunks of 8, four of them moved onto multiples of 16 (rows travel both ways)
+    {"name": "p4_recut_zigzag_hilbert_segment", "spec": {"segment_lengths": [4, 16], "dilation_rates": [1, 2],
+                                                         "hilbert": {"scope": "segment"}},
+     "shape": [1, 64], "order": "zigzag", "transport": "recut", "expect_transport": "recut"},
     {"name": "err_world", "expect_error": "ring_size", "expect_in": "ring_size"},
     {"name": "err_spec", "expect_error": "spec", "expect_in": "disagree on spec"},
     {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},

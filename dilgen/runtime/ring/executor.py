@@ -17,6 +17,7 @@ from ..backward import backward_inputs
 from ..launch import ensure_descriptor_allocator, poison
 from .faults import Guard
 from .heads import twin_backward, twin_forward
+from .recut import recut_backward, recut_forward
 from .run import RingRun, _uncompact_add
 
 
@@ -25,6 +26,8 @@ def ring_forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     with Guard(run, "forward"):
         if run.transport in ("heads", "local"):
             return twin_forward(run, q, k, v)
+        if run.transport == "recut":
+            return recut_forward(run, q, k, v)
         return _forward(run, q, k, v)
 
 
@@ -33,6 +36,8 @@ def ring_backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     with Guard(run, "backward"):
         if run.transport in ("heads", "local"):
             return twin_backward(run, q, k, v, out, lse, grad_out, grad_lse)
+        if run.transport == "recut":
+            return recut_backward(run, q, k, v, out, lse, grad_out, grad_lse)
         return _backward(run, q, k, v, out, lse, grad_out, grad_lse)
 
 

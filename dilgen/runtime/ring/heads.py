@@ -70,7 +70,7 @@ def _twin(run, device, chunk: int = 0, chunks: int = 1):
         # raster kernels run as one device runs them (the curve-ordered rows, no table)
         curve = {"hilbert": None} if run.attn.plan["ring"].get("curve") is not None else {}
         tuning = {"dropout": True} if run.dropout_args is not None else None   # dropout's plan
-        if run.transport == "local":
+        if run.transport in ("local", "recut"):
             hit = twin(run.attn, device, tuning, ring_size=1, **curve)
         else:
             hc, hkc = run.H // run.P // chunks, run.Hkv // run.P // chunks

@@ -21,7 +21,9 @@ from .agreement import _agree, _group_info
 from ..dropout_call import bad_p, cut_and_scale, dropout_twin, model_streams, seed_tensor, valid_p
 from .dropout import Counter, dropout_proposal, dropout_refusal
 from .faults import Guard, collective, remember, transfer
+from ..registry import twins_available
 from .heads import heads_refusal, local_possible
+from .recut import recut_refusal, recut_targets
 
 
 def _compact(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -69,6 +71,11 @@ def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
         if why is not None:
             raise InputError(f"{name}: DILGEN_RING_TRANSPORT=heads cannot run this call: {why}; "
                              f"use ring, allgather or auto")
+    if _forced_transport() == "recut":
+        why = recut_refusal(attn, n_loc * P, order, packed)
+        if why is not None:
+            raise InputError(f"{name}: DILGEN_RING_TRANSPORT=recut cannot run this call: {why}; "
+                             f"use ring, allgather or auto")
     check_positions(attn.spec, n_loc * P, ranks=P)
     if order == "zigzag" and (n_loc * P) % (2 * P):
         raise InputError(f"{name}: {n_loc} local rows cannot be cut into the two zigzag halves; "
@@ -85,10 +92,10 @@ def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
 
 
 def _forced_transport() -> str:
-    """DILGEN_RING_TRANSPORT: ring, allgather, heads or auto."""
+    """DILGEN_RING_TRANSPORT: ring, allgather, heads, recut or auto."""
     forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
-    if forced not in ("ring", "allgather", "heads", "auto"):
-        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather, heads or auto")
+    if forced not in ("ring", "allgather", "heads", "recut", "auto"):
+        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather, heads, recut or auto")
     return forced
 
 
@@ -105,11 +112,12 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
     NCCL): what the runtime decides by, and what bench_ring prints beside each row."""
     plan = attn.plan
     P = plan["ring"]["ring_size"]
+    local = local_possible(attn, sched, packed)
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
-                           heads_ok=heads_refusal(attn, P, packed) is None,
-                           local_ok=local_possible(attn, sched, packed), rates=rates or rates_for(P))
-
+                           heads_ok=heads_refusal(attn, P, packed) is None, local_ok=local,
+                           rates=rates or rates_for(P),
+                           recut=None if local or packed or not twins_available() else recut_targets(attn, sched))
 
 
 def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=None) -> dict:
@@ -249,14 +257,16 @@ class RingRun:
             self._windows = {}
         self.lattice = plan["query"]["lattice"]
         self.transport = attn.last_ring_transport = self.main.last_ring_transport = self._transport(q)
+        self.targets = recut_targets(attn, self.sched) if self.transport == "recut" else None
         self.gathered = None
 
     def _transport(self, q) -> str:
         """"local" (every branch inside a rank: the single-device kernels on my rows), else the
         cheapest by the cost model (schedule.transport_costs) of "ring" (P2P steps overlapped
         with the window kernels), "allgather" (LongNet §3.1: every rank gathers the sparse
-        rows first) and "heads" (all-to-all to head shards, the single-device kernels);
-        DILGEN_RING_TRANSPORT overrides the model (ring, allgather or heads)."""
+        rows first), "heads" (all-to-all to head shards, the single-device kernels) and
+        "recut" (rank borders moved onto segment borders, the single-device kernels);
+        DILGEN_RING_TRANSPORT overrides the model (ring, allgather, heads or recut)."""
         forced = _forced_transport()
         if forced != "auto":
             return forced

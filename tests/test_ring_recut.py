@@ -1,0 +1,82 @@
+"""The ring's "recut" transport's plan and price (schedule.recut_pieces, transport_costs) and
+its refusal; its rows and gradients against the float64 reference run in test_ring.py
+(CASES_P2, CASES_P4: recut_*) and test_dropout.py (forced_recut_*)."""
+import math
+
+import pytest
+
+import dilgen
+from dilgen.calibration import DEFAULT
+from dilgen.runtime.checks import InputError
+from dilgen.schedule import (pick_transport, recut_moved_rows, recut_pieces, ring_pieces, ring_schedule,
+                             transport_costs)
+
+
+def _ring(P: int, ws: list[int], causal: bool = False) -> dict:
+    return {"ring_size": P, "causal": causal, "one_kv_head_per_query_head": True,
+            "branches": [{"index": i, "w": w, "r": 1, "raster": True} for i, w in enumerate(ws)]}
+
+
+@pytest.mark.parametrize("P, ws, n, order", [
+    (2, [1000, 48000], 200_000, "contiguous"),
+    (2, [3000, 30000], 131_072, "zigzag"),
+    (4, [4, 16], 64, "zigzag"),
+    (4, [6, 10], 240, "contiguous"),
+    (8, [24, 40], 960, "zigzag"),
+])
+def test_recut_borders_are_segment_borders_and_the_pieces_tile_the_sequence(P, ws, n, order):
+    got = recut_pieces(_ring(P, ws), n, order)
+    L = math.lcm(*ws)
+    rows = sorted(p for rank in got for p in rank)
+    assert rows[0][0] == 0 and sum(ln for _, ln in rows) == n
+    for (a, la), (b, _) in zip(rows, rows[1:]):
+        assert a + la == b and b % L == 0          # contiguous, every border on a multiple of L
+    for rank in got:
+        assert rank == sorted(rank) and all(ln > 0 for _, ln in rank)
+    # no choice of borders leaves fewer rows on the busiest rank than one more block of L
+    assert max(sum(ln for _, ln in rank) for rank in got) <= n / P + L * (2 if order == "zigzag" else 1)
+
+
+def test_recut_of_the_straddling_spec_moves_its_border_to_96000():
+    assert recut_pieces(_ring(2, [1000, 48000]), 200_000) == [[(0, 96_000)], [(96_000, 104_000)]]
+    assert recut_moved_rows([[(0, 100_000)], [(100_000, 100_000)]], [[(0, 96_000)], [(96_000, 104_000)]]) \
+        == [4_000, 4_000]
+
+
+def test_recut_keeps_aligned_pieces_and_refuses_a_segment_over_the_sequence():
+    assert recut_pieces(_ring(2, [16, 32]), 128, "zigzag") == [[(0, 32), (96, 32)], [(32, 64)]]
+    assert recut_pieces(_ring(2, [16, 128]), 128) is None          # one segment spans every rank
+    assert recut_pieces(_ring(2, [40, 48]), 200) is None           # lcm 240: no border inside
+    assert recut_pieces(_ring(2, [48, 80]), 256) == [[(0, 240)], [(240, 16)]]   # one border, at 240
+
+
+def test_the_cost_model_prices_recut_by_its_busiest_rank_and_the_moved_rows():
+    ring, n = _ring(2, [1000, 48000]), 200_000
+    sched = ring_schedule(ring, n)
+    shape = dict(batch=1, heads=16, kv_heads=16, head_dim=128, itemsize=2, lanes=False, heads_ok=True,
+                 local_ok=False, rates=DEFAULT)
+    costs = transport_costs(ring, sched, **shape, recut=recut_pieces(ring, n))
+    without = transport_costs(ring, sched, **shape)
+    assert "recut" not in without and set(without) < set(costs)
+    local = transport_costs(ring, sched, **dict(shape, local_ok=True))["local"]["fwd_bwd_s"]
+    # the busiest rank holds 104,000 of the 100,000 rows a rank holds, plus 4,000 rows moved
+    assert 1.04 * local < costs["recut"]["fwd_bwd_s"] < 1.1 * local
+    assert pick_transport(costs) == "recut"
+    # moving more rows costs more: the same borders priced as if 40,000 rows moved
+    far = transport_costs(ring, sched, **shape, recut=[[(0, 60_000)], [(60_000, 140_000)]])
+    assert far["recut"]["fwd_bwd_s"] > costs["recut"]["fwd_bwd_s"]
+
+
+def test_a_forced_recut_that_cannot_run_is_refused_by_name(monkeypatch):
+    from dilgen.runtime.ring.run import _check_geometry
+    spec = dilgen.Spec(name="recut_refused", num_heads=2, head_dim=16, segment_lengths=[16, 128],
+                       dilation_rates=[1, 4], ring_size=2)
+    kernel = dilgen.compile(spec)
+    dilgen.compile(spec.replace(ring_size=1, name="recut_refused_twin"))
+    attn = kernel.compiled_for(__import__("torch").device("cpu")).attention
+    monkeypatch.setenv("DILGEN_RING_TRANSPORT", "recut")
+    with pytest.raises(InputError, match=r"DILGEN_RING_TRANSPORT=recut cannot run this call: the segment "
+                                         r"lengths' least common multiple is not below N = 128"):
+        _check_geometry(attn, 64, 2, "contiguous", False)
+    _check_geometry(attn, 128, 2, "contiguous", False)             # N = 256: the border moves to 128
+    assert ring_pieces(256, 2) == recut_pieces(attn.plan["ring"], 256)
