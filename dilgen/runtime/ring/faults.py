@@ -241,7 +241,9 @@ def _where(run, keys: bool = True) -> str:
     return {"gather": f"the key all-gather of {kind}", "reduce": f"the dK, dV reduction of {kind}",
             "preprocess": f"the preprocess of {kind}", "start": f"{kind}, before its first step",
             "setup": f"the set-up of {kind} (past the agreement)",
-            "end": f"the end of {kind}"}[phase]
+            "end": f"the end of {kind}", "exchange": f"the exchange of rows before the kernels of {kind}",
+            "kernels": f"the single-device kernels of {kind}",
+            "return": f"the return of the kernels' rows of {kind}"}[phase]
 
 
 class Guard:

@@ -12,6 +12,8 @@ after the other; moving x from layout `src` to `dst` sends each peer the rows of
 lie in its `dst` pieces (ascending), and copies my own in place."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...schedule import recut_pieces
@@ -61,13 +63,14 @@ def _between(src: list, dst: list) -> list[tuple[int, int, int]]:
     return out
 
 
-def move(run, tensors: list, src: list, dst: list, dims: list) -> list:
-    """Each of `tensors` (my rows in layout src[me] along its dim in `dims`) in layout dst[me]:
-    one batch of point-to-point transfers for all of them (of one dtype), my own rows copied."""
+def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None = None) -> list:
+    """Each of `tensors` (my rows in layout src[me] along its dim in `dims`) in layout dst[me]
+    (new tensors, or `into`, whose rows outside src's pieces are left as they are): one batch
+    of point-to-point transfers for all of them (of one dtype), my own rows copied."""
     P, me = run.P, run.me
     rows = sum(ln for _, ln in dst[me])
-    outs = []
-    for x, d in zip(tensors, dims):
+    outs = into or []
+    for x, d in zip(tensors, dims) if into is None else ():
         shape = list(x.shape)
         shape[d] = rows
         outs.append(torch.empty(shape, dtype=x.dtype, device=x.device))
@@ -80,8 +83,10 @@ def move(run, tensors: list, src: list, dst: list, dims: list) -> list:
             sends[peer] = torch.cat([x.narrow(d, a, m).flatten() for x, d in zip(tensors, dims)
                                      for a, _, m in out_runs])
         if in_runs:
-            recvs[peer] = torch.empty(sum(x.numel() // x.shape[d] * m for x, d in zip(tensors, dims)
-                                          for _, _, m in in_runs), dtype=tensors[0].dtype, device=tensors[0].device)
+            per_row = [math.prod(x.shape) // x.shape[d] if x.shape[d] else math.prod(x.shape[:d] + x.shape[d + 1:])
+                       for x, d in zip(tensors, dims)]
+            recvs[peer] = torch.empty(sum(r * m for r in per_row for _, _, m in in_runs),
+                                      dtype=tensors[0].dtype, device=tensors[0].device)
             lands.append((recvs[peer], in_runs))
     for a, b, m in _between(src[me], dst[me]):
         for x, y, d in zip(tensors, outs, dims):
@@ -110,51 +115,120 @@ def _exchange(run, sends: list, recvs: list) -> None:
         transfer(work.wait)
 
 
-def _pieces_of(run, tw, fn, tensors: list, dims: list, outs: list) -> None:
-    """fn(views of my new pieces, dropout args at the piece's global start) per piece, its
-    results copied into `outs` (without dropout: one call on all of them, whose borders are
-    segment borders of every branch)."""
-    if run.dropout_args is None:
-        for dst, res in zip(outs, fn(tensors, ())):
-            dst.copy_(res)
-        return
-    row = 0
-    for start, ln in run.targets[run.me]:
-        views = [None if t is None else t.narrow(d, row, ln) for t, d in zip(tensors, dims)]
-        for dst, res in zip(outs, fn(views, _dropout(run, tw, start))):
-            dst.narrow(2 if dst.dim() == 3 else 1, row, ln).copy_(res)
+def split(targets: list, pieces: list, L: int, n: int) -> tuple[list, list]:
+    """Each rank's targets cut at multiples of L into (copied, viewed) layouts: a run of whole
+    blocks of L (the last may end at n) that lies inside one of the rank's own pieces runs on a
+    view of its rows (no copy, no transfer); the blocks that take rows of another rank are
+    assembled by `move`. Both are layouts of every rank (each rank computes all of them)."""
+    copied, viewed = [], []
+    for mine, own in zip(targets, pieces):
+        own = _merged(own)
+        c, v = [], []
+        for start, ln in mine:
+            for a in range(start, start + ln, L):
+                b = min(a - a % L + L, start + ln, n)
+                inside = any(s <= a and b <= s + m for s, m in own)
+                side = v if inside else c
+                if side and side[-1][0] + side[-1][1] == a and (side is c or _one_piece(own, side[-1][0], b)):
+                    side[-1] = (side[-1][0], b - side[-1][0])
+                else:
+                    side.append((a, b - a))
+        copied.append(c)
+        viewed.append(v)
+    return copied, viewed
+
+
+def _merged(pieces: list) -> list:
+    """A rank's pieces with neighbours that are adjacent in the sequence joined (they are in
+    its rows too: a rank's pieces are stored in ascending order)."""
+    out = []
+    for s, ln in pieces:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + ln)
+        else:
+            out.append((s, ln))
+    return out
+
+
+def _one_piece(own: list, a: int, b: int) -> bool:
+    return any(s <= a and b <= s + m for s, m in own)
+
+
+def _layouts(run) -> tuple[list, list]:
+    """split() of this call's recut targets, kept in the schedule."""
+    if "_recut_split" not in run.sched:
+        L = 1
+        for br in run.attn.plan["ring"]["branches"]:
+            L = math.lcm(L, br["w"])
+        run.sched["_recut_split"] = split(run.targets, run.pieces, L, run.N)
+    return run.sched["_recut_split"]
+
+
+def _runs(run, copied: list, viewed: list) -> list[tuple[str, int, int, int]]:
+    """My kernel calls: (kind, global start, row in the copied tensors or in my rows, length),
+    ascending; without dropout the copied pieces run as one call (their borders are
+    segment borders of every branch, and the one ending at N comes last)."""
+    out, row = [], 0
+    for start, ln in copied:
+        if run.dropout_args is not None or not out:
+            out.append(("copy", start, row, ln))
+        else:
+            out[-1] = ("copy", out[-1][1], out[-1][2], out[-1][3] + ln)
         row += ln
+    for start, ln in viewed:
+        local = _local_rows(run.pieces[run.me], start, ln)[0][1]     # contiguous in my rows (split)
+        out.append(("view", start, local, ln))
+    return out
+
+
+def _each(run, tw, fn, copies: list, mine: list, dims: list, results: list) -> None:
+    """fn(views of one call's rows, dropout args at its global start) for each of _runs: the
+    results of copied pieces go into `results[0]` (their layout), of viewed ones into
+    `results[1]` (my rows)."""
+    copied, viewed = _layouts(run)
+    for kind, start, row, ln in _runs(run, copied[run.me], viewed[run.me]):
+        src = copies if kind == "copy" else mine
+        views = [None if t is None else t.narrow(d, row, ln) for t, d in zip(src, dims)]
+        dst = results[0] if kind == "copy" else results[1]
+        for out, res in zip(dst, fn(views, _dropout(run, tw, start) if run.dropout_args is not None else ())):
+            out.narrow(2 if out.dim() == 3 else 1, row, ln).copy_(res)
 
 
 def recut_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of my rows by the "recut" transport."""
-    src, dst = run.pieces, run.targets
+    copied, _ = _layouts(run)
     tw = _twin(run, q.device)
     run.at = ("exchange", 0, 0)
-    qt, kt, vt = move(run, [q, k, v], src, dst, [1, 1, 1])
+    qc, kc, vc = move(run, [q, k, v], run.pieces, copied, [1, 1, 1])
     run.at = ("kernels", 0, 0)
-    n_t = qt.shape[1]
-    out_t = torch.empty_like(qt, memory_format=torch.contiguous_format)
-    lse_t = torch.empty((run.B, run.H, n_t), dtype=torch.float32, device=q.device)
-    _pieces_of(run, tw, lambda x, args: forward_raw(tw, *x, dropout=args), [qt, kt, vt], [1, 1, 1],
-               [out_t, lse_t])
+    out_c = torch.empty_like(qc, memory_format=torch.contiguous_format)
+    lse_c = torch.empty((run.B, run.H, qc.shape[1]), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
+    _each(run, tw, lambda x, args: forward_raw(tw, *x, dropout=args), [qc, kc, vc], [q, k, v], [1, 1, 1],
+          [[out_c, lse_c], [out, lse]])
     run.at = ("return", 0, 0)
-    (out,) = move(run, [out_t], dst, src, [1])
-    (lse,) = move(run, [lse_t], dst, src, [2])
+    move(run, [out_c], copied, run.pieces, [1], into=[out])
+    move(run, [lse_c], copied, run.pieces, [2], into=[lse])
     return out, lse
 
 
 def recut_backward(run, q, k, v, out, lse, grad_out, grad_lse):
     """(dq, dk, dv) of my rows by the "recut" transport."""
-    src, dst = run.pieces, run.targets
+    copied, _ = _layouts(run)
     tw = _twin(run, q.device)
     run.at = ("exchange", 0, 0)
-    qt, kt, vt, ot, gt = move(run, [q, k, v, out.to(q.dtype), grad_out.to(q.dtype)], src, dst, [1] * 5)
-    stats = [lse.contiguous()] + ([] if grad_lse is None else [grad_lse.float().contiguous()])
-    lse_t, *glse = move(run, stats, src, dst, [2] * len(stats))
+    out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
+    mine = [q, k, v, out, grad_out]
+    copies = move(run, mine, run.pieces, copied, [1] * 5)
+    stats = [lse] + ([] if grad_lse is None else [grad_lse.float()])
+    stats_c = move(run, stats, run.pieces, copied, [2] * len(stats))
     run.at = ("kernels", 0, 0)
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qt, kt, vt)]
-    _pieces_of(run, tw, lambda x, args: backward_raw(tw, *x, dropout=args),
-               [qt, kt, vt, ot, lse_t, gt, glse[0] if glse else None], [1, 1, 1, 1, 2, 1, 2], grads)
+    grads_c = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in copies[:3]]
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    pick = lambda t, s: t[:3] + [t[3], s[0], t[4], s[1] if len(s) > 1 else None]  # noqa: E731
+    _each(run, tw, lambda x, args: backward_raw(tw, *x, dropout=args), pick(copies, stats_c),
+          pick(mine, stats), [1, 1, 1, 1, 2, 1, 2], [grads_c, grads])
     run.at = ("return", 0, 0)
-    return tuple(move(run, grads, dst, src, [1, 1, 1]))
+    move(run, grads_c, copied, run.pieces, [1, 1, 1], into=grads)
+    return tuple(grads)
