@@ -12,6 +12,8 @@ branch reads in raster order with r | w). Memory per rank is O(N / P).
     faults.py     a rank that fails mid-call makes every rank raise (RingAborted), never wait
     run.py        one call: pieces, schedule, transport, transfers, windows (RingRun)
     dropout.py    attention dropout: the refusal, the seed's proposal, a part-call's Counter
+    heads.py      the transports that run the single-device kernels: local, heads (all-to-all)
+    recut.py      the recut transport: rank borders moved onto segment borders, rows there and back
     executor.py   the forward and backward passes over a RingRun
     op.py         the doors: ring_attention, ring_varlen_attention (torch ops, autograd)
 
