@@ -32,14 +32,14 @@ LONG = dict(ws=[2048, 8192, 32768, 131072, 524288, 2097152, 8388608], rs=[1, 2, 
 # causal_gqa: H_kv = H/4, causal, zigzag chunks; local: Hilbert segment tiles that all lie inside a rank
 ORDERS = ("raster", "segment", "sequence", "causal_gqa", "local")
 USER = {}            # --specs: name -> a spec's fields and its tokens_per_gpu, run as an "order" each
-TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut")   # DILGEN_RING_TRANSPORT per row (auto: the model's)
+TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut", "hybrid")   # DILGEN_RING_TRANSPORT per row (auto: model's)
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
 chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "contiguous"  # noqa: E731 - causal: balanced
 
 
 def predicted(attn, spec, n: int, transport: str) -> dict:
-    """The cost model's ms of this call and of every transport (dilgen.runtime.ring.run.predicted_ms)."""
-    from dilgen.runtime.ring.run import predicted_ms
+    """The cost model's ms of this call and of every transport (dilgen.runtime.ring.costs.predicted_ms)."""
+    from dilgen.runtime.ring.costs import predicted_ms
     return predicted_ms(attn, n, transport, chunks(spec))
 
 
@@ -173,12 +173,15 @@ class Rank:
         return rows
 
     def transports(self, spec, N: int) -> list[str]:
-        """--transports that can run the spec at this P (all-gather: raster only; recut: a border inside N)."""
+        """--transports that can run the spec at this P (all-gather: raster only; recut: a border inside N;
+        hybrid: some branches inside a rank's chunks and some not)."""
         P, H, Hk = self.P, spec.num_heads, spec.num_kv_heads
         return ["auto"] if P == 1 else [t for t in self.args.transports
                                         if (t != "heads" or not (H % P or Hk % P))
                                         and (t != "allgather" or not (spec.causal or spec.hilbert))
-                                        and (t != "recut" or math.lcm(*spec.segment_lengths) < N)]
+                                        and (t != "recut" or math.lcm(*spec.segment_lengths) < N)
+                                        and (t != "hybrid" or 0 < sum(N // P // (1 + spec.causal) % w == 0
+                                                                      for w in spec.segment_lengths) < spec.num_branches)]
 
     def check(self, r, fwd, leaves, ref):
         """Every rank's rows of out, dq, dk, dv against the single-device kernel's same rows."""

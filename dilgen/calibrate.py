@@ -130,7 +130,7 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
 
     from .compiler import compile as compile_spec
     from .runtime.ring import shard
-    from .runtime.ring.run import predicted_ms
+    from .runtime.ring.costs import predicted_ms
     P, me = dist.get_world_size(group), dist.get_rank(group)
     B, N = shape["B"], shape["N"]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

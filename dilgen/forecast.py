@@ -1,7 +1,7 @@
 """The ring cost model's forecast of a spec over 1 .. P GPUs (`dilgen explain --ring P`).
 
 For each GPU count p (1, the powers of two below P, and P) that divides the rows: the
-transport the runtime would pick (runtime.ring.run.predicted_ms, the same model the ring call
+transport the runtime would pick (runtime.ring.costs.predicted_ms, the same model the ring call
 decides by), its predicted forward and forward + backward ms at N tokens (batch 1), the
 strong-scaling efficiency that implies, T(1) / (p T(p)), and the bytes of the call's tensors
 on one GPU (q, k, v, out and their gradients, the LSE). Priced with one set of rates for every
@@ -40,7 +40,7 @@ def forecast(spec: Spec, n: int, P: int) -> list[dict]:
     gpus and why, where the spec does not run on that many)."""
     from .compiler import Kernel
     from .planner import plan
-    from .runtime.ring.run import predicted_ms
+    from .runtime.ring.costs import predicted_ms
     from .schedule import pick_transport
     from .targets import get_target
     Kernel(spec.replace(ring_size=1))          # the single-device twins the heads and local transports run

@@ -281,7 +281,7 @@ def single_device_times(ring: dict, n: int, batch: int, heads: int, head_dim: in
 
 def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int,
                     head_dim: int, itemsize: int, lanes: bool, heads_ok: bool,
-                    local_ok: bool, rates, recut: list | None = None) -> dict:
+                    local_ok: bool, rates, recut: list | None = None, hybrid: tuple | None = None) -> dict:
     """The cost model's {transport: {"fwd_s", "fwd_bwd_s"}} of one call (every rank gets the
     same), priced by `rates` (a dilgen.calibration.Rates: this machine's calibration or the
     committed profile): "ring" and "allgather" run the window kernels (step_flops at the window rate,
@@ -291,23 +291,20 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
     dv out backward); "local" (every branch inside a rank) the single-device kernels alone;
     "recut" (recut_pieces, given as `recut` where it can run) the single-device kernels on the
     busiest rank's rows plus the rows that move there and back (recut_moved_rows: q, k, v
-    there and out, lse back forward; q, k, v, out, dO, lse there and dq, dk, dv back backward).
-    heads_ok / local_ok: whether those can run this call."""
+    there and out, lse back forward; q, k, v, out, dO, lse there and dq, dk, dv back backward);
+    "hybrid" (given as `hybrid` = (the ring IR of the branches inside the pieces, of the others,
+    the others' schedule)) the single-device kernels on the first plus the ring windows of the
+    others. heads_ok / local_ok: whether those can run this call."""
     P, n = ring["ring_size"], schedule["n"]
     lat = rates.step_latency_us * 1e-6
-    rate = rates.window_tflops * 1e12 / rates.ring_overhead
-    raster, table = (step_flops(ring, schedule, batch, heads, head_dim, part) for part in ("raster", "table"))
-    comp = [(a + b) / rate for a, b in zip(raster, table)]
-    kv_row = 2 * batch * kv_heads * head_dim * itemsize
-    ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp, rates=rates)
-    # backward: the dK/dV kernels walk kept lanes only, so table windows cost less over their
-    # forward; keys travel again and fp32 dK, dV go home: 3x the bytes
-    up = rates.causal_window_bwd if ring["causal"] else rates.window_bwd
-    bwd = [(a * up + b * rates.table_window_bwd) / rate for a, b in zip(raster, table)]
-    ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd, rates=rates)
-    costs = {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
-             "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
+    shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, rates=rates)
+    costs = window_costs(ring, schedule, **shape)
     twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes, rates))
+    if hybrid is not None and P > 1:
+        ring_l, ring_r, sched_r = hybrid
+        loc_f, loc_b = (t / P for t in single_device_times(ring_l, n, batch, heads, head_dim, lanes, rates))
+        win = window_costs(ring_r, sched_r, **shape)["ring"]
+        costs["hybrid"] = {"fwd_s": loc_f + win["fwd_s"], "fwd_bwd_s": loc_f + loc_b + win["fwd_bwd_s"]}
     if heads_ok and P > 1:
         row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
         a2a = rates.alltoall_gbytes_s * 1e9
@@ -328,6 +325,24 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
         costs["recut"] = {"fwd_s": busiest * twin_f + fwd_bytes / link + 2 * lat,
                           "fwd_bwd_s": busiest * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / link + 4 * lat}
     return costs
+
+
+def window_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int, head_dim: int,
+                 itemsize: int, rates) -> dict:
+    """{"ring", "allgather": {"fwd_s", "fwd_bwd_s"}}: the window kernels (step_flops at the window
+    rate over ring_overhead) and their key transfers (transport_times)."""
+    rate = rates.window_tflops * 1e12 / rates.ring_overhead
+    raster, table = (step_flops(ring, schedule, batch, heads, head_dim, part) for part in ("raster", "table"))
+    comp = [(a + b) / rate for a, b in zip(raster, table)]
+    kv_row = 2 * batch * kv_heads * head_dim * itemsize
+    ring_f, gather_f, _ = transport_times(ring, schedule, bytes_per_row=kv_row, step_compute_s=comp, rates=rates)
+    # backward: the dK/dV kernels walk kept lanes only, so table windows cost less over their
+    # forward; keys travel again and fp32 dK, dV go home: 3x the bytes
+    up = rates.causal_window_bwd if ring["causal"] else rates.window_bwd
+    bwd = [(a * up + b * rates.table_window_bwd) / rate for a, b in zip(raster, table)]
+    ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd, rates=rates)
+    return {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
+            "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
 
 
 def recut_moved_rows(pieces: list, targets: list) -> list[int]:

@@ -177,7 +177,7 @@ def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
                        segment_lengths=w, dilation_rates=r, causal=causal, ring_size=P, hilbert=hilbert)
     dilgen.Kernel(spec)          # a Kernel in the process: the single-device twins can be built
     attn = types.SimpleNamespace(spec=spec.to_json(), plan=plan(spec, get_target("sm90")).to_json())
-    from dilgen.runtime.ring.run import call_costs
+    from dilgen.runtime.ring.costs import call_costs
     sched = schedule.ring_schedule(attn.plan["ring"], T * P, "zigzag" if causal else "contiguous")
     costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2, rates=cal.DEFAULT)
     return costs, schedule.pick_transport(costs)

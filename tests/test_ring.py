@@ -313,6 +313,13 @@ CASES_P2 += [
     {"name": "recut_zigzag_causal_gqa", "spec": {"segment_lengths": [6, 30], "dilation_rates": [2, 7], "num_heads": 4,
                                                  "num_kv_heads": 2, "causal": True},
      "shape": [1, 64], "order": "zigzag", "transport": "recut", "expect_transport": "recut"},
+    # "hybrid": the branches inside the pieces (w 8, 16; zigzag: w 16) in the single-device
+    # kernels, the others (w 64; 128 with r = 3) in the windows, merged by their lse
+    {"name": "hybrid_raster_b2", "spec": {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4], "num_heads": 4},
+     "shape": [2, 64], "transport": "hybrid", "expect_transport": "hybrid"},
+    {"name": "hybrid_zigzag_causal_gqa_r3", "spec": {"segment_lengths": [16, 128], "dilation_rates": [1, 3],
+                                                     "num_heads": 4, "num_kv_heads": 2, "causal": True},
+     "shape": [1, 128], "order": "zigzag", "transport": "hybrid", "expect_transport": "hybrid"},
 ]
 CASES_P4 = [
     {"name": "p4_mix_causal", "spec": {"segment_lengths": [8, 32, 128], "dilation_rates": [1, 2, 4],
@@ -339,6 +346,9 @@ CASES_P4 = [
     {"name": "p4_recut_zigzag_hilbert_segment", "spec": {"segment_lengths": [4, 16], "dilation_rates": [1, 2],
                                                          "hilbert": {"scope": "segment"}},
      "shape": [1, 64], "order": "zigzag", "transport": "recut", "expect_transport": "recut"},
+    {"name": "p4_hybrid_hilbert_segment", "spec": {"segment_lengths": [4, 64], "dilation_rates": [1, 2],
+                                                   "hilbert": {"scope": "segment"}},
+     "shape": [1, 128], "transport": "hybrid", "expect_transport": "hybrid"},
     {"name": "err_world", "expect_error": "ring_size", "expect_in": "ring_size"},
     {"name": "err_spec", "expect_error": "spec", "expect_in": "disagree on spec"},
     {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},

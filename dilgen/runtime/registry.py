@@ -125,7 +125,7 @@ def twin(attn, device, tuning: dict | None = None, **changes):
     if _TWIN_FACTORY is None:
         return None
     cache = attn.__dict__.setdefault("_twins", {})
-    key = (tuple(sorted(changes.items())), tuple(sorted((tuning or {}).items())), str(device))
+    key = (json.dumps(changes, sort_keys=True), tuple(sorted((tuning or {}).items())), str(device))
     hit = cache.get(key)
     if hit is None:
         spec = {**attn.spec, **changes}

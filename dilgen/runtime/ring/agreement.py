@@ -27,7 +27,7 @@ def _named(names, code: int) -> str:
     if isinstance(names, dict):
         return names.get(code, f"code {code}")
     return repr(names[code]) if 0 <= code < len(names) else f"code {code}"
-_TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut")
+_TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut", "hybrid")
 
 
 def _group_info(spec: dict, group) -> tuple[int, int, Any]:
@@ -297,7 +297,7 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
             if label == "DILGEN_RING_TRANSPORT":
                 names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "
-                        f"the same value (ring, allgather, heads, recut or auto) on every rank, or none")
+                        f"the same value (ring, allgather, heads, recut, hybrid or auto) on every rank, or none")
             hint = ("every rank must compile the same spec" if f == 0 else
                     "N must be divisible by ring_size, every rank passing N / ring_size rows"
                     if "rows" in label else "every rank must pass tensors of the same shape and dtype")

@@ -17,6 +17,7 @@ from ..backward import backward_inputs
 from ..launch import ensure_descriptor_allocator, poison
 from .faults import Guard
 from .heads import twin_backward, twin_forward
+from .hybrid import add_local_grads, local_forward
 from .recut import recut_backward, recut_forward
 from .run import RingRun, _uncompact_add
 
@@ -56,16 +57,22 @@ def _forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     for st in steps:
         for qi, _, _ in run.launches_of(st):
             todo[qi] += 1
-    acc = out if q.dtype == torch.float32 or max(todo) <= 1 else torch.empty(
+    hybrid = run.transport == "hybrid"
+    acc = out if q.dtype == torch.float32 or (max(todo) <= 1 and not hybrid) else torch.empty(
         q.shape, dtype=torch.float32, device=dev)
     poison(out, lse, acc)
     # pieces that several windows write merge from the empty partial, lse = -inf and
     # out = 0 (rows a pruned window skipped are then merged as empty): the merge weighs the
     # accumulator's rows by e^lse = 0, so they hold zeros, not the allocation's leftovers
-    # (0 * inf is NaN, and a numpy RuntimeWarning in the interpreter)
-    merged = [n > 1 for n in todo]
+    # (0 * inf is NaN, and a numpy RuntimeWarning in the interpreter). "hybrid": every window
+    # merges onto the local branches' (out, lse), the partial the windows start from.
+    merged = [n > 1 or hybrid for n in todo]
+    if hybrid:
+        out_l, lse_l = local_forward(run, q, k, v)
+        acc.copy_(out_l)
+        lse.copy_(lse_l)
     for qi, several in enumerate(merged):
-        if several:
+        if several and not hybrid:
             lse.narrow(2, run.rows0[qi], run.pieces[run.me][qi][1]).fill_(float("-inf"))
             run.piece(acc, qi).zero_()
     kernel = attn._kernel(run.interpret)
@@ -212,6 +219,8 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
 
     run.at = ("preprocess", 0, 0)
     run.run(preprocess)
+    if run.transport == "hybrid":             # the local branches' dq, dk, dv from the merged out, lse
+        add_local_grads(run, (dq, dk, dv), q, k, v, out, lse, grad_out, grad_lse)
     steps = run.sched["steps"]
     if run.transport == "allgather":
         by_rank = {}

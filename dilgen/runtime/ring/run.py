@@ -11,8 +11,7 @@ import os
 import torch
 
 from ...calibration import rates_for
-from ...schedule import (pick_transport, ring_schedule, ring_schedule_packed, single_device_times,
-                         transport_costs)
+from ...schedule import pick_transport, ring_schedule, ring_schedule_packed
 from ..checks import InputError, check_positions
 from ..interpreter import interpreting
 from ..tables import table_tensors
@@ -22,7 +21,9 @@ from ..dropout_call import bad_p, cut_and_scale, dropout_twin, model_streams, se
 from .dropout import Counter, dropout_proposal, dropout_refusal
 from .faults import Guard, collective, remember, transfer
 from ..registry import twins_available
-from .heads import heads_refusal, local_possible
+from .costs import call_costs
+from .heads import heads_refusal
+from .hybrid import hybrid_parts, hybrid_refusal
 from .recut import recut_refusal, recut_targets
 
 
@@ -62,7 +63,7 @@ class _Exchange:
         return self.recv
 
 
-def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
+def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool, dropout: bool = False) -> None:
     """What this rank's call cannot run besides its inputs (before the agreement, so that
     every rank refuses together, never one rank alone after the others began to send)."""
     name = attn.spec["name"]
@@ -70,6 +71,11 @@ def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
         why = heads_refusal(attn, P, packed)
         if why is not None:
             raise InputError(f"{name}: DILGEN_RING_TRANSPORT=heads cannot run this call: {why}; "
+                             f"use ring, allgather or auto")
+    if _forced_transport() == "hybrid":
+        why = hybrid_refusal(attn, ring_schedule(attn.plan["ring"], n_loc * P, order), packed, dropout)
+        if why is not None:
+            raise InputError(f"{name}: DILGEN_RING_TRANSPORT=hybrid cannot run this call: {why}; "
                              f"use ring, allgather or auto")
     if _forced_transport() == "recut":
         why = recut_refusal(attn, n_loc * P, order, packed)
@@ -92,52 +98,11 @@ def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
 
 
 def _forced_transport() -> str:
-    """DILGEN_RING_TRANSPORT: ring, allgather, heads, recut or auto."""
+    """DILGEN_RING_TRANSPORT: ring, allgather, heads, recut, hybrid or auto."""
     forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
-    if forced not in ("ring", "allgather", "heads", "recut", "auto"):
-        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather, heads, recut or auto")
+    if forced not in ("ring", "allgather", "heads", "recut", "hybrid", "auto"):
+        raise InputError(f"DILGEN_RING_TRANSPORT={forced!r}: use ring, allgather, heads, recut, hybrid or auto")
     return forced
-
-
-def _single_device_lanes(plan: dict) -> bool:
-    """Whether one device runs this spec in the lane kernels (causal, or a curve-table
-    branch): the cost model's single-device rate."""
-    return plan["causal"] or any(b.get("order") is not None for b in plan["branches"])
-
-
-def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_dim: int,
-               itemsize: int, packed: bool = False, rates=None) -> dict:
-    """schedule.transport_costs of a call of `attn` over `sched` (ring_schedule of its N and
-    chunk order) priced by `rates` (default: calibration.rates_for this machine over
-    NCCL): what the runtime decides by, and what bench_ring prints beside each row."""
-    plan = attn.plan
-    P = plan["ring"]["ring_size"]
-    local = local_possible(attn, sched, packed)
-    return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
-                           head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
-                           heads_ok=heads_refusal(attn, P, packed) is None, local_ok=local,
-                           rates=rates or rates_for(P),
-                           recut=None if local or packed or not twins_available() else recut_targets(attn, sched))
-
-
-def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=None) -> dict:
-    """What the cost model says of a call of `attn` (a GeneratedAttention, or anything with
-    its .spec and .plan JSON) on n tokens, batch 1, by `transport` ("single" for a ring_size 1
-    spec): predicted_fwd_ms, predicted_fwd_bwd_ms (NaN where that transport cannot run), and
-    for a ring every transport's fwd+bwd ms, the remote steps and the schedule's key bytes."""
-    spec, plan = attn.spec, attn.plan
-    heads, kv, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
-    item = 4 if spec["dtype"] == "float32" else 2
-    if plan["ring"]["ring_size"] == 1:
-        ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
-        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates or rates_for(1))
-        return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
-    sched = ring_schedule(plan["ring"], n, order)
-    costs = call_costs(attn, sched, 1, heads, kv, d, item, rates=rates)
-    mine = costs.get(transport, {"fwd_s": math.nan, "fwd_bwd_s": math.nan})
-    return {"predicted_fwd_ms": mine["fwd_s"] * 1e3, "predicted_fwd_bwd_ms": mine["fwd_bwd_s"] * 1e3,
-            "predicted_fwd_bwd_ms_by_transport": {t: c["fwd_bwd_s"] * 1e3 for t, c in costs.items()},
-            "remote_steps": len(sched["steps"]) - 1, "bytes_fraction": sched["bytes_fraction"]}
 
 
 class RingRun:
@@ -181,7 +146,7 @@ class RingRun:
                                                                       self.counter)
 
         def local_check(n_loc):
-            _check_geometry(self.attn, n_loc, self.P, self.order, self.packed)
+            _check_geometry(self.attn, n_loc, self.P, self.order, self.packed, bool(self.dropout_p))
             if self.dropout_p and not valid_p(self.dropout_p):
                 raise bad_p(self.attn.spec["name"], self.dropout_p)
             if self.dropout_p:
@@ -258,6 +223,9 @@ class RingRun:
         self.lattice = plan["query"]["lattice"]
         self.transport = attn.last_ring_transport = self.main.last_ring_transport = self._transport(q)
         self.targets = recut_targets(attn, self.sched) if self.transport == "recut" else None
+        if self.transport == "hybrid":       # the windows run the branches that cross the pieces
+            self.local_branches = self.sched["local_only"]
+            self.sched = hybrid_parts(attn, self.sched)[2]
         self.gathered = None
 
     def _transport(self, q) -> str:
@@ -265,8 +233,9 @@ class RingRun:
         cheapest by the cost model (schedule.transport_costs) of "ring" (P2P steps overlapped
         with the window kernels), "allgather" (LongNet §3.1: every rank gathers the sparse
         rows first), "heads" (all-to-all to head shards, the single-device kernels) and
-        "recut" (rank borders moved onto segment borders, the single-device kernels);
-        DILGEN_RING_TRANSPORT overrides the model (ring, allgather, heads or recut)."""
+        "recut" (rank borders moved onto segment borders, the single-device kernels) and
+        "hybrid" (the branches inside the pieces in the single-device kernels, the others in
+        the windows); DILGEN_RING_TRANSPORT overrides the model."""
         forced = _forced_transport()
         if forced != "auto":
             return forced
@@ -280,9 +249,11 @@ class RingRun:
         cache = self.sched.setdefault("_costs", {})
         rates = rates_for(self.P, self.dist.get_backend(self.group), q.device)
         shape = (self.B, self.H, self.Hkv, self.D, q.element_size())
-        if (shape, rates.key()) not in cache:
-            cache[shape, rates.key()] = call_costs(self.attn, self.sched, *shape, packed=self.packed, rates=rates)
-        return cache[shape, rates.key()]
+        key = (shape, rates.key(), bool(self.dropout_p))
+        if key not in cache:
+            cache[key] = call_costs(self.attn, self.sched, *shape, packed=self.packed, rates=rates,
+                                    dropout=bool(self.dropout_p))
+        return cache[key]
 
     def gather_bytes(self, q) -> int:
         """Bytes of the all-gather transport's gathered key rows on one rank."""
