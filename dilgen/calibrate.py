@@ -187,7 +187,9 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
         row = [found]
         dist.broadcast_object_list(row, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         found = row[0]
-    rates = dataclasses.replace(DEFAULT, **found, measured=tuple(sorted(found)),
+    from .calibration import load
+    kept = (load(Machine.current(P, backend, device)) or DEFAULT).specs    # `dilgen calibrate --spec`'s
+    rates = dataclasses.replace(DEFAULT, **found, measured=tuple(sorted(found)), specs=kept,
                                 source=f"dilgen calibrate, {time.strftime('%Y-%m-%d %H:%M')}, shape {shape}")
     if store_result:
         store(Machine.current(P, backend, device), rates)
@@ -198,9 +200,67 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     return rates
 
 
-def command(link_mib: int = 256) -> list[str]:
+def measure_spec(spec, n: int, device, reps: int = 3) -> tuple[float, float]:
+    """(forward TFLOP/s, backward over forward) of a dilgen.Spec's single-device kernels on n
+    rows, batch 1 (useful FLOPs, schedule.useful_flops): the rate of the kernels its ring
+    calls run by the local, recut, hybrid and heads transports."""
+    import torch
+
+    from .compiler import compile as compile_spec
+    from .schedule import useful_flops
+    scope = getattr(spec.hilbert, "scope", None)
+    one = spec.replace(ring_size=1, name=f"calibrate_{spec.name}"[:100],
+                       **({"hilbert": None} if scope == "sequence" else {}))   # a rank's curve rows: raster
+    kernel = compile_spec(one)
+    dtype = getattr(torch, spec.dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    g = torch.Generator(device="cpu").manual_seed(n)
+    q, k, v = (torch.randn(1, n, h, spec.head_dim, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+               for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+    dout = torch.randn(1, n, spec.num_heads, spec.head_dim, generator=g).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        fwd = _timed(lambda: kernel(q, k, v), sync, reps)
+    both = _timed(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
+    ring = {"causal": spec.causal, "branches": [{"w": w, "r": r} for w, r in spec.branches()]}
+    return useful_flops(ring, n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
+
+
+def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[tuple[str, float, float]]:
+    """`dilgen calibrate --spec`: each spec's rate (measure_spec) on one rank's rows of seq_len
+    tokens (seq_len / P; the slowest rank's, every rank timing alike), added to this machine's
+    records for P ranks and for one process (the entries of other specs kept, a spec's older
+    entry replaced). Returns the entries."""
+    import torch
+    import torch.distributed as dist
+
+    from .calibration import load, spec_digest
+    on = dist.is_available() and dist.is_initialized()
+    P = dist.get_world_size(group) if on else 1
+    backend = dist.get_backend(group) if on and P > 1 else "none"
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    n = seq_len // P
+    entries = []
+    for spec in specs:
+        fwd_tflops, ratio = measure_spec(spec, n, device)
+        if on and P > 1:      # the slowest rank's time: the smallest rate, the largest ratio
+            both = torch.tensor([-fwd_tflops, ratio], dtype=torch.float64,
+                                device=device if backend != "gloo" else "cpu")
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            fwd_tflops, ratio = -both[0].item(), both[1].item()
+        entries.append((spec_digest(spec.to_json()), fwd_tflops, ratio))
+    for machine in {Machine.current(P, backend, device), Machine.current(1, "none", device)}:
+        old = load(machine) or DEFAULT
+        mine = {d for d, _, _ in entries}
+        kept = tuple(e for e in old.specs if e[0] not in mine) + tuple(entries)
+        store(machine, dataclasses.replace(old, specs=kept))
+    return entries
+
+
+def command(link_mib: int = 256, specs: list | None = None, seq_len: int | None = None) -> list[str]:
     """`dilgen calibrate`: under torchrun, every rank of the world (links and kernels); alone,
-    this process's device (kernels only). The lines rank 0 prints."""
+    this process's device (kernels only). With `specs` (dilgen.Spec), only those specs' own
+    rates at seq_len tokens (calibrate_specs). The lines rank 0 prints."""
     import os
 
     import torch
@@ -219,9 +279,16 @@ def command(link_mib: int = 256) -> list[str]:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         started = True
     try:
-        rates = calibrate(None, device, link_bytes=link_mib << 20)
         P = dist.get_world_size() if dist.is_initialized() else 1
         machine = Machine.current(P, dist.get_backend() if P > 1 else "none", device)
+        if specs:
+            found = calibrate_specs(specs, seq_len, None, device)
+            lines = [f"calibrated {len(found)} spec(s) on {machine.device} x {P}, {seq_len // P} rows per rank; "
+                     f"record {machine.key()} in {cache.cache_dir() / 'calibration'}"]
+            lines += [f"  {spec.name}: {f:.4g} TFLOP/s forward, backward {b:.3g} x the forward"
+                      for spec, (_, f, b) in zip(specs, found)]
+            return lines if not dist.is_initialized() or dist.get_rank() == 0 else []
+        rates = calibrate(None, device, link_bytes=link_mib << 20)
         lines = [f"calibrated {machine.device} x {P} ({machine.backend}); record {machine.key()} "
                  f"in {cache.cache_dir() / 'calibration'}"]
         lines += [f"  {name:22s} {getattr(rates, name):12.4g}   (profile {getattr(DEFAULT, name):g})"

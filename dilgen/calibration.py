@@ -63,6 +63,9 @@ class Rates:
     step_latency_us: float = 30.0
     source: str = DEFAULT_SOURCE
     measured: tuple[str, ...] = ()        # the fields this machine's calibration measured
+    # specs measured by `dilgen calibrate --spec`: (spec_digest, forward TFLOP/s, backward over
+    # forward) of each spec's single-device kernels, which then replace the family rates for it
+    specs: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in self.numbers():
@@ -75,24 +78,35 @@ class Rates:
             raise ValueError(f"Rates.measured names {unknown}, not rates of the model")
         if not isinstance(self.source, str):
             raise ValueError("Rates.source must be a string")
+        for entry in self.specs:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                    and all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+                            for x in entry[1:])):
+                raise ValueError(f"Rates.specs entry {entry!r}: (spec digest, TFLOP/s > 0, backward ratio > 0)")
 
     @staticmethod
     def numbers() -> tuple[str, ...]:
-        return tuple(f.name for f in fields(Rates) if f.name not in ("source", "measured"))
+        return tuple(f.name for f in fields(Rates) if f.name not in ("source", "measured", "specs"))
+
+    def for_spec(self, digest: str) -> tuple[float, float] | None:
+        """(forward TFLOP/s, backward over forward) measured for the spec of this digest, or None."""
+        return next(((f, b) for d, f, b in self.specs if d == digest), None)
 
     def to_json(self) -> dict:
         return {**{n: getattr(self, n) for n in self.numbers()}, "source": self.source,
-                "measured": list(self.measured)}
+                "measured": list(self.measured), "specs": [list(e) for e in self.specs]}
 
     @classmethod
     def from_json(cls, data) -> "Rates":
         """The Rates a record holds (ValueError when it is not one: a corrupt record)."""
-        if not isinstance(data, dict) or set(data) - {*cls.numbers(), "source", "measured"}:
+        if not isinstance(data, dict) or set(data) - {*cls.numbers(), "source", "measured", "specs"}:
             raise ValueError("not a Rates record")
-        measured = data.get("measured", [])
+        measured, specs = data.get("measured", []), data.get("specs", [])
         if not isinstance(measured, list) or not all(isinstance(m, str) for m in measured):
             raise ValueError("Rates.measured must be a list of names")
-        return cls(**{**data, "measured": tuple(measured)})
+        if not isinstance(specs, list) or not all(isinstance(e, list) for e in specs):
+            raise ValueError("Rates.specs must be a list of [digest, TFLOP/s, ratio]")
+        return cls(**{**data, "measured": tuple(measured), "specs": tuple(tuple(e) for e in specs)})
 
     def key(self) -> str:
         """A stable digest of the numbers (what the ring's agreement compares)."""
@@ -101,11 +115,19 @@ class Rates:
 
 @functools.lru_cache(maxsize=64)      # every ring call asks (the agreement, the costs)
 def _rates_key(rates: Rates) -> str:
-    text = json.dumps({n: float(getattr(rates, n)) for n in rates.numbers()}, sort_keys=True)
+    text = json.dumps({**{n: float(getattr(rates, n)) for n in rates.numbers()},
+                       "specs": sorted([d, float(f), float(b)] for d, f, b in rates.specs)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 DEFAULT = Rates()
+
+
+def spec_digest(spec: dict) -> str:
+    """What a spec's measured rate is kept under: the spec without its name and ring size (the
+    single-device kernels a ring call of it runs are those of its ring_size 1 twin)."""
+    fields_ = {k: v for k, v in spec.items() if k not in ("name", "ring_size")}
+    return hashlib.sha256(json.dumps(fields_, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -393,7 +393,10 @@ def cmd_explain(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import command
-    for line in command(args.link_mib):
+    specs = [_load(path) for path in args.spec]
+    if specs and not args.seq_len:
+        raise SystemExit("dilgen calibrate --spec needs --seq-len N: the tokens of the ring call to measure for")
+    for line in command(args.link_mib, specs, args.seq_len):
         print(line)
     return EXIT_OK
 
@@ -449,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure the ring cost model's rates on this machine "
                                          "(under torchrun: every rank, links too)")
     p.add_argument("--link-mib", type=int, default=256, help="MiB per rank of each link measurement (default 256)")
+    p.add_argument("--spec", action="append", default=[], metavar="SPEC.json",
+                   help="measure this spec's own single-device rate (repeatable; with --seq-len), which the "
+                        "cost model then prices its ring calls with, in place of the family rates")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="with --spec: the ring call's tokens N (measured on N / P rows per rank)")
     p.set_defaults(func=cmd_calibrate)
     return parser
 

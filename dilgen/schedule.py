@@ -270,18 +270,22 @@ def useful_flops(ring: dict, n: int, batch: int, heads: int, head_dim: int) -> f
 
 
 def single_device_times(ring: dict, n: int, batch: int, heads: int, head_dim: int,
-                        lanes: bool, rates) -> tuple[float, float]:
+                        lanes: bool, rates, spec_rate: tuple[float, float] | None = None) -> tuple[float, float]:
     """(forward s, backward s) of the single-device kernels on the whole problem: useful_flops
     at the fused rate, or the lanes rate (lanes: causal or Hilbert segment specs); `rates` a
-    dilgen.calibration.Rates."""
-    fwd = useful_flops(ring, n, batch, heads, head_dim) / (
-        (rates.twin_lanes_tflops if lanes else rates.twin_fused_tflops) * 1e12)
+    dilgen.calibration.Rates. spec_rate: the spec's own (forward TFLOP/s, backward over
+    forward), measured by `dilgen calibrate --spec`, in place of the family's."""
+    flops = useful_flops(ring, n, batch, heads, head_dim)
+    if spec_rate is not None:
+        return flops / (spec_rate[0] * 1e12), flops / (spec_rate[0] * 1e12) * spec_rate[1]
+    fwd = flops / ((rates.twin_lanes_tflops if lanes else rates.twin_fused_tflops) * 1e12)
     return fwd, fwd * (rates.twin_causal_bwd if ring["causal"] and lanes else rates.twin_bwd)
 
 
 def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int,
                     head_dim: int, itemsize: int, lanes: bool, heads_ok: bool,
-                    local_ok: bool, rates, recut: list | None = None, hybrid: tuple | None = None) -> dict:
+                    local_ok: bool, rates, recut: list | None = None, hybrid: tuple | None = None,
+                    spec_rate: tuple[float, float] | None = None) -> dict:
     """The cost model's {transport: {"fwd_s", "fwd_bwd_s"}} of one call (every rank gets the
     same), priced by `rates` (a dilgen.calibration.Rates: this machine's calibration or the
     committed profile): "ring" and "allgather" run the window kernels (step_flops at the window rate,
@@ -294,15 +298,17 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
     there and out, lse back forward; q, k, v, out, dO, lse there and dq, dk, dv back backward);
     "hybrid" (given as `hybrid` = (the ring IR of the branches inside the pieces, of the others,
     the others' schedule)) the single-device kernels on the first plus the ring windows of the
-    others. heads_ok / local_ok: whether those can run this call."""
+    others. heads_ok / local_ok: whether those can run this call. spec_rate: the spec's measured
+    single-device rate (single_device_times), for every transport that runs those kernels."""
     P, n = ring["ring_size"], schedule["n"]
     lat = rates.step_latency_us * 1e-6
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, rates=rates)
     costs = window_costs(ring, schedule, **shape)
-    twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes, rates))
+    twin_f, twin_b = (t / P for t in single_device_times(ring, n, batch, heads, head_dim, lanes, rates, spec_rate))
     if hybrid is not None and P > 1:
         ring_l, ring_r, sched_r = hybrid
-        loc_f, loc_b = (t / P for t in single_device_times(ring_l, n, batch, heads, head_dim, lanes, rates))
+        loc_f, loc_b = (t / P for t in single_device_times(ring_l, n, batch, heads, head_dim, lanes, rates,
+                                                             spec_rate))
         win = window_costs(ring_r, sched_r, **shape)["ring"]
         costs["hybrid"] = {"fwd_s": loc_f + win["fwd_s"], "fwd_bwd_s": loc_f + loc_b + win["fwd_bwd_s"]}
     if heads_ok and P > 1:

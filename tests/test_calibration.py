@@ -195,3 +195,65 @@ def test_cost_model_picks_per_pattern():
     assert "heads" not in _costs(4, 262144, ws, rs, heads=(16, 2))[0]
     # tiny problems: latency decides, one collective beats the steps
     assert _costs(4, 256, [16, 1024], [1, 4])[1] == "allgather"
+
+
+def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibration_keeps_it(fresh, monkeypatch):
+    """`dilgen calibrate --spec`: the spec's own single-device rate (forward TFLOP/s, backward over
+    forward) is kept in the machine's record under the spec's digest (name and ring size aside), and
+    replaces the family rates for that spec only; the record's key follows it."""
+    import dilgen
+    spec = dilgen.Spec(name="measured", num_heads=2, head_dim=16, segment_lengths=[16, 32], dilation_rates=[1, 2])
+    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: (123.0, 2.0) if n == 64 else (1.0, 1.0))
+    entries = measure.calibrate_specs([spec], 64)
+    digest = cal.spec_digest(spec.replace(ring_size=2, name="another_name").to_json())
+    assert entries == [(digest, 123.0, 2.0)]
+    monkeypatch.setattr(cal, "_MEMO", {})
+    rates = cal.rates_for(1, "none")
+    assert rates.for_spec(digest) == (123.0, 2.0) and rates.key() != cal.DEFAULT.key()
+    assert rates.for_spec(cal.spec_digest(spec.replace(causal=True).to_json())) is None
+    # priced by it: one device, and "local" on a ring (flops / rate, backward 2 x)
+    ring = {"causal": False, "branches": [{"w": 16, "r": 1}, {"w": 32, "r": 2}]}
+    flops = schedule.useful_flops(ring, 128, 1, 2, 16)
+    assert schedule.single_device_times(ring, 128, 1, 2, 16, False, rates, rates.for_spec(digest)) == \
+        pytest.approx((flops / 123e12, 2 * flops / 123e12))
+    costs, _ = _costs(2, 64, [16, 32], [1, 2])
+    spec_rates = dataclasses.replace(cal.DEFAULT, specs=((cal.spec_digest(
+        dilgen.Spec(name="costs", num_heads=16, head_dim=128, dtype="bfloat16", segment_lengths=[16, 32],
+                    dilation_rates=[1, 2], ring_size=2).to_json()), 50.0, 3.0),))
+    import types
+
+    from dilgen.planner import plan
+    from dilgen.runtime.ring.costs import call_costs
+    from dilgen.targets import get_target
+    s2 = dilgen.Spec(name="costs", num_heads=16, head_dim=128, dtype="bfloat16", segment_lengths=[16, 32],
+                     dilation_rates=[1, 2], ring_size=2)
+    attn = types.SimpleNamespace(spec=s2.to_json(), plan=plan(s2, get_target("sm90")).to_json())
+    sched = schedule.ring_schedule(attn.plan["ring"], 128, "contiguous")
+    local = call_costs(attn, sched, 1, 16, 16, 128, 2, rates=spec_rates)["local"]
+    f = schedule.useful_flops(ring | {"branches": [{"w": 16, "r": 1}, {"w": 32, "r": 2}]}, 128, 1, 16, 128) / 50e12 / 2
+    assert local["fwd_s"] == pytest.approx(f) and local["fwd_bwd_s"] == pytest.approx(4 * f)
+    assert costs["local"]["fwd_s"] != pytest.approx(f)                   # the profile's family rate otherwise
+    # a full calibration keeps the measured specs; a later --spec replaces only that spec's entry
+    again = measure.calibrate(None)
+    assert again.for_spec(digest) == (123.0, 2.0)
+    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: (7.0, 3.0))
+    measure.calibrate_specs([spec], 64)
+    monkeypatch.setattr(cal, "_MEMO", {})
+    assert cal.rates_for(1, "none").for_spec(digest) == (7.0, 3.0) and len(cal.rates_for(1, "none").specs) == 1
+    with pytest.raises(ValueError, match="specs"):
+        cal.Rates(specs=(("x", -1.0, 2.0),))
+
+
+def test_dilgen_calibrate_spec_measures_the_spec_on_this_device(fresh, tmp_path, capsys):
+    import dilgen
+    from dilgen.cli import main
+    path = tmp_path / "mine.json"
+    spec = dilgen.Spec(name="mine", num_heads=2, head_dim=16, segment_lengths=[16, 32], dilation_rates=[1, 2],
+                       dtype="float32")
+    path.write_text(json.dumps(spec.to_json()))
+    assert main(["calibrate", "--spec", str(path), "--seq-len", "64"]) == 0
+    assert "mine:" in capsys.readouterr().out
+    fwd, ratio = cal.rates_for(1, "none").for_spec(cal.spec_digest(spec.to_json()))
+    assert fwd > 0 and ratio > 0
+    with pytest.raises(SystemExit, match="--seq-len"):
+        main(["calibrate", "--spec", str(path)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ...calibration import rates_for
+from ...calibration import rates_for, spec_digest
 from ...schedule import ring_schedule, single_device_times, transport_costs
 from ..registry import twins_available
 from .heads import heads_refusal, local_possible
@@ -30,10 +30,11 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
     P = plan["ring"]["ring_size"]
     local = local_possible(attn, sched, packed)
     split = not (local or packed or dropout) and twins_available()
+    rates = rates or rates_for(P)
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
-                           heads_ok=heads_refusal(attn, P, packed) is None, local_ok=local,
-                           rates=rates or rates_for(P),
+                           heads_ok=heads_refusal(attn, P, packed) is None, local_ok=local, rates=rates,
+                           spec_rate=rates.for_spec(spec_digest(attn.spec)),
                            recut=None if local or packed or not twins_available() else recut_targets(attn, sched),
                            hybrid=hybrid_parts(attn, sched) if split else None)
 
@@ -48,7 +49,9 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=
     item = 4 if spec["dtype"] == "float32" else 2
     if plan["ring"]["ring_size"] == 1:
         ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
-        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates or rates_for(1))
+        rates = rates or rates_for(1)
+        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates,
+                                   rates.for_spec(spec_digest(spec)))
         return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
     sched = ring_schedule(plan["ring"], n, order)
     costs = call_costs(attn, sched, 1, heads, kv, d, item, rates=rates)
