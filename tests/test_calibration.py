@@ -166,7 +166,7 @@ def test_no_rate_is_priced_without_a_rates_object():
 
 
 # the committed profile's choices at bench_ring sizes (moved with the model from test_ring.py)
-def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
+def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False, rates=cal.DEFAULT):
     """The cost model at a bench_ring size (bf16, D 128) and its pick."""
     import types
 
@@ -179,7 +179,7 @@ def _costs(P, T, w, r, heads=(16, 16), hilbert=None, causal=False):
     attn = types.SimpleNamespace(spec=spec.to_json(), plan=plan(spec, get_target("sm90")).to_json())
     from dilgen.runtime.ring.costs import call_costs
     sched = schedule.ring_schedule(attn.plan["ring"], T * P, "zigzag" if causal else "contiguous")
-    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2, rates=cal.DEFAULT)
+    costs = call_costs(attn, sched, 1, heads[0], heads[1], 128, 2, rates=rates)
     return costs, schedule.pick_transport(costs)
 
 
@@ -195,6 +195,10 @@ def test_cost_model_picks_per_pattern():
     assert "heads" not in _costs(4, 262144, ws, rs, heads=(16, 2))[0]
     # tiny problems: latency decides, one collective beats the steps
     assert _costs(4, 256, [16, 1024], [1, 4])[1] == "allgather"
+    # the ring_users specs: LongNet's five branches, the last crossing the ranks, split (hybrid);
+    # segments straddling the border, short against a rank's rows, re-cut (recut)
+    assert _costs(2, 262144, [2048, 8192, 32768, 131072, 524288], [1, 2, 4, 8, 16])[1] == "hybrid"
+    assert _costs(2, 100_000, [1000, 48000], [1, 5])[1] == "recut"
 
 
 def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibration_keeps_it(fresh, monkeypatch):
@@ -216,23 +220,14 @@ def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibrati
     flops = schedule.useful_flops(ring, 128, 1, 2, 16)
     assert schedule.single_device_times(ring, 128, 1, 2, 16, False, rates, rates.for_spec(digest)) == \
         pytest.approx((flops / 123e12, 2 * flops / 123e12))
-    costs, _ = _costs(2, 64, [16, 32], [1, 2])
-    spec_rates = dataclasses.replace(cal.DEFAULT, specs=((cal.spec_digest(
-        dilgen.Spec(name="costs", num_heads=16, head_dim=128, dtype="bfloat16", segment_lengths=[16, 32],
-                    dilation_rates=[1, 2], ring_size=2).to_json()), 50.0, 3.0),))
-    import types
-
-    from dilgen.planner import plan
-    from dilgen.runtime.ring.costs import call_costs
-    from dilgen.targets import get_target
-    s2 = dilgen.Spec(name="costs", num_heads=16, head_dim=128, dtype="bfloat16", segment_lengths=[16, 32],
-                     dilation_rates=[1, 2], ring_size=2)
-    attn = types.SimpleNamespace(spec=s2.to_json(), plan=plan(s2, get_target("sm90")).to_json())
-    sched = schedule.ring_schedule(attn.plan["ring"], 128, "contiguous")
-    local = call_costs(attn, sched, 1, 16, 16, 128, 2, rates=spec_rates)["local"]
-    f = schedule.useful_flops(ring | {"branches": [{"w": 16, "r": 1}, {"w": 32, "r": 2}]}, 128, 1, 16, 128) / 50e12 / 2
+    # a ring call of that spec (at another name and ring size) is priced by it too
+    ring_spec = dilgen.Spec(name="costs", num_heads=16, head_dim=128, dtype="bfloat16", segment_lengths=[16, 32],
+                            dilation_rates=[1, 2], ring_size=2)
+    spec_rates = dataclasses.replace(cal.DEFAULT, specs=((cal.spec_digest(ring_spec.to_json()), 50.0, 3.0),))
+    local = _costs(2, 64, [16, 32], [1, 2], rates=spec_rates)[0]["local"]
+    f = schedule.useful_flops(ring, 128, 1, 16, 128) / 50e12 / 2
     assert local["fwd_s"] == pytest.approx(f) and local["fwd_bwd_s"] == pytest.approx(4 * f)
-    assert costs["local"]["fwd_s"] != pytest.approx(f)                   # the profile's family rate otherwise
+    assert _costs(2, 64, [16, 32], [1, 2])[0]["local"]["fwd_s"] != pytest.approx(f)   # the family rate otherwise
     # a full calibration keeps the measured specs; a later --spec replaces only that spec's entry
     again = measure.calibrate(None)
     assert again.for_spec(digest) == (123.0, 2.0)
