@@ -47,6 +47,11 @@ CASES = [
     ("forced_recut_zigzag_causal_gqa_r3", dict(segment_lengths=[6, 12], dilation_rates=[1, 3], causal=True,
                                                num_kv_heads=2), "zigzag", "recut"),
     ("forced_recut_r3", dict(segment_lengths=[8, 24], dilation_rates=[1, 3]), "contiguous", "recut"),
+    # hybrid: w 16 (zigzag chunks of 16) / w 8 in the single-device dropout kernels, each piece at its start and
+    # each local branch on its own stream; the branch that crosses the ranks in the windows
+    ("forced_hybrid_zigzag_causal_gqa_r3", dict(segment_lengths=[16, 64], dilation_rates=[1, 3], causal=True,
+                                                num_kv_heads=2), "zigzag", "hybrid"),
+    ("forced_hybrid_second_branch_local", dict(segment_lengths=[64, 8], dilation_rates=[4, 1]), "contiguous", "hybrid"),
     ("windows_mqa", dict(segment_lengths=[8, 64], dilation_rates=[1, 3], num_kv_heads=1), "contiguous", None),
     # traced whole by torch.compile: the ring's dropout ops draw rank 0's seed when they run
     ("compiled_zigzag_causal_gqa_r3", dict(segment_lengths=[16, 48], dilation_rates=[1, 3], causal=True,

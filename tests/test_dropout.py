@@ -237,8 +237,8 @@ def test_a_padded_batch_draws_as_its_packed_rows():
 
 
 def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
-    """P = 2 under torchrun (NCCL on 2 GPUs, else gloo): the local and recut transports (each piece at its global
-    offset), the head-parallel one (each rank's heads as the model's) and the window transports (ring and
+    """P = 2 under torchrun (NCCL on 2 GPUs, else gloo): the local, recut and hybrid transports (each piece at its
+    global offset), the head-parallel one (each rank's heads as the model's) and the window transports (ring and
     all-gather, their key windows starting off a span of 32 lanes) give every rank
     the rows, and the gradients, of the single-device call with the same seed (rank 0's)."""
     import json
@@ -262,7 +262,8 @@ def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
             "forced_ring_zigzag_r3_wide": "ring",
             "forced_ring_hilbert_segment": "ring", "forced_ring_hilbert_sequence": "ring",
             "heads_hilbert_sequence": "heads", "compiled_zigzag_causal_gqa_r3": None,
-            "forced_recut_zigzag_causal_gqa_r3": "recut", "forced_recut_r3": "recut"}
+            "forced_recut_zigzag_causal_gqa_r3": "recut", "forced_recut_r3": "recut",
+            "forced_hybrid_zigzag_causal_gqa_r3": "hybrid", "forced_hybrid_second_branch_local": "hybrid"}
     for res in ranks:
         for name, transport in want.items():
             r = res[name]
@@ -273,7 +274,7 @@ def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path):
         assert r["transport"] in ("ring", "allgather") and max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-4, r
         assert r["plain_gap"] > 1e-2, r
         r = res["windows_mqa"]                              # one kv head: no heads transport
-        assert r["transport"] in ("ring", "allgather") and max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-4, r
+        assert r["transport"] in ("ring", "allgather", "hybrid") and max(r[x] for x in ("out", "dq", "dk", "dv")) < 1e-4, r
 
 
 def test_over_200_seeds_the_mean_output_is_the_output_without_dropout():

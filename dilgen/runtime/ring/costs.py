@@ -21,15 +21,14 @@ def _single_device_lanes(plan: dict) -> bool:
 
 
 def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_dim: int,
-               itemsize: int, packed: bool = False, rates=None, dropout: bool = False) -> dict:
+               itemsize: int, packed: bool = False, rates=None) -> dict:
     """schedule.transport_costs of a call of `attn` over `sched` (ring_schedule of its N and
     chunk order) priced by `rates` (default: calibration.rates_for this machine over
-    NCCL): what the runtime decides by, and what bench_ring prints beside each row. A call
-    with dropout has no "hybrid" (hybrid.hybrid_refusal)."""
+    NCCL): what the runtime decides by, and what bench_ring prints beside each row."""
     plan = attn.plan
     P = plan["ring"]["ring_size"]
     local = local_possible(attn, sched, packed)
-    split = not (local or packed or dropout) and twins_available()
+    split = not (local or packed) and twins_available()
     rates = rates or rates_for(P)
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),

@@ -68,9 +68,7 @@ def _forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     # merges onto the local branches' (out, lse), the partial the windows start from.
     merged = [n > 1 or hybrid for n in todo]
     if hybrid:
-        out_l, lse_l = local_forward(run, q, k, v)
-        acc.copy_(out_l)
-        lse.copy_(lse_l)
+        local_forward(run, q, k, v, acc, lse)
     for qi, several in enumerate(merged):
         if several and not hybrid:
             lse.narrow(2, run.rows0[qi], run.pieces[run.me][qi][1]).fill_(float("-inf"))

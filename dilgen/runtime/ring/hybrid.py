@@ -11,6 +11,8 @@ union of the key sets: P = e^(s - lse) for every branch), so the single-device b
 dq, dk, dv of the local branches add to the windows' of the others."""
 from __future__ import annotations
 
+import torch
+
 from ...schedule import ring_schedule
 from ..backward import backward_raw
 from ..forward import forward_raw
@@ -38,12 +40,10 @@ def hybrid_parts(attn, sched: dict) -> tuple[dict, dict, dict] | None:
     return sched["_hybrid"]
 
 
-def hybrid_refusal(attn, sched: dict, packed: bool, dropout: bool) -> str | None:
+def hybrid_refusal(attn, sched: dict, packed: bool) -> str | None:
     """Why the "hybrid" transport cannot run this call (one line), or None."""
     if packed:
         return "packed rows (cu_seqlens) run on the ring's windows"
-    if dropout:
-        return "attention dropout draws each branch's coins by its index among all the spec's branches"
     if not twins_available():
         return "no dilgen.Kernel was made in this process to build the single-device kernels"
     if hybrid_parts(attn, sched) is None:
@@ -54,7 +54,8 @@ def hybrid_refusal(attn, sched: dict, packed: bool, dropout: bool) -> str | None
 
 def local_twin(run, device):
     """The single-device module of the spec's branches inside the pieces (their segment
-    lengths, rates and Hilbert grids; the heads' offsets are the model's)."""
+    lengths, rates and Hilbert grids; the heads' offsets are the model's); with dropout, its
+    dropout plan."""
     hit = run.__dict__.get("_hybrid_twin")
     if hit is None:
         spec, keep = run.attn.spec, run.local_branches
@@ -66,18 +67,40 @@ def local_twin(run, device):
         elif hil is not None and hil.get("grids") is not None:
             changes["hilbert"] = dict(hil, grids=[hil["grids"][i] for i in keep])
         name = f"{spec['name']}_branches{'_'.join(map(str, keep))}"[:100]
-        hit = run._hybrid_twin = twin(run.attn, device, None, ring_size=1, name=name, **changes)
+        tuning = {"dropout": True} if run.dropout_args is not None else None
+        hit = run._hybrid_twin = twin(run.attn, device, tuning, ring_size=1, name=name, **changes)
     return hit
 
 
-def local_forward(run, q, k, v):
-    """(out, lse) of the local branches on my rows."""
-    return forward_raw(local_twin(run, q.device), q, k, v)
+def _pieces(run, fn, tensors: list, outs: list) -> None:
+    """fn(tensors, dropout args) on my rows; with dropout, per piece at its global start, each
+    local branch drawing the coins of its index among all the spec's branches (the streams'
+    columns of the local branches), results copied into `outs` (rows on dim 1, lse-like on 2)."""
+    if run.dropout_args is None:
+        for dst, res in zip(outs, fn(tensors, ())):
+            dst.copy_(res)
+        return
+    for i, (start, ln) in enumerate(run.pieces[run.me]):
+        *args, streams = run.drop_args(start, 0)
+        args = (*args, streams[:, run.local_branches].contiguous())
+        views = [None if t is None else t.narrow(2 if t.dim() == 3 else 1, run.rows0[i], ln) for t in tensors]
+        for dst, res in zip(outs, fn(views, args)):
+            dst.narrow(2 if dst.dim() == 3 else 1, run.rows0[i], ln).copy_(res)
+
+
+def local_forward(run, q, k, v, acc, lse) -> None:
+    """The local branches' (out, lse) on my rows, into `acc` (fp32) and `lse`: the partial the
+    windows start from."""
+    tw = local_twin(run, q.device)
+    _pieces(run, lambda x, args: forward_raw(tw, *x, dropout=args), [q, k, v], [acc, lse])
 
 
 def add_local_grads(run, grads: tuple, q, k, v, out, lse, grad_out, grad_lse) -> None:
     """Add the local branches' dq, dk, dv on my rows, from the call's merged out and lse, to
     `grads` (the windows' fp32 accumulators)."""
     run.at = ("kernels", 0, 0)
-    for acc, part in zip(grads, backward_raw(local_twin(run, q.device), q, k, v, out, lse, grad_out, grad_lse)):
+    tw = local_twin(run, q.device)
+    parts = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads]
+    _pieces(run, lambda x, args: backward_raw(tw, *x, dropout=args), [q, k, v, out, lse, grad_out, grad_lse], parts)
+    for acc, part in zip(grads, parts):
         acc += part

@@ -63,7 +63,7 @@ class _Exchange:
         return self.recv
 
 
-def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool, dropout: bool = False) -> None:
+def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
     """What this rank's call cannot run besides its inputs (before the agreement, so that
     every rank refuses together, never one rank alone after the others began to send)."""
     name = attn.spec["name"]
@@ -73,7 +73,7 @@ def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool, dropout:
             raise InputError(f"{name}: DILGEN_RING_TRANSPORT=heads cannot run this call: {why}; "
                              f"use ring, allgather or auto")
     if _forced_transport() == "hybrid":
-        why = hybrid_refusal(attn, ring_schedule(attn.plan["ring"], n_loc * P, order), packed, dropout)
+        why = hybrid_refusal(attn, ring_schedule(attn.plan["ring"], n_loc * P, order), packed)
         if why is not None:
             raise InputError(f"{name}: DILGEN_RING_TRANSPORT=hybrid cannot run this call: {why}; "
                              f"use ring, allgather or auto")
@@ -146,7 +146,7 @@ class RingRun:
                                                                       self.counter)
 
         def local_check(n_loc):
-            _check_geometry(self.attn, n_loc, self.P, self.order, self.packed, bool(self.dropout_p))
+            _check_geometry(self.attn, n_loc, self.P, self.order, self.packed)
             if self.dropout_p and not valid_p(self.dropout_p):
                 raise bad_p(self.attn.spec["name"], self.dropout_p)
             if self.dropout_p:
@@ -249,10 +249,9 @@ class RingRun:
         cache = self.sched.setdefault("_costs", {})
         rates = rates_for(self.P, self.dist.get_backend(self.group), q.device)
         shape = (self.B, self.H, self.Hkv, self.D, q.element_size())
-        key = (shape, rates.key(), bool(self.dropout_p))
+        key = (shape, rates.key())
         if key not in cache:
-            cache[key] = call_costs(self.attn, self.sched, *shape, packed=self.packed, rates=rates,
-                                    dropout=bool(self.dropout_p))
+            cache[key] = call_costs(self.attn, self.sched, *shape, packed=self.packed, rates=rates)
         return cache[key]
 
     def gather_bytes(self, q) -> int:
