@@ -86,13 +86,12 @@ def test_recut_runs_whole_blocks_of_its_own_rows_on_views_and_copies_only_the_bl
     from dilgen.runtime.ring.recut import split
     n, ws = 200_000, [1000, 48000]
     targets = recut_pieces(_ring(2, ws), n)
-    copied, viewed = split(targets, ring_pieces(n, 2), 48_000, n)
+    copied, viewed = split(targets, ring_pieces(n, 2), 48_000)
     # rank 0 keeps [0, 96000) on a view; rank 1 assembles the block [96000, 144000) that takes
     # rank 0's rows 96000..99999 and runs its own [144000, 200000) on a view
     assert (copied, viewed) == ([[], [(96_000, 48_000)]], [[(0, 96_000)], [(144_000, 56_000)]])
     # zigzag: rank 1's two chunks are adjacent, so its block [60000, 90000) is one view
     n = 131_072
-    copied, viewed = split(recut_pieces(_ring(2, [3000, 30000]), n, "zigzag"), ring_pieces(n, 2, "zigzag"),
-                           30_000, n)
+    copied, viewed = split(recut_pieces(_ring(2, [3000, 30000]), n, "zigzag"), ring_pieces(n, 2, "zigzag"), 30_000)
     assert copied == [[(90_000, 30_000)], [(30_000, 30_000)]]
     assert viewed == [[(0, 30_000), (120_000, 11_072)], [(60_000, 30_000)]]

@@ -69,11 +69,8 @@ def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None
     of point-to-point transfers for all of them (of one dtype), my own rows copied."""
     P, me = run.P, run.me
     rows = sum(ln for _, ln in dst[me])
-    outs = into or []
-    for x, d in zip(tensors, dims) if into is None else ():
-        shape = list(x.shape)
-        shape[d] = rows
-        outs.append(torch.empty(shape, dtype=x.dtype, device=x.device))
+    outs = into or [torch.empty(x.shape[:d] + (rows,) + x.shape[d + 1:], dtype=x.dtype, device=x.device)
+                    for x, d in zip(tensors, dims)]
     sends, recvs, lands = [None] * P, [None] * P, []
     for peer in range(P):
         if peer == me:
@@ -83,8 +80,7 @@ def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None
             sends[peer] = torch.cat([x.narrow(d, a, m).flatten() for x, d in zip(tensors, dims)
                                      for a, _, m in out_runs])
         if in_runs:
-            per_row = [math.prod(x.shape) // x.shape[d] if x.shape[d] else math.prod(x.shape[:d] + x.shape[d + 1:])
-                       for x, d in zip(tensors, dims)]
+            per_row = [math.prod(x.shape[:d] + x.shape[d + 1:]) for x, d in zip(tensors, dims)]
             recvs[peer] = torch.empty(sum(r * m for r in per_row for _, _, m in in_runs),
                                       dtype=tensors[0].dtype, device=tensors[0].device)
             lands.append((recvs[peer], in_runs))
@@ -115,20 +111,19 @@ def _exchange(run, sends: list, recvs: list) -> None:
         transfer(work.wait)
 
 
-def split(targets: list, pieces: list, L: int, n: int) -> tuple[list, list]:
+def split(targets: list, pieces: list, L: int) -> tuple[list, list]:
     """Each rank's targets cut at multiples of L into (copied, viewed) layouts: a run of whole
-    blocks of L (the last may end at n) that lies inside one of the rank's own pieces runs on a
+    blocks of L (the last may end at N) that lies inside one of the rank's own pieces runs on a
     view of its rows (no copy, no transfer); the blocks that take rows of another rank are
     assembled by `move`. Both are layouts of every rank (each rank computes all of them)."""
     copied, viewed = [], []
     for mine, own in zip(targets, pieces):
         own = _merged(own)
         c, v = [], []
-        for start, ln in mine:
+        for start, ln in mine:                    # start: a multiple of L (recut_pieces)
             for a in range(start, start + ln, L):
-                b = min(a - a % L + L, start + ln, n)
-                inside = any(s <= a and b <= s + m for s, m in own)
-                side = v if inside else c
+                b = min(a + L, start + ln)
+                side = v if _one_piece(own, a, b) else c
                 if side and side[-1][0] + side[-1][1] == a and (side is c or _one_piece(own, side[-1][0], b)):
                     side[-1] = (side[-1][0], b - side[-1][0])
                 else:
@@ -160,7 +155,7 @@ def _layouts(run) -> tuple[list, list]:
         L = 1
         for br in run.attn.plan["ring"]["branches"]:
             L = math.lcm(L, br["w"])
-        run.sched["_recut_split"] = split(run.targets, run.pieces, L, run.N)
+        run.sched["_recut_split"] = split(run.targets, run.pieces, L)
     return run.sched["_recut_split"]
 
 
