@@ -5,6 +5,7 @@ packed rows, against the single-device packed call that one rank makes for all
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
@@ -20,16 +21,23 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class transport:
-    """DILGEN_RING_TRANSPORT set to `name` inside the block (a case's "transport")."""
+    """DILGEN_RING_TRANSPORT set to `name` inside the block (a case's "transport"); a case with
+    "measure" also measures its spec's rate on the CPU (DILGEN_RING_MEASURE=1) into a cache of
+    its own (DILGEN_CACHE_DIR: the session's keeps no record of it)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, measure: str | None = None):
+        self.name, self.measure = name, measure
 
     def __enter__(self):
         self.saved = os.environ.get("DILGEN_RING_TRANSPORT")
         os.environ["DILGEN_RING_TRANSPORT"] = self.name
+        if self.measure:
+            self.env = {k: os.environ.get(k) for k in ("DILGEN_RING_MEASURE", "DILGEN_CACHE_DIR")}
+            os.environ.update(DILGEN_RING_MEASURE="1", DILGEN_CACHE_DIR=self.measure)
 
     def __exit__(self, *exc):
+        for k, v in (self.env.items() if self.measure else ()):
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         if self.saved is None:
             del os.environ["DILGEN_RING_TRANSPORT"]
         else:
@@ -80,8 +88,13 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
             return [f"{case['name']} rank {rank}: {counter.frame_count} graphs, want 1"]
     else:
         # the ring's windows unless a case names a transport ("auto": the cost model's)
-        with transport(case.get("transport", "ring")):
+        measure = case.get("measure") and tempfile.mkdtemp(prefix=f"dilgen_measure_rank{rank}_")
+        with transport(case.get("transport", "ring"), measure):
             out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
+            if measure:
+                fails = measured(spec, P, dev, group)
+                if fails:
+                    return [f"{case['name']} rank {rank}: {f}" for f in fails]
         ran = kernel.compiled_for(dev).attention.last_ring_transport
         if case.get("expect_transport", ran) != ran:
             return [f"{case['name']} rank {rank}: transport {ran}, want {case['expect_transport']}"]
@@ -94,6 +107,22 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
 
     return compare_rows(f"{case['name']} rank {rank}", TOL[spec.dtype], (out, lse, *(t.grad for t in mine)),
                         (sh(ref_out.detach()), sh(ref_lse.detach(), 2), *(sh(g) for g in ref_grads)))
+
+
+def measured(spec, P: int, dev, group) -> list[str]:
+    """The first auto call measured the spec's rate: every rank holds the same entry in its record
+    (each rank's own cache), and the forward's backward re-used it (one entry, not two)."""
+    import torch.distributed as dist
+
+    from dilgen import calibration as cal
+    cal._MEMO.clear()                                     # read back from this rank's cache
+    rates = cal.rates_for(P, dist.get_backend(group), dev)
+    entry = rates.for_spec(cal.spec_digest(spec.to_json()))
+    if entry is None or len(rates.specs) != 1:
+        return [f"no single measured entry for the spec in its record: {rates.specs}"]
+    every = [None] * P
+    dist.all_gather_object(every, entry, group=group)
+    return [] if all(e == entry for e in every) else [f"the ranks measured differently: {every}"]
 
 
 def compare_rows(who: str, tol: float, got, want) -> list[str]:

@@ -317,6 +317,10 @@ CASES_P2 += [
     # kernels, the others (w 64; 128 with r = 3) in the windows, merged by their lse
     {"name": "hybrid_raster_b2", "spec": {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4], "num_heads": 4},
      "shape": [2, 64], "transport": "hybrid", "expect_transport": "hybrid"},
+    # the first auto call of a spec measures its own rate (DILGEN_RING_MEASURE=1 on the CPU): every rank
+    # the same entry, then the cost model's pick
+    {"name": "measured_rate", "spec": {"segment_lengths": [8, 48], "dilation_rates": [1, 3]},
+     "shape": [1, 112], "transport": "auto", "measure": True},
     {"name": "hybrid_zigzag_causal_gqa_r3", "spec": {"segment_lengths": [16, 128], "dilation_rates": [1, 3],
                                                      "num_heads": 4, "num_kv_heads": 2, "causal": True},
      "shape": [1, 128], "order": "zigzag", "transport": "hybrid", "expect_transport": "hybrid"},

@@ -30,6 +30,12 @@ def test_chunk_order_disagreement_names_the_orders():
     assert "chunk_order=" in message and "same shape and dtype" not in message, message
 
 
+def test_measure_disagreement_names_each_ranks_value():
+    """One rank measuring a spec's rate and another not would leave one rank in an all_reduce."""
+    message = _verdict("ring_x", _rows("DILGEN_RING_MEASURE", [0, 2]), None, 2)
+    assert "disagree on DILGEN_RING_MEASURE (rank 0: auto, rank 1: 0)" in message, message
+
+
 def test_dtype_disagreement_names_the_dtypes():
     message = _verdict("ring_x", _rows("dtype", [3, 2]), None, 2)
     assert "(rank 0: float32, rank 1: bfloat16)" in message, message

@@ -95,3 +95,18 @@ def test_recut_runs_whole_blocks_of_its_own_rows_on_views_and_copies_only_the_bl
     copied, viewed = split(recut_pieces(_ring(2, [3000, 30000]), n, "zigzag"), ring_pieces(n, 2, "zigzag"), 30_000)
     assert copied == [[(90_000, 30_000)], [(30_000, 30_000)]]
     assert viewed == [[(0, 30_000), (120_000, 11_072)], [(60_000, 30_000)]]
+
+
+def test_the_first_call_measures_a_spec_only_where_asked(monkeypatch):
+    import torch
+
+    from dilgen.runtime.ring.measure import wanted
+    q = torch.zeros(1, 4, 2, 16)
+    assert not wanted(q)                                       # auto: on a GPU only
+    monkeypatch.setenv("DILGEN_RING_MEASURE", "1")
+    assert wanted(q)
+    monkeypatch.setenv("DILGEN_RING_MEASURE", "0")
+    assert not wanted(q)
+    monkeypatch.setenv("DILGEN_RING_MEASURE", "sometimes")
+    with pytest.raises(InputError, match="DILGEN_RING_MEASURE='sometimes': use auto"):
+        wanted(q)

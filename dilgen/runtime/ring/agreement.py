@@ -28,6 +28,7 @@ def _named(names, code: int) -> str:
         return names.get(code, f"code {code}")
     return repr(names[code]) if 0 <= code < len(names) else f"code {code}"
 _TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut", "hybrid")
+_MEASURE = ("auto", "1", "0")           # DILGEN_RING_MEASURE (ring.measure.MODES)
 
 
 def _group_info(spec: dict, group) -> tuple[int, int, Any]:
@@ -65,7 +66,7 @@ def _call_fields(spec: dict, q, k, v, order: str, cu: list[int] | None, kind: st
         return t.shape[i] if isinstance(t, torch.Tensor) and t.dim() > i else -1
     return [key, shape(q, 0), shape(q, 1), shape(q, 2), shape(q, 3), shape(k, 2), shape(k, 1),
             shape(v, 1), _DTYPE_CODE.get(getattr(q, "dtype", None), 0), CHUNK_ORDERS.index(order),
-            _cu_key(cu), _transport_code(), rates, dropout, CALLS.index(kind)]
+            _cu_key(cu), _transport_code(), rates, dropout, CALLS.index(kind), _measure_code()]
 
 
 def _fingerprint(fields: list[int], error: str | None, device, free: int = -1, seed: int = 0) -> torch.Tensor:
@@ -126,7 +127,8 @@ def _agreed_before(spec: dict, q, k, v, order: str, group, dist, cu_seqlens, kin
 
 _FIELDS = ["spec", "batch", "local rows of q", "heads of q", "head_dim", "kv heads",
            "local rows of k", "local rows of v", "dtype", "chunk order", "cu_seqlens",
-           "DILGEN_RING_TRANSPORT", "cost model rates", "attention dropout", "call", "input error"]
+           "DILGEN_RING_TRANSPORT", "cost model rates", "attention dropout", "call", "DILGEN_RING_MEASURE",
+           "input error"]
 #: the passes a ring call agrees on: a rank in a forward never pairs with one in a backward
 CALLS = ("forward", "backward")
 
@@ -147,6 +149,13 @@ def _side_stream(device):
 def _transport_code() -> int:
     forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
     return _TRANSPORTS.index(forced) if forced in _TRANSPORTS else len(_TRANSPORTS)
+
+
+def _measure_code() -> int:
+    """DILGEN_RING_MEASURE as an int (ring.measure.MODES; an unknown value its own code): every
+    rank must measure a spec's rate alike, or none."""
+    mode = os.environ.get("DILGEN_RING_MEASURE", "auto")
+    return _MEASURE.index(mode) if mode in _MEASURE else len(_MEASURE)
 
 
 def _cu_key(cu: list[int] | None) -> int:
@@ -294,6 +303,10 @@ def _verdict(name: str, rows: list[list[int]], error: str | None, P: int) -> str
                 return (f"{name}: the ranks disagree on attention dropout (the drop threshold by rank: "
                         f"{by_rank}; 0: none); every rank must pass the same dropout_p (train() or "
                         f"eval() on every rank alike)")
+            if label == "DILGEN_RING_MEASURE":
+                names = ", ".join(f"rank {r}: {(*_MEASURE, 'invalid')[x]}" for r, x in enumerate(values))
+                return (f"{name}: the ranks disagree on DILGEN_RING_MEASURE ({names}); set the same "
+                        f"value (auto, 1 or 0) on every rank, or none")
             if label == "DILGEN_RING_TRANSPORT":
                 names = ", ".join(f"rank {r}: {(*_TRANSPORTS, 'invalid')[x]}" for r, x in enumerate(values))
                 return (f"{name}: the ranks disagree on DILGEN_RING_TRANSPORT ({names}); set "

@@ -24,6 +24,7 @@ from ..registry import twins_available
 from .costs import call_costs
 from .heads import heads_refusal
 from .hybrid import hybrid_parts, hybrid_refusal
+from .measure import with_spec_rate
 from .recut import recut_refusal, recut_targets
 
 
@@ -221,25 +222,30 @@ class RingRun:
                                         dtype=torch.int32, device=q.device)
             self._windows = {}
         self.lattice = plan["query"]["lattice"]
-        self.transport = attn.last_ring_transport = self.main.last_ring_transport = self._transport(q)
+        self.transport = attn.last_ring_transport = self.main.last_ring_transport = self._transport(q, k, v)
         self.targets = recut_targets(attn, self.sched) if self.transport == "recut" else None
         if self.transport == "hybrid":       # the windows run the branches that cross the pieces
             self.local_branches = self.sched["local_only"]
             self.sched = hybrid_parts(attn, self.sched)[2]
         self.gathered = None
 
-    def _transport(self, q) -> str:
+    def _transport(self, q, k, v) -> str:
         """"local" (every branch inside a rank: the single-device kernels on my rows), else the
         cheapest by the cost model (schedule.transport_costs) of "ring" (P2P steps overlapped
         with the window kernels), "allgather" (LongNet §3.1: every rank gathers the sparse
         rows first), "heads" (all-to-all to head shards, the single-device kernels) and
         "recut" (rank borders moved onto segment borders, the single-device kernels) and
         "hybrid" (the branches inside the pieces in the single-device kernels, the others in
-        the windows); DILGEN_RING_TRANSPORT overrides the model."""
+        the windows); DILGEN_RING_TRANSPORT overrides the model. Where the choice is not
+        "local", the first call of a spec measures its own rate (measure.with_spec_rate)."""
         forced = _forced_transport()
         if forced != "auto":
             return forced
         costs = self.costs(q)
+        if "local" not in costs and not self.packed:
+            rates = rates_for(self.P, self.dist.get_backend(self.group), q.device)
+            if with_spec_rate(self, q, k, v, rates) is not rates:
+                costs = self.costs(q)
         return pick_transport(costs, self.gather_bytes(q), self.free_bytes)
 
     def costs(self, q) -> dict:

@@ -1,0 +1,83 @@
+"""The first ring call of a spec on a machine measures the spec's own single-device rate
+(what `dilgen calibrate --spec` measures, calibrate.measure_spec) before the cost model picks
+a transport, when the machine's rates hold none for it, and keeps it in the machine's record.
+
+Every rank decides alike: the agreement compared the digest of the rates each rank prices
+with, so every rank lacks the entry or none does; every rank times its own rows, one
+all_reduce takes the slowest rank's numbers (or, if any rank could not time, none), and every
+rank adds the same entry. `DILGEN_RING_MEASURE`: "auto" (default: on a GPU, not while a CUDA
+graph is captured), "1" (also on the CPU), "0" (never); the agreement compares it, so ranks that
+differ are refused together."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from ...calibration import Machine, spec_digest, store
+from ...schedule import useful_flops
+from ..backward import backward_raw
+from ..checks import InputError
+from ..forward import forward_raw
+from ..registry import twin
+from .agreement import _MEASURE, _capturing
+from .faults import collective
+
+MODES = _MEASURE
+
+
+def wanted(q) -> bool:
+    """Whether a call on q may measure (DILGEN_RING_MEASURE)."""
+    mode = os.environ.get("DILGEN_RING_MEASURE", "auto")
+    if mode not in MODES:
+        raise InputError(f"DILGEN_RING_MEASURE={mode!r}: use auto (on a GPU), 1 (always) or 0 (never)")
+    return mode == "1" or (mode == "auto" and q.is_cuda and not _capturing(q))
+
+
+def _time_twin(run, q, k, v) -> tuple[float, float]:
+    """(forward s, backward s) of the spec's single-device kernels on my rows (one warm-up,
+    the median of three)."""
+    curve = {"hilbert": None} if run.main.plan["ring"].get("curve") is not None else {}
+    tw = twin(run.main, q.device, None, ring_size=1, **curve)
+    sync = (lambda: torch.cuda.synchronize(q.device)) if q.is_cuda else (lambda: None)
+    times = []
+    for _ in range(4):
+        sync()
+        t0 = time.perf_counter()
+        out, lse = forward_raw(tw, q, k, v)
+        sync()
+        t1 = time.perf_counter()
+        backward_raw(tw, q, k, v, out, lse, out, None)
+        sync()
+        times.append((t1 - t0, time.perf_counter() - t1))
+    fwd, bwd = sorted(times[1:])[1]
+    return fwd, bwd
+
+
+def with_spec_rate(run, q, k, v, rates):
+    """`rates`, or `rates` with this spec's rate added (measured now on every rank, kept in the
+    machine's record) when it holds none and the call may measure."""
+    digest = spec_digest(run.main.spec)
+    if rates.for_spec(digest) is not None or not wanted(q):
+        return rates
+    spec = run.main.spec
+    try:
+        fwd, bwd = _time_twin(run, q.detach(), k.detach(), v.detach())
+        ring = {"causal": spec["causal"], "branches": [{"w": w, "r": r} for w, r in
+                                                       zip(spec["segment_lengths"], spec["dilation_rates"])]}
+        flops = useful_flops(ring, run.n_loc, run.B, run.H, run.D)
+        row = [0.0, -flops / fwd / 1e12, bwd / fwd]
+    except Exception:  # noqa: BLE001 - a rank that cannot time makes every rank skip, never one alone
+        row = [1.0, 0.0, 0.0]
+    gloo = run.dist.get_backend(run.group) == "gloo"
+    mine = torch.tensor(row, dtype=torch.float64, device="cpu" if gloo else q.device)
+    collective(run.dist, run.group, lambda: run.dist.all_reduce(mine, op=run.dist.ReduceOp.MAX, group=run.group),
+               (mine,))
+    failed, neg_rate, ratio = mine.tolist()
+    if failed:
+        return rates
+    rates = dataclasses.replace(rates, specs=rates.specs + ((digest, -neg_rate, ratio),))
+    store(Machine.current(run.P, run.dist.get_backend(run.group), q.device), rates)
+    return rates
