@@ -202,6 +202,13 @@ def store(machine: Machine, rates: Rates) -> None:
     _MEMO[machine.key(), os.environ.get("DILGEN_CACHE_DIR", "")] = rates
 
 
+def remember(machine: Machine, rates: Rates) -> None:
+    """Price with `rates` on this machine for the rest of this process, keeping no record (a
+    ring call's own measurement: every rank of a job holds it alike, and a later job on other
+    nodes measures again rather than meet records that differ by node)."""
+    _MEMO[machine.key(), os.environ.get("DILGEN_CACHE_DIR", "")] = rates
+
+
 def rates_for(world_size: int, backend: str | None = None, device=None) -> Rates:
     """The rates a ring call of `world_size` ranks prices with: this machine's calibration,
     else DEFAULT (read once per process and machine key). backend: the group's (default

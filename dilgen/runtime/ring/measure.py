@@ -1,6 +1,7 @@
-"""The first ring call of a spec on a machine measures the spec's own single-device rate
-(what `dilgen calibrate --spec` measures, calibrate.measure_spec) before the cost model picks
-a transport, when the machine's rates hold none for it, and keeps it in the machine's record.
+"""The first ring call of a spec in a process measures the spec's own single-device rate
+(what `dilgen calibrate --spec` measures and records, calibrate.measure_spec) before the cost
+model picks a transport, when the machine's rates hold none for it, and prices with it for
+the rest of the process (calibration.remember: no record, so that nodes never differ by it).
 
 Every rank decides alike: the agreement compared the digest of the rates each rank prices
 with, so every rank lacks the entry or none does; every rank times its own rows, one
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from ...calibration import Machine, spec_digest, store
+from ...calibration import Machine, remember, spec_digest
 from ...schedule import useful_flops
 from ..backward import backward_raw
 from ..checks import InputError
@@ -57,8 +58,8 @@ def _time_twin(run, q, k, v) -> tuple[float, float]:
 
 
 def with_spec_rate(run, q, k, v, rates):
-    """`rates`, or `rates` with this spec's rate added (measured now on every rank, kept in the
-    machine's record) when it holds none and the call may measure."""
+    """`rates`, or `rates` with this spec's rate added (measured now on every rank, remembered
+    by this process) when it holds none and the call may measure."""
     digest = spec_digest(run.main.spec)
     if rates.for_spec(digest) is not None or not wanted(q):
         return rates
@@ -79,5 +80,5 @@ def with_spec_rate(run, q, k, v, rates):
     if failed:
         return rates
     rates = dataclasses.replace(rates, specs=rates.specs + ((digest, -neg_rate, ratio),))
-    store(Machine.current(run.P, run.dist.get_backend(run.group), q.device), rates)
+    remember(Machine.current(run.P, run.dist.get_backend(run.group), q.device), rates)
     return rates
