@@ -275,7 +275,7 @@ class injected:
                 raise RuntimeError(f"injected fault on rank {rank}, {direction} step index {step}")
             return plain(ring, fn)
 
-        def setup(ring, q):
+        def setup(ring, *inputs):
             raise RuntimeError(f"injected fault on rank {rank}, {direction} step index {step}")
         if self.active:
             RingRun.run = run
