@@ -20,7 +20,6 @@ from .agreement import _agree, _group_info
 from ..dropout_call import bad_p, cut_and_scale, dropout_twin, model_streams, seed_tensor, valid_p
 from .dropout import Counter, dropout_proposal, dropout_refusal
 from .faults import Guard, collective, remember, transfer
-from ..registry import twins_available
 from .costs import call_costs
 from .heads import heads_refusal
 from .hybrid import hybrid_parts, hybrid_refusal
