@@ -207,13 +207,14 @@ def _dropout(run, tw, pos0: int = 0) -> tuple:
     return run.drop_args(pos0, tw.spec.get("head_base", 0))
 
 
-def _local_pieces(run, tw, fn, tensors, outs) -> None:
-    """Under dropout, "local" runs each of my pieces alone at its global offset:
-    fn(piece views, dropout args) -> results written into `outs` (views on dim 1, lse-like on 2)."""
+def _local_pieces(run, args_at, fn, tensors, outs) -> None:
+    """Under dropout, "local" (and hybrid's local branches) run each of my pieces alone at its
+    global offset: fn(piece views, args_at(the piece's start): its dropout args) -> results
+    written into `outs` (views on dim 1, lse-like on 2)."""
     for i, (start, ln) in enumerate(run.pieces[run.me]):
         r0 = run.rows0[i]
         views = [None if t is None else t.narrow(2 if t.dim() == 3 else 1, r0, ln) for t in tensors]
-        for dst, res in zip(outs, fn(views, _dropout(run, tw, start))):
+        for dst, res in zip(outs, fn(views, args_at(start))):
             dst.narrow(2 if dst.dim() == 3 else 1, r0, ln).copy_(res)
 
 
@@ -225,7 +226,8 @@ def twin_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             return forward_raw(tw, q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
-        _local_pieces(run, tw, lambda x, args: forward_raw(tw, *x, dropout=args), (q, k, v), (out, lse))
+        _local_pieces(run, lambda start: _dropout(run, tw, start), lambda x, args: forward_raw(tw, *x, dropout=args),
+                      (q, k, v), (out, lse))
         return out, lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
@@ -255,7 +257,7 @@ def twin_backward(run, q, k, v, out, lse, grad_out, grad_lse):
         if run.dropout_args is None:
             return backward_raw(tw, q, k, v, out, lse, grad_out, grad_lse)
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-        _local_pieces(run, tw, lambda x, args: backward_raw(tw, *x, dropout=args),
+        _local_pieces(run, lambda start: _dropout(run, tw, start), lambda x, args: backward_raw(tw, *x, dropout=args),
                       (q, k, v, out, lse, grad_out, grad_lse), grads)
         return tuple(grads)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

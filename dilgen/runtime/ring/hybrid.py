@@ -17,6 +17,7 @@ from ...schedule import ring_schedule
 from ..backward import backward_raw
 from ..forward import forward_raw
 from ..registry import twin, twins_available
+from .heads import _local_pieces
 
 
 def split_ring(ring: dict, local: list[int]) -> tuple[dict, dict]:
@@ -73,19 +74,18 @@ def local_twin(run, device):
 
 
 def _pieces(run, fn, tensors: list, outs: list) -> None:
-    """fn(tensors, dropout args) on my rows; with dropout, per piece at its global start, each
-    local branch drawing the coins of its index among all the spec's branches (the streams'
-    columns of the local branches), results copied into `outs` (rows on dim 1, lse-like on 2)."""
+    """fn(tensors, dropout args) on my rows, results copied into `outs`; with dropout, per piece
+    at its global start (heads._local_pieces), each local branch drawing the coins of its index
+    among all the spec's branches (the streams' columns of the local branches)."""
     if run.dropout_args is None:
         for dst, res in zip(outs, fn(tensors, ())):
             dst.copy_(res)
         return
-    for i, (start, ln) in enumerate(run.pieces[run.me]):
+
+    def args_at(start: int) -> tuple:
         *args, streams = run.drop_args(start, 0)
-        args = (*args, streams[:, run.local_branches].contiguous())
-        views = [None if t is None else t.narrow(2 if t.dim() == 3 else 1, run.rows0[i], ln) for t in tensors]
-        for dst, res in zip(outs, fn(views, args)):
-            dst.narrow(2 if dst.dim() == 3 else 1, run.rows0[i], ln).copy_(res)
+        return (*args, streams[:, run.local_branches].contiguous())
+    _local_pieces(run, args_at, fn, tensors, outs)
 
 
 def local_forward(run, q, k, v, acc, lse) -> None:

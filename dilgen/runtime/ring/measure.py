@@ -60,7 +60,8 @@ def _time_twin(run, q, k, v) -> tuple[float, float]:
 def with_spec_rate(run, q, k, v, rates):
     """`rates`, or `rates` with this spec's rate added (measured now on every rank, remembered
     by this process) when it holds none and the call may measure."""
-    digest = spec_digest(run.main.spec)
+    digest = run.main.__dict__.get("_spec_digest") or run.main.__dict__.setdefault(
+        "_spec_digest", spec_digest(run.main.spec))          # every non-local call asks
     if rates.for_spec(digest) is not None or not wanted(q):
         return rates
     spec = run.main.spec

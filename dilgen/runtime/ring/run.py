@@ -66,22 +66,14 @@ class _Exchange:
 def _check_geometry(attn, n_loc: int, P: int, order: str, packed: bool) -> None:
     """What this rank's call cannot run besides its inputs (before the agreement, so that
     every rank refuses together, never one rank alone after the others began to send)."""
-    name = attn.spec["name"]
-    if _forced_transport() == "heads":
-        why = heads_refusal(attn, P, packed)
-        if why is not None:
-            raise InputError(f"{name}: DILGEN_RING_TRANSPORT=heads cannot run this call: {why}; "
-                             f"use ring, allgather or auto")
-    if _forced_transport() == "hybrid":
-        why = hybrid_refusal(attn, ring_schedule(attn.plan["ring"], n_loc * P, order), packed)
-        if why is not None:
-            raise InputError(f"{name}: DILGEN_RING_TRANSPORT=hybrid cannot run this call: {why}; "
-                             f"use ring, allgather or auto")
-    if _forced_transport() == "recut":
-        why = recut_refusal(attn, n_loc * P, order, packed)
-        if why is not None:
-            raise InputError(f"{name}: DILGEN_RING_TRANSPORT=recut cannot run this call: {why}; "
-                             f"use ring, allgather or auto")
+    name, forced = attn.spec["name"], _forced_transport()
+    refusal = {"heads": lambda: heads_refusal(attn, P, packed),
+               "hybrid": lambda: hybrid_refusal(attn, ring_schedule(attn.plan["ring"], n_loc * P, order), packed),
+               "recut": lambda: recut_refusal(attn, n_loc * P, order, packed)}.get(forced)
+    why = refusal and refusal()
+    if why is not None:
+        raise InputError(f"{name}: DILGEN_RING_TRANSPORT={forced} cannot run this call: {why}; "
+                         f"use ring, allgather or auto")
     check_positions(attn.spec, n_loc * P, ranks=P)
     if order == "zigzag" and (n_loc * P) % (2 * P):
         raise InputError(f"{name}: {n_loc} local rows cannot be cut into the two zigzag halves; "
