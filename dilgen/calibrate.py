@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 from . import cache
 from .calibration import DEFAULT, Machine, Rates, store
+from .stats import device_sync, median_seconds
 
 
 KERNEL_RATES = ("twin_fused_tflops", "twin_bwd", "twin_lanes_tflops", "twin_causal_bwd", "window_tflops", "window_bwd")
-
-
-def _timed(fn, sync, reps: int) -> float:
-    """Median seconds of fn() over `reps` calls after one warm-up (sync() around each)."""
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_links(group, device, nbytes: int, reps: int = 5) -> dict:
@@ -38,7 +25,7 @@ def measure_links(group, device, nbytes: int, reps: int = 5) -> dict:
         return {}
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(P))
     nxt, prv = ranks[(me + 1) % P], ranks[(me - 1) % P]
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     n = max(nbytes // P * P, P)
     send, recv = torch.ones(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
     tiny_s, tiny_r = send[:4].clone(), recv[:4].clone()
@@ -49,10 +36,10 @@ def measure_links(group, device, nbytes: int, reps: int = 5) -> dict:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    times = torch.tensor([_timed(lambda: shift(send, recv), sync, reps),
-                          _timed(lambda: dist.all_gather_into_tensor(gathered, send, group=group), sync, reps),
-                          _timed(lambda: dist.all_to_all_single(recv, send, group=group), sync, reps),
-                          _timed(lambda: shift(tiny_s, tiny_r), sync, reps)], dtype=torch.float64, device=device)
+    times = torch.tensor([median_seconds(lambda: shift(send, recv), sync, reps),
+                          median_seconds(lambda: dist.all_gather_into_tensor(gathered, send, group=group), sync, reps),
+                          median_seconds(lambda: dist.all_to_all_single(recv, send, group=group), sync, reps),
+                          median_seconds(lambda: shift(tiny_s, tiny_r), sync, reps)], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     ring_s, gather_s, a2a_s, lat_s = times.tolist()
     return {"link_gbytes_s": n / ring_s / 1e9, "allgather_gbytes_s": n * (P - 1) / gather_s / 1e9,
@@ -70,7 +57,7 @@ def measure_kernels(device, shape: dict, world_size: int, reps: int = 3) -> dict
     from .schedule import useful_flops
     B, H, N, D = (shape[k] for k in ("B", "H", "N", "D"))
     dtype = getattr(torch, shape.get("dtype", "bfloat16"))
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
 
     def rate(n: int, causal: bool) -> tuple[float, float]:
         ws = [max(n // 4, 1), max(n // 2, 1)]
@@ -82,8 +69,8 @@ def measure_kernels(device, shape: dict, world_size: int, reps: int = 3) -> dict
         q, k, v = (torch.randn(B, n, H, D, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
                    for _ in range(3))
         dout = torch.randn(B, n, H, D, generator=g).to(device=device, dtype=dtype)
-        fwd = _timed(lambda: kernel(q, k, v), sync, reps)
-        both = _timed(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
+        fwd = median_seconds(lambda: kernel(q, k, v), sync, reps)
+        both = median_seconds(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
         flops = useful_flops({"causal": causal, "branches": [{"w": w, "r": r} for w, r in zip(ws, [1, 2])]},
                              n, B, H, D)
         return flops / fwd / 1e12, max(both - fwd, 1e-9) / fwd
@@ -133,7 +120,7 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     from .runtime.ring.costs import predicted_ms
     P, me = dist.get_world_size(group), dist.get_rank(group)
     B, N = shape["B"], shape["N"]
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     before, found = os.environ.get("DILGEN_RING_TRANSPORT"), {}
     try:
         for spec, order, fits in _ring_specs(P, shape):
@@ -149,7 +136,7 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 os.environ["DILGEN_RING_TRANSPORT"] = transport
                 step = lambda: torch.autograd.backward(  # noqa: E731
                     kernel(*leaves, group=group, chunk_order=order), dout)
-                took = torch.tensor([_timed(step, sync, reps)], dtype=torch.float64, device=device)
+                took = torch.tensor([median_seconds(step, sync, reps)], dtype=torch.float64, device=device)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                 attn = kernel.compiled_for(device).attention
                 found[field] = _fit(lambda x: predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
@@ -207,22 +194,21 @@ def measure_spec(spec, n: int, device, reps: int = 3) -> tuple[float, float]:
     import torch
 
     from .compiler import compile as compile_spec
-    from .schedule import useful_flops
+    from .schedule import useful_flops, work_of
     scope = getattr(spec.hilbert, "scope", None)
     one = spec.replace(ring_size=1, name=f"calibrate_{spec.name}"[:100],
                        **({"hilbert": None} if scope == "sequence" else {}))   # a rank's curve rows: raster
     kernel = compile_spec(one)
     dtype = getattr(torch, spec.dtype)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     g = torch.Generator(device="cpu").manual_seed(n)
     q, k, v = (torch.randn(1, n, h, spec.head_dim, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
                for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
     dout = torch.randn(1, n, spec.num_heads, spec.head_dim, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
-        fwd = _timed(lambda: kernel(q, k, v), sync, reps)
-    both = _timed(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
-    ring = {"causal": spec.causal, "branches": [{"w": w, "r": r} for w, r in spec.branches()]}
-    return useful_flops(ring, n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
+        fwd = median_seconds(lambda: kernel(q, k, v), sync, reps)
+    both = median_seconds(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
+    return useful_flops(work_of(spec), n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
 
 
 def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[tuple[str, float, float]]:

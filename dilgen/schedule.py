@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import math
 
+from .stats import forward_flops
+
 CHUNK_ORDERS = ("contiguous", "zigzag")
 
 
@@ -262,11 +264,18 @@ def step_flops(ring: dict, schedule: dict, batch: int, heads: int, head_dim: int
     return out
 
 
+def work_of(spec) -> dict:
+    """{causal, branches: [{w, r}]}, the work useful_flops and single_device_times count, of a
+    dilgen.Spec or its JSON dict."""
+    get = spec.get if isinstance(spec, dict) else lambda name: getattr(spec, name)
+    return {"causal": bool(get("causal")),
+            "branches": [{"w": w, "r": r} for w, r in zip(get("segment_lengths"), get("dilation_rates"))]}
+
+
 def useful_flops(ring: dict, n: int, batch: int, heads: int, head_dim: int) -> float:
     """Σ_i 4·B·H·(N/w_i)·(min(w_i, N)/r_i)²·D, halved when causal (the work of one device)."""
-    total = sum(4 * batch * heads * head_dim * (n / min(br["w"], n)) * (min(br["w"], n) / br["r"]) ** 2
-                for br in ring["branches"])
-    return total / 2 if ring["causal"] else total
+    return forward_flops([b["w"] for b in ring["branches"]], [b["r"] for b in ring["branches"]], heads, head_dim,
+                         ring["causal"], n, batch)
 
 
 def single_device_times(ring: dict, n: int, batch: int, heads: int, head_dim: int,

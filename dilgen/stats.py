@@ -1,5 +1,27 @@
-"""Work counts: useful FLOPs by the brief's formula."""
+"""Work counts (useful FLOPs by the brief's formula) and the median timer the calibrations use."""
 from __future__ import annotations
+
+import statistics
+import time
+
+
+def median_seconds(fn, sync, reps: int) -> float:
+    """Median seconds of fn() over `reps` calls after one warm-up (sync() around each)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def device_sync(device):
+    """A callable that waits for `device`'s queued work (nothing to wait for on the CPU)."""
+    import torch
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def forward_flops(segment_lengths, dilation_rates, num_heads: int, head_dim: int, causal: bool,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ...calibration import rates_for, spec_digest
-from ...schedule import ring_schedule, single_device_times, transport_costs
+from ...schedule import ring_schedule, single_device_times, transport_costs, work_of
 from ..registry import twins_available
 from .heads import heads_refusal, local_possible
 from .hybrid import hybrid_parts
@@ -47,9 +47,8 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=
     heads, kv, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     item = 4 if spec["dtype"] == "float32" else 2
     if plan["ring"]["ring_size"] == 1:
-        ring = {"causal": plan["causal"], "branches": [{"w": b["w"], "r": b["r"]} for b in plan["branches"]]}
         rates = rates or rates_for(1)
-        f, b = single_device_times(ring, n, 1, heads, d, _single_device_lanes(plan), rates,
+        f, b = single_device_times(work_of(spec), n, 1, heads, d, _single_device_lanes(plan), rates,
                                    rates.for_spec(spec_digest(spec)))
         return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
     sched = ring_schedule(plan["ring"], n, order)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import torch
 
 from ...calibration import Machine, remember, spec_digest
-from ...schedule import useful_flops
+from ...schedule import useful_flops, work_of
+from ...stats import device_sync, median_seconds
 from ..backward import backward_raw
 from ..checks import InputError
 from ..forward import forward_raw
@@ -42,19 +42,10 @@ def _time_twin(run, q, k, v) -> tuple[float, float]:
     the median of three)."""
     curve = {"hilbert": None} if run.main.plan["ring"].get("curve") is not None else {}
     tw = twin(run.main, q.device, None, ring_size=1, **curve)
-    sync = (lambda: torch.cuda.synchronize(q.device)) if q.is_cuda else (lambda: None)
-    times = []
-    for _ in range(4):
-        sync()
-        t0 = time.perf_counter()
-        out, lse = forward_raw(tw, q, k, v)
-        sync()
-        t1 = time.perf_counter()
-        backward_raw(tw, q, k, v, out, lse, out, None)
-        sync()
-        times.append((t1 - t0, time.perf_counter() - t1))
-    fwd, bwd = sorted(times[1:])[1]
-    return fwd, bwd
+    sync = device_sync(q.device)
+    fwd = median_seconds(lambda: forward_raw(tw, q, k, v), sync, 3)
+    out, lse = forward_raw(tw, q, k, v)
+    return fwd, median_seconds(lambda: backward_raw(tw, q, k, v, out, lse, out, None), sync, 3)
 
 
 def with_spec_rate(run, q, k, v, rates):
@@ -64,12 +55,9 @@ def with_spec_rate(run, q, k, v, rates):
         "_spec_digest", spec_digest(run.main.spec))          # every non-local call asks
     if rates.for_spec(digest) is not None or not wanted(q):
         return rates
-    spec = run.main.spec
     try:
         fwd, bwd = _time_twin(run, q.detach(), k.detach(), v.detach())
-        ring = {"causal": spec["causal"], "branches": [{"w": w, "r": r} for w, r in
-                                                       zip(spec["segment_lengths"], spec["dilation_rates"])]}
-        flops = useful_flops(ring, run.n_loc, run.B, run.H, run.D)
+        flops = useful_flops(work_of(run.main.spec), run.n_loc, run.B, run.H, run.D)
         row = [0.0, -flops / fwd / 1e12, bwd / fwd]
     except Exception:  # noqa: BLE001 - a rank that cannot time makes every rank skip, never one alone
         row = [1.0, 0.0, 0.0]
