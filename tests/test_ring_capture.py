@@ -2,8 +2,8 @@
 fingerprints (a capture may not read the device back), so it runs on the agreement its eager
 warm-up made, and is refused by name without one. One process: a stand-in process group
 whose all_gather hands back this rank's fingerprint to every rank, and a stand-in for
-"this stream is capturing" (the GPU check, bench/results/ring_gpu_check-*.json, captures
-real NCCL rings)."""
+"this stream is capturing". On 2 GPUs, the last test captures real NCCL rings of every transport
+(tests/ring_capture_worker.py under torchrun)."""
 from __future__ import annotations
 
 import pytest
@@ -100,3 +100,32 @@ def test_what_a_capture_cannot_run_is_refused(capturing, what):
         with pytest.raises(RingError, match="only over an NCCL process group .this one is 'gloo'"):
             _agree(dist, q, k, v)
     assert dist.gathers == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a captured NCCL ring needs 2 GPUs")
+def test_every_transport_replays_what_it_runs_eagerly_on_two_gpus(tmp_path):
+    """torchrun P = 2 over NCCL (tests/ring_capture_worker.py): each transport's forward and
+    forward + backward, captured after their warm-up and replayed on new inputs, equal the
+    same calls run eagerly (a replay of the captured inputs would miss by about 1.4)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from proc_tree import free_port
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}:{root / 'tests'}", DILGEN_RING_TRANSPORT="auto")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(root / "tests" / "ring_capture_worker.py"), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    want = {"local": "local", "ring": "ring", "allgather": "allgather", "heads": "heads", "recut": "recut",
+            "hybrid": "hybrid", "recut_zigzag_causal_gqa": "recut", "hybrid_zigzag_causal_gqa": "hybrid"}
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, transport in want.items():
+            r = res[name]
+            assert "error" not in r, f"rank {rank} {name}: {r['error']}"
+            assert r["transport"] == transport, (rank, name, r)
+            assert r["out"] < 1e-3 and max(r["dq"], r["dk"], r["dv"]) < 2e-2, (rank, name, r)
