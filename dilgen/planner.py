@@ -199,7 +199,7 @@ class _Tiles:
     bwd_dq: tuple
     lane_fwd: tuple
     lane_dq: tuple
-    lanes_mode: str
+    lanes_mode: str | tuple  # LANES_CHOICES, or branch indices run as lanes
 
 
 def _tiles(spec: Spec, target: Target, tuning: dict, query_order) -> _Tiles:
@@ -227,9 +227,7 @@ def _tiles(spec: Spec, target: Target, tuning: dict, query_order) -> _Tiles:
         raise ValueError(f"unknown tuning keys {sorted(unknown)}; allowed: {TUNABLE}")
     bwd_kv, bwd_dq = target.backward_table(tile_d, itemsize, spec.causal)
     lane_fwd, lane_dq = target.lane_table(tile_d, itemsize, spec.causal)
-    lanes_mode = tuning.get("lanes", "auto")
-    if lanes_mode not in LANES_CHOICES:
-        raise ValueError(f"tuning lanes = {lanes_mode!r}: one of {LANES_CHOICES}")
+    lanes_mode = _lanes_mode(spec, tuning.get("lanes", "auto"))
     return _Tiles(tile_d, head_dim_pad, itemsize, fused_tma, bwd_tma,
                   tuning.get("block_m", block_m), tuning.get("block_n", block_n),
                   tuning.get("num_warps", warps), tuning.get("num_stages", stages),
@@ -253,6 +251,20 @@ class _Lanes:
         return not (self.lattice_ok[i] or r == 1 and order is None)
 
 
+def _lanes_mode(spec: Spec, mode):
+    """Tuning `lanes`: one of LANES_CHOICES, or the branches (their indices) that run as lane
+    kernels beside the ones "auto" runs so (their lattice then leaves the fused kernel's L)."""
+    if isinstance(mode, (list, tuple)):
+        if not mode or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < spec.num_branches
+                           for i in mode) or len(set(mode)) != len(mode):
+            raise ValueError(f"tuning lanes = {list(mode)!r}: a list of distinct branch indices 0 .. "
+                             f"{spec.num_branches - 1} (or one of {LANES_CHOICES})")
+        return tuple(mode)
+    if mode not in LANES_CHOICES:
+        raise ValueError(f"tuning lanes = {mode!r}: one of {LANES_CHOICES}, or a list of branch indices")
+    return mode
+
+
 def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
     # Branches whose membership follows the query lattice: r | w and no own table.
     lattice_ok = [orders[i] is None and w % r == 0 and r > 1
@@ -261,7 +273,9 @@ def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
     if lattice > MAX_LATTICE:
         lattice, lattice_ok = 1, [False] * spec.num_branches
     every_row_kept = any(r == 1 for _, r in spec.branches())
-    mode = tiles.lanes_mode
+    mode, chosen = tiles.lanes_mode, ()
+    if isinstance(mode, tuple):              # these branches as lanes, the others as "auto" runs them
+        mode, chosen = "auto", mode
     if mode == "auto":
         mode = target.lanes_mode(spec.causal, lattice, tiles.tile_d, every_row_kept)
     # torchscale's layout (issue 16): the fused kernel's query classes assume o = h mod r and
@@ -280,7 +294,8 @@ def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
     # kernel): those whose membership is per row (r does not divide w, or a curve table),
     # or every branch with lanes = "all" (square causal diagonals). Each runs in its own
     # launch over its kept lanes and merges into (out, lse); the fused kernel runs the rest.
-    lanes.lane = [spec.ring_size == 1 and mode != "none" and (mode == "all" or lanes.row_membership(i, r, orders[i]))
+    lanes.lane = [spec.ring_size == 1 and mode != "none"
+                  and (mode == "all" or i in chosen or lanes.row_membership(i, r, orders[i]))
                   for i, (w, r) in enumerate(spec.branches())]
     if any(lanes.lane) and not all(lanes.lane):
         lanes.lattice = _lcm([r for i, (w, r) in enumerate(spec.branches())

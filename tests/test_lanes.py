@@ -67,6 +67,12 @@ CASES = [
     ("tiles_fastest_causal_gqa_batch", dict(segment_lengths=[32, 64, 100], dilation_rates=[1, 2, 6],
                                             causal=True, num_heads=6, num_kv_heads=3), (2, 150),
      {"lanes": "all", "lane_tma": True, "lane_ws": True, "lane_tiles_fastest": True}),
+    # chosen lane branches (tuning lanes = [i, ...]): the long high-r branches leave the fused
+    # kernel, whose lattice L falls from 8 to 2 (bench_ring's raster spec: L 32 -> 16)
+    ("chosen_long_branches", dict(segment_lengths=[16, 32, 128, 256], dilation_rates=[1, 2, 4, 8]), (1, 200),
+     {"lanes": [2, 3]}),
+    ("chosen_causal_gqa_short_last", dict(segment_lengths=[16, 64, 100], dilation_rates=[1, 2, 4], causal=True,
+                                          num_heads=4, num_kv_heads=2), (2, 150), {"lanes": [2]}),
     ("hilbert_curve_padded_head_dim", dict(segment_lengths=[16, 64], dilation_rates=[3, 4], head_dim=24,
                                            num_heads=6, num_kv_heads=2, hilbert={"scope": "segment"}), (1, 77), None),
 ]
@@ -80,6 +86,21 @@ def test_lane_branches_forward_and_gradients(case):
     lanes = [b.lanes for b in plan(spec, INTERPRETER, tuning).branches]
     assert any(lanes), "the case must exercise a lane kernel"
     check_against_reference(spec, batch, n, tuning, name)
+
+
+def test_chosen_lane_branches_leave_the_fused_lattice():
+    """Tuning lanes = [indices]: those branches (and the ones "auto" takes) run as lanes, the
+    fused kernel's L is the lcm of the rest; a bad list is refused naming the branches."""
+    spec = dilgen.Spec(name="l_chosen", num_heads=4, head_dim=16, dtype="float32",
+                       segment_lengths=[16, 32, 128, 256], dilation_rates=[1, 2, 4, 8])
+    auto, chosen = plan(spec, INTERPRETER), plan(spec, INTERPRETER, {"lanes": [2, 3]})
+    assert [b.lanes for b in auto.branches] == [False] * 4 and auto.query.lattice == 8
+    assert [b.lanes for b in chosen.branches] == [False, False, True, True] and chosen.query.lattice == 2
+    for bad in ([4], [1, 1], [], ["2"], [True]):
+        with pytest.raises(ValueError, match="distinct branch indices 0 .. 3"):
+            plan(spec, INTERPRETER, {"lanes": bad})
+    with pytest.raises(ValueError, match="or a list of branch indices"):
+        plan(spec, INTERPRETER, {"lanes": "some"})
 
 
 def test_lane_launches_are_one_per_branch():
