@@ -202,28 +202,45 @@ def gluon_exp2(spec: Spec, target: Target, tiles, gluon: dict, tuning: dict) -> 
     return tuning.get("gluon_exp2", dict(target.gluon_exp2).get(tiles.tile_d, 0))
 
 
+def _beside_lanes(name: str, branches, tuning: dict) -> list | None:
+    """The lattice branches a Gluon backward kernel (`name`) takes while lane branches run
+    their own `tl` launches after it, adding into its gradients: where the tuning asks for
+    `name` (by default it waits for its GPU measurement), the plan has both kinds, and every
+    lane branch keeps its rows by row membership (r not dividing w, a curve table), so the
+    fused dK/dV's branches are the forward's; else None."""
+    lanes = [b for b in branches if b.lanes]
+    fused = [b for b in branches if not b.lanes]
+    if not (lanes and fused and tuning.get(name)) or any(b.keep_map is None for b in lanes):
+        return None
+    return fused
+
+
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
                tuning: dict) -> int | None:
     """The Gluon dK/dV's Q/dO stages (KernelConfig.gluon_dkdv), or None (_backward_stages);
-    it replaces the fused `tl` dK/dV, so a plan without one runs none."""
+    it replaces the fused `tl` dK/dV, so a plan without one runs none. Beside lane branches
+    only where asked (_beside_lanes)."""
     extra = None if fused_dkdv else \
         "the backward runs per-branch dK/dV kernels here (the fused one's key tile does not nest)"
+    part = _beside_lanes("gluon_dkdv", branches, tuning)
     return _backward_stages("gluon_dkdv", target.gluon_dkdv_default, target.gluon_dkdv_stages, spec, target,
-                            tiles, branches, lattice, query_order, tuning, extra)
+                            tiles, part or branches, lattice, query_order, tuning, extra, lattice_only=bool(part))
 
 
 def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, tuning: dict,
              default_dims: tuple[int, ...] | None = None) -> int | None:
     """The Gluon dQ's K/V stages (KernelConfig.gluon_dq), or None (_backward_stages); by default
-    at the target's head dims, or at `default_dims` (the dropout plan's)."""
+    at the target's head dims, or at `default_dims` (the dropout plan's). Beside lane branches
+    only where asked (_beside_lanes)."""
     dims = target.gluon_dq_default if default_dims is None else default_dims
+    part = _beside_lanes("gluon_dq", branches, tuning)
     return _backward_stages("gluon_dq", dims, target.gluon_dq_stages, spec, target,
-                            tiles, branches, lattice, query_order, tuning)
+                            tiles, part or branches, lattice, query_order, tuning, lattice_only=bool(part))
 
 
 def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, target: Target, tiles, branches,
                      lattice: int, query_order, tuning: dict, extra: str | None = None,
-                     lanes: bool = False, dropout: bool = False) -> int | None:
+                     lanes: bool = False, dropout: bool = False, lattice_only: bool = False) -> int | None:
     """A Gluon backward kernel's stages, or None: the target's default for the head_dim, or the
     tuning's `name` (true, false, or the stages). A tuning that asks for it where it cannot run
     (the reasons shared with the forward, `extra`, its own limits) is refused with the reason."""
@@ -232,7 +249,8 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
         return None
     stages = default_stages if want is True else want
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes, noncausal_lanes=dropout) or extra
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes, noncausal_lanes=dropout,
+                    lattice_only=lattice_only) or extra
            or _backward_refusal(name, tiles, target, branches, lattice, stages, dropout))
     if why is not None:
         if name in tuning:
@@ -270,7 +288,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
         (not forward_lanes and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
-         "a branch runs as lanes (r does not divide w)"),
+         "a branch runs as lanes (r does not divide w, a curve table, or tuning lanes)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
         (not forward_lanes and branches and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "
          "that every query class keeps a branch)"),

@@ -52,9 +52,31 @@ def test_default_at_head_dim_128_and_taken_when_asked():
 
 
 @needs_gluon
+def test_beside_lane_branches_only_where_asked(monkeypatch):
+    """Lane branches of row membership (r not dividing w, Hilbert curve lanes) leave the Gluon
+    dK/dV and dQ to the `tl` kernels by default; asked by tuning, they take the lattice
+    branches (the launches' descriptors name those only) and the lanes add theirs after."""
+    from dilgen.runtime import gluon_launch
+    monkeypatch.setattr(gluon_launch, "_boxes", lambda plan, B, N: lambda t, kind, every, rows=64: (kind, every))
+    sm90, asked = get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True}
+    for over, rates in ((dict(segment_lengths=[2048, 4096, 16384], dilation_rates=[1, 2, 6]), [1, 2]),
+                        (dict(hilbert={"scope": "segment"}), [1])):
+        assert plan(_spec(**over), sm90).config.gluon_dkdv is None
+        p = plan(_spec(**over), sm90, asked)
+        assert (p.config.gluon_dkdv, p.config.gluon_dq) == (4, 4)
+        js = p.to_json()
+        dkdv = gluon_launch.gluon_dkdv_args(js, *[None] * 8, 1, 16384)
+        dq = gluon_launch.gluon_dq_args(js, *[None] * 7, 1, 16384)
+        assert dkdv[:2 * len(rates)] == tuple(("q", r) for r in rates) * 2
+        assert dq[2:2 + 2 * len(rates)] == tuple(("kv", r) for r in rates) * 2
+
+
+@needs_gluon
 @pytest.mark.parametrize("over, tuning, why", [
     (dict(causal=True), {}, "causal specs run their branches as lane kernels"),
-    (dict(hilbert={"scope": "segment"}), {}, "Hilbert orders"),
+    (dict(hilbert={"scope": "sequence", "grid": [64, 64]}), {}, "Hilbert orders"),
+    # beside lanes that keep their rows by the query lattice (tuning lanes chose them)
+    (dict(), {"lanes": [2]}, "a branch runs as lanes"),
     (dict(dtype="float32"), {}, "float16 or bfloat16"),
     (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
     (dict(), {"fused_dkdv": False}, "per-branch dK/dV kernels"),
@@ -102,7 +124,7 @@ def test_generated_source_is_golden_and_stable():
 
 
 def _module(tmp_path, prefetch: bool = True, **over):
-    path = tmp_path / f"gb_{abs(hash(tuple(sorted(over.items())))) % 10**6}_{int(prefetch)}.py"
+    path = tmp_path / f"gb_{abs(hash(repr(sorted(over.items())))) % 10**6}_{int(prefetch)}.py"
     path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True,
                                                                           "gluon_dkdv_prefetch": prefetch})))
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -113,18 +135,24 @@ def _module(tmp_path, prefetch: bool = True, **over):
 
 @needs_gluon
 @pytest.mark.parametrize("over", [dict(), dict(head_dim=64, num_kv_heads=16), dict(head_base=16, num_kv_heads=1),
-                                  dict(prefetch=False)])
+                                  dict(prefetch=False),
+                                  # beside lane branches (asked by tuning): r = 6 not dividing w (E), and
+                                  # Hilbert curve lanes (F); the kernels take the lattice branches only
+                                  dict(segment_lengths=[2048, 4096, 16384], dilation_rates=[1, 2, 6], nb=2),
+                                  dict(hilbert={"scope": "segment"}, nb=1)])
 def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
     """Under both CI Tritons (3.9 names its TMA copies differently)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+    over = dict(over)
+    nb = over.pop("nb", 3)      # the lattice branches the kernels take
     mod = _module(tmp_path, **over)
     D = over.get("head_dim", 128)
     desc = f"tensordesc<bf16[64, 1, {D}],{gl.NVMMASharedLayout.get_default_for([64, 1, D], gl.bfloat16)!r}>"
-    sig = {**{f"{x}{i}": desc for x in ("q", "do") for i in range(3)}, "k_desc": desc, "v_desc": desc,
+    sig = {**{f"{x}{i}": desc for x in ("q", "do") for i in range(nb)}, "k_desc": desc, "v_desc": desc,
            "Lse": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16", "N": "i32"}
-    dq_sig = {"q_desc": desc, "do_desc": desc, **{f"{x}{i}": desc for x in "kv" for i in range(3)},
+    dq_sig = {"q_desc": desc, "do_desc": desc, **{f"{x}{i}": desc for x in "kv" for i in range(nb)},
               "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", "N": "i32"}
     for fn, signature in ((mod.gb_gluon_dkdv, sig), (mod.gb_gluon_dq, dq_sig)):
         kernel = triton.compile(GluonASTSource(fn, signature, {}), target=GPUTarget("cuda", 90, 32),
@@ -184,6 +212,13 @@ GPU_CASES = [
     ("head_dim_64_exp2_2", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"gluon_fwd": True, "gluon_dkdv": True, "gluon_dq": True, "gluon_exp2": 2}),
     ("a_like_gqa_exp2_4", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dq": True, "gluon_exp2": 4}),
+    # beside lane branches (asked by tuning): the lattice branches in Gluon, then the `tl` lane
+    # branches adding into dk, dv and dq: r = 6 not dividing w (E), Hilbert curve lanes (F)
+    ("beside_r6_lanes_gqa", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 1536],
+                                 dilation_rates=[1, 2, 5]), (1, 3072), {"gluon_dkdv": True, "gluon_dq": True}),
+    ("beside_curve_lanes", dict(num_heads=4, num_kv_heads=4, segment_lengths=[512, 1024, 2048],
+                                dilation_rates=[1, 2, 4], hilbert={"scope": "segment"}), (1, 4096),
+     {"gluon_dkdv": True, "gluon_dq": True}),
     # a short last segment: the call takes the `tl` kernels (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {"gluon_dq": True}),
 ]

@@ -271,7 +271,7 @@ class _Launches:
         lane branch adding into it."""
         plan, conf, at = self.plan, self.conf, self.at
         q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
-        gluon = None if (self.interpret or at.varlen or not has_fused_q or lanes) else \
+        gluon = None if (self.interpret or at.varlen or not has_fused_q) else \
             gluon_dq_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N, self.dropout)
         if gluon is not None:       # the fused dq's work, in Gluon (sm90)
             self._run(*gluon)

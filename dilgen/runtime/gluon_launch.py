@@ -233,18 +233,19 @@ def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N
 
 
 def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:
-    """The dK/dV's arguments: each branch's q and dO lanes as (B*N/r, r*H, D), k and v as the
-    lattice's (B*N/L, L*H_kv, D) (64-row boxes), lse, Delta, dk, dv, N."""
+    """The dK/dV's arguments: each lattice branch's q and dO lanes as (B*N/r, r*H, D), k and v
+    as the lattice's (B*N/L, L*H_kv, D) (64-row boxes), lse, Delta, dk, dv, N (lane branches
+    add theirs after it)."""
     box, L = _boxes(plan, B, N), plan["query"]["lattice"]
-    rates = [br["r"] for br in plan["branches"]]
+    rates = [br["r"] for br in plan["branches"] if not br["lanes"]]
     return (*(box(q, "q", r) for r in rates), *(box(grad_out, "q", r) for r in rates),
             box(k, "kv", L), box(v, "kv", L), lse, delta, dk, dv, N)
 
 
 def gluon_dq_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int) -> tuple:
-    """The dQ's arguments: q's and dO's descriptors as the forward's q, each branch's k and v
-    descriptors (64-row boxes), lse, Delta, dq, N."""
+    """The dQ's arguments: q's and dO's descriptors as the forward's q, each lattice branch's k
+    and v descriptors (64-row boxes), lse, Delta, dq, N (lane branches add theirs after it)."""
     box, L = _boxes(plan, B, N), plan["query"]["lattice"]
-    rates = [br["r"] for br in plan["branches"]]
+    rates = [br["r"] for br in plan["branches"] if not br["lanes"]]
     return (box(q, "q", L), box(grad_out, "q", L), *(box(k, "kv", r) for r in rates),
             *(box(v, "kv", r) for r in rates), lse, delta, dq, N)
