@@ -203,16 +203,15 @@ def gluon_exp2(spec: Spec, target: Target, tiles, gluon: dict, tuning: dict) -> 
 
 
 def _beside_lanes(name: str, branches, tuning: dict) -> list | None:
-    """The lattice branches a Gluon backward kernel (`name`) takes while lane branches run
-    their own `tl` launches after it, adding into its gradients: where the tuning asks for
-    `name` (by default it waits for its GPU measurement), the plan has both kinds, and every
-    lane branch keeps its rows by row membership (r not dividing w, a curve table), so the
-    fused dK/dV's branches are the forward's; else None."""
+    """The branches a Gluon backward kernel (`name`) takes while the lane branches run their
+    own `tl` launches after it, adding into its gradients: the ones that are not lanes (the
+    forward's lattice, L), where the tuning asks for `name` (by default it waits for its GPU
+    measurement) and the plan has both kinds; else None. Lane branches of row membership (r
+    not dividing w, a curve table) and lattice ones that tuning `lanes` chose alike: the
+    runtime's per-branch dK/dV then runs every lane branch (runtime/backward.py)."""
     lanes = [b for b in branches if b.lanes]
     fused = [b for b in branches if not b.lanes]
-    if not (lanes and fused and tuning.get(name)) or any(b.keep_map is None for b in lanes):
-        return None
-    return fused
+    return fused if lanes and fused and tuning.get(name) else None
 
 
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,

@@ -59,10 +59,11 @@ def test_beside_lane_branches_only_where_asked(monkeypatch):
     from dilgen.runtime import gluon_launch
     monkeypatch.setattr(gluon_launch, "_boxes", lambda plan, B, N: lambda t, kind, every, rows=64: (kind, every))
     sm90, asked = get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True}
-    for over, rates in ((dict(segment_lengths=[2048, 4096, 16384], dilation_rates=[1, 2, 6]), [1, 2]),
-                        (dict(hilbert={"scope": "segment"}), [1])):
-        assert plan(_spec(**over), sm90).config.gluon_dkdv is None
-        p = plan(_spec(**over), sm90, asked)
+    for over, rates, lanes in ((dict(segment_lengths=[2048, 4096, 16384], dilation_rates=[1, 2, 6]), [1, 2], {}),
+                               (dict(hilbert={"scope": "segment"}), [1], {}),
+                               (dict(), [1, 2], {"lanes": [2]})):       # a lattice branch tuning chose as lanes
+        assert plan(_spec(**over), sm90, lanes).config.gluon_dkdv is None
+        p = plan(_spec(**over), sm90, {**asked, **lanes})
         assert (p.config.gluon_dkdv, p.config.gluon_dq) == (4, 4)
         js = p.to_json()
         dkdv = gluon_launch.gluon_dkdv_args(js, *[None] * 8, 1, 16384)
@@ -75,8 +76,6 @@ def test_beside_lane_branches_only_where_asked(monkeypatch):
 @pytest.mark.parametrize("over, tuning, why", [
     (dict(causal=True), {}, "causal specs run their branches as lane kernels"),
     (dict(hilbert={"scope": "sequence", "grid": [64, 64]}), {}, "Hilbert orders"),
-    # beside lanes that keep their rows by the query lattice (tuning lanes chose them)
-    (dict(), {"lanes": [2]}, "a branch runs as lanes"),
     (dict(dtype="float32"), {}, "float16 or bfloat16"),
     (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
     (dict(), {"fused_dkdv": False}, "per-branch dK/dV kernels"),
@@ -193,6 +192,23 @@ def test_launch_model_has_the_gluon_dkdv_and_it_specializes_as_the_runtime_s(cac
     assert sum("tensordesc<" in str(t) for t in want.signature.values()) == 2 * 2 + 2
 
 
+@needs_gluon
+def test_launch_model_runs_every_lane_branch_per_branch_after_the_gluon_dkdv(cache_dir):
+    """Beside a lane branch (here a lattice one tuning chose), the Gluon dK/dV takes the others
+    and the per-branch `tl` dK/dV runs the lane branch after it (compiled for a call of whole
+    segments); a short last segment leaves the `tl` fused dK/dV, which covers every lattice
+    branch, with no per-branch launch."""
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    spec = _spec(name="gb_aot_lanes", segment_lengths=[256, 512, 1024], dilation_rates=[1, 2, 4], num_heads=4,
+                 num_kv_heads=2)
+    attn = build(spec, get_target("sm90"), {"lanes": [2], "gluon_dkdv": True, "gluon_dq": True}).module.attention
+    whole = [x.role for x in predicted_launches(attn, 2048)]
+    assert whole.count("gluon_dkdv") == 1 and whole.count("dkdv") == 1
+    short = [x.role for x in predicted_launches(attn, 1792)]
+    assert short.count("dkdv_fused") == 1 and "gluon_dkdv" not in short and "dkdv" not in short
+
+
 # -- on an sm90 GPU: float64 gradients, the Gluon kernel launched --------------------------
 SMALL = dict(segment_lengths=[512, 1024, 2048])     # whole 128 x L tiles; a float64 reference of N^2 per head
 GPU_CASES = [
@@ -219,6 +235,8 @@ GPU_CASES = [
     ("beside_curve_lanes", dict(num_heads=4, num_kv_heads=4, segment_lengths=[512, 1024, 2048],
                                 dilation_rates=[1, 2, 4], hilbert={"scope": "segment"}), (1, 4096),
      {"gluon_dkdv": True, "gluon_dq": True}),
+    ("beside_chosen_lane", dict(SMALL, num_heads=8, num_kv_heads=4), (1, 4096),
+     {"lanes": [2], "gluon_dkdv": True, "gluon_dq": True}),
     # a short last segment: the call takes the `tl` kernels (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {"gluon_dq": True}),
 ]

@@ -102,7 +102,8 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if bwd is not None:
         launch = bwd["config"]["launch"]
         fused = bwd["config"].get("fused_dkdv", False)
-        per_branch = not fused or any(br["membership"] == "row" for br in attention.plan["branches"])
+        per_branch = not fused or any(br["membership"] == "row" or (br["lanes"] and cfg.get("gluon_dkdv"))
+                                      for br in attention.plan["branches"])
         for role in ("preprocess", "dkdv_fused" if fused else None, "dkdv" if per_branch else None,
                      "dq", "dq_lanes" if "dq_lanes" in bwd else None):
             if role is not None:
@@ -226,7 +227,10 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         elif role == "dkdv":
             conf = attention.backward_kernels["config"]
             fused = conf.get("fused_dkdv", False)
-            per_branch = [br for br in plan["branches"] if not fused or br["membership"] == "row"]
+            # after a Gluon dK/dV (whole segments) every lane branch, after the `tl` fused one the row branches
+            gluon = plan["config"].get("gluon_dkdv") and all(N % br["w"] == 0 for br in plan["branches"])
+            per_branch = [br for br in plan["branches"]
+                          if not fused or (br["lanes"] if gluon else br["membership"] == "row")]
             for n, br in enumerate(per_branch):
                 lanes = math.ceil(min(br["w"], N) / br["r"])
                 clears = n == 0 and plan.get("dkdv_first_writes", False)   # Plan.dkdv_first_writes

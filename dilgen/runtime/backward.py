@@ -230,7 +230,10 @@ class _Launches:
                 q, k, v, grad_out, dk, dv, lse, delta,
                 N, n_kt, group_kt, *seqs, *self.common, *self.dk_strides, *at.l,
                 self.interpret, at.varlen)
-        per_branch = ([br for br in plan["branches"] if br["membership"] == "row"] if fused
+        # after the fused launch, the branches it does not cover: the `tl` one covers every
+        # lattice branch (lanes or not), the Gluon one the branches that are not lanes
+        per_branch = ([br for br in plan["branches"] if (br["lanes"] if gluon is not None
+                                                         else br["membership"] == "row")] if fused
                       else plan["branches"])
         accumulate, clear = not clears, clears
         for br in per_branch:
