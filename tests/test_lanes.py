@@ -103,6 +103,24 @@ def test_chosen_lane_branches_leave_the_fused_lattice():
         plan(spec, INTERPRETER, {"lanes": "some"})
 
 
+def test_split_runs_as_lanes_the_branches_that_keep_the_gluon_forward_out():
+    """Tuning lanes = "split" (sm90): the highest-rate lattice branches go to lanes until the
+    rest's L fits the Gluon forward (bench_ring's raster spec: r 32 out, L 32 -> 16); a plan
+    the Gluon forward already takes, or a target without it, is left as "auto" plans it."""
+    from dilgen.targets import get_target
+    sm90 = get_target("sm90")
+    raster = dilgen.Spec(name="l_split", num_heads=16, head_dim=128, dtype="bfloat16",
+                         segment_lengths=[2048, 8192, 32768, 131072, 524288, 1048576],
+                         dilation_rates=[1, 2, 4, 8, 16, 32])
+    split = plan(raster, sm90, {"lanes": "split"})
+    assert [b.lanes for b in split.branches] == [False] * 5 + [True] and split.query.lattice == 16
+    assert split.config.gluon_fwd is not None and plan(raster, sm90).config.gluon_fwd is None
+    a_like = dilgen.Spec(name="l_split_a", num_heads=16, head_dim=128, dtype="bfloat16",
+                         segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
+    assert [b.lanes for b in plan(a_like, sm90, {"lanes": "split"}).branches] == [False] * 3
+    assert [b.lanes for b in plan(raster, INTERPRETER, {"lanes": "split"}).branches] == [False] * 6
+
+
 def test_lane_launches_are_one_per_branch():
     """The fused kernel runs once for the lattice branches, then one launch per lane branch."""
     spec = dilgen.Spec(name="l_launches", num_heads=6, head_dim=16, dtype="float32",
