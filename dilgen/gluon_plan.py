@@ -202,16 +202,17 @@ def gluon_exp2(spec: Spec, target: Target, tiles, gluon: dict, tuning: dict) -> 
     return tuning.get("gluon_exp2", dict(target.gluon_exp2).get(tiles.tile_d, 0))
 
 
-def _beside_lanes(name: str, branches, tuning: dict) -> list | None:
+def _beside_lanes(name: str, target: Target, branches, tuning: dict) -> list | None:
     """The branches a Gluon backward kernel (`name`) takes while the lane branches run their
     own `tl` launches after it, adding into its gradients: the ones that are not lanes (the
-    forward's lattice, L), where the tuning asks for `name` (by default it waits for its GPU
-    measurement) and the plan has both kinds; else None. Lane branches of row membership (r
-    not dividing w, a curve table) and lattice ones that tuning `lanes` chose alike: the
-    runtime's per-branch dK/dV then runs every lane branch (runtime/backward.py)."""
+    forward's lattice, L), where the tuning asks for `name` (untuned: where the target's
+    gluon_bwd_beside_lanes says so) and the plan has both kinds; else None. Lane branches of
+    row membership (r not dividing w, a curve table) and lattice ones that tuning `lanes`
+    chose alike: the runtime's per-branch dK/dV then runs every lane branch."""
     lanes = [b for b in branches if b.lanes]
     fused = [b for b in branches if not b.lanes]
-    return fused if lanes and fused and tuning.get(name) else None
+    asked = tuning[name] if name in tuning else target.gluon_bwd_beside_lanes
+    return fused if lanes and fused and asked else None
 
 
 def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_order, fused_dkdv: bool,
@@ -221,7 +222,7 @@ def gluon_dkdv(spec: Spec, target: Target, tiles, branches, lattice: int, query_
     only where asked (_beside_lanes)."""
     extra = None if fused_dkdv else \
         "the backward runs per-branch dK/dV kernels here (the fused one's key tile does not nest)"
-    part = _beside_lanes("gluon_dkdv", branches, tuning)
+    part = _beside_lanes("gluon_dkdv", target, branches, tuning)
     return _backward_stages("gluon_dkdv", target.gluon_dkdv_default, target.gluon_dkdv_stages, spec, target,
                             tiles, part or branches, lattice, query_order, tuning, extra, lattice_only=bool(part))
 
@@ -232,7 +233,7 @@ def gluon_dq(spec: Spec, target: Target, tiles, branches, lattice: int, query_or
     at the target's head dims, or at `default_dims` (the dropout plan's). Beside lane branches
     only where asked (_beside_lanes)."""
     dims = target.gluon_dq_default if default_dims is None else default_dims
-    part = _beside_lanes("gluon_dq", branches, tuning)
+    part = _beside_lanes("gluon_dq", target, branches, tuning)
     return _backward_stages("gluon_dq", dims, target.gluon_dq_stages, spec, target,
                             tiles, part or branches, lattice, query_order, tuning, lattice_only=bool(part))
 

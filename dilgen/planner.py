@@ -299,7 +299,8 @@ def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
     mode, chosen = tiles.lanes_mode, ()
     if isinstance(mode, tuple):              # these branches as lanes, the others as "auto" runs them
         mode, chosen = "auto", mode
-    elif mode == "split":                    # "auto", and the branches that keep L from the Gluon forward
+    elif mode == "split" or (mode == "auto" and target.split_wide_lattice):
+        # "auto", and the branches that keep L from the Gluon forward
         mode, chosen = "auto", _split_choice(spec, target, tiles, lattice_ok)
     if mode == "auto":
         mode = target.lanes_mode(spec.causal, lattice, tiles.tile_d, every_row_kept)

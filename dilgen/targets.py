@@ -203,6 +203,14 @@ class Target:
     # (head_dim 64) forward 1.194 -> 1.140 ms (n = 8), 1.156 (4), 1.267 (2); A (head_dim 128)
     # 1.415 -> 1.447 (8), so not there (bench/results/forward_gluon_exp2-2026-11-28-h200.json)
     gluon_exp2: tuple[tuple[int, int], ...] = ()
+    # By default (no tuning): the Gluon dK/dV and dQ take a plan's lattice branches beside its
+    # lane branches (gluon_plan._beside_lanes), and the branches whose rates keep the lattice
+    # from the Gluon forward run as lanes (tuning lanes = "split", planner._split_choice).
+    # Off until timed on the GPU: bench_ring's raster spec on one H200 runs 623 ms fwd+bwd
+    # all in `tl`, its first four branches alone 244 in Gluon and its last two 100 as lanes
+    # (bench/results/profile_raster_512k-2026-11-29-h200.json)
+    gluon_bwd_beside_lanes: bool = False
+    split_wide_lattice: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:

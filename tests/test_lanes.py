@@ -119,6 +119,13 @@ def test_split_runs_as_lanes_the_branches_that_keep_the_gluon_forward_out():
                          segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
     assert [b.lanes for b in plan(a_like, sm90, {"lanes": "split"}).branches] == [False] * 3
     assert [b.lanes for b in plan(raster, INTERPRETER, {"lanes": "split"}).branches] == [False] * 6
+    # the target's defaults, once timed: the split and the Gluon backward beside its lane, untuned
+    import dataclasses
+    flipped = dataclasses.replace(sm90, split_wide_lattice=True, gluon_bwd_beside_lanes=True)
+    untuned = plan(raster, flipped)
+    assert [b.lanes for b in untuned.branches] == [False] * 5 + [True]
+    assert untuned.config.gluon_fwd and untuned.config.gluon_dkdv and untuned.config.gluon_dq
+    assert plan(raster, flipped, {"gluon_dkdv": False}).config.gluon_dkdv is None   # a tuning still decides
 
 
 def test_lane_launches_are_one_per_branch():
