@@ -90,10 +90,11 @@ def kernel_families(plan) -> str:
     elif len(lanes) < len(plan.branches):
         parts.append("forward tl (fused)")
     gluon_lanes = [i for i in lanes if cfg.gluon_lanes and gluon_lane_branch(
-        plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])
-        and (plan.branches[i].curve_rows or not cfg.gluon_curve_lanes)]
-    gluon_name = "Gluon curve" if cfg.gluon_curve_lanes else "Gluon"     # Hilbert curve lanes (compact copies)
-    for name, which in ((gluon_name, gluon_lanes), ("tl", [i for i in lanes if i not in gluon_lanes])):
+        plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])]
+    curve = [i for i in gluon_lanes if plan.branches[i].curve_rows] if cfg.gluon_curve_lanes else []
+    raster = [i for i in gluon_lanes if i not in curve and (cfg.gluon_raster_lanes or not cfg.gluon_curve_lanes)]
+    for name, which in (("Gluon", raster), ("Gluon curve", curve),     # curve: Hilbert lanes' compact copies
+                        ("tl", [i for i in lanes if i not in raster + curve])):
         if which:
             parts.append(f"lanes {name} (branch{'es' if len(which) > 1 else ''} {', '.join(map(str, which))})")
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else

@@ -117,6 +117,25 @@ def gluon_curve_lanes(spec: Spec, branches, query_order, tuning: dict, lanes_til
     return bool(lanes_tile) and bool(_curve_lanes(spec, [b for b in branches if b.lanes], query_order, tuning))
 
 
+def gluon_raster_lanes(spec: Spec, target: Target, branches, tuning: dict, lanes_tile, curve: bool,
+                       dropout: bool) -> bool:
+    """KernelConfig.gluon_raster_lanes: beside the curve lanes, a Gluon lane kernel built for
+    raster rows takes the lane branches that read no curve table (F causal's r = 1 branch,
+    else `tl`): the tuning's `gluon_raster_lanes`, untuned the target's
+    gluon_raster_lanes_default; refused by name where it cannot run."""
+    want = tuning.get("gluon_raster_lanes", target.gluon_raster_lanes_default)
+    if not isinstance(want, bool):
+        raise SpecError(f"{spec.name}: tuning gluon_raster_lanes takes true or false (asked: {want!r})")
+    raster = [b for b in branches if b.lanes and not b.curve_rows and lanes_tile
+              and gluon_lane_branch(b.segment_length, b.dilation, lanes_tile[0])]
+    why = ("the plan's lanes do not run in the Gluon curve kernel" if not curve else
+           "a dropout plan's lanes stay in one kernel" if dropout else
+           None if raster else "no raster lane branch has r | w with w / r whole tiles of 128 lanes")
+    if want and why is not None and "gluon_raster_lanes" in tuning:
+        raise SpecError(f"{spec.name}: tuning gluon_raster_lanes cannot run here: {why}")
+    return bool(want) and why is None
+
+
 def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
     """Whether the Gluon lanes take a lane branch (w, r): r | w, and a segment's w / r lanes are
     whole tiles of 128 query lanes and blocks of `keys` key lanes."""

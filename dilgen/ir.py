@@ -240,6 +240,10 @@ class KernelConfig:
     # from the compact curve copies (BranchIR.curve_rows), whose query rows they gather and
     # scatter through the curve table, and whose causal key blocks follow the curve's lists
     gluon_curve_lanes: bool = False
+    # with gluon_curve_lanes: a second Gluon lane kernel, built for raster rows, runs the plan's
+    # lane branches that read no curve table (an r = 1 branch: a permutation inside a segment
+    # leaves its keys alone), which the curve kernel cannot take
+    gluon_raster_lanes: bool = False
     # sm90: a causal spec's per-branch dK/dV and lane dq as the Gluon kernels of
     # templates/gluon_lanes_bwd.py.jinja (the Gluon dK/dV's and dQ's shapes), their stages
     gluon_lanes_bwd: int | None = None
@@ -280,6 +284,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} = {value!r}: stages 2 to 8")
         if self.gluon_curve_lanes and not self.gluon_lanes:
             raise ValueError("KernelConfig.gluon_curve_lanes needs gluon_lanes (its curve lanes are that kernel's)")
+        if self.gluon_raster_lanes and not self.gluon_curve_lanes:
+            raise ValueError("KernelConfig.gluon_raster_lanes needs gluon_curve_lanes (it runs beside that kernel)")
         if self.gluon_dkdv_dq and not self.gluon_dkdv_lanes:
             raise ValueError("KernelConfig.gluon_dkdv_dq needs gluon_dkdv_lanes (its dQ is that kernel's)")
         if self.gluon_exp2 not in (0, 2, 4, 8):
@@ -308,6 +314,7 @@ class KernelConfig:
                 **({"gluon_dq": self.gluon_dq} if self.gluon_dq else {}),
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
                 **({"gluon_curve_lanes": True} if self.gluon_curve_lanes else {}),
+                **({"gluon_raster_lanes": True} if self.gluon_raster_lanes else {}),
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
                 **({"gluon_dkdv_dq": True} if self.gluon_dkdv_dq else {}),

@@ -211,6 +211,12 @@ class Target:
     # (bench/results/profile_raster_512k-2026-11-29-h200.json)
     gluon_bwd_beside_lanes: bool = False
     split_wide_lattice: bool = False
+    # Beside the Gluon curve lanes, the raster lane branches (F causal's r = 1) in a Gluon lane
+    # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; off until timed. One
+    # H200, F causal forward 1.44 ms: that branch's `tl` lanes 0.68, the two curve branches in
+    # Gluon 0.64; A causal's three Gluon lane branches 0.96
+    # (bench/results/profile_causal_f-2026-11-29-h200.json)
+    gluon_raster_lanes_default: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:

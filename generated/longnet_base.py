@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: ae23a3be0c788987
+# template hash: 23bf545cad67fd14
 # plan key:      e47b95b0f8d6d6b503a2188eb51aa0bedf392a4871893c31970bfe56099ebd8f
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

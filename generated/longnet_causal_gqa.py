@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: ae23a3be0c788987
+# template hash: 23bf545cad67fd14
 # plan key:      04295057758c3ae404c02eb5fbebd2fc359f717d066ff4f6dab3aa2e3bbe2677
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

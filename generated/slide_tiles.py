@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: ae23a3be0c788987
+# template hash: 23bf545cad67fd14
 # plan key:      f1eaa631761861a0749c805d9ed38bc62ce9d7b33ecc57ba211f611192dfe99e
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

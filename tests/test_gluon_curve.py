@@ -123,6 +123,45 @@ def test_build_compiles_the_curve_lanes_as_the_runtime_specializes_them(cache_di
     assert len(launches[0].args) == len(real) + 2       # the block lists
 
 
+RASTER = {**ASK, "gluon_raster_lanes": True}
+
+
+@needs_gluon
+def test_raster_lanes_beside_the_curve_ones_where_asked(tmp_path, cache_dir):
+    """F causal's r = 1 branch reads no curve table: asked (gluon_raster_lanes), a second Gluon
+    lane kernel built for raster rows runs it (else the `tl` lanes); it compiles for sm90 as the
+    raster lanes do, and `dilgen build` has its launch; refused by name where it cannot run."""
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.cli import kernel_families
+    from dilgen.compiler import build
+    sm90 = get_target("sm90")
+    causal = _spec(causal=True)
+    assert not plan(causal, sm90).config.gluon_raster_lanes                   # not the default yet
+    p = plan(causal, sm90, RASTER)
+    assert p.config.gluon_raster_lanes and p.config.to_json()["gluon_raster_lanes"]
+    assert "lanes Gluon (branch 0), lanes Gluon curve (branches 1, 2)" in kernel_families(p)
+    assert "lanes Gluon curve (branches 1, 2), lanes tl (branch 0)" in kernel_families(plan(causal, sm90))
+    with pytest.raises(SpecError, match="gluon_raster_lanes cannot run here: the plan's lanes do not run"):
+        plan(causal, sm90, {"gluon_curve_lanes": False, "gluon_raster_lanes": True})
+    with pytest.raises(SpecError, match="gluon_raster_lanes takes true or false"):
+        plan(causal, sm90, {"gluon_raster_lanes": 1})
+    mod = load_emitted(tmp_path / "glc_raster.py", codegen.emit(p))
+    assert mod.attention.gluon_raster_lanes_fn is mod.glc_gluon_raster_lanes
+    from triton.experimental.gluon import language as gl
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows}, 1, 128],{gl.NVMMASharedLayout.get_default_for([rows, 1, 128], gl.bfloat16)!r}>"
+    sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "Out": "*bf16",
+           "Lse": "*fp32", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr",
+           "CLEAR": "constexpr"}
+    kernel = compile_sm90(mod.glc_gluon_raster_lanes, sig, {(7,): 2048, (8,): 1, (9,): False, (10,): False})
+    assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= sm90.smem_bytes
+    attn = build(_spec(name="glc_aot_raster", causal=True, num_heads=4, num_kv_heads=2,
+                       segment_lengths=[256, 1024, 2048]), sm90, RASTER).module.attention
+    roles = [x.role for x in predicted_launches(attn, 2048)]
+    assert roles.count("gluon_raster_lanes") == 1 and roles.count("gluon_lanes") == 2
+
+
 # -- on an sm90 GPU: float64 out, lse and gradients, the Gluon curve lanes launched ----------
 GPU_CASES = [
     # (id, spec fields, (B, N))
@@ -145,6 +184,16 @@ def _spy(monkeypatch) -> list:
         return got
     monkeypatch.setattr(forward, "gluon_lanes_launch", spy)
     return taken
+
+
+@on_sm90
+def test_raster_lanes_beside_curve_lanes_match_the_float64_reference_on_sm90(monkeypatch):
+    """Asked (gluon_raster_lanes): every lane branch of a causal curve plan in Gluon, the r = 1
+    branch in the raster kernel first."""
+    taken = _spy(monkeypatch)
+    check_against_reference(_spec(name="glc_raster_causal", num_heads=8, num_kv_heads=2,
+                                  segment_lengths=[512, 1024, 2048], causal=True), 1, 4096, RASTER, "raster")
+    assert taken[-3:] == [True, True, True], taken
 
 
 @on_sm90

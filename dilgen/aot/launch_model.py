@@ -116,6 +116,7 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     # the Gluon kernels (@gluon.jit functions already): forwards after the first role, the rest last
     for role, attr, forward in (("gluon_forward", "gluon_fn", True), ("gluon_dkdv", "gluon_dkdv_fn", False),
                                 ("gluon_dq", "gluon_dq_fn", False), ("gluon_lanes", "gluon_lanes_fn", True),
+                                ("gluon_raster_lanes", "gluon_raster_lanes_fn", True),
                                 ("gluon_dkdv_lanes", "gluon_dkdv_lanes_fn", False),
                                 ("gluon_dq_lanes", "gluon_dq_lanes_fn", False)):
         fn = getattr(attention, attr, None)
@@ -167,6 +168,17 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             # that specializes them (their descriptors' shapes are not specialized)
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.append(Launch(role, fn, _gluon_args(plan, role, N, base), opts))
+        elif role == "gluon_raster_lanes":    # beside curve lanes, the raster lane branches (no dropout plan)
+            if all(N % br["w"] == 0 for br in plan["branches"]):
+                from ..gluon_plan import gluon_lane_branch
+                from ..runtime.gluon_launch import gluon_lanes_args
+                mock, keys = _mock(base["dtype"]), plan["config"]["gluon_lanes"][0]
+                fused_q = any(not br["lanes"] for br in plan["branches"])
+                for n, i in enumerate(lane_order(plan)):
+                    br = plan["branches"][i]
+                    if not br.get("curve_rows") and gluon_lane_branch(br["w"], br["r"], keys):
+                        out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
+                                                                     1, N, br, n > 0 or fused_q, False), opts))
         elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..gluon_plan import gluon_lane_branch

@@ -44,7 +44,7 @@ class GeneratedAttention:
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
                  lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
                  gluon_dkdv=None, gluon_dq=None, gluon_lanes=None, gluon_dkdv_lanes=None,
-                 gluon_dq_lanes=None) -> None:
+                 gluon_dq_lanes=None, gluon_raster_lanes=None) -> None:
         self.spec = spec
         self.plan = plan
         self._source_fn = forward_kernel
@@ -54,6 +54,7 @@ class GeneratedAttention:
         self.gluon_dkdv_fn = gluon_dkdv            # sm90's Gluon fused dK/dV (@gluon.jit) or None
         self.gluon_dq_fn = gluon_dq                # sm90's Gluon dQ (@gluon.jit) or None
         self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon lane branches (@gluon.jit) or None
+        self.gluon_raster_lanes_fn = gluon_raster_lanes    # beside curve lanes, the raster ones (sm90) or None
         self.gluon_dkdv_lanes_fn = gluon_dkdv_lanes    # sm90's Gluon causal dK/dV per branch or None
         self.gluon_dq_lanes_fn = gluon_dq_lanes        # sm90's Gluon causal lane dq or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
@@ -128,6 +129,11 @@ class GeneratedAttention:
     def gluon_lanes_kernel(self):
         """The Gluon lane branches as launched on a GPU (as gluon_kernel); None without one."""
         return self._gluon("gluon_lanes", self.gluon_lanes_fn)
+
+    @property
+    def gluon_raster_lanes_kernel(self):
+        """Beside a plan's Gluon curve lanes, its raster lane branches' Gluon kernel; None without one."""
+        return self._gluon("gluon_raster_lanes", self.gluon_raster_lanes_fn)
 
     @property
     def gluon_dkdv_lanes_kernel(self):

@@ -72,8 +72,15 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
     plan = attn.plan
     tile = plan["config"].get("gluon_lanes")
     curve = plan["config"].get("gluon_curve_lanes", False)
+    if curve and not br.get("curve_rows"):      # a raster lane beside curve lanes: its own kernel, else `tl`
+        if (not plan["config"].get("gluon_raster_lanes") or dropout or tile is None
+                or not gluon_lane_branch(br["w"], br["r"], tile[0])
+                or not _takes(attn, attn.gluon_raster_lanes_fn, N, q, k, v, out)):
+            return None
+        return (attn.gluon_raster_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
+                gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear), OPTIONS)
     if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
-            or (curve and (clear or dropout or not br.get("curve_rows")))    # a raster lane beside curve lanes: `tl`
+            or (curve and (clear or dropout))
             or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
         return None
     grid = (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"])

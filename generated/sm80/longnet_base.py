@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: ae23a3be0c788987
+# template hash: 23bf545cad67fd14
 # plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

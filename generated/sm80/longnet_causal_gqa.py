@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: ae23a3be0c788987
+# template hash: 23bf545cad67fd14
 # plan key:      d6b2e2fb6a142446cb84ae09019565e84e061cc26b23b0516b35a7cc253dc296
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: ae23a3be0c788987
+# template hash: 23bf545cad67fd14
 # plan key:      9080681859ec0eabb49e64c5a00fd2a0caba40fb6408e5d74660a671281fbb57
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
