@@ -168,38 +168,9 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             # that specializes them (their descriptors' shapes are not specialized)
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.append(Launch(role, fn, _gluon_args(plan, role, N, base), opts))
-        elif role == "gluon_raster_lanes":    # beside curve lanes, the raster lane branches (no dropout plan)
+        elif role in ("gluon_lanes", "gluon_raster_lanes"):    # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..gluon_plan import gluon_lane_branch
-                from ..runtime.gluon_launch import gluon_lanes_args
-                mock, keys = _mock(base["dtype"]), plan["config"]["gluon_lanes"][0]
-                fused_q = any(not br["lanes"] for br in plan["branches"])
-                for n, i in enumerate(lane_order(plan)):
-                    br = plan["branches"][i]
-                    if not br.get("curve_rows") and gluon_lane_branch(br["w"], br["r"], keys):
-                        out.append(Launch(role, fn, gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
-                                                                     1, N, br, n > 0 or fused_q, False), opts))
-        elif role == "gluon_lanes":       # per lane branch, as runtime/forward.py launches them
-            if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..gluon_plan import gluon_lane_branch
-                from ..runtime.gluon_launch import gluon_curve_lanes_args, gluon_lanes_args
-                mock = _mock(base["dtype"])
-                fused_q = any(not br["lanes"] for br in plan["branches"])
-                keys = plan["config"]["gluon_lanes"][0]
-                curve = plan["config"].get("gluon_curve_lanes", False)
-                for n, i in enumerate(lane_order(plan)):    # an r = 1 branch first: it writes; else
-                    br = plan["branches"][i]                 # the first clears (Plan.gap_lane)
-                    if not gluon_lane_branch(br["w"], br["r"], keys) or (curve and not br.get("curve_rows")):
-                        continue                                # the `tl` lane kernel
-                    if curve:       # curve lanes: q, the table, descriptors over the compact copies
-                        lists = (_mock(torch.int32),) * 2 if plan["causal"] else ()
-                        args = gluon_curve_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
-                                                      _mock(torch.int32), 1, N, br, n > 0 or fused_q, lists)
-                    else:
-                        args = gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32), 1, N, br,
-                                                n > 0 or fused_q, n == 0 and plan.get("gap_lane") is not None,
-                                                _dropout_values(plan, base))
-                    out.append(Launch(role, fn, args, opts))
+                out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_fwd_args(plan, role, N, base))
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N, base))
@@ -261,6 +232,36 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             n_t = math.ceil(math.ceil(N / lattice) / conf["dq_block_m"])
             add(role, fn, opts, num_m_tiles=n_t,
                 group_tiles=lattice_group_tiles(plan, n_t, conf["dq_block_m"], kv_row_bytes))
+    return out
+
+
+def _gluon_lanes_fwd_args(plan: dict, role: str, N: int, base: dict) -> list[tuple]:
+    """The Gluon lane forward's arguments per lane branch it takes, in launch order (an r = 1
+    branch first: it writes; else the first clears, Plan.gap_lane): role "gluon_lanes" the
+    plan's lane kernel (a curve plan's: its curve branches), "gluon_raster_lanes" beside curve
+    lanes the raster ones (KernelConfig.gluon_raster_lanes)."""
+    import torch
+    from ..gluon_plan import gluon_lane_branch
+    from ..runtime.gluon_launch import gluon_curve_lanes_args, gluon_lanes_args
+    from ..runtime.grids import lane_order
+    mock, out = _mock(base["dtype"]), []
+    fused_q = any(not br["lanes"] for br in plan["branches"])
+    keys = plan["config"]["gluon_lanes"][0]
+    curve = plan["config"].get("gluon_curve_lanes", False)
+    for n, i in enumerate(lane_order(plan)):
+        br = plan["branches"][i]
+        kind = "curve" if curve and br.get("curve_rows") else "raster"
+        mine = kind == "curve" or not curve if role == "gluon_lanes" else kind == "raster"
+        if not mine or not gluon_lane_branch(br["w"], br["r"], keys):
+            continue                                # the `tl` lane kernel, or the other Gluon one
+        if kind == "curve":     # curve lanes: q, the table, descriptors over the compact copies
+            lists = (_mock(torch.int32),) * 2 if plan["causal"] else ()
+            out.append(gluon_curve_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32),
+                                              _mock(torch.int32), 1, N, br, n > 0 or fused_q, lists))
+        else:
+            out.append(gluon_lanes_args(plan, mock, mock, mock, mock, _mock(torch.float32), 1, N, br,
+                                        n > 0 or fused_q, n == 0 and plan.get("gap_lane") is not None,
+                                        _dropout_values(plan, base)))
     return out
 
 
