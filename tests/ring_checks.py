@@ -110,8 +110,9 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
 
 
 def measured(spec, P: int, dev, group) -> list[str]:
-    """The first auto call measured the spec's rate: every rank prices with the same entry, the
-    forward's backward re-used it (one entry, not two), and no record was written."""
+    """The first auto call measured the spec's rate and the group's links: every rank prices
+    with the same entry and link rates, the forward's backward re-used them (one entry, not
+    two), and no record was written."""
     import torch.distributed as dist
 
     from dilgen import cache
@@ -122,6 +123,10 @@ def measured(spec, P: int, dev, group) -> list[str]:
     entry = rates.for_spec(cal.spec_digest(spec.to_json()))
     if entry is None or len(rates.specs) != 1:
         return [f"no single measured entry for the spec in its record: {rates.specs}"]
+    from dilgen.runtime.ring.measure import LINKS
+    if not set(LINKS) <= set(rates.measured):        # no calibration: the links too
+        return [f"the first call measured no links: measured {rates.measured}"]
+    entry = (entry, tuple(getattr(rates, f) for f in LINKS))
     every = [None] * P
     dist.all_gather_object(every, entry, group=group)
     return [] if all(e == entry for e in every) else [f"the ranks measured differently: {every}"]

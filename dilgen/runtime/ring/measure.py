@@ -6,7 +6,9 @@ the rest of the process (calibration.remember: no record, so that nodes never di
 Every rank decides alike: the agreement compared the digest of the rates each rank prices
 with, so every rank lacks the entry or none does; every rank times its own rows, one
 all_reduce takes the slowest rank's numbers (or, if any rank could not time, none), and every
-rank adds the same entry. `DILGEN_RING_MEASURE`: "auto" (default: on a GPU, not while a CUDA
+rank adds the same entry. Where no calibration measured the group's links, the first such
+call measures them too (calibrate.measure_links: a ring shift, an all-gather and an all-to-all of
+32 MiB a rank, and a 4-byte shift's latency; the slowest rank's). `DILGEN_RING_MEASURE`: "auto" (default: on a GPU, not while a CUDA
 graph is captured), "1" (also on the CPU), "0" (never); the agreement compares it, so ranks that
 differ are refused together."""
 from __future__ import annotations
@@ -48,12 +50,52 @@ def _time_twin(run, q, k, v) -> tuple[float, float]:
     return fwd, median_seconds(lambda: backward_raw(tw, q, k, v, out, lse, out, None), sync, 3)
 
 
+#: the link rates a first call measures where no calibration did (calibrate.measure_links)
+LINKS = ("link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us")
+LINK_BYTES = 32 << 20      # per rank: milliseconds of NVLink, a second or two of PCIe
+_LINKS_TRIED: set = set()  # groups whose links a call measured or could not (every rank alike)
+
+
+def _group_key(run, q) -> tuple:
+    return getattr(run.group, "group_name", None) or id(run.group), str(q.device)
+
+
+def _with_links(run, q, rates):
+    """`rates` with the group's link rates measured now (every rank: the slowest rank's, one
+    all_reduce inside), where every rank could allocate its buffers (one all_reduce first);
+    else `rates` as they were."""
+    from ...calibrate import measure_links
+    gloo = run.dist.get_backend(run.group) == "gloo"
+    device = torch.device("cpu") if gloo else q.device
+    try:
+        probe = torch.empty(LINK_BYTES * (run.P + 2), dtype=torch.uint8, device=device)
+        del probe
+        ready = torch.zeros(1, dtype=torch.float64, device=device)
+    except Exception:  # noqa: BLE001 - a rank that cannot hold the buffers makes every rank skip
+        ready = torch.ones(1, dtype=torch.float64, device=device)
+    collective(run.dist, run.group, lambda: run.dist.all_reduce(ready, op=run.dist.ReduceOp.MAX, group=run.group),
+               (ready,))
+    _LINKS_TRIED.add(_group_key(run, q))
+    if ready.item():
+        return rates
+    links = measure_links(run.group, device, LINK_BYTES)
+    return dataclasses.replace(rates, **links, measured=tuple(sorted(set(rates.measured) | set(links))))
+
+
 def with_spec_rate(run, q, k, v, rates):
     """`rates`, or `rates` with this spec's rate added (measured now on every rank, remembered
-    by this process) when it holds none and the call may measure."""
+    by this process) when it holds none and the call may measure; with the group's link rates
+    too where no calibration measured them (the agreement compared the rates, so every rank
+    decides alike)."""
     digest = run.main.__dict__.get("_spec_digest") or run.main.__dict__.setdefault(
         "_spec_digest", spec_digest(run.main.spec))          # every non-local call asks
-    if rates.for_spec(digest) is not None or not wanted(q):
+    need_links = not set(LINKS) <= set(rates.measured) and _group_key(run, q) not in _LINKS_TRIED
+    if (rates.for_spec(digest) is not None and not need_links) or not wanted(q):
+        return rates
+    if need_links:
+        rates = _with_links(run, q, rates)
+    if rates.for_spec(digest) is not None:
+        remember(Machine.current(run.P, run.dist.get_backend(run.group), q.device), rates)
         return rates
     try:
         fwd, bwd = _time_twin(run, q.detach(), k.detach(), v.detach())
