@@ -228,6 +228,17 @@ def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibrati
     f = schedule.useful_flops(ring, 128, 1, 16, 128) / 50e12 / 2
     assert local["fwd_s"] == pytest.approx(f) and local["fwd_bwd_s"] == pytest.approx(4 * f)
     assert _costs(2, 64, [16, 32], [1, 2])[0]["local"]["fwd_s"] != pytest.approx(f)   # the family rate otherwise
+    # the model's answer names what priced it (bench_ring keeps it beside each row)
+    import types
+
+    from dilgen.planner import plan
+    from dilgen.runtime.ring.costs import predicted_ms
+    from dilgen.targets import get_target
+    attn = types.SimpleNamespace(spec=ring_spec.to_json(), plan=plan(ring_spec, get_target("sm90")).to_json())
+    measured = dataclasses.replace(spec_rates, link_gbytes_s=99.0, measured=("link_gbytes_s",))
+    priced = predicted_ms(attn, 128, "local", rates=measured)["priced_with"]
+    assert priced == {"source": cal.DEFAULT.source, "measured": {"link_gbytes_s": 99.0}, "spec_rate": [50.0, 3.0]}
+    assert predicted_ms(attn, 128, "local", rates=cal.DEFAULT)["priced_with"]["spec_rate"] is None
     # a full calibration keeps the measured specs; a later --spec replaces only that spec's entry
     again = measure.calibrate(None)
     assert again.for_spec(digest) == (123.0, 2.0)

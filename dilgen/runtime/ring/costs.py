@@ -46,14 +46,17 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=
     spec, plan = attn.spec, attn.plan
     heads, kv, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     item = 4 if spec["dtype"] == "float32" else 2
+    rates = rates or rates_for(plan["ring"]["ring_size"])
+    spec_rate = rates.for_spec(spec_digest(spec))
+    # what priced it: the rates' source, the fields a calibration or a first call measured, the spec's own rate
+    priced = {"priced_with": {"source": rates.source, "measured": {m: getattr(rates, m) for m in rates.measured},
+                              "spec_rate": list(spec_rate) if spec_rate else None}}
     if plan["ring"]["ring_size"] == 1:
-        rates = rates or rates_for(1)
-        f, b = single_device_times(work_of(spec), n, 1, heads, d, _single_device_lanes(plan), rates,
-                                   rates.for_spec(spec_digest(spec)))
-        return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3}
+        f, b = single_device_times(work_of(spec), n, 1, heads, d, _single_device_lanes(plan), rates, spec_rate)
+        return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3, **priced}
     sched = ring_schedule(plan["ring"], n, order)
     costs = call_costs(attn, sched, 1, heads, kv, d, item, rates=rates)
     mine = costs.get(transport, {"fwd_s": math.nan, "fwd_bwd_s": math.nan})
     return {"predicted_fwd_ms": mine["fwd_s"] * 1e3, "predicted_fwd_bwd_ms": mine["fwd_bwd_s"] * 1e3,
             "predicted_fwd_bwd_ms_by_transport": {t: c["fwd_bwd_s"] * 1e3 for t, c in costs.items()},
-            "remote_steps": len(sched["steps"]) - 1, "bytes_fraction": sched["bytes_fraction"]}
+            "remote_steps": len(sched["steps"]) - 1, "bytes_fraction": sched["bytes_fraction"], **priced}
