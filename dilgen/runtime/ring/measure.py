@@ -92,10 +92,11 @@ def with_spec_rate(run, q, k, v, rates):
     need_links = not set(LINKS) <= set(rates.measured) and _group_key(run, q) not in _LINKS_TRIED
     if (rates.for_spec(digest) is not None and not need_links) or not wanted(q):
         return rates
+    machine = Machine.current(run.P, run.dist.get_backend(run.group), q.device)
     if need_links:
         rates = _with_links(run, q, rates)
+        remember(machine, rates)
     if rates.for_spec(digest) is not None:
-        remember(Machine.current(run.P, run.dist.get_backend(run.group), q.device), rates)
         return rates
     try:
         fwd, bwd = _time_twin(run, q.detach(), k.detach(), v.detach())
@@ -111,5 +112,5 @@ def with_spec_rate(run, q, k, v, rates):
     if failed:
         return rates
     rates = dataclasses.replace(rates, specs=rates.specs + ((digest, -neg_rate, ratio),))
-    remember(Machine.current(run.P, run.dist.get_backend(run.group), q.device), rates)
+    remember(machine, rates)
     return rates
