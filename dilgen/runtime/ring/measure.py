@@ -7,7 +7,7 @@ Every rank decides alike: the agreement compared the digest of the rates each ra
 with, so every rank lacks the entry or none does; every rank times its own rows, one
 all_reduce takes the slowest rank's numbers (or, if any rank could not time, none), and every
 rank adds the same entry. Where no calibration measured the group's links, the first such
-call measures them too (calibrate.measure_links: a ring shift, an all-gather and an all-to-all of
+call measures them too (links.measure_links: a ring shift, an all-gather and an all-to-all of
 32 MiB a rank, and a 4-byte shift's latency; the slowest rank's). `DILGEN_RING_MEASURE`: "auto" (default: on a GPU, not while a CUDA
 graph is captured), "1" (also on the CPU), "0" (never); the agreement compares it, so ranks that
 differ are refused together."""
@@ -19,6 +19,7 @@ import os
 import torch
 
 from ...calibration import Machine, remember, spec_digest
+from ...links import measure_links
 from ...schedule import useful_flops, work_of
 from ...stats import device_sync, median_seconds
 from ..backward import backward_raw
@@ -50,7 +51,7 @@ def _time_twin(run, q, k, v) -> tuple[float, float]:
     return fwd, median_seconds(lambda: backward_raw(tw, q, k, v, out, lse, out, None), sync, 3)
 
 
-#: the link rates a first call measures where no calibration did (calibrate.measure_links)
+#: the link rates a first call measures where no calibration did (links.measure_links)
 LINKS = ("link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us")
 LINK_BYTES = 32 << 20      # per rank: milliseconds of NVLink, a second or two of PCIe
 _LINKS_TRIED: set = set()  # groups whose links a call measured or could not (every rank alike)
@@ -64,7 +65,6 @@ def _with_links(run, q, rates):
     """`rates` with the group's link rates measured now (every rank: the slowest rank's, one
     all_reduce inside), where every rank could allocate its buffers (one all_reduce first);
     else `rates` as they were."""
-    from ...calibrate import measure_links
     gloo = run.dist.get_backend(run.group) == "gloo"
     device = torch.device("cpu") if gloo else q.device
     try:
