@@ -328,10 +328,16 @@ def _forward_refusal(tiles, target: Target, branches, lattice: int, tile) -> str
         return (f"{stages} stages of {keys} keys at head_dim {tiles.tile_d} need {smem} bytes of shared "
                 f"memory, {target.name} has {target.smem_bytes}: fewer stages or keys")
     for b in branches:
-        if b.segment_length % (128 * lattice) or (b.segment_length // b.dilation) % keys:
+        if not lattice_tiles_fit(b.segment_length, b.dilation, lattice, keys):
             return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "
                     f"128 x L = {128 * lattice} with w / r a multiple of {keys} keys")
     return None
+
+
+def lattice_tiles_fit(w: int, r: int, lattice: int, keys: int) -> bool:
+    """Whether a lattice branch (w, r) fits the Gluon forward's tiles at lattice L: a segment is
+    whole tiles of 128 x L rows, and its w / r key lanes whole blocks of `keys`."""
+    return w % (128 * lattice) == 0 and (w // r) % keys == 0
 
 
 def _backward_refusal(name: str, tiles, target: Target, branches, lattice: int, stages,

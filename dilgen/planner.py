@@ -22,7 +22,8 @@ import sympy
 from . import ir
 from .dropout_plan import DROPOUT_GLUON_DQ_DIMS, dropout_refusal, dropout_tuning
 from .gluon_plan import (gluon_curve_lanes, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
-                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_raster_lanes)
+                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_raster_lanes,
+                         lattice_tiles_fit)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -285,7 +286,7 @@ def _split_choice(spec: Spec, target: Target, tiles: _Tiles, lattice_ok: list) -
         L = _lcm([branches[i][1] for i in rest if lattice_ok[i]])
         if len(rest) < 2:
             return ()
-        if all(branches[i][0] % (128 * L) == 0 and (branches[i][0] // branches[i][1]) % tile[0] == 0 for i in rest):
+        if all(lattice_tiles_fit(*branches[i], L, tile[0]) for i in rest):
             return tuple(sorted(chosen))
     return ()
 
