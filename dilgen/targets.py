@@ -203,19 +203,19 @@ class Target:
     # (head_dim 64) forward 1.194 -> 1.140 ms (n = 8), 1.156 (4), 1.267 (2); A (head_dim 128)
     # 1.415 -> 1.447 (8), so not there (bench/results/forward_gluon_exp2-2026-11-28-h200.json)
     gluon_exp2: tuple[tuple[int, int], ...] = ()
-    # By default (no tuning): the Gluon dK/dV and dQ take a plan's lattice branches beside its
-    # lane branches (gluon_plan._beside_lanes), and the branches whose rates keep the lattice
-    # from the Gluon forward run as lanes (tuning lanes = "split", planner._split_choice).
-    # Off until timed on the GPU: bench_ring's raster spec on one H200 runs 623 ms fwd+bwd
-    # all in `tl`, its first four branches alone 244 in Gluon and its last two 100 as lanes
-    # (bench/results/profile_raster_512k-2026-11-29-h200.json)
+    # The Gluon dK/dV and dQ take a plan's lattice branches beside its lane branches
+    # (gluon_plan._beside_lanes); the lane branches add theirs after them. Same algorithm and
+    # order as the fused `tl` kernels, so the same bits. H200, bf16 fwd+bwd: E 39.56 -> 34.86 ms,
+    # F 8.67 -> 7.76 (bench/results/backward_beside_lanes-2026-11-29-h200.json)
     gluon_bwd_beside_lanes: bool = False
+    # The branches whose rates keep the lattice from the Gluon forward run as lanes (tuning
+    # lanes = "split", planner._split_choice). Off: bench_ring's raster spec at 512K rows runs
+    # 615 -> 404 ms fwd+bwd split, but its dk and dv move 1.6 % from the unsplit plan's
+    # (bench/results/raster_split-2026-11-29-h200.json); on when the float32 comparison says which is right
     split_wide_lattice: bool = False
     # Beside the Gluon curve lanes, the raster lane branches (F causal's r = 1) in a Gluon lane
-    # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; off until timed. One
-    # H200, F causal forward 1.44 ms: that branch's `tl` lanes 0.68, the two curve branches in
-    # Gluon 0.64; A causal's three Gluon lane branches 0.96
-    # (bench/results/profile_causal_f-2026-11-29-h200.json)
+    # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; the same bits. H200,
+    # F causal forward 1.42 -> 1.26 ms (bench/results/forward_raster_lanes-2026-11-29-h200.json)
     gluon_raster_lanes_default: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
@@ -258,7 +258,8 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(64, 128),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
               gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
-              gluon_dkdv_lanes=True, gluon_exp2=((64, 8),))
+              gluon_dkdv_lanes=True, gluon_exp2=((64, 8),), gluon_bwd_beside_lanes=True,
+              gluon_raster_lanes_default=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -3,7 +3,7 @@
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
 # template hash: 23bf545cad67fd14
-# plan key:      f1eaa631761861a0749c805d9ed38bc62ce9d7b33ecc57ba211f611192dfe99e
+# plan key:      370ecdc251f6584d2081c190adbf0e1ef8f9fbaab48187ace50fd597c8a1c435
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -87,6 +87,7 @@ PLAN = {
         "fold_scale": True,
         "fused_tma": True,
         "gluon_curve_lanes": True,
+        "gluon_dkdv": 4,
         "gluon_exp2": 8,
         "gluon_fwd": [128, 3],
         "gluon_lanes": [128, 3],
@@ -1476,6 +1477,171 @@ def slide_tiles_gluon_fwd(q_desc, o_desc, k0, v0, Lse, N):
     gl.warp_specialize([(slide_tiles_gluon_consumer0, (p,)), (slide_tiles_gluon_consumer1, (p,)), (slide_tiles_gluon_producer, (p,))],
                        [4, 1], [240, 24])
 
+# ---- sm90: the fused dK, dV in Gluon (KernelConfig.gluon_dkdv; runtime/backward.py launches it
+# on a GPU for fixed-length rows whose every segment is whole, slide_tiles_bwd_dkdv_fused otherwise) ----
+
+GLUON_LANES = gl.constexpr(64)          # keys per consumer warpgroup (a program takes two); query lanes per block
+GLUON_BWD_STAGES = gl.constexpr(4)   # Q / dO blocks in flight (the shared-memory ring)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_load_branch(it, qd, dod, q_smem, do_smem, ready, empty, b, h, c, u0, N,
+                        W: gl.constexpr, R: gl.constexpr):
+    """Queue the query blocks of one branch (w = W, r = R) of head h for a class-c key tile
+    whose first row is u0, if the branch keeps the class (R | c - o); `it` counts the blocks
+    queued before. The segment's lanes are the rows b*N/R + s*W/R + j of Q's and dO's
+    (B*N/R, R*H, D) views, column o*H + h (o = h mod R)."""
+    if (c - h) % R == 0:
+        row0 = b * (N // R) + (u0 // W) * (W // R)
+        col = (h % R) * 8 + h
+        for j in range((W // R) // GLUON_LANES):
+            st = it % GLUON_BWD_STAGES
+            mbarrier.wait(empty.index(st), ((it // GLUON_BWD_STAGES) & 1) ^ 1)   # both consumers let go of it
+            mbarrier.expect(ready.index(st), 2 * GLUON_LANES * 64 * 2)
+            tma_load(qd, [row0 + j * GLUON_LANES, col, 0], ready.index(st), q_smem.index(st))
+            tma_load(dod, [row0 + j * GLUON_LANES, col, 0], ready.index(st), do_smem.index(st))
+            it += 1
+    return it
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_producer(p):
+    """One warp: the tile's K and V, then for each query head of the kv group every kept
+    branch's query blocks, in branch order."""
+    (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+     b, kvh, c, m0, N) = p
+    mbarrier.expect(kv_bar, 4 * GLUON_LANES * 64 * 2)
+    for wg in gl.static_range(2):
+        tma_load(k_desc, [b * (N // 1) + m0 + wg * GLUON_LANES, c * 2 + kvh, 0],
+                 kv_bar, k_smem.index(wg))
+        tma_load(v_desc, [b * (N // 1) + m0 + wg * GLUON_LANES, c * 2 + kvh, 0],
+                 kv_bar, v_smem.index(wg))
+    u0 = c + 1 * m0
+    it = c * 0
+    for g in range(4):
+        h = kvh * 4 + g
+        it = slide_tiles_gluon_dkdv_load_branch(it, qds[0], dods[0], q_smem, do_smem, ready, empty,
+                                                b, h, c, u0, N, 1024, 1)  # branch 0
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
+                   W: gl.constexpr, R: gl.constexpr):
+    """One consumer warpgroup's 64 keys against the branch's query blocks (as the producer
+    queued them): S^T = K Q^T, P^T = exp2(S^T*scale*log2(e) - lse*log2(e)), dV += P^T dO,
+    dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, GLUON_LANES, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    if (c - h) % R == 0:
+        s_zero = gl.zeros([GLUON_LANES, GLUON_LANES], gl.float32, layout=s_layout)
+        lanes = (b * 8 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
+            + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
+        blocks = (W // R) // GLUON_LANES
+        lse_next = gl.load(Lse + lanes)
+        delta_next = gl.load(Delta + lanes)
+        for j in range(blocks):
+            lse = lse_next * 1.4426950408889634
+            delta = delta_next
+            st = it % GLUON_BWD_STAGES
+            mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)
+            qj = q_smem.index(st).reshape([GLUON_LANES, 64])
+            doj = do_smem.index(st).reshape([GLUON_LANES, 64])
+            s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # the next block's lse and Delta (the last block's again at the end): in flight
+            # while this block's products run
+            after = gl.minimum(j + 1, blocks - 1) * (GLUON_LANES * R)
+            lse_next = gl.load(Lse + lanes + after)
+            delta_next = gl.load(Delta + lanes + after)
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
+            pt = gl.exp2(s * 0.18033688011112042 - gl.expand_dims(lse, 0))
+            dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dp_tok,))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), qj, dk, is_async=True)
+            dv = warpgroup_mma_wait(1, deps=(dv_tok,))
+            dk = warpgroup_mma_wait(0, deps=(dk_tok,))
+            mbarrier.arrive(empty.index(st), count=1)
+            it += 1
+    return it, dk, dv
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_consume(p, WG: gl.constexpr):
+    """One consumer warpgroup: keys m0 + WG*64 ... of the tile, dK and dV in registers over
+    every kept branch of every head of the group; written once, dK times the softmax scale."""
+    (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+     b, kvh, c, m0, N) = p
+    dtype: gl.constexpr = q_smem.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    dk = gl.zeros([GLUON_LANES, 64], gl.float32, layout=o_layout)
+    dv = gl.zeros([GLUON_LANES, 64], gl.float32, layout=o_layout)
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.index(WG).reshape([GLUON_LANES, 64])
+    v = v_smem.index(WG).reshape([GLUON_LANES, 64])
+    u0 = c + 1 * m0
+    it = c * 0
+    for g in range(4):
+        h = kvh * 4 + g
+        it, dk, dv = slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
+                                                   1024, 1)  # branch 0
+    keys = c + 1 * (m0 + WG * GLUON_LANES + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(1, o_layout)))
+    dcols = gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout))
+    offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 2 + kvh) * 64 + gl.expand_dims(dcols, 0)
+    gl.store(DK + offs, (dk * 0.125).to(dtype))
+    gl.store(DV + offs, dv.to(dtype))
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_consumer0(p):
+    slide_tiles_gluon_dkdv_consume(p, 0)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_consumer1(p):
+    slide_tiles_gluon_dkdv_consume(p, 1)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv(q0, do0, k_desc, v_desc, Lse, Delta, DK, DV, N):
+    """Notation (as in slide_tiles_bwd_dkdv_fused, whose work this is).
+    q<i>, do<i>     branch i's query lanes: q and dO as (B*N/r, r*H, D), boxes of 64 lanes
+    k_desc, v_desc  k and v as (B*N/L, L*H_kv, D): row b*N/L + m, column c*H_kv + kvh is key
+                    u = c + L*m of kv head kvh (L = 1); boxes of 64 keys
+    Lse, Delta      (B, H, N) float32: the forward's lse (natural log), rowsum(dO*O) - dlse
+    DK, DV          (B, N, H_kv, D) contiguous, in k's dtype: every row written once
+    program         (c + L*t, b*H_kv + kvh): key class c of tile t (128 keys u = c + L*m); the
+                    classes of a tile run side by side, as they read the same query lanes (L2)
+    Two consumer warpgroups of 64 keys and one producer warp (gl.warp_specialize); the
+    producer fills a ring of GLUON_BWD_STAGES Q/dO blocks (ready), a stage returns to it once
+    both consumers arrived on its `empty`. Every segment whole (runtime/backward.py)."""
+    dtype: gl.constexpr = k_desc.dtype
+    c = gl.program_id(0) % 1
+    m0 = (gl.program_id(0) // 1) * (2 * GLUON_LANES)
+    b = gl.program_id(1) // 2
+    kvh = gl.program_id(1) % 2
+    k_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANES, 1, 64], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANES, 1, 64], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [GLUON_BWD_STAGES, GLUON_LANES, 1, 64], q0.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [GLUON_BWD_STAGES, GLUON_LANES, 1, 64], do0.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [GLUON_BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [GLUON_BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(GLUON_BWD_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    p = ((q0,), (do0,), k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem,
+         kv_bar, ready, empty, b, kvh, c, m0, N)
+    gl.warp_specialize([(slide_tiles_gluon_dkdv_consumer0, (p,)), (slide_tiles_gluon_dkdv_consumer1, (p,)), (slide_tiles_gluon_dkdv_producer, (p,))],
+                       [4, 1], [240, 24])
+
 # ---- sm90: the lane branches in Gluon (KernelConfig.gluon_lanes; runtime/forward.py launches it
 # on a GPU for fixed-length rows whose every segment is whole, slide_tiles_fwd_lanes otherwise) ----
 from triton.experimental import gluon  # noqa: E402
@@ -1733,4 +1899,5 @@ attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel
                                lane_kernel=slide_tiles_fwd_lanes,
                                curve_kernel=slide_tiles_curve_rows,
                                gluon_kernel=slide_tiles_gluon_fwd,
+                               gluon_dkdv=slide_tiles_gluon_dkdv,
                                gluon_lanes=slide_tiles_gluon_lanes)

@@ -126,6 +126,8 @@ def measured(spec, P: int, dev, group) -> list[str]:
     from dilgen.runtime.ring.measure import LINKS
     if not set(LINKS) <= set(rates.measured):        # no calibration: the links too
         return [f"the first call measured no links: measured {rates.measured}"]
+    if not rates.source.startswith("links: measured by this group's first ring call"):
+        return [f"the rates' source does not say the links were measured: {rates.source!r}"]
     entry = (entry, tuple(getattr(rates, f) for f in LINKS))
     every = [None] * P
     dist.all_gather_object(every, entry, group=group)

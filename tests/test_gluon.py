@@ -78,13 +78,17 @@ def test_refused_by_name_where_it_cannot_run(over, arch, why):
 def test_takes_the_lattice_branches_beside_lane_branches(over, lanes):
     """The Gluon forward runs the lattice branches; lane branches (r not dividing w, a Hilbert
     segment curve's) keep their launches after it, which add into its output. Its source
-    streams the lattice branches' keys only."""
+    streams the lattice branches' keys only, and so does the Gluon dQ beside the lanes."""
     p = plan(_spec(**over), get_target("sm90"))
     assert p.config.gluon_fwd == (128, 3) and [b.lanes for b in p.branches] == lanes
     text = codegen.emit(p)
-    section = text[text.index(MARK):]
+    rest = text[text.index(MARK):]
+    end = rest.find("\n# ---- sm90:", 1)
+    section = rest if end < 0 else rest[:end]                          # the forward's kernels
     n = lanes.count(False)
     assert f"k{n - 1}," in section and f"k{n}," not in section and section.count("_load_branch(it, k_descs[") == n
+    dq = rest[rest.index("# ---- sm90: dQ in Gluon"):] if p.config.gluon_dq else ""
+    assert dq.count("_load_branch(it, k_descs[") == (n if p.config.gluon_dq else 0)
     if all(lanes[1:]):
         with pytest.raises(SpecError, match="every branch runs as lanes"):
             plan(_spec(**over), get_target("sm90"), {"lanes": "all", "gluon_fwd": True})

@@ -5,6 +5,7 @@ launch; on an sm90 GPU, gradients against the float64 reference with the Gluon k
 and the `tl` kernel's where a call cannot take it."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -52,18 +53,21 @@ def test_default_at_head_dim_128_and_taken_when_asked():
 
 
 @needs_gluon
-def test_beside_lane_branches_only_where_asked(monkeypatch):
-    """Lane branches of row membership (r not dividing w, Hilbert curve lanes) leave the Gluon
-    dK/dV and dQ to the `tl` kernels by default; asked by tuning, they take the lattice
-    branches (the launches' descriptors name those only) and the lanes add theirs after."""
+def test_beside_lane_branches_by_default_and_off_where_told(monkeypatch):
+    """Beside lane branches of row membership (r not dividing w, Hilbert curve lanes), the Gluon
+    dK/dV and dQ take the lattice branches by default on sm90 (the launches' descriptors name
+    those only) and the lanes add theirs after; told off (tuning false, or a target without
+    gluon_bwd_beside_lanes) they leave every branch to the `tl` kernels."""
     from dilgen.runtime import gluon_launch
     monkeypatch.setattr(gluon_launch, "_boxes", lambda plan, B, N: lambda t, kind, every, rows=64: (kind, every))
-    sm90, asked = get_target("sm90"), {"gluon_dkdv": True, "gluon_dq": True}
+    sm90, off = get_target("sm90"), {"gluon_dkdv": False, "gluon_dq": False}
+    unflagged = dataclasses.replace(sm90, gluon_bwd_beside_lanes=False)
     for over, rates, lanes in ((dict(segment_lengths=[2048, 4096, 16384], dilation_rates=[1, 2, 6]), [1, 2], {}),
                                (dict(hilbert={"scope": "segment"}), [1], {}),
                                (dict(), [1, 2], {"lanes": [2]})):       # a lattice branch tuning chose as lanes
-        assert plan(_spec(**over), sm90, lanes).config.gluon_dkdv is None
-        p = plan(_spec(**over), sm90, {**asked, **lanes})
+        assert plan(_spec(**over), sm90, {**off, **lanes}).config.gluon_dkdv is None
+        assert plan(_spec(**over), unflagged, lanes).config.gluon_dkdv is None
+        p = plan(_spec(**over), sm90, lanes)
         assert (p.config.gluon_dkdv, p.config.gluon_dq) == (4, 4)
         js = p.to_json()
         dkdv = gluon_launch.gluon_dkdv_args(js, *[None] * 8, 1, 16384)

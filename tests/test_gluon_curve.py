@@ -127,20 +127,23 @@ RASTER = {**ASK, "gluon_raster_lanes": True}
 
 
 @needs_gluon
-def test_raster_lanes_beside_the_curve_ones_where_asked(tmp_path, cache_dir):
-    """F causal's r = 1 branch reads no curve table: asked (gluon_raster_lanes), a second Gluon
-    lane kernel built for raster rows runs it (else the `tl` lanes); it compiles for sm90 as the
-    raster lanes do, and `dilgen build` has its launch; refused by name where it cannot run."""
+def test_raster_lanes_beside_the_curve_ones_by_default(tmp_path, cache_dir):
+    """F causal's r = 1 branch reads no curve table: on sm90 by default (or asked,
+    gluon_raster_lanes) a second Gluon lane kernel built for raster rows runs it (told false,
+    the `tl` lanes); it compiles for sm90 as the raster lanes do, and `dilgen build` has its
+    launch; refused by name where it cannot run."""
     from dilgen.aot.launch_model import predicted_launches
     from dilgen.cli import kernel_families
     from dilgen.compiler import build
     sm90 = get_target("sm90")
     causal = _spec(causal=True)
-    assert not plan(causal, sm90).config.gluon_raster_lanes                   # not the default yet
+    assert not plan(causal, sm90, {"gluon_raster_lanes": False}).config.gluon_raster_lanes
+    assert plan(causal, sm90).config.gluon_raster_lanes                       # the sm90 default
     p = plan(causal, sm90, RASTER)
     assert p.config.gluon_raster_lanes and p.config.to_json()["gluon_raster_lanes"]
     assert "lanes Gluon (branch 0), lanes Gluon curve (branches 1, 2)" in kernel_families(p)
-    assert "lanes Gluon curve (branches 1, 2), lanes tl (branch 0)" in kernel_families(plan(causal, sm90))
+    assert "lanes Gluon curve (branches 1, 2), lanes tl (branch 0)" in kernel_families(
+        plan(causal, sm90, {"gluon_raster_lanes": False}))
     with pytest.raises(SpecError, match="gluon_raster_lanes cannot run here: the plan's lanes do not run"):
         plan(causal, sm90, {"gluon_curve_lanes": False, "gluon_raster_lanes": True})
     with pytest.raises(SpecError, match="gluon_raster_lanes takes true or false"):

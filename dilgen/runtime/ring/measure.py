@@ -79,7 +79,10 @@ def _with_links(run, q, rates):
     if ready.item():
         return rates
     links = measure_links(run.group, device, LINK_BYTES)
-    return dataclasses.replace(rates, **links, measured=tuple(sorted(set(rates.measured) | set(links))))
+    source = f"links: measured by this group's first ring call ({run.P} ranks, {LINK_BYTES >> 20} MiB a rank); " \
+             f"the rest: {rates.source}"
+    return dataclasses.replace(rates, **links, source=source,
+                               measured=tuple(sorted(set(rates.measured) | set(links))))
 
 
 def with_spec_rate(run, q, k, v, rates):
