@@ -204,10 +204,14 @@ def test_raster_lanes_beside_curve_lanes_match_the_float64_reference_on_sm90(mon
 def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
     name, over, (B, N) = case
     taken = _spy(monkeypatch)
-    check_against_reference(_spec(name="glc_" + name, **over), B, N, ASK, name)
-    # both curve branches, after the r = 1 branch (the Gluon forward's; causal: the `tl` lanes', or
-    # at head_dim 64 the fused `tl` forward's, which is no lane launch)
-    assert taken[-2:] == [True, True] and not any(taken[:-2]), taken
+    spec = _spec(name="glc_" + name, **over)
+    check_against_reference(spec, B, N, ASK, name)
+    # both curve branches, after the r = 1 branch: the Gluon forward's; causal at head_dim 128 the
+    # Gluon raster lanes' (sm90's default), at head_dim 64 the fused `tl` forward's (no lane launch)
+    raster = plan(spec, get_target("sm90"), ASK).config.gluon_raster_lanes
+    assert raster == (over.get("causal", False) and over.get("head_dim", 128) == 128), raster
+    want = [True] * (3 if raster else 2)
+    assert taken[-len(want):] == want and not any(taken[:-len(want)]), taken
 
 
 @on_sm90
