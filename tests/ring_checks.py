@@ -23,20 +23,22 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 class transport:
     """DILGEN_RING_TRANSPORT set to `name` inside the block (a case's "transport"); a case with
     "measure" also measures its spec's rate on the CPU (DILGEN_RING_MEASURE=1) into a cache of
-    its own (DILGEN_CACHE_DIR: the session's keeps no record of it)."""
+    its own (DILGEN_CACHE_DIR: the session's keeps no record of it); `env`: more variables set
+    inside the block (a case's "agree": DILGEN_RING_AGREE)."""
 
-    def __init__(self, name: str, measure: str | None = None):
-        self.name, self.measure = name, measure
+    def __init__(self, name: str, measure: str | None = None, env: dict | None = None):
+        self.name, self.measure, self.extra = name, measure, dict(env or {})
+        if measure:
+            self.extra.update(DILGEN_RING_MEASURE="1", DILGEN_CACHE_DIR=measure)
 
     def __enter__(self):
         self.saved = os.environ.get("DILGEN_RING_TRANSPORT")
         os.environ["DILGEN_RING_TRANSPORT"] = self.name
-        if self.measure:
-            self.env = {k: os.environ.get(k) for k in ("DILGEN_RING_MEASURE", "DILGEN_CACHE_DIR")}
-            os.environ.update(DILGEN_RING_MEASURE="1", DILGEN_CACHE_DIR=self.measure)
+        self.env = {k: os.environ.get(k) for k in self.extra}
+        os.environ.update(self.extra)
 
     def __exit__(self, *exc):
-        for k, v in (self.env.items() if self.measure else ()):
+        for k, v in self.env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         if self.saved is None:
             del os.environ["DILGEN_RING_TRANSPORT"]
@@ -77,6 +79,7 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     mine = [sh(t).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
     # a case's "tuning" forces planner flags (the sm90 descriptor loads run in the interpreter)
     kernel = dilgen.Kernel(spec, None, case["tuning"]) if case.get("tuning") else dilgen.compile(spec)
+    agree = None
     if case.get("compile"):
         # the ring as ops: the call traces as one graph (fullgraph=True), P2P inside the op
         from torch._dynamo.testing import CompileCounter
@@ -88,13 +91,16 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
             return [f"{case['name']} rank {rank}: {counter.frame_count} graphs, want 1"]
     else:
         # the ring's windows unless a case names a transport ("auto": the cost model's)
+        agree = {"DILGEN_RING_AGREE": case["agree"]} if case.get("agree") else None
         measure = case.get("measure") and tempfile.mkdtemp(prefix=f"dilgen_measure_rank{rank}_")
-        with transport(case.get("transport", "ring"), measure):
+        with transport(case.get("transport", "ring"), measure, agree):
             out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
             if measure:
                 fails = measured(spec, P, dev, group)
                 if fails:
                     return [f"{case['name']} rank {rank}: {f}" for f in fails]
+            if agree and (fails := agreed_on_side_group(group)):
+                return [f"{case['name']} rank {rank}: {f}"]
         ran = kernel.compiled_for(dev).attention.last_ring_transport
         if case.get("expect_transport", ran) != ran:
             return [f"{case['name']} rank {rank}: transport {ran}, want {case['expect_transport']}"]
@@ -102,11 +108,24 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     g_lse = sh(glse, 2).to(dev)
     lse_finite = torch.isfinite(lse.detach())
     loss = (out.float() * g_out).sum() + torch.where(lse_finite, lse, torch.zeros_like(lse)).mul(g_lse).sum()
-    with transport(case.get("transport", "ring")):
+    with transport(case.get("transport", "ring"), env=agree):
         loss.backward()
 
     return compare_rows(f"{case['name']} rank {rank}", TOL[spec.dtype], (out, lse, *(t.grad for t in mine)),
                         (sh(ref_out.detach()), sh(ref_lse.detach(), 2), *(sh(g) for g in ref_grads)))
+
+
+def agreed_on_side_group(group) -> str | None:
+    """DILGEN_RING_AGREE=cpu: the agreement made a gloo group of the ring group's ranks, its
+    own, kept for the group (faults.side_groups); else what went wrong."""
+    import torch.distributed as dist
+    from dilgen.runtime.ring.faults import _group_name, side_groups
+    side = side_groups.get(_group_name(dist, group))
+    if side is None or side is group:
+        return f"no gloo group of its own for the agreement: {side_groups}"
+    if dist.get_backend(side) != "gloo" or dist.get_world_size(side) != dist.get_world_size(group):
+        return f"the agreement's group is {dist.get_backend(side)} of {dist.get_world_size(side)} ranks"
+    return None
 
 
 def measured(spec, P: int, dev, group) -> list[str]:

@@ -135,7 +135,9 @@ def check_error(case: dict, rank: int, P: int, dev) -> list[str]:
             out = dilgen.compile(spec)(*leaves)
             out.sum().backward() if rank == 0 else dilgen.compile(spec)(*leaves)
         # "transport": rank 0 forces the all-gather, the others the ring (a hang if it ran)
-        with transport(("allgather" if rank == 0 else "ring") if kind == "transport" else "auto"):
+        # "agree": every rank names a channel that does not exist (refused together, on the group)
+        with transport(("allgather" if rank == 0 else "ring") if kind == "transport" else "auto",
+                       env={"DILGEN_RING_AGREE": "gpu"} if kind == "agree" else None):
             dilgen.compile(spec)(q, k, v, chunk_order=order)
     except RingError as exc:
         msg = str(exc)

@@ -321,6 +321,10 @@ CASES_P2 += [
     # the same entry, then the cost model's pick
     {"name": "measured_rate", "spec": {"segment_lengths": [8, 48], "dilation_rates": [1, 3]},
      "shape": [1, 112], "transport": "auto", "measure": True},
+    # DILGEN_RING_AGREE=cpu: the fingerprints travel on a gloo group of the ring's ranks, made at
+    # its first call (over NCCL that keeps the agreement off the GPU; here: a group of its own)
+    {"name": "agree_on_cpu_group", "spec": {"segment_lengths": [16, 64], "dilation_rates": [1, 2],
+                                            "causal": True}, "shape": [1, 64], "agree": "cpu"},
     {"name": "hybrid_zigzag_causal_gqa_r3", "spec": {"segment_lengths": [16, 128], "dilation_rates": [1, 3],
                                                      "num_heads": 4, "num_kv_heads": 2, "causal": True},
      "shape": [1, 128], "order": "zigzag", "transport": "hybrid", "expect_transport": "hybrid"},
@@ -358,6 +362,7 @@ CASES_P4 = [
     {"name": "err_rows", "expect_error": "rows", "expect_in": "divisible"},
     {"name": "err_dtype", "expect_error": "dtype", "expect_in": "bad inputs"},
     {"name": "err_transport", "expect_error": "transport", "expect_in": "disagree on DILGEN_RING_TRANSPORT"},
+    {"name": "err_agree", "expect_error": "agree", "expect_in": "DILGEN_RING_AGREE='gpu' must be one of"},
     # issue 44: one rank's bad argument on the default group (q None, meta tensors, chunk_order
     # None) and a rank that skipped a backward: every rank refuses, none waits
     {"name": "err_none_q", "expect_error": "none_q", "expect_in": "bad inputs"},

@@ -27,7 +27,8 @@ SECONDS = 20          # each rank raises within this after its call began (group
 
 
 
-def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True) -> list[tuple[int, str]]:
+def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True,
+            extra: dict | None = None) -> list[tuple[int, str]]:
     """ring_worker.fault_main on P processes started as torchrun starts them, the store
     hosted here as torchrun's agent hosts it (so that it outlives any rank), or by rank 0
     (agent=False: started without torchrun); (exit code, stderr) per rank. A rank still
@@ -39,7 +40,7 @@ def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True) ->
     for rank in range(P):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}))
+                   **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}), **(extra or {}))
         procs.append(subprocess.Popen([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     results = []
@@ -86,15 +87,17 @@ def _check_case(reports, name: str, extra: str = "") -> None:
 
 
 @pytest.mark.timeout(400)
-def test_rank_failing_mid_call_makes_every_rank_raise(tmp_path):
+@pytest.mark.parametrize("agree", ["device", "cpu"])
+def test_rank_failing_mid_call_makes_every_rank_raise(tmp_path, agree):
     """Rank f raises in its set-up past the agreement, or inside the kernels of one step:
     forward and backward, both transports, an explicit group each. A rank whose rest of
     the call needs nothing more from a stopped rank returns its rows and raises at its
     next ring call on the group (here: the backward). Last, on the default group, uncaught: the failing rank ends by its error in the forward, the others by the
     backward's refused agreement; exit 1, the RingAborted's traceback last, no abort at
-    exit."""
+    exit. The same with the agreements on a gloo group of their own (DILGEN_RING_AGREE=cpu),
+    which the failing rank closes with the ring's group."""
     cases = ["setup", "fwd_ring", "bwd_ring", "bwd_allgather", "fwd_allgather_uncaught"]
-    results = _launch(",".join(cases), tmp_path)
+    results = _launch(",".join(cases), tmp_path, extra={"DILGEN_RING_AGREE": agree})
     reports = _reports(tmp_path)
     stderr = "".join(f"\n-- rank {r} exit {rc}:\n{err[-3000:]}" for r, (rc, err) in enumerate(results))
     for name in cases[:-1]:

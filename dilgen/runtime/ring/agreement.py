@@ -16,7 +16,7 @@ import torch
 from ...schedule import CHUNK_ORDERS
 from ..checks import InputError, check_inputs, check_varlen_inputs
 from ..varlen import read_cu_seqlens
-from .faults import PeerLost, RingError, _group_name, collective, fault_key, new_key, refuse_closed
+from .faults import PeerLost, RingError, _group_name, collective, fault_key, new_key, refuse_closed, side_groups
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _DTYPE_NAMES = {0: "another dtype", **{code: str(t).replace("torch.", "") for t, code in _DTYPE_CODE.items()}}
@@ -146,6 +146,31 @@ def _side_stream(device):
     return torch.cuda.stream(stream)
 
 
+#: DILGEN_RING_AGREE: where the fingerprints travel ("device": on the call's own group, a GPU's
+#: on a side stream; "cpu": on a gloo group of the same ranks, made at the group's first call)
+AGREE_CHANNELS = ("device", "cpu")
+
+
+def _agreement_group(dist, group):
+    """(the group the agreement's all_gather runs on, an error for the fingerprint or None).
+    "cpu": a gloo group of the ranks of `group`, made once (torch.distributed.new_group with
+    use_local_synchronization: only these ranks take part, as they all reach this call) and
+    kept in faults.side_groups, so the Guard closes it with the group. No device work: the
+    all_gather and its read-back never wait for the GPU's queue or for SMs."""
+    channel = os.environ.get("DILGEN_RING_AGREE", "device")
+    if channel not in AGREE_CHANNELS:
+        return group, (f"DILGEN_RING_AGREE={channel!r} must be one of {AGREE_CHANNELS} "
+                       f"(the same on every rank)")
+    if channel == "device":
+        return group, None
+    key = _group_name(dist, group)
+    side = side_groups.get(key)
+    if side is None:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        side = side_groups[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return side, None
+
+
 def _transport_code() -> int:
     forced = os.environ.get("DILGEN_RING_TRANSPORT", "auto")
     return _TRANSPORTS.index(forced) if forced in _TRANSPORTS else len(_TRANSPORTS)
@@ -226,7 +251,9 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     if cu_seqlens is not None:   # the fingerprint reads packed rows as one batch element
         q, k, v = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
                    for t in (q, k, v))
-    if dist.get_backend(group) == "gloo":
+    agree_on, channel_error = _agreement_group(dist, group)
+    error = error or (channel_error and f"{name}: {channel_error}")
+    if dist.get_backend(agree_on) == "gloo":
         device = torch.device("cpu")
     elif isinstance(q, torch.Tensor) and q.is_cuda:
         device = q.device
@@ -235,9 +262,10 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
     free = -1
     if error is None and q.is_cuda and _transport_code() == 0:
         free = torch.cuda.mem_get_info(q.device)[0] // 2
-    # On a GPU the fingerprint travels on a stream of its own: a collective on the compute
-    # stream would wait for every kernel queued before it (the forward's, when the backward
-    # agrees), and reading it back would leave the GPU idle until the host queued more
+    # On a GPU's group the fingerprint travels on a stream of its own: a collective on the
+    # compute stream would wait for every kernel queued before it (the forward's, when the
+    # backward agrees), and reading it back would leave the GPU idle until the host queued more;
+    # on a gloo group (DILGEN_RING_AGREE=cpu over NCCL) it never touches the device
     with _side_stream(device):
         fields = _call_fields(spec, q, k, v, order if order in CHUNK_ORDERS else "contiguous",
                               cu if cu_seqlens is not None else None, kind, rates_code(dist, group, P, q),
@@ -247,7 +275,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
         try:
             # nothing left pending, refused or not: the process may end right after the call
             # (gloo: faults.let_go, cheap: the worker thread only waits for the GIL)
-            collective(dist, group, lambda: dist.all_gather(every, mine, group=group), (mine, *every))
+            collective(dist, agree_on, lambda: dist.all_gather(every, mine, group=agree_on), (mine, *every))
         except PeerLost as exc:
             raise refuse_closed(name, dist, group, P, me, exc) from exc.__cause__
         rows = [x.tolist() for x in every]

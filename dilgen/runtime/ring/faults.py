@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -42,6 +43,9 @@ _CLOSE_TAG = 0x5D11_6E00        # a tag no transfer uses: the closing receive ne
 _UNUSABLE = ("the process group is no longer usable: destroy it and create a new one (or "
              "restart the job) to go on")
 _last_key: dict[str, str] = {}  # group name -> fault key of its last agreed call (this process)
+# group name -> the gloo group of the same ranks that its agreements travel on (DILGEN_RING_AGREE=cpu,
+# agreement._agreement_group); closed with the group, so that the next call's agreement refuses
+side_groups: dict[str, Any] = {}
 
 
 class RingError(InputError):
@@ -137,15 +141,23 @@ def _short(exc: BaseException) -> str:
 
 
 def close_group(dist, group, P: int, me: int) -> None:
-    """Close this rank's connections of a gloo group, so that no peer waits on this rank.
-    One receive per tag residue (gloo picks a context by tag), from the first peer whose
-    pair is still open, waited 1 ms: the timeout closes every pair of that context. Other
-    backends: nothing (peers wait until the group's timeout, docs/ring.md)."""
+    """Close this rank's connections of a gloo group, and of the gloo group its agreements
+    travel on (side_groups), so that no peer waits on this rank. Other backends: nothing
+    (peers wait until the group's timeout, docs/ring.md)."""
+    side = side_groups.get(_group_name(dist, group))
+    if side is not None:
+        _close_gloo(dist, side, P, dist.get_rank(side))
     try:
         if dist.get_backend(group) != "gloo":
             return
     except Exception:  # noqa: BLE001 - a destroyed group has nothing to close
         return
+    _close_gloo(dist, group, P, me)
+
+
+def _close_gloo(dist, group, P: int, me: int) -> None:
+    """One receive per tag residue (gloo picks a context by tag), from the first peer whose
+    pair is still open, waited 1 ms: the timeout closes every pair of that context."""
     peers = [r if group is None else dist.get_global_rank(group, r)
              for r in ((me + d) % P for d in range(1, P))]
     for tag in range(_CLOSE_TAG, _CLOSE_TAG + 8):
