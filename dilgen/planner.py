@@ -421,10 +421,11 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
     u = c + L*m, class c kept by the same branches as query class c): possible when every
     branch is a raster lattice branch (no row membership, no curve table), the key tile
     nests in every segment, and there is no ring (whose windows use the per-branch kernel).
-    dK, dV do not depend on the forward's query tiling, so it takes every lattice branch,
-    lane branch or not; the row-membership branches take the per-branch dK/dV after it
-    (adding into its dK, dV). Sets the dK/dV tile (tiles.bwd_kv)."""
-    fused_set = [b for b in branches if b.keep_map is None]
+    dK, dV do not depend on the forward's query tiling, so it takes every lattice branch whose
+    r divides L, lane branch or not; the row-membership branches, and lane branches that tuning
+    `lanes` took out of L, take the per-branch dK/dV after it (adding into its dK, dV;
+    runtime.grids.dkdv_per_branch). Sets the dK/dV tile (tiles.bwd_kv)."""
+    fused_set = [b for b in branches if b.keep_map is None and lanes.lattice % b.dilation == 0]
 
     def fusable(kv_tile) -> bool:
         return (spec.ring_size == 1 and bool(fused_set) and not lanes.block

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 23bf545cad67fd14
+# template hash: 6433b1caef37ce9b
 # plan key:      e47b95b0f8d6d6b503a2188eb51aa0bedf392a4871893c31970bfe56099ebd8f
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -723,7 +723,8 @@ def longnet_base_bwd_dkdv_fused(
     in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
     the kv group (size 1) branch (w, r) keeps these keys iff r divides c - h (r | L,
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
-    the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
+    the segment (branches with r | L only: lane branches taken out of L run the per-branch
+    kernel after this one). dK, dV sum over the group's heads and the branches, so a key kept by two
     branches counts twice; every key row belongs to one program: no atomics, no zero
     fill, no float32 buffers. VARLEN: b is sequence b of a packed batch (rows SeqStart[b] +
     [0, SeqLen[b]), N = SeqLen[b]).

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 23bf545cad67fd14
+# template hash: 6433b1caef37ce9b
 # plan key:      370ecdc251f6584d2081c190adbf0e1ef8f9fbaab48187ace50fd597c8a1c435
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -884,7 +884,8 @@ def slide_tiles_bwd_dkdv_fused(
     in one segment of every branch (L*BWD_KV_BLOCK_N divides every w). In query head h of
     the kv group (size 4) branch (w, r) keeps these keys iff r divides c - h (r | L,
     o = h mod r, as for query classes), and they meet the query lanes u = s*w + o + r*jq of
-    the segment. dK, dV sum over the group's heads and the branches, so a key kept by two
+    the segment (branches with r | L only: lane branches taken out of L run the per-branch
+    kernel after this one). dK, dV sum over the group's heads and the branches, so a key kept by two
     branches counts twice; every key row belongs to one program: no atomics, no zero
     fill, no float32 buffers. VARLEN: b is sequence b of a packed batch (rows SeqStart[b] +
     [0, SeqLen[b]), N = SeqLen[b]).

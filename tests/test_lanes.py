@@ -71,6 +71,10 @@ CASES = [
     # kernel, whose lattice L falls from 8 to 2 (bench_ring's raster spec: L 32 -> 16)
     ("chosen_long_branches", dict(segment_lengths=[16, 32, 128, 256], dilation_rates=[1, 2, 4, 8]), (1, 200),
      {"lanes": [2, 3]}),
+    # a chosen branch whose r leaves L (8 -> 1) while the `tl` fused dK/dV runs: that kernel's key
+    # classes cover r | L only, the per-branch dK/dV the chosen one (its dK, dV were wrong before)
+    ("chosen_out_of_fused_dkdv_gqa", dict(segment_lengths=[64, 512], dilation_rates=[1, 8], num_heads=4,
+                                          num_kv_heads=2), (1, 512), {"lanes": [1]}),
     ("chosen_causal_gqa_short_last", dict(segment_lengths=[16, 64, 100], dilation_rates=[1, 2, 4], causal=True,
                                           num_heads=4, num_kv_heads=2), (2, 150), {"lanes": [2]}),
     ("hilbert_curve_padded_head_dim", dict(segment_lengths=[16, 64], dilation_rates=[3, 4], head_dim=24,
@@ -83,8 +87,10 @@ def test_lane_branches_forward_and_gradients(case):
     name, fields, (batch, n), tuning = case
     fields = {"num_heads": 4, "head_dim": 16, "dtype": "float32", **fields}
     spec = dilgen.Spec(name="l_" + name, **fields)
-    lanes = [b.lanes for b in plan(spec, INTERPRETER, tuning).branches]
-    assert any(lanes), "the case must exercise a lane kernel"
+    p = plan(spec, INTERPRETER, tuning)
+    assert any(b.lanes for b in p.branches), "the case must exercise a lane kernel"
+    if name == "chosen_out_of_fused_dkdv_gqa":
+        assert p.fused_dkdv and p.query.lattice == 1, "the case must run the fused dK/dV beside it"
     check_against_reference(spec, batch, n, tuning, name)
 
 

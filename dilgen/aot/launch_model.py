@@ -95,6 +95,7 @@ class Launch:
 
 def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     """(role, generated python function, launch options) of a GeneratedAttention."""
+    from ..runtime.grids import dkdv_per_branch
     cfg = attention.plan["config"]
     roles = [("forward", attention._source_fn,
               {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})]
@@ -102,8 +103,8 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
     if bwd is not None:
         launch = bwd["config"]["launch"]
         fused = bwd["config"].get("fused_dkdv", False)
-        per_branch = not fused or any(br["membership"] == "row" or (br["lanes"] and cfg.get("gluon_dkdv"))
-                                      for br in attention.plan["branches"])
+        per_branch = any(dkdv_per_branch(attention.plan, fused, gluon)
+                         for gluon in {False, bool(cfg.get("gluon_dkdv"))})
         for role in ("preprocess", "dkdv_fused" if fused else None, "dkdv" if per_branch else None,
                      "dq", "dq_lanes" if "dq_lanes" in bwd else None):
             if role is not None:
@@ -140,7 +141,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     batch: B is not a kernel argument), as the runtime makes them on a GPU."""
     import inspect
     import torch
-    from ..runtime.grids import lane_grid, lane_order, lattice_group_tiles
+    from ..runtime.grids import dkdv_per_branch, lane_grid, lane_order, lattice_group_tiles
     plan = attention.plan
     N = int(seq_len)
     base = {"N": N, "H": plan["num_heads"], "Hkv": plan["num_kv_heads"], "D": plan["head_dim"],
@@ -212,8 +213,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             fused = conf.get("fused_dkdv", False)
             # after a Gluon dK/dV (whole segments) every lane branch, after the `tl` fused one the row branches
             gluon = plan["config"].get("gluon_dkdv") and all(N % br["w"] == 0 for br in plan["branches"])
-            per_branch = [br for br in plan["branches"]
-                          if not fused or (br["lanes"] if gluon else br["membership"] == "row")]
+            per_branch = dkdv_per_branch(plan, fused, bool(gluon))
             for n, br in enumerate(per_branch):
                 lanes = math.ceil(min(br["w"], N) / br["r"])
                 clears = n == 0 and plan.get("dkdv_first_writes", False)   # Plan.dkdv_first_writes

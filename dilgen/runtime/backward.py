@@ -21,7 +21,7 @@ import torch
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch,
                            gluon_dq_lanes_launch)
-from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
+from .grids import dkdv_per_branch, lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
 from .replay import Recorder, enabled, keep, lookup, recording_into, signature, split_dropout
@@ -230,11 +230,8 @@ class _Launches:
                 q, k, v, grad_out, dk, dv, lse, delta,
                 N, n_kt, group_kt, *seqs, *self.common, *self.dk_strides, *at.l,
                 self.interpret, at.varlen)
-        # after the fused launch, the branches it does not cover: the `tl` one covers every
-        # lattice branch (lanes or not), the Gluon one the branches that are not lanes
-        per_branch = ([br for br in plan["branches"] if (br["lanes"] if gluon is not None
-                                                         else br["membership"] == "row")] if fused
-                      else plan["branches"])
+        # after the fused launch, the branches it does not cover (grids.dkdv_per_branch)
+        per_branch = dkdv_per_branch(plan, fused, gluon is not None)
         accumulate, clear = not clears, clears
         for br in per_branch:
             w, r = br["w"], br["r"]

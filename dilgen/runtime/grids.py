@@ -19,6 +19,25 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
     return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
 
 
+def fused_dkdv_covers(branch: dict, lattice: int) -> bool:
+    """Whether the `tl` fused dK/dV takes a branch: membership by query class, and r | L (its
+    key classes c keep the keys of branch (w, r) in head h iff r | c - h, which needs r | L).
+    Lane branches that tuning `lanes` took out of the lattice have r not dividing L."""
+    return branch["membership"] == "class" and lattice % branch["r"] == 0
+
+
+def dkdv_per_branch(plan: dict, fused: bool, gluon: bool) -> list[dict]:
+    """The branches whose dK/dV runs the per-branch kernel (one launch each, adding into the
+    fused launch's dK, dV): every branch without a fused launch; after the Gluon dK/dV (which
+    takes the branches that are not lanes) the lane branches; after the `tl` fused one the
+    branches it does not cover (fused_dkdv_covers)."""
+    if not fused:
+        return list(plan["branches"])
+    if gluon:
+        return [br for br in plan["branches"] if br["lanes"]]
+    return [br for br in plan["branches"] if not fused_dkdv_covers(br, plan["query"]["lattice"])]
+
+
 def lattice_group_tiles(plan: dict, n_tiles: int, block: int, row_bytes: int) -> int:
     """Tiles per group of a lattice launch (common.lattice_program; grid classes x n_tiles),
     whose tiles span L*block positions and read row_bytes per position (keys and values of
