@@ -209,9 +209,10 @@ class Target:
     # F 8.67 -> 7.76 (bench/results/backward_beside_lanes-2026-11-29-h200.json)
     gluon_bwd_beside_lanes: bool = False
     # The branches whose rates keep the lattice from the Gluon forward run as lanes (tuning
-    # lanes = "split", planner._split_choice). Off: bench_ring's raster spec at 512K rows runs
-    # 615 -> 404 ms fwd+bwd split, but its dk and dv move 1.6 % from the unsplit plan's
-    # (bench/results/raster_split-2026-11-29-h200.json); on when the float32 comparison says which is right
+    # lanes = "split", planner._split_choice). Off: bench_ring's raster spec at 512K rows ran
+    # 615 -> 404 ms fwd+bwd split (bench/results/raster_split-2026-11-29-h200.json), with the
+    # chosen branch's dK/dV wrong in the `tl` fused kernel (fixed: runtime.grids.dkdv_per_branch);
+    # on once the fixed plan is timed
     split_wide_lattice: bool = False
     # Beside the Gluon curve lanes, the raster lane branches (F causal's r = 1) in a Gluon lane
     # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; the same bits. H200,
