@@ -142,8 +142,9 @@ def _short(exc: BaseException) -> str:
 
 def close_group(dist, group, P: int, me: int) -> None:
     """Close this rank's connections of a gloo group, and of the gloo group its agreements
-    travel on (side_groups), so that no peer waits on this rank. Other backends: nothing
-    (peers wait until the group's timeout, docs/ring.md)."""
+    travel on (side_groups, whatever the group's backend), so that no peer waits on this rank.
+    Other backends' own connections: nothing (peers wait in a transfer until the group's
+    timeout, docs/ring.md; their next agreement over a closed side group refuses)."""
     side = side_groups.get(_group_name(dist, group))
     if side is not None:
         _close_gloo(dist, side, P, dist.get_rank(side))
