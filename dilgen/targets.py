@@ -209,10 +209,9 @@ class Target:
     # F 8.67 -> 7.76 (bench/results/backward_beside_lanes-2026-11-29-h200.json)
     gluon_bwd_beside_lanes: bool = False
     # The branches whose rates keep the lattice from the Gluon forward run as lanes (tuning
-    # lanes = "split", planner._split_choice). Off: bench_ring's raster spec at 512K rows ran
-    # 615 -> 404 ms fwd+bwd split (bench/results/raster_split-2026-11-29-h200.json), with the
-    # chosen branch's dK/dV wrong in the `tl` fused kernel (fixed: runtime.grids.dkdv_per_branch);
-    # on once the fixed plan is timed
+    # lanes = "split", planner._split_choice). H200, bench_ring's raster spec at 512K rows:
+    # forward 151.9 -> 83.4 ms, fwd+bwd 600.5 -> 384.8, out/dq/dk/dv within 6e-4 of the unsplit
+    # plan's (bench/results/raster_split-2026-11-30-h200.json)
     split_wide_lattice: bool = False
     # Beside the Gluon curve lanes, the raster lane branches (F causal's r = 1) in a Gluon lane
     # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; the same bits. H200,
@@ -260,7 +259,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
               gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
               gluon_dkdv_lanes=True, gluon_exp2=((64, 8),), gluon_bwd_beside_lanes=True,
-              gluon_raster_lanes_default=True)
+              gluon_raster_lanes_default=True, split_wide_lattice=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -120,14 +120,16 @@ def test_split_runs_as_lanes_the_branches_that_keep_the_gluon_forward_out():
                          dilation_rates=[1, 2, 4, 8, 16, 32])
     split = plan(raster, sm90, {"lanes": "split"})
     assert [b.lanes for b in split.branches] == [False] * 5 + [True] and split.query.lattice == 16
-    assert split.config.gluon_fwd is not None and plan(raster, sm90).config.gluon_fwd is None
+    import dataclasses
+    unsplit = dataclasses.replace(sm90, split_wide_lattice=False)
+    assert split.config.gluon_fwd is not None and plan(raster, unsplit).config.gluon_fwd is None
     a_like = dilgen.Spec(name="l_split_a", num_heads=16, head_dim=128, dtype="bfloat16",
                          segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
     assert [b.lanes for b in plan(a_like, sm90, {"lanes": "split"}).branches] == [False] * 3
     assert [b.lanes for b in plan(raster, INTERPRETER, {"lanes": "split"}).branches] == [False] * 6
-    # the target's defaults, once timed: the split and the Gluon backward beside its lane, untuned
-    import dataclasses
-    flipped = dataclasses.replace(sm90, split_wide_lattice=True, gluon_bwd_beside_lanes=True)
+    # sm90's defaults: the split and the Gluon backward beside its lane, untuned
+    flipped = sm90
+    assert flipped.split_wide_lattice and flipped.gluon_bwd_beside_lanes
     untuned = plan(raster, flipped)
     assert [b.lanes for b in untuned.branches] == [False] * 5 + [True]
     assert untuned.config.gluon_fwd and untuned.config.gluon_dkdv and untuned.config.gluon_dq
