@@ -142,6 +142,17 @@ def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
     return w % r == 0 and (w // r) % 128 == 0 and (w // r) % keys == 0
 
 
+# The Gluon lane backward's key blocks (templates/gluon_lanes_bwd.py.jinja: 128 query lanes by
+# 64 key lanes a step)
+LANES_BWD_KEYS = 64
+
+
+def gluon_lanes_bwd_branch(w: int, r: int) -> bool:
+    """Whether the Gluon lane backward (per-branch dK/dV, lane dq) takes branch (w, r); the `tl`
+    per-branch kernels run the others in the same call (LongNet's r = 6 and 12 beside r = 1, 2, 4)."""
+    return gluon_lane_branch(w, r, LANES_BWD_KEYS)
+
+
 # A dropout plan's per-branch dK/dV holds each consumer's (P Z)^T and dS^T tiles beside its
 # ring of Q/dO blocks: 3 stages leave them the room at head_dim 128
 DROPOUT_LANE_DKDV_STAGES = 3
@@ -157,11 +168,11 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, default,
                               spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True,
                               dropout=dropout)
-    bad = [b for b in branches if not gluon_lane_branch(b.segment_length, b.dilation, 64)]
-    if stages is not None and bad:
+    bad = [b for b in branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
+    if stages is not None and len(bad) == len(branches):
         if "gluon_lanes_bwd" in tuning:
-            raise SpecError(f"{spec.name}: tuning gluon_lanes_bwd cannot run here: segment length "
-                            f"{bad[0].segment_length} (r = {bad[0].dilation}): w / r must be a multiple of 128")
+            raise SpecError(f"{spec.name}: tuning gluon_lanes_bwd cannot run here: no branch has r | w with "
+                            f"w / r a multiple of 128 (segment length {bad[0].segment_length}, r = {bad[0].dilation})")
         return None
     return stages
 
@@ -179,12 +190,15 @@ def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: 
 
 def gluon_dkdv_dq(spec: Spec, dkdv_lanes: bool, tuning: dict, dropout: bool) -> bool:
     """KernelConfig.gluon_dkdv_dq: the tuning's (off by default), for a dropout plan whose
-    per-branch dK/dV is Gluon; asked of any other plan, refused by name."""
+    per-branch dK/dV is Gluon on every branch; asked of any other plan, refused by name."""
     want = tuning.get("gluon_dkdv_dq", False)
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq takes true or false (asked: {want!r})")
-    if want and not (dropout and dkdv_lanes):
-        why = "a plan without attention dropout" if not dropout else "a plan whose per-branch dK/dV is not Gluon"
+    every = all(gluon_lanes_bwd_branch(w, r) for w, r in spec.branches())
+    if want and not (dropout and dkdv_lanes and every):
+        why = ("a plan without attention dropout" if not dropout else "a plan whose per-branch dK/dV is not Gluon"
+               if not dkdv_lanes else "a branch's dK/dV runs in the `tl` kernel (w / r not a multiple of 128), "
+               "which adds no dQ")
         raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq cannot run here: {why} (it is the dropout plan's "
                         f"Gluon dK/dV adding dQ; ask for that with {{\"dropout\": true, \"gluon_dkdv_lanes\": true}} "
                         f"to see why)")
@@ -270,7 +284,8 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
     why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes, noncausal_lanes=dropout,
                     lattice_only=lattice_only) or extra
-           or _backward_refusal(name, tiles, target, branches, lattice, stages, dropout))
+           or _backward_refusal(name, tiles, target, [b for b in branches if not lanes or gluon_lanes_bwd_branch(
+               b.segment_length, b.dilation)], lattice, stages, dropout))
     if why is not None:
         if name in tuning:
             raise SpecError(f"{spec.name}: tuning {name} cannot run here: {why}")
@@ -281,9 +296,9 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
              forward_lanes: bool = False, lattice_only: bool = False, noncausal_lanes: bool = False,
              curve_lanes: bool = False) -> str | None:
-    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels
-    (every branch r | w, unless `forward_lanes`); `forward_lanes`: for the forward lane kernel,
-    which runs causal or not, takes the r | w branches beside `tl` ones, and needs no r = 1
+    """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels,
+    which take the branches with r | w beside `tl` ones (gluon_lane_branch,
+    gluon_lanes_bwd_branch); `forward_lanes`: for the forward lane kernel, which runs causal or not and needs no r = 1
     branch (its first launch writes "no branch" into the rows its branch does not keep);
     `lattice_only`: `branches` are the forward's lattice branches, which read no table even
     when a Hilbert spec's lane branches do; `noncausal_lanes`: the lane backward of a dropout
@@ -306,7 +321,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
          "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "
          "with head_dim 64 or 128"),
-        (not forward_lanes and any(b.segment_length % b.dilation if lanes else b.lanes for b in branches),
+        (not lanes and any(b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w, a curve table, or tuning lanes)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
         (not forward_lanes and branches and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "

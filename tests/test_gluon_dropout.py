@@ -57,7 +57,9 @@ def test_the_dropout_plans_lane_dkdv_is_gluon_by_default_and_where_a_tuning_asks
     declined = plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": False}).config
     assert not declined.gluon_dkdv_lanes and declined.gluon_lanes_bwd is None and declined.gluon_lanes is None
     odd = _spec("gdl", causal=causal, segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 48])
-    assert plan(odd, sm90, {"dropout": True}).config.gluon_lanes_bwd is None
+    assert plan(odd, sm90, {"dropout": True}).config.gluon_lanes_bwd == 3      # branch 2 in the `tl` kernel
+    every_odd = _spec("gdl", causal=causal, segment_lengths=[1000, 4096, 8192], dilation_rates=[1, 3, 48])
+    assert plan(every_odd, sm90, {"dropout": True}).config.gluon_lanes_bwd is None
     assert not plan(spec, get_target("sm80"), {"dropout": True}).config.gluon_dkdv_lanes
     assert plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 2}).config.gluon_lanes_bwd == 2
     text = codegen.emit(plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}))
@@ -288,17 +290,21 @@ def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir)
 @on_sm90
 @pytest.mark.parametrize("head_dim, causal, knob", [(128, False, "gluon_dkdv_lanes"), (64, False, "gluon_dkdv_lanes"),
                                                     (128, True, "gluon_dkdv_lanes"), (128, True, "gluon_lanes"),
-                                                    (128, False, "gluon_dkdv_dq"), (64, True, "gluon_dkdv_dq")])
+                                                    (128, False, "gluon_dkdv_dq"), (64, True, "gluon_dkdv_dq"),
+                                                    (128, False, "gluon_dkdv_lanes r6"), (128, True, "gluon_lanes r6")])
 def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim, causal, knob, monkeypatch):
     """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), a causal spec's lane forward,
     dq and dK/dV ({"gluon_lanes": true}), and the dK/dV adding dQ ({"gluon_dkdv_dq": true}: no
     dq kernel launched), under the same mask as the float64 reference: every branch's launch
-    of them taken, out and every gradient exact."""
+    of them taken, out and every gradient exact. "r6": the last branch's r = 6 does not divide
+    w, so its launches are the `tl` kernels' beside the Gluon ones, drawing the same coins."""
     from dilgen.reference import differentiable_reference
     from dilgen.runtime import backward, forward
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
     from dilgen.runtime.registry import twin
-    spec = _spec(f"gdl_{head_dim}_{int(causal)}_{knob}", head_dim=head_dim, causal=causal, **SMALL)
+    knob, _, rates = knob.partition(" ")
+    spec = _spec(f"gdl_{head_dim}_{int(causal)}_{knob}{rates}", head_dim=head_dim, causal=causal,
+                 **{**SMALL, **({"dilation_rates": [1, 2, 6]} if rates else {})})
     taken = {}
     spied = [(backward, "gluon_dkdv_lanes_launch")] + ([(forward, "gluon_lanes_launch"),
                                                         (backward, "gluon_dq_lanes_launch")] if knob == "gluon_lanes" else [])
@@ -321,7 +327,7 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
     out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
     (out * grad).sum().backward()       # dK and dV poisoned first (conftest): an unwritten key fails
-    assert taken == {name: [True] * 3 for _, name in spied}, taken
+    assert taken == {name: [True, True, not rates] for _, name in spied}, taken
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     ref_out, _ = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
     (ref_out * grad.double().cpu()).sum().backward()

@@ -16,6 +16,7 @@ import triton
 
 import dilgen
 from dilgen import codegen
+from dilgen.cli import kernel_families
 from dilgen.planner import plan
 from dilgen.spec import SpecError
 from dilgen.targets import get_target
@@ -65,8 +66,16 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert not plan(_spec(), sm90, {"gluon_lanes_bwd": False}).config.gluon_dkdv_lanes
     with pytest.raises(SpecError, match="gluon_dkdv_lanes needs the Gluon causal backward"):
         plan(longnet, sm90, {"gluon_dkdv_lanes": True})           # r = 6 and 12: no Gluon causal backward
-    with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: .* must be a multiple of 128"):
-        plan(_spec(segment_lengths=[128, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
+    # a branch whose w / r is no multiple of 128 runs in the `tl` kernels beside the Gluon ones
+    part = plan(_spec(segment_lengths=[128, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
+    assert part.config.gluon_lanes_bwd == 4 and part.config.gluon_dkdv_lanes
+    assert "dK/dV Gluon (per branch, 4 stages; tl for branch 1)" in kernel_families(part)
+    assert "dQ Gluon lanes (4 stages; tl for branch 1)" in kernel_families(part)
+    e_causal = _spec(num_kv_heads=16, segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 6, 12])
+    assert plan(e_causal, sm90).config.gluon_lanes_bwd == 4          # config E causal: r = 6, 12 in `tl`
+    assert "tl for branches 3, 4" in kernel_families(plan(e_causal, sm90))
+    with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: no branch has r . w with w / r a multiple"):
+        plan(_spec(segment_lengths=[64, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
 
 
 @needs_gluon
@@ -170,6 +179,12 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     mixed = build(_spec(name="gla_aot6", segment_lengths=[256, 1024], dilation_rates=[1, 6], num_heads=4,
                         num_kv_heads=2), get_target("sm90"), {"gluon_lanes": True}).module.attention
     assert [x.args[-4:] for x in predicted_launches(mixed, 1024) if x.role == "gluon_lanes"] == [(256, 1, False, False)]
+    mha = build(_spec(name="gla_aot6_mha", segment_lengths=[256, 512, 1024], dilation_rates=[1, 2, 6], num_heads=4,
+                      num_kv_heads=4), get_target("sm90")).module.attention     # L = 2: per-branch dK/dV, r = 6 `tl`
+    assert [x.args[-4:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dkdv_lanes"] == \
+        [(256, 1, 1, False), (512, 2, 1, True)]      # NO = min(group 1, r)
+    assert [x.args[-3:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dq_lanes"] == \
+        [(256, 1, False), (512, 2, True)]
     no_r1 = build(_spec(name="gla_aot_gap", segment_lengths=[512, 1024], dilation_rates=[2, 4], num_heads=4,
                         num_kv_heads=2, causal=False), get_target("sm90")).module.attention
     assert [x.args[-4:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_lanes"] == \
@@ -224,6 +239,8 @@ GPU_CASES = [
     # LongNet's r = 6 does not divide w: that branch runs the `tl` lane kernel after the Gluon one
     ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
      (1, 2048), {}),
+    ("longnet_rates_mixed", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048, 4096],
+                                 dilation_rates=[1, 2, 6, 12]), (1, 4096), {}),
     # no r = 1 branch: the first launch writes "no branch" (0, -inf) into the other offsets' rows
     ("no_r1_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8]), (2, 2048),
      {"gluon_lanes": True}),
@@ -252,9 +269,10 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
             return got
         monkeypatch.setattr(module, launch, spy)
     check_against_reference(spec, B, N, tuning, name)
-    if name == "rate_6_mixed":      # the backward is `tl` (its Gluon kernels need every branch's w / r)
-        assert taken["gluon_lanes_launch"] == [True, False] and not any(taken["gluon_dkdv_lanes_launch"]) \
-            and taken["gluon_dq_lanes_launch"] == [False, False], taken
+    if name.endswith("_mixed"):     # r = 6, 12 (w / r no whole tile) in the `tl` kernels after the Gluon ones
+        want = [r in (1, 2) for r in over["dilation_rates"]]
+        assert all(taken[x] == want for x in ("gluon_lanes_launch", "gluon_dkdv_lanes_launch",
+                                               "gluon_dq_lanes_launch")), taken
     elif name.startswith("no_r1"):  # Gluon lanes forward; the backward `tl` (its Gluon kernels need r = 1)
         assert all(taken["gluon_lanes_launch"]) and len(taken["gluon_lanes_launch"]) == 3, taken
         assert not any(taken.get("gluon_dkdv_lanes_launch", [])) and not any(taken.get("gluon_dq_lanes_launch", []))

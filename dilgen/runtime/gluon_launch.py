@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_plan import gluon_lane_branch
+from ..gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
 from .curve_rows import copy_rows
 
 _SM90: dict[int, bool] = {}      # device index -> compute capability 9.x
@@ -99,13 +99,15 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
                             accumulate: bool, clear: bool, dropout: tuple = (), dq32=None):
     """(kernel, grid, args, options) of the Gluon causal dK/dV of branch `br`, or None when the
-    call takes the `tl` per-branch kernel (_takes; a first launch that must also zero the keys
-    no head of a kv group keeps, r > group): program ((s*NO + g0)*J + jt, b*H_kv + kvh);
+    call takes the `tl` per-branch kernel (_takes; a branch gluon_lanes_bwd_branch leaves out; a
+    first launch that must also zero the keys no head of a kv group keeps, r > group):
+    program ((s*NO + g0)*J + jt, b*H_kv + kvh);
     `dropout` as gluon_launch's (a dropout plan's dK/dV, causal or not); `dq32`: the float32
     dQ its blocks add into (KernelConfig.gluon_dkdv_dq, gluon_dkdv_dq_taken)."""
     plan = attn.plan
     group = plan["num_heads"] // plan["num_kv_heads"]
     if (not plan["config"].get("gluon_dkdv_lanes") or (clear and br["r"] > group)
+            or not gluon_lanes_bwd_branch(br["w"], br["r"])
             or not _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out, dk, dv)):
         return None
     w, r = br["w"], br["r"]
@@ -125,10 +127,11 @@ def gluon_dkdv_dq_taken(attn, q, k, v, grad_out, N: int) -> bool:
 def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool,
                           dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon causal dq of lane branch `br`, or None when the
-    call takes the `tl` lane dq (_takes): program (s*T + t, b*H + h), as the Gluon lanes';
-    `dropout` as gluon_launch's."""
+    call takes the `tl` lane dq (_takes; a branch gluon_lanes_bwd_branch leaves out): program
+    (s*T + t, b*H + h), as the Gluon lanes'; `dropout` as gluon_launch's."""
     plan = attn.plan
-    if not plan["config"].get("gluon_lanes_bwd") or not _takes(attn, attn.gluon_dq_lanes_fn, N, q, k, v, grad_out, dq):
+    if (not plan["config"].get("gluon_lanes_bwd") or not gluon_lanes_bwd_branch(br["w"], br["r"])
+            or not _takes(attn, attn.gluon_dq_lanes_fn, N, q, k, v, grad_out, dq)):
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]),
