@@ -269,7 +269,10 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
             return got
         monkeypatch.setattr(module, launch, spy)
     check_against_reference(spec, B, N, tuning, name)
-    if name.endswith("_mixed"):     # r = 6, 12 (w / r no whole tile) in the `tl` kernels after the Gluon ones
+    if name == "rate_6_mixed":      # L = 1: the fused dK/dV, so no Gluon lane backward; r = 6's forward `tl`
+        assert taken["gluon_lanes_launch"] == [True, False] and not any(taken["gluon_dkdv_lanes_launch"]) \
+            and taken["gluon_dq_lanes_launch"] == [False, False], taken
+    elif name.endswith("_mixed"):   # r = 6, 12 (w / r no whole tile) in the `tl` kernels after the Gluon ones
         want = [r in (1, 2) for r in over["dilation_rates"]]
         assert all(taken[x] == want for x in ("gluon_lanes_launch", "gluon_dkdv_lanes_launch",
                                                "gluon_dq_lanes_launch")), taken
