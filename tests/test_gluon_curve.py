@@ -133,7 +133,7 @@ def test_raster_lanes_beside_the_curve_ones_by_default(tmp_path, cache_dir):
     the `tl` lanes); it compiles for sm90 as the raster lanes do, and `dilgen build` has its
     launch; refused by name where it cannot run."""
     from dilgen.aot.launch_model import predicted_launches
-    from dilgen.cli import kernel_families
+    from dilgen.kernel_names import kernel_families
     from dilgen.compiler import build
     sm90 = get_target("sm90")
     causal = _spec(causal=True)

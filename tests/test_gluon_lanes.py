@@ -16,7 +16,7 @@ import triton
 
 import dilgen
 from dilgen import codegen
-from dilgen.cli import kernel_families
+from dilgen.kernel_names import kernel_families
 from dilgen.planner import plan
 from dilgen.spec import SpecError
 from dilgen.targets import get_target
