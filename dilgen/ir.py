@@ -121,6 +121,9 @@ class BranchIR:
                  the rows it keeps, in curve order (<name>_curve_rows makes them once per
                  call): kept lane j of segment s is row s*LW + j, LW = ceil(min(w, N) / r),
                  so the loops walk contiguous tiles and touch the table only for causal masks
+    fused_dkdv:  the plan's `tl` fused dK/dV launch takes this branch (membership by query
+                 class and r | L: its key class c keeps the keys of head h iff r | c - h);
+                 the per-branch dK/dV runs the others after it (runtime.grids.dkdv_per_branch)
     """
     index: int
     segment_length: int
@@ -134,6 +137,11 @@ class BranchIR:
     head_offset: AffineMap | None = None
     zero_pad: bool = False
     curve_rows: bool = False
+    fused_dkdv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fused_dkdv and self.keep_map is not None:
+            raise ValueError(f"branch {self.index}: the fused dK/dV takes branches of class membership only")
 
     def to_json(self) -> dict:
         return {
@@ -149,6 +157,7 @@ class BranchIR:
             **({} if self.head_offset is None else {"head_offset": self.head_offset.to_json()}),
             **({"zero_pad": True} if self.zero_pad else {}),
             **({"curve_rows": True} if self.curve_rows else {}),
+            **({"fused_dkdv": True} if self.fused_dkdv else {}),
         }
 
 
@@ -403,6 +412,15 @@ class Plan:
     # attention dropout (dilgen.dropout): the kernels take a seed and drop each branch's
     # entry of each probability by its coin (dropout_plan.DROPOUT_TUNING says which kernels run)
     dropout: bool = False
+
+    def __post_init__(self) -> None:
+        taken = [b.index for b in self.branches if b.fused_dkdv]
+        if bool(taken) != self.fused_dkdv:
+            raise ValueError(f"Plan.fused_dkdv is {self.fused_dkdv} but the fused dK/dV takes branches {taken}")
+        for i in taken:
+            if self.query.lattice % self.branches[i].dilation:
+                raise ValueError(f"branch {i}: the fused dK/dV's key classes need r | L "
+                                 f"(r = {self.branches[i].dilation}, L = {self.query.lattice})")
 
     def to_json(self) -> dict:
         return {

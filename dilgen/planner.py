@@ -13,6 +13,7 @@ same key set per branch: no row mask, and no work on rows a branch does not keep
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache, reduce
@@ -131,6 +132,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     tiling = _query_tiling(branches, lanes.lattice, tiles.block_m, query_order)
     dual_chain = _dual_chain(spec, target, tiles, branches, query_order, tuning)
     fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning)
+    if fused_dkdv:
+        branches = [dataclasses.replace(b, fused_dkdv=_in_fused_dkdv(b, lanes.lattice)) for b in branches]
     gluon = dict(
         gluon_fwd=gluon_fwd(spec, target, tiles, branches, lanes.lattice, query_order, tuning),
         gluon_dkdv=gluon_dkdv(spec, target, tiles, branches, lanes.lattice, query_order, fused_dkdv, tuning),
@@ -415,6 +418,13 @@ def _dual_chain(spec: Spec, target: Target, tiles: _Tiles, branches, query_order
     return dual
 
 
+def _in_fused_dkdv(b: ir.BranchIR, lattice: int) -> bool:
+    """Whether the fused dK/dV takes branch b (BranchIR.fused_dkdv): membership by query class,
+    and r | L, since its key class c keeps the keys of branch (w, r) in head h iff r | c - h.
+    Lane branches that tuning `lanes` took out of the lattice have r not dividing L."""
+    return b.keep_map is None and lattice % b.dilation == 0
+
+
 def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
                 query_order, tuning: dict) -> bool:
     """One dK/dV launch for every branch, over key tiles of the query lattice (keys
@@ -425,7 +435,7 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
     r divides L, lane branch or not; the row-membership branches, and lane branches that tuning
     `lanes` took out of L, take the per-branch dK/dV after it (adding into its dK, dV;
     runtime.grids.dkdv_per_branch). Sets the dK/dV tile (tiles.bwd_kv)."""
-    fused_set = [b for b in branches if b.keep_map is None and lanes.lattice % b.dilation == 0]
+    fused_set = [b for b in branches if _in_fused_dkdv(b, lanes.lattice)]
 
     def fusable(kv_tile) -> bool:
         return (spec.ring_size == 1 and bool(fused_set) and not lanes.block

@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 6433b1caef37ce9b
-# plan key:      e47b95b0f8d6d6b503a2188eb51aa0bedf392a4871893c31970bfe56099ebd8f
+# template hash: 7a36d2202dc57fc6
+# plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -32,6 +32,7 @@ SPEC = {
 PLAN = {
     "branches": [
         {
+            "fused_dkdv": True,
             "index": 0,
             "keep_map": None,
             "key_map": {
@@ -47,6 +48,7 @@ PLAN = {
             "w": 2048
         },
         {
+            "fused_dkdv": True,
             "index": 1,
             "keep_map": None,
             "key_map": {
@@ -62,6 +64,7 @@ PLAN = {
             "w": 4096
         },
         {
+            "fused_dkdv": True,
             "index": 2,
             "keep_map": None,
             "key_map": {

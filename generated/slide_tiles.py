@@ -2,8 +2,8 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 6433b1caef37ce9b
-# plan key:      370ecdc251f6584d2081c190adbf0e1ef8f9fbaab48187ace50fd597c8a1c435
+# template hash: 7a36d2202dc57fc6
+# plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -34,6 +34,7 @@ SPEC = {
 PLAN = {
     "branches": [
         {
+            "fused_dkdv": True,
             "index": 0,
             "keep_map": None,
             "key_map": {

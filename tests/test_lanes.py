@@ -91,7 +91,28 @@ def test_lane_branches_forward_and_gradients(case):
     assert any(b.lanes for b in p.branches), "the case must exercise a lane kernel"
     if name == "chosen_out_of_fused_dkdv_gqa":
         assert p.fused_dkdv and p.query.lattice == 1, "the case must run the fused dK/dV beside it"
+        assert [b.fused_dkdv for b in p.branches] == [True, False]      # r = 8 does not divide L = 1
     check_against_reference(spec, batch, n, tuning, name)
+
+
+def test_the_plan_refuses_a_fused_dkdv_branch_it_cannot_take():
+    """BranchIR.fused_dkdv (the planner's choice, read by the template and the runtime) is
+    checked where the plan is made: only class-membership branches with r | L, and a plan
+    whose fused dK/dV takes no branch (or that runs none) is refused."""
+    import dataclasses
+    spec = dilgen.Spec(name="l_fused_flags", num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
+                       segment_lengths=[64, 512], dilation_rates=[1, 8])
+    good = plan(spec, INTERPRETER, {"lanes": [1]})
+    wrong = [dataclasses.replace(good.branches[0]), dataclasses.replace(good.branches[1], fused_dkdv=True)]
+    with pytest.raises(ValueError, match="branch 1: the fused dK/dV's key classes need r . L"):
+        dataclasses.replace(good, branches=tuple(wrong))
+    with pytest.raises(ValueError, match="Plan.fused_dkdv is False but the fused dK/dV takes branches"):
+        dataclasses.replace(good, fused_dkdv=False)
+    row = plan(dilgen.Spec(name="l_fused_row", num_heads=4, head_dim=16, dtype="float32",
+                           segment_lengths=[64, 96], dilation_rates=[1, 5]), INTERPRETER)
+    assert row.branches[1].keep_map is not None and not row.branches[1].fused_dkdv
+    with pytest.raises(ValueError, match="class membership only"):
+        dataclasses.replace(row.branches[1], fused_dkdv=True)
 
 
 def test_chosen_lane_branches_leave_the_fused_lattice():

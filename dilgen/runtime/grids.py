@@ -19,23 +19,16 @@ def lane_grid(branch: dict, n: int, block_m: int) -> tuple[int, int]:
     return math.ceil(n / w), math.ceil(math.ceil(min(w, n) / r) / block_m)
 
 
-def fused_dkdv_covers(branch: dict, lattice: int) -> bool:
-    """Whether the `tl` fused dK/dV takes a branch: membership by query class, and r | L (its
-    key classes c keep the keys of branch (w, r) in head h iff r | c - h, which needs r | L).
-    Lane branches that tuning `lanes` took out of the lattice have r not dividing L."""
-    return branch["membership"] == "class" and lattice % branch["r"] == 0
-
-
 def dkdv_per_branch(plan: dict, fused: bool, gluon: bool) -> list[dict]:
     """The branches whose dK/dV runs the per-branch kernel (one launch each, adding into the
     fused launch's dK, dV): every branch without a fused launch; after the Gluon dK/dV (which
     takes the branches that are not lanes) the lane branches; after the `tl` fused one the
-    branches it does not cover (fused_dkdv_covers)."""
+    branches it does not take (BranchIR.fused_dkdv, the planner's choice)."""
     if not fused:
         return list(plan["branches"])
     if gluon:
         return [br for br in plan["branches"] if br["lanes"]]
-    return [br for br in plan["branches"] if not fused_dkdv_covers(br, plan["query"]["lattice"])]
+    return [br for br in plan["branches"] if not br.get("fused_dkdv", False)]
 
 
 def lattice_group_tiles(plan: dict, n_tiles: int, block: int, row_bytes: int) -> int:

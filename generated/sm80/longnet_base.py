@@ -2,8 +2,8 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: 6433b1caef37ce9b
-# plan key:      2d8e5770023176e5fd512d1d11083adacdd57b247e6d10ac8c72083ab2e4c73e
+# template hash: 7a36d2202dc57fc6
+# plan key:      dcbcd68e7e8fefaee2af5f2c778f3de9132c2cf6107f75987eaabd5f3c24100f
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -32,6 +32,7 @@ SPEC = {
 PLAN = {
     "branches": [
         {
+            "fused_dkdv": True,
             "index": 0,
             "keep_map": None,
             "key_map": {
@@ -47,6 +48,7 @@ PLAN = {
             "w": 2048
         },
         {
+            "fused_dkdv": True,
             "index": 1,
             "keep_map": None,
             "key_map": {
@@ -62,6 +64,7 @@ PLAN = {
             "w": 4096
         },
         {
+            "fused_dkdv": True,
             "index": 2,
             "keep_map": None,
             "key_map": {
