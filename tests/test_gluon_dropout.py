@@ -58,6 +58,8 @@ def test_the_dropout_plans_lane_dkdv_is_gluon_by_default_and_where_a_tuning_asks
     assert not declined.gluon_dkdv_lanes and declined.gluon_lanes_bwd is None and declined.gluon_lanes is None
     odd = _spec("gdl", causal=causal, segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 48])
     assert plan(odd, sm90, {"dropout": True}).config.gluon_lanes_bwd == 3      # branch 2 in the `tl` kernel
+    with pytest.raises(dilgen.SpecError, match="gluon_dkdv_dq cannot run here: a branch's dK/dV runs in the `tl`"):
+        plan(odd, sm90, {"dropout": True, "gluon_dkdv_dq": True})             # that kernel adds no dQ
     every_odd = _spec("gdl", causal=causal, segment_lengths=[1000, 4096, 8192], dilation_rates=[1, 3, 48])
     assert plan(every_odd, sm90, {"dropout": True}).config.gluon_lanes_bwd is None
     assert not plan(spec, get_target("sm80"), {"dropout": True}).config.gluon_dkdv_lanes
