@@ -8,9 +8,11 @@ warp-specialized Gluon kernels, and why not (one line).
 The first three take the same plans: non-causal raster rows of float16 / bfloat16 at head_dim
 64 or 128, every branch a lattice branch (r | w) with the same head offsets, whole 128 x L tiles
 in every segment. The lanes take the lane branches of such rows that have r | w and whole
-128-lane tiles, causal or not; the causal backward per branch needs every branch so and an
-r = 1 branch. The runtime takes them for calls whose every segment is whole."""
+128-lane tiles, causal or not; the causal backward per branch takes the branches so (the
+`tl` kernels run the others in the same call) and needs an r = 1 branch. The runtime takes them for calls whose every segment is whole."""
 from __future__ import annotations
+
+import math
 
 from .spec import Spec, SpecError
 from .targets import Target
@@ -347,6 +349,29 @@ def _forward_refusal(tiles, target: Target, branches, lattice: int, tile) -> str
             return (f"segment length {b.segment_length} (r = {b.dilation}) must be a multiple of "
                     f"128 x L = {128 * lattice} with w / r a multiple of {keys} keys")
     return None
+
+
+def gluon_split(spec: Spec, target: Target, tiles, lattice_ok: list) -> tuple:
+    """Tuning lanes = "split" (and sm90's "auto", Target.split_wide_lattice): the lattice branches
+    (`lattice_ok`), highest rate first, to run as lanes until the rest's L lets the Gluon forward
+    take them (every fused segment a multiple of 128 x L rows, w / r whole blocks of keys); ()
+    where no such split leaves two fused branches. The raster spec w 2K … 1M, r 1 … 32 has
+    L = 32 > 2048 / 128: [5] leaves L = 16 (one H200, 512K rows: fwd+bwd 600.5 -> 384.8 ms,
+    bench/results/raster_split-2026-11-30-h200.json)."""
+    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
+    if tile is None or spec.ring_size > 1 or spec.causal or tiles.itemsize != 2:
+        return ()
+    branches = list(spec.branches())
+    lattice_set = sorted((i for i, ok in enumerate(lattice_ok) if ok), key=lambda i: (-branches[i][1], -i))
+    fused = [i for i in range(len(branches)) if lattice_ok[i] or branches[i][1] == 1]
+    for n in range(len(lattice_set) + 1):
+        chosen, rest = lattice_set[:n], [i for i in fused if i not in lattice_set[:n]]
+        L = math.lcm(*[branches[i][1] for i in rest if lattice_ok[i]], 1)
+        if len(rest) < 2:
+            return ()
+        if all(lattice_tiles_fit(*branches[i], L, tile[0]) for i in rest):
+            return tuple(sorted(chosen))
+    return ()
 
 
 def lattice_tiles_fit(w: int, r: int, lattice: int, keys: int) -> bool:

@@ -24,7 +24,7 @@ from . import ir
 from .dropout_plan import DROPOUT_GLUON_DQ_DIMS, dropout_refusal, dropout_tuning
 from .gluon_plan import (gluon_curve_lanes, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
                          gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_raster_lanes,
-                         lattice_tiles_fit)
+                         gluon_split)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -271,29 +271,6 @@ def _lanes_mode(spec: Spec, mode):
     return mode
 
 
-def _split_choice(spec: Spec, target: Target, tiles: _Tiles, lattice_ok: list) -> tuple:
-    """Tuning lanes = "split": the lattice branches, highest rate first, to run as lanes until
-    the rest's L lets the Gluon forward take them (every fused segment a multiple of 128 x L
-    rows, w / r whole blocks of keys); () where no such split leaves two fused branches. The
-    raster spec w 2K … 1M, r 1 … 32 has L = 32 > 2048 / 128: [5] leaves L = 16 (one H200, 512K
-    rows: all `tl` 623 ms fwd+bwd; its first four branches in Gluon 244, its last two as lanes
-    100: bench/results/profile_raster_512k-2026-11-29-h200.json)."""
-    tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    if tile is None or spec.ring_size > 1 or spec.causal or tiles.itemsize != 2:
-        return ()
-    branches = list(spec.branches())
-    lattice_set = sorted((i for i, ok in enumerate(lattice_ok) if ok), key=lambda i: (-branches[i][1], -i))
-    fused = [i for i in range(len(branches)) if lattice_ok[i] or branches[i][1] == 1]
-    for n in range(len(lattice_set) + 1):
-        chosen, rest = lattice_set[:n], [i for i in fused if i not in lattice_set[:n]]
-        L = _lcm([branches[i][1] for i in rest if lattice_ok[i]])
-        if len(rest) < 2:
-            return ()
-        if all(lattice_tiles_fit(*branches[i], L, tile[0]) for i in rest):
-            return tuple(sorted(chosen))
-    return ()
-
-
 def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
     # Branches whose membership follows the query lattice: r | w and no own table.
     lattice_ok = [orders[i] is None and w % r == 0 and r > 1
@@ -307,7 +284,7 @@ def _lanes(spec: Spec, target: Target, tiles: _Tiles, orders) -> _Lanes:
         mode, chosen = "auto", mode
     elif mode == "split" or (mode == "auto" and target.split_wide_lattice):
         # "auto", and the branches that keep L from the Gluon forward
-        mode, chosen = "auto", _split_choice(spec, target, tiles, lattice_ok)
+        mode, chosen = "auto", gluon_split(spec, target, tiles, lattice_ok)
     if mode == "auto":
         mode = target.lanes_mode(spec.causal, lattice, tiles.tile_d, every_row_kept)
     # torchscale's layout (issue 16): the fused kernel's query classes assume o = h mod r and

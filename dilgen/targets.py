@@ -209,7 +209,7 @@ class Target:
     # F 8.67 -> 7.76 (bench/results/backward_beside_lanes-2026-11-29-h200.json)
     gluon_bwd_beside_lanes: bool = False
     # The branches whose rates keep the lattice from the Gluon forward run as lanes (tuning
-    # lanes = "split", planner._split_choice). H200, bench_ring's raster spec at 512K rows:
+    # lanes = "split", gluon_plan.gluon_split). H200, bench_ring's raster spec at 512K rows:
     # forward 151.9 -> 83.4 ms, fwd+bwd 600.5 -> 384.8, out/dq/dk/dv within 6e-4 of the unsplit
     # plan's (bench/results/raster_split-2026-11-30-h200.json)
     split_wide_lattice: bool = False
