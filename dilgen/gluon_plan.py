@@ -196,11 +196,11 @@ def gluon_dkdv_dq(spec: Spec, dkdv_lanes: bool, tuning: dict, dropout: bool) -> 
     want = tuning.get("gluon_dkdv_dq", False)
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq takes true or false (asked: {want!r})")
-    every = all(gluon_lanes_bwd_branch(w, r) for w, r in spec.branches())
-    if want and not (dropout and dkdv_lanes and every):
-        why = ("a plan without attention dropout" if not dropout else "a plan whose per-branch dK/dV is not Gluon"
-               if not dkdv_lanes else "a branch's dK/dV runs in the `tl` kernel (w / r not a multiple of 128), "
-               "which adds no dQ")
+    why = ("a plan without attention dropout" if not dropout else
+           "a plan whose per-branch dK/dV is not Gluon" if not dkdv_lanes else
+           None if all(gluon_lanes_bwd_branch(w, r) for w, r in spec.branches()) else
+           "a branch's dK/dV runs in the `tl` kernel (w / r not a multiple of 128), which adds no dQ")
+    if want and why is not None:
         raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq cannot run here: {why} (it is the dropout plan's "
                         f"Gluon dK/dV adding dQ; ask for that with {{\"dropout\": true, \"gluon_dkdv_lanes\": true}} "
                         f"to see why)")

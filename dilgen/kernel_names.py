@@ -31,8 +31,7 @@ def kernel_families(plan) -> str:
         if which:
             parts.append(f"lanes {name} (branch{'es' if len(which) > 1 else ''} {', '.join(map(str, which))})")
     # the Gluon lane backward takes the branches gluon_lanes_bwd_branch admits, `tl` the rest
-    bwd_taken = [b.index for b in plan.branches if gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
-    rest = [b.index for b in plan.branches if b.index not in bwd_taken]
+    rest = [b.index for b in plan.branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
     lane_rest = [i for i in lanes if i in rest]
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
                  f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages{_tl_beside(rest)})"
