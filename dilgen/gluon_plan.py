@@ -67,8 +67,7 @@ def gluon_lanes(spec: Spec, target: Target, tiles, branches, query_order, tuning
     lanes = [b for b in branches if b.lanes]
     taken = [b for b in lanes if tile and gluon_lane_branch(b.segment_length, b.dilation, tile[0])]
     curve = _curve_lanes(spec, lanes, query_order, tuning)     # else Hilbert lanes are refused below
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, forward_lanes=True,
-                    curve_lanes=bool(curve))
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes=True, curve_lanes=bool(curve))
            or (None if lanes else "the plan has no lane branch")
            or (None if taken else f"no lane branch has r | w with w / r a multiple of 128 and of {tile[0]} "
                                   "keys")
@@ -162,9 +161,9 @@ DROPOUT_LANE_DKDV_STAGES = 3
 
 def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fused_dkdv: bool,
                     tuning: dict, dropout: bool = False) -> int | None:
-    """The Gluon causal backward's stages (KernelConfig.gluon_lanes_bwd: the per-branch dK/dV,
-    every branch, and the lane dq), or None (_backward_stages, then the branches' tiles). A
-    dropout plan's, causal or not, is its per-branch dK/dV only (templates/gluon_lanes_bwd.py.jinja)."""
+    """The Gluon lane backward's stages (KernelConfig.gluon_lanes_bwd: the per-branch dK/dV,
+    every branch, and the lane dq), or None (_backward_stages, then the branches' tiles); it
+    runs where no fused dK/dV does (templates/gluon_lanes_bwd.py.jinja)."""
     extra = "the backward runs the fused dK/dV kernel here" if fused_dkdv else None
     default = DROPOUT_LANE_DKDV_STAGES if dropout else target.gluon_lanes_bwd_stages
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, default,
@@ -177,6 +176,18 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
                             f"w / r a multiple of 128 (segment length {bad[0].segment_length}, r = {bad[0].dilation})")
         return None
     return stages
+
+
+def gluon_lanes_bwd_over_fused(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict) -> bool:
+    """Whether the plan runs the Gluon per-branch dK/dV and lane dq in place of the fused `tl`
+    dK/dV: every branch is a lane branch (no r = 1 branch, config D) that the Gluon lane
+    backward takes, on a target where that pays (Target.gluon_lanes_bwd_over_fused), unless the
+    tuning names `fused_dkdv` or declines the Gluon dK/dV."""
+    if ("fused_dkdv" in tuning or tuning.get("gluon_dkdv_lanes") is False or tuning.get("dropout")
+            or not target.gluon_lanes_bwd_over_fused
+            or not all(b.lanes and gluon_lanes_bwd_branch(b.segment_length, b.dilation) for b in branches)):
+        return False
+    return gluon_lanes_bwd(spec, target, tiles, branches, query_order, False, tuning) is not None
 
 
 def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: dict) -> bool:
@@ -284,8 +295,7 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
         return None
     stages = default_stages if want is True else want
     tile = {d: (bn, st) for d, bn, st in target.gluon_fwd_tiles}.get(tiles.tile_d)
-    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes, noncausal_lanes=dropout,
-                    lattice_only=lattice_only) or extra
+    why = (_refusal(spec, target, tiles, branches, query_order, tile, lanes, lattice_only=lattice_only) or extra
            or _backward_refusal(name, tiles, target, [b for b in branches if not lanes or gluon_lanes_bwd_branch(
                b.segment_length, b.dilation)], lattice, stages, dropout))
     if why is not None:
@@ -296,16 +306,14 @@ def _backward_stages(name: str, default_dims, default_stages: int, spec: Spec, t
 
 
 def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lanes: bool = False,
-             forward_lanes: bool = False, lattice_only: bool = False, noncausal_lanes: bool = False,
-             curve_lanes: bool = False) -> str | None:
+             lattice_only: bool = False, curve_lanes: bool = False) -> str | None:
     """Why no Gluon kernel can run this plan (one line), or None; `lanes`: for the lane kernels,
     which take the branches with r | w beside `tl` ones (gluon_lane_branch,
-    gluon_lanes_bwd_branch); `forward_lanes`: for the forward lane kernel, which runs causal or not and needs no r = 1
-    branch (its first launch writes "no branch" into the rows its branch does not keep);
-    `lattice_only`: `branches` are the forward's lattice branches, which read no table even
-    when a Hilbert spec's lane branches do; `noncausal_lanes`: the lane backward of a dropout
-    plan, which runs non-causal specs too; `curve_lanes`: the forward lanes of Hilbert curve
-    branches, which read compact copies (_curve_lanes)."""
+    gluon_lanes_bwd_branch), causal or not, and need no r = 1 branch (their first launch writes
+    "no branch" into the rows its branch does not keep, CLEAR); `lattice_only`: `branches` are
+    the forward's lattice branches, which read no table even when a Hilbert spec's lane branches
+    do; `curve_lanes`: the forward lanes of Hilbert curve branches, which read compact copies
+    (_curve_lanes)."""
     if not target.gluon_fwd_tiles:
         return f"target {target.name} has no Gluon kernels (sm90 at head_dim 64 or 128 has)"
     if tile is None:
@@ -315,8 +323,6 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
     checks = [
         (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
-        (lanes and not forward_lanes and not noncausal_lanes and not spec.causal,
-         "the Gluon lane backward takes causal specs only (and a dropout plan's dK/dV)"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
         (query_order is not None or (any(b.order is not None for b in branches) if lattice_only
                                      else spec.hilbert is not None and not curve_lanes),
@@ -326,7 +332,7 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         (not lanes and any(b.lanes for b in branches),
          "a branch runs as lanes (r does not divide w, a curve table, or tuning lanes)"),
         (any(b.head_offset is not None for b in branches), "head_offsets 'block' moves the offsets"),
-        (not forward_lanes and branches and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "
+        (not lanes and branches and all(b.dilation != 1 for b in branches), "it needs a branch with r = 1 (so "
          "that every query class keeps a branch)"),
     ]
     for failed, why in checks:

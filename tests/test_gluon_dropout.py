@@ -136,9 +136,9 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
     sig = {**{x: desc for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
            "DK": "*bf16", "DV": "*bf16", **({"DQ": "*fp32"} if adds_dq else {}), "N": "i32",
-           **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "BI")}, **DROP_ARGS}
+           **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
-                          {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "BI": 1})
+                          {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False, "BI": 1})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
@@ -160,8 +160,8 @@ def test_the_dropout_lane_forward_and_dq_compile_for_sm90_without_a_gpu(tmp_path
     lanes = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "Out": "*bf16",
              "Lse": "*fp32", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
     dq = {**{x: desc(64) for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
-          "DQ": "*bf16", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "BI")}, **DROP_ARGS}
-    for role, sig, consts in (("lanes", lanes, {"CLEAR": False}), ("dq_lanes", dq, {})):
+          "DQ": "*bf16", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
+    for role, sig, consts in (("lanes", lanes, {"CLEAR": False}), ("dq_lanes", dq, {"CLEAR": False})):
         kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_{role}"), sig,
                               {"W": 4096, "R": 2, "ACCUMULATE": True, "BI": 1, **consts})
         assert "wgmma.mma_async" in kernel.asm["ptx"] and "-845247145" in kernel.asm["ptx"], role
@@ -220,7 +220,7 @@ def test_the_launch_models_dropout_kernels_specialize_as_the_runtimes(cache_dir)
         want = specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc
         seed, cut, scale, n, _, streams = dropout_args(attn, q, 0.1, 7)
         args = gluon_dkdv_lanes_args(attn.plan, q, k, v, q, f32, f32, k, v, 2, 1024, br, accumulate,
-                                     (seed, cut, scale, n, 3, streams))
+                                     not accumulate, (seed, cut, scale, n, 3, streams))
         assert specialize(attn.gluon_dkdv_lanes_fn, backend, args, OPTIONS).desc == want, br["index"]
 
 
@@ -247,9 +247,9 @@ def test_the_launch_models_dropout_lane_kernels_specialize_as_the_runtimes(cache
     calls = {"gluon_lanes": (attn.gluon_lanes_fn, lambda br, acc: gluon_lanes_args(
                  plan_, q, k, v, q, f32, 2, 1024, br, acc, False, drop)),
              "gluon_dq_lanes": (attn.gluon_dq_lanes_fn, lambda br, acc: gluon_dq_lanes_args(
-                 plan_, q, k, v, q, f32, f32, q, 2, 1024, br, acc, drop)),
+                 plan_, q, k, v, q, f32, f32, q, 2, 1024, br, acc, dropout=drop)),
              "gluon_dkdv_lanes": (attn.gluon_dkdv_lanes_fn, lambda br, acc: gluon_dkdv_lanes_args(
-                 plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, acc, drop))}
+                 plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, acc, not acc, drop))}
     models = [x for x in predicted_launches(attn, 1024) if x.role in calls]
     assert sorted({x.role for x in models}) == sorted(calls)
     for role, (fn, args) in calls.items():
@@ -281,32 +281,36 @@ def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir)
     launches = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"]
     assert len(launches) == 2
     for model, br in zip(launches, plan_["branches"]):
-        args = gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, True, drop, dq32)
+        args = gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, True, dropout=drop, dq32=dq32)
         assert args[8] is dq32
         want = specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc
         assert specialize(attn.gluon_dkdv_lanes_fn, backend, args, OPTIONS).desc == want, br["index"]
     with pytest.raises(ValueError, match="no float32 dQ was given"):
-        gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, plan_["branches"][0], True, drop)
+        gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, plan_["branches"][0], True, dropout=drop)
 
 
 @on_sm90
 @pytest.mark.parametrize("head_dim, causal, knob", [(128, False, "gluon_dkdv_lanes"), (64, False, "gluon_dkdv_lanes"),
                                                     (128, True, "gluon_dkdv_lanes"), (128, True, "gluon_lanes"),
                                                     (128, False, "gluon_dkdv_dq"), (64, True, "gluon_dkdv_dq"),
-                                                    (128, False, "gluon_dkdv_lanes r6"), (128, True, "gluon_lanes r6")])
+                                                    (128, False, "gluon_dkdv_lanes r6"), (128, True, "gluon_lanes r6"),
+                                                    (128, False, "gluon_dkdv_lanes no_r1"),
+                                                    (128, True, "gluon_lanes no_r1")])
 def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim, causal, knob, monkeypatch):
     """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), a causal spec's lane forward,
     dq and dK/dV ({"gluon_lanes": true}), and the dK/dV adding dQ ({"gluon_dkdv_dq": true}: no
     dq kernel launched), under the same mask as the float64 reference: every branch's launch
     of them taken, out and every gradient exact. "r6": the last branch's r = 6 does not divide
-    w, so its launches are the `tl` kernels' beside the Gluon ones, drawing the same coins."""
+    w, so its launches are the `tl` kernels' beside the Gluon ones, drawing the same coins.
+    "no_r1" (r 4, 8, 16): the first launches write 0 into the rows and keys no branch keeps
+    (dK, dV, dQ poisoned first)."""
     from dilgen.reference import differentiable_reference
     from dilgen.runtime import backward, forward
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
     from dilgen.runtime.registry import twin
     knob, _, rates = knob.partition(" ")
     spec = _spec(f"gdl_{head_dim}_{int(causal)}_{knob}{rates}", head_dim=head_dim, causal=causal,
-                 **{**SMALL, **({"dilation_rates": [1, 2, 6]} if rates else {})})
+                 **{**SMALL, **({"dilation_rates": {"r6": [1, 2, 6], "no_r1": [4, 8, 16]}[rates]} if rates else {})})
     taken = {}
     spied = [(backward, "gluon_dkdv_lanes_launch")] + ([(forward, "gluon_lanes_launch"),
                                                         (backward, "gluon_dq_lanes_launch")] if knob == "gluon_lanes" else [])
@@ -329,7 +333,7 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
     out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
     (out * grad).sum().backward()       # dK and dV poisoned first (conftest): an unwritten key fails
-    assert taken == {name: [True, True, not rates] for _, name in spied}, taken
+    assert taken == {name: [True, True, rates != "r6"] for _, name in spied}, taken
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     ref_out, _ = differentiable_reference(*ref_in, spec, dropout_p=p, seed=seed)
     (ref_out * grad.double().cpu()).sum().backward()

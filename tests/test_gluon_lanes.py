@@ -26,7 +26,7 @@ from conftest import check_against_reference, needs_gluon, on_sm90
 GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"           # the lanes
 GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # to the end: dK/dV and dq
 MARK = "# ---- sm90: the lane branches in Gluon"
-MARK_BWD = "# ---- sm90: the causal dK, dV and dQ per branch in Gluon"
+MARK_BWD = "# ---- sm90: the dK, dV and dQ per branch in Gluon"
 
 
 def _spec(**over):
@@ -49,8 +49,11 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
     for causal in (True, False):     # no r = 1 branch: every branch as lanes, the first clears the gaps
         no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"gluon_lanes": True})
-        assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0
-        assert no_r1.config.gluon_lanes_bwd is None        # the Gluon lane backward needs an r = 1 branch
+        assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0 and no_r1.dkdv_first_writes
+        assert no_r1.config.gluon_lanes_bwd == 4 and no_r1.config.gluon_dkdv_lanes and not no_r1.fused_dkdv
+        fused = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"fused_dkdv": True})
+        assert fused.fused_dkdv == (fused.config.gluon_lanes_bwd is None) == (not causal)   # causal: none fused
+    assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), get_target("sm80")).fused_dkdv   # no Gluon there
     assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90).config.gluon_lanes == (128, 3)
     assert plan(_spec(dilation_rates=[2, 4, 8]), sm90).config.gluon_lanes is None    # causal: level, asked for
     longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
@@ -147,18 +150,19 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= get_target("sm90").smem_bytes
-    if not over.get("causal", True):
-        return          # the Gluon lane backward is causal only
-    box = desc(64)
+    box = desc(64)     # the lane backward: adding, and (no r = 1 branch) writing and clearing the gaps
     views = {"q_desc": box, "do_desc": box, "k_desc": box, "v_desc": box, "Lse": "*fp32", "Delta": "*fp32"}
     dkdv = {**views, "DK": "*bf16", "DV": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "NO": "constexpr",
-            "ACCUMULATE": "constexpr"}
-    dq = {**views, "DQ": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
-    for fn, sig, consts in ((mod.gla_gluon_dkdv_lanes, dkdv, {(9,): 4096, (10,): 2, (11,): 2, (12,): True}),
-                            (mod.gla_gluon_dq_lanes, dq, {(8,): 4096, (9,): 2, (10,): True})):
-        kernel = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "maxnreg": 168})
-        assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= get_target("sm90").smem_bytes
+            "ACCUMULATE": "constexpr", "CLEAR": "constexpr"}
+    dq = {**views, "DQ": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr",
+          "CLEAR": "constexpr"}
+    for merge, clear in ((True, False),) + (((False, True),) if 1 not in over.get("dilation_rates", [1]) else ()):
+        for fn, sig, consts in ((mod.gla_gluon_dkdv_lanes, dkdv, {(9,): 4096, (10,): 2, (11,): 2, (12,): merge,
+                                                                  (13,): clear}),
+                                (mod.gla_gluon_dq_lanes, dq, {(8,): 4096, (9,): 2, (10,): merge, (11,): clear})):
+            kernel = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 4, "maxnreg": 168})
+            assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= get_target("sm90").smem_bytes
 
 
 @needs_gluon
@@ -172,23 +176,28 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     assert dict((role, fn) for role, fn, _ in kernel_roles(attn))["gluon_lanes"] is attn.gluon_lanes_fn
     launches = [x for x in predicted_launches(attn, 1024) if x.role == "gluon_lanes"]
     assert [x.args[-4:] for x in launches] == [(256, 1, False, False), (512, 2, True, False)]
-    dkdv = [x.args[-4:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"]
-    dq = [x.args[-3:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dq_lanes"]
-    assert dkdv == [(256, 1, 1, False), (512, 2, 2, True)] and dq == [(256, 1, False), (512, 2, True)]
+    dkdv = [x.args[-5:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dkdv_lanes"]
+    dq = [x.args[-4:] for x in predicted_launches(attn, 1024) if x.role == "gluon_dq_lanes"]
+    assert dkdv == [(256, 1, 1, False, True), (512, 2, 2, True, False)]      # (w, r, NO, ACCUMULATE, CLEAR)
+    assert dq == [(256, 1, False, False), (512, 2, True, False)]
     assert not [x for x in predicted_launches(attn, 768) if x.role == "gluon_lanes"]   # a short last segment
     mixed = build(_spec(name="gla_aot6", segment_lengths=[256, 1024], dilation_rates=[1, 6], num_heads=4,
                         num_kv_heads=2), get_target("sm90"), {"gluon_lanes": True}).module.attention
     assert [x.args[-4:] for x in predicted_launches(mixed, 1024) if x.role == "gluon_lanes"] == [(256, 1, False, False)]
     mha = build(_spec(name="gla_aot6_mha", segment_lengths=[256, 512, 1024], dilation_rates=[1, 2, 6], num_heads=4,
                       num_kv_heads=4), get_target("sm90")).module.attention     # L = 2: per-branch dK/dV, r = 6 `tl`
-    assert [x.args[-4:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dkdv_lanes"] == \
-        [(256, 1, 1, False), (512, 2, 1, True)]      # NO = min(group 1, r)
-    assert [x.args[-3:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dq_lanes"] == \
-        [(256, 1, False), (512, 2, True)]
+    assert [x.args[-5:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dkdv_lanes"] == \
+        [(256, 1, 1, False, True), (512, 2, 1, True, False)]      # NO = min(group 1, r)
+    assert [x.args[-4:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dq_lanes"] == \
+        [(256, 1, False, False), (512, 2, True, False)]
     no_r1 = build(_spec(name="gla_aot_gap", segment_lengths=[512, 1024], dilation_rates=[2, 4], num_heads=4,
                         num_kv_heads=2, causal=False), get_target("sm90")).module.attention
     assert [x.args[-4:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_lanes"] == \
         [(512, 2, False, True), (1024, 4, True, False)]     # the first writes the other offsets' rows too
+    assert [x.args[-5:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_dkdv_lanes"] == \
+        [(512, 2, 2, False, True), (1024, 4, 2, True, False)]   # and zeroes the keys no head of a group keeps
+    assert [x.args[-4:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_dq_lanes"] == \
+        [(512, 2, False, True), (1024, 4, True, False)]
 
 
 @needs_gluon
@@ -248,6 +257,15 @@ GPU_CASES = [
      (2, 2048), {}),
     ("no_r1_non_causal_exp2_2", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
      (2, 2048), {"gluon_exp2": 2}),
+    # config D's shape: no r = 1 branch and r past the group, so the first dK/dV launch also
+    # zeroes the keys no head of a group keeps; non-causal, its Gluon backward replaces the
+    # fused `tl` dK/dV (Target.gluon_lanes_bwd_over_fused), which "fused" asks back
+    ("no_r1_d_like_mha", dict(num_heads=4, num_kv_heads=4, segment_lengths=[1024, 4096], dilation_rates=[4, 16],
+                              causal=False), (1, 8192), {}),
+    ("no_r1_d_like_gqa_causal", dict(num_heads=8, num_kv_heads=2, segment_lengths=[1024, 4096],
+                                     dilation_rates=[4, 16]), (2, 4096), {"gluon_lanes": True}),
+    ("d_like_fused", dict(num_heads=4, num_kv_heads=4, segment_lengths=[1024, 4096], dilation_rates=[4, 16],
+                          causal=False), (1, 8192), {"fused_dkdv": True}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
@@ -276,9 +294,9 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
         want = [r in (1, 2) for r in over["dilation_rates"]]
         assert all(taken[x] == want for x in ("gluon_lanes_launch", "gluon_dkdv_lanes_launch",
                                                "gluon_dq_lanes_launch")), taken
-    elif name.startswith("no_r1"):  # Gluon lanes forward; the backward `tl` (its Gluon kernels need r = 1)
-        assert all(taken["gluon_lanes_launch"]) and len(taken["gluon_lanes_launch"]) == 3, taken
-        assert not any(taken.get("gluon_dkdv_lanes_launch", [])) and not any(taken.get("gluon_dq_lanes_launch", []))
+    elif name == "d_like_fused":    # Gluon lanes forward; the fused `tl` dK/dV and the `tl` lane dq
+        assert taken["gluon_lanes_launch"] == [True, True] and not any(taken.get("gluon_dkdv_lanes_launch", [])) \
+            and not any(taken["gluon_dq_lanes_launch"]), taken
     else:
         assert len(taken) == 3 and all(all(t) == (not name.endswith("_tl")) for t in taken.values()), taken
 

@@ -266,31 +266,31 @@ def _gluon_lanes_fwd_args(plan: dict, role: str, N: int, base: dict) -> list[tup
 
 
 def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tuple]:
-    """The Gluon causal backward's launches at length N (batch 1), as runtime/backward.py makes
-    them: per branch for dK/dV (the first writes where Plan.dkdv_first_writes is on; such a
-    first launch that must zero keys no head keeps, r > group, is the `tl` kernel's), per lane
-    branch for dq (the first writes unless a fused dq ran); only the branches
-    gluon_lanes_bwd_branch takes (the `tl` kernels run the others)."""
+    """The Gluon backward's launches per branch at length N (batch 1), as runtime/backward.py
+    makes them: per branch for dK/dV (the first writes and clears where Plan.dkdv_first_writes is
+    on), per lane branch for dq (the first writes unless a fused dq ran, and clears where it is
+    Plan.gap_lane); only the branches gluon_lanes_bwd_branch takes (the `tl` kernels run the others)."""
     import torch
     from ..gluon_plan import gluon_lanes_bwd_branch
     from ..runtime.gluon_launch import gluon_dkdv_lanes_args, gluon_dq_lanes_args
     from ..runtime.grids import lane_order
     mock, f32 = _mock({"float16": torch.float16, "bfloat16": torch.bfloat16}[plan["dtype"]]), _mock(torch.float32)
-    group = plan["num_heads"] // plan["num_kv_heads"]
     out = []
     if role == "gluon_dkdv_lanes" and plan["config"].get("gluon_dkdv_lanes"):
         adds_dq = plan["config"].get("gluon_dkdv_dq", False)   # every launch adds (runtime/backward.py)
         writes = plan.get("dkdv_first_writes", False) and not adds_dq
         for n, br in enumerate(plan["branches"]):
             first = n == 0 and writes
-            if not (first and br["r"] > group) and gluon_lanes_bwd_branch(br["w"], br["r"]):
+            if gluon_lanes_bwd_branch(br["w"], br["r"]):
                 out.append(gluon_dkdv_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, mock, 1, N, br,
-                                                 not first, _dropout_values(plan, base), f32 if adds_dq else None))
+                                                 not first, first, _dropout_values(plan, base),
+                                                 f32 if adds_dq else None))
     elif role == "gluon_dq_lanes":
         fused_q = any(not br["lanes"] for br in plan["branches"])
         for n, i in enumerate(lane_order(plan)):
             br = plan["branches"][i]
             if gluon_lanes_bwd_branch(br["w"], br["r"]):
                 out.append(gluon_dq_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N, br,
-                                               n > 0 or fused_q, _dropout_values(plan, base)))
+                                               n > 0 or fused_q, n == 0 and plan.get("gap_lane") is not None,
+                                               _dropout_values(plan, base)))
     return out

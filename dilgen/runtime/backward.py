@@ -238,7 +238,7 @@ class _Launches:
             gluon = None if (self.interpret or at.varlen) else gluon_dkdv_lanes_launch(
                 self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, self.dropout,
                 self.dq32)
-            if gluon is not None:   # the same work in Gluon (sm90: causal, or a dropout plan's)
+            if gluon is not None:   # the same work in Gluon (sm90)
                 self._run(*gluon)
                 accumulate, clear = True, False
                 continue
@@ -285,11 +285,11 @@ class _Launches:
                 self.interpret, at.varlen, *self.dropout)
         for i in lanes:
             br = plan["branches"][i]
-            gluon = None if (self.interpret or at.varlen or clear) else gluon_dq_lanes_launch(
-                self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, self.dropout)
-            if gluon is not None:   # the same work in Gluon (sm90, causal)
+            gluon = None if (self.interpret or at.varlen) else gluon_dq_lanes_launch(
+                self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear, self.dropout)
+            if gluon is not None:   # the same work in Gluon (sm90)
                 self._run(*gluon)
-                accumulate = True
+                accumulate, clear = True, False
                 continue
             n_seg, n_tiles = lane_grid(br, N, conf["lane_dq_block_m"])
             kv, flag = (), ()

@@ -98,21 +98,21 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
 
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
                             accumulate: bool, clear: bool, dropout: tuple = (), dq32=None):
-    """(kernel, grid, args, options) of the Gluon causal dK/dV of branch `br`, or None when the
-    call takes the `tl` per-branch kernel (_takes; a branch gluon_lanes_bwd_branch leaves out; a
-    first launch that must also zero the keys no head of a kv group keeps, r > group):
-    program ((s*NO + g0)*J + jt, b*H_kv + kvh);
+    """(kernel, grid, args, options) of the Gluon dK/dV of branch `br`, or None when the call
+    takes the `tl` per-branch kernel (_takes; a branch gluon_lanes_bwd_branch leaves out):
+    program ((s*NO + g0)*J + jt, b*H_kv + kvh); `clear`: a first launch that writes, zeroing the
+    keys no head of a kv group keeps (r > group);
     `dropout` as gluon_launch's (a dropout plan's dK/dV, causal or not); `dq32`: the float32
     dQ its blocks add into (KernelConfig.gluon_dkdv_dq, gluon_dkdv_dq_taken)."""
     plan = attn.plan
     group = plan["num_heads"] // plan["num_kv_heads"]
-    if (not plan["config"].get("gluon_dkdv_lanes") or (clear and br["r"] > group)
-            or not gluon_lanes_bwd_branch(br["w"], br["r"])
+    if (not plan["config"].get("gluon_dkdv_lanes") or not gluon_lanes_bwd_branch(br["w"], br["r"])
             or not _takes(attn, attn.gluon_dkdv_lanes_fn, N, q, k, v, grad_out, dk, dv)):
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
-            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, dropout, dq32),
+            gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, dropout,
+                                  dq32),
             OPTIONS)
 
 
@@ -125,17 +125,18 @@ def gluon_dkdv_dq_taken(attn, q, k, v, grad_out, N: int) -> bool:
 
 
 def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict, accumulate: bool,
-                          dropout: tuple = ()):
-    """(kernel, grid, args, options) of the Gluon causal dq of lane branch `br`, or None when the
-    call takes the `tl` lane dq (_takes; a branch gluon_lanes_bwd_branch leaves out): program
-    (s*T + t, b*H + h), as the Gluon lanes'; `dropout` as gluon_launch's."""
+                          clear: bool = False, dropout: tuple = ()):
+    """(kernel, grid, args, options) of the Gluon dq of lane branch `br`, or None when the call
+    takes the `tl` lane dq (_takes; a branch gluon_lanes_bwd_branch leaves out): program
+    (s*T + t, b*H + h), as the Gluon lanes'; `clear`: also write 0 into the rows of the other
+    offsets (the first lane launch, Plan.gap_lane); `dropout` as gluon_launch's."""
     plan = attn.plan
     if (not plan["config"].get("gluon_lanes_bwd") or not gluon_lanes_bwd_branch(br["w"], br["r"])
             or not _takes(attn, attn.gluon_dq_lanes_fn, N, q, k, v, grad_out, dq)):
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]),
-            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, dropout), OPTIONS)
+            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear, dropout), OPTIONS)
 
 
 def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
@@ -216,30 +217,30 @@ def gluon_curve_lanes_args(plan: dict, q, kc, vc, out, lse, fwd, B: int, N: int,
 
 
 def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
-                          accumulate: bool, dropout: tuple = (), dq32=None) -> tuple:
-    """The causal dK/dV's arguments for branch `br`: q's and dO's descriptors through its
+                          accumulate: bool, clear: bool = False, dropout: tuple = (), dq32=None) -> tuple:
+    """The dK/dV's arguments for branch `br`: q's and dO's descriptors through its
     (B*N/r, r*H, D) view, k's and v's through (B*N/r, r*H_kv, D) (64-row boxes), lse, Delta, dk,
     dv, the float32 dQ where the plan's kernel adds into one (gluon_dkdv_dq), N; the constexprs
-    w, r, NO = min(group, r) and ACCUMULATE; with `dropout` (a dropout plan's arguments), the
-    branch's index (a constexpr) and them."""
+    w, r, NO = min(group, r), ACCUMULATE and CLEAR; with `dropout` (a dropout plan's arguments),
+    the branch's index (a constexpr) and them."""
     box, w, r = _boxes(plan, B, N), br["w"], br["r"]
     group = plan["num_heads"] // plan["num_kv_heads"]
     adds_dq = plan["config"].get("gluon_dkdv_dq", False)
     if adds_dq and dq32 is None:
         raise ValueError("gluon_dkdv_lanes_args: the plan's dK/dV adds dQ (gluon_dkdv_dq), and no float32 dQ was given")
     return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv,
-            *((dq32,) if adds_dq else ()), N, w, r, min(group, r), bool(accumulate),
+            *((dq32,) if adds_dq else ()), N, w, r, min(group, r), bool(accumulate), bool(clear),
             *((br["index"], *dropout) if dropout else ()))
 
 
 def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict,
-                        accumulate: bool, dropout: tuple = ()) -> tuple:
-    """The causal dq's arguments for lane branch `br` (views as gluon_dkdv_lanes_args'): q, dO,
-    k, v descriptors, lse, Delta, dq, N; the constexprs w, r and ACCUMULATE; with `dropout`, the
-    branch's index and them."""
+                        accumulate: bool, clear: bool = False, dropout: tuple = ()) -> tuple:
+    """The dq's arguments for lane branch `br` (views as gluon_dkdv_lanes_args'): q, dO, k, v
+    descriptors, lse, Delta, dq, N; the constexprs w, r, ACCUMULATE and CLEAR; with `dropout`,
+    the branch's index and them."""
     box, w, r = _boxes(plan, B, N), br["w"], br["r"]
     return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dq, N,
-            w, r, bool(accumulate), *((br["index"], *dropout) if dropout else ()))
+            w, r, bool(accumulate), bool(clear), *((br["index"], *dropout) if dropout else ()))
 
 
 def gluon_dkdv_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int) -> tuple:

@@ -1,4 +1,4 @@
-# ---- sm90: the causal dK, dV and dQ per branch in Gluon (KernelConfig.gluon_lanes_bwd;
+# ---- sm90: the dK, dV and dQ per branch in Gluon (KernelConfig.gluon_lanes_bwd;
 # runtime/backward.py launches them on a GPU for fixed-length rows whose every segment is whole,
 # gla_bwd_dkdv and gla_bwd_dq_lanes otherwise) ----
 
@@ -70,11 +70,12 @@ def gla_gluon_dkdv_lanes_block(it, j, dk, dv, k, v, q_smem, do_smem, ready, empt
 
 
 @gluon.jit
-def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
+def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
     """One consumer warpgroup: key lanes k0 = jt*128 + WG*64 ... of the segment against the
-    query blocks as the producer queued them (the Gluon dK/dV's products; the block of the
-    same lanes masked to query lane >= key lane, the one before it skipped); dK, dV added
-    into DK, DV (ACCUMULATE) or written, dK times the softmax scale."""
+    query blocks as the producer queued them (the Gluon dK/dV's products; causal: the block of
+    the same lanes masked to query lane >= key lane, the one before it skipped); dK, dV added
+    into DK, DV (ACCUMULATE) or written (CLEAR: and the gap keys zeroed), dK times the softmax
+    scale."""
     (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
      b, kvh, s, g0, jt, N, W, R, NO) = p
     dtype: gl.constexpr = q_smem.dtype
@@ -91,18 +92,19 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     v = v_smem.index(WG).reshape([64, 128])
     it = jt * 0
     for g in range(g0, 4, NO):
+        head = (b * 16 + kvh * 4 + g).to(gl.int64) * N    # head h's (B, H, N) row
+        lanes = s * W + o + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)) * R
         if WG == 1:     # the queries of the tile's first 64 lanes precede every key of this warpgroup
             mbarrier.wait(ready.index(it % GLUON_LBWD_STAGES), (it // GLUON_LBWD_STAGES) & 1)
             mbarrier.arrive(empty.index(it % GLUON_LBWD_STAGES), count=1)
             it += 1
-        head = (b * 16 + kvh * 4 + g).to(gl.int64) * N    # head h's (B, H, N) row
-        lanes = s * W + o + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)) * R
         lse_next = gl.load(Lse + head + lanes + k0 * R)
         delta_next = gl.load(Delta + head + lanes + k0 * R)
         it, dk, dv, lse_next, delta_next = gla_gluon_dkdv_lanes_block(
             it, k0 // 64, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse + head, Delta + head, lanes,
             lse_next, delta_next, blocks, R, s_layout, True)
-        for j in range(k0 // 64 + 1, blocks):
+        first = k0 // 64 + 1
+        for j in range(first, blocks):
             it, dk, dv, lse_next, delta_next = gla_gluon_dkdv_lanes_block(
                 it, j, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse + head, Delta + head, lanes,
                 lse_next, delta_next, blocks, R, s_layout, False)
@@ -116,37 +118,53 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
         dv += gl.load(DV + offs).to(gl.float32)
     gl.store(DK + offs, dk.to(dtype))
     gl.store(DV + offs, dv.to(dtype))
+    if CLEAR:
+        for c in range(NO + g0, R, NO):
+            gap = offs + (((o + c) % R - o) * 512).to(gl.int64)
+            gl.store(DK + gap, gl.zeros([64, 128], dtype, layout=o_layout))
+            gl.store(DV + gap, gl.zeros([64, 128], dtype, layout=o_layout))
 
 
 @gluon.jit
 def gla_gluon_dkdv_lanes_write0(p):
-    gla_gluon_dkdv_lanes_consume(p, 0, False)
+    gla_gluon_dkdv_lanes_consume(p, 0, False, False)
 
 
 @gluon.jit
 def gla_gluon_dkdv_lanes_write1(p):
-    gla_gluon_dkdv_lanes_consume(p, 1, False)
+    gla_gluon_dkdv_lanes_consume(p, 1, False, False)
 
 
 @gluon.jit
 def gla_gluon_dkdv_lanes_add0(p):
-    gla_gluon_dkdv_lanes_consume(p, 0, True)
+    gla_gluon_dkdv_lanes_consume(p, 0, True, False)
 
 
 @gluon.jit
 def gla_gluon_dkdv_lanes_add1(p):
-    gla_gluon_dkdv_lanes_consume(p, 1, True)
+    gla_gluon_dkdv_lanes_consume(p, 1, True, False)
+
+
+@gluon.jit
+def gla_gluon_dkdv_lanes_clear0(p):
+    gla_gluon_dkdv_lanes_consume(p, 0, False, True)
+
+
+@gluon.jit
+def gla_gluon_dkdv_lanes_clear1(p):
+    gla_gluon_dkdv_lanes_consume(p, 1, False, True)
 
 
 @gluon.jit
 def gla_gluon_dkdv_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, N, W: gl.constexpr, R: gl.constexpr,
-                       NO: gl.constexpr, ACCUMULATE: gl.constexpr):
-    """Notation (as in gla_bwd_dkdv, whose work this is for one causal branch).
+                       NO: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+    """Notation (as in gla_bwd_dkdv, whose work this is for one branch).
     W, R, NO         the branch's segment length and rate (W / R a multiple of 128), NO = min(4, R)
     q_desc, do_desc  q and dO as (B*N/R, R*H, D), column o*H + h: boxes of 64 query lanes
     k_desc, v_desc   k and v as (B*N/R, R*H_kv, D), column o*H_kv + kvh: boxes of 64 key lanes
     Lse, Delta       (B, H, N) float32: the forward's lse (natural log), rowsum(dO*O) - dlse
-    DK, DV           (B, N, H_kv, D) contiguous, in k's dtype: added into (ACCUMULATE) or written
+    DK, DV           (B, N, H_kv, D) contiguous, in k's dtype: added into (ACCUMULATE) or written;
+                     CLEAR (a first launch of r > NO): the keys no head of the group keeps written 0
     program          ((s*NO + g0)*J + jt, b*H_kv + kvh): segment s, key tile jt of 128 lanes
                      (J = W/R/128, the longest first) of offset o = (kvh*4 + g0) mod R,
                      kept by the group's heads g0, g0 + NO, ... (o = their offset mod R)
@@ -175,6 +193,9 @@ def gla_gluon_dkdv_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, N,
          b, kvh, s, g0, jt, N, W, R, NO)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_dkdv_lanes_add0, (p,)), (gla_gluon_dkdv_lanes_add1, (p,)),
+                            (gla_gluon_dkdv_lanes_producer, (p,))], [4, 1], [240, 24])
+    elif CLEAR:
+        gl.warp_specialize([(gla_gluon_dkdv_lanes_clear0, (p,)), (gla_gluon_dkdv_lanes_clear1, (p,)),
                             (gla_gluon_dkdv_lanes_producer, (p,))], [4, 1], [240, 24])
     else:
         gl.warp_specialize([(gla_gluon_dkdv_lanes_write0, (p,)), (gla_gluon_dkdv_lanes_write1, (p,)),
@@ -235,11 +256,12 @@ def gla_gluon_dq_lanes_block(t, dq, q, do, k_smem, v_smem, ready, empty, lse, de
 
 
 @gluon.jit
-def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
-    """One consumer warpgroup: dQ of query lanes q0 = mt*128 + WG*64 ... over the key blocks up
-    to its diagonal (the Gluon dQ's products, the block of the same lanes masked to key lane
-    <= query lane; the first warpgroup lets go of the last block unread), added into DQ
-    (ACCUMULATE) or written, times the softmax scale."""
+def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+    """One consumer warpgroup: dQ of query lanes q0 = mt*128 + WG*64 ... over the segment's key
+    blocks (the Gluon dQ's products; causal: up to its diagonal, the block of the same lanes
+    masked to key lane <= query lane, the first warpgroup letting go of the last block
+    unread), added into DQ (ACCUMULATE) or written, times the softmax scale; CLEAR: the rows
+    of the span that the head's other offsets keep written 0."""
     (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
      b, h, s, mt, N, W, R) = p
     dtype: gl.constexpr = q_smem.dtype
@@ -271,37 +293,52 @@ def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr):
     if ACCUMULATE:
         dq += gl.load(DQ + offs).to(gl.float32)
     gl.store(DQ + offs, dq.to(dtype))
+    if CLEAR:
+        for c in range(1, R):
+            gap = offs + (((h + c) % R - o) * 2048).to(gl.int64)
+            gl.store(DQ + gap, gl.zeros([64, 128], dtype, layout=o_layout))
 
 
 @gluon.jit
 def gla_gluon_dq_lanes_write0(p):
-    gla_gluon_dq_lanes_consume(p, 0, False)
+    gla_gluon_dq_lanes_consume(p, 0, False, False)
 
 
 @gluon.jit
 def gla_gluon_dq_lanes_write1(p):
-    gla_gluon_dq_lanes_consume(p, 1, False)
+    gla_gluon_dq_lanes_consume(p, 1, False, False)
 
 
 @gluon.jit
 def gla_gluon_dq_lanes_add0(p):
-    gla_gluon_dq_lanes_consume(p, 0, True)
+    gla_gluon_dq_lanes_consume(p, 0, True, False)
 
 
 @gluon.jit
 def gla_gluon_dq_lanes_add1(p):
-    gla_gluon_dq_lanes_consume(p, 1, True)
+    gla_gluon_dq_lanes_consume(p, 1, True, False)
+
+
+@gluon.jit
+def gla_gluon_dq_lanes_clear0(p):
+    gla_gluon_dq_lanes_consume(p, 0, False, True)
+
+
+@gluon.jit
+def gla_gluon_dq_lanes_clear1(p):
+    gla_gluon_dq_lanes_consume(p, 1, False, True)
 
 
 @gluon.jit
 def gla_gluon_dq_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, N, W: gl.constexpr, R: gl.constexpr,
-                     ACCUMULATE: gl.constexpr):
-    """Notation (as in gla_bwd_dq_lanes, whose work this is for one causal branch).
+                     ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+    """Notation (as in gla_bwd_dq_lanes, whose work this is for one branch).
     W, R             the branch's segment length and rate (W / R a multiple of 128)
     q_desc, do_desc  q and dO as (B*N/R, R*H, D), column o*H + h (o = h mod R): boxes of 64
     k_desc, v_desc   k and v as (B*N/R, R*H_kv, D), column o*H_kv + kv head: boxes of 64
     Lse, Delta       (B, H, N) float32, as in gla_gluon_dkdv_lanes
-    DQ               (B, N, H, D) contiguous, in q's dtype: added into (ACCUMULATE) or written
+    DQ               (B, N, H, D) contiguous, in q's dtype: added into (ACCUMULATE) or written;
+                     CLEAR (the first lane launch, r > 1): the rows of the other offsets written 0
     program          (s*T + t, b*H + h): segment s, query tile mt = T - 1 - t of 128 lanes
                      (T = W/R/128, the longest first)
     Two consumer warpgroups of 64 query lanes and one producer warp (gl.warp_specialize), as
@@ -329,6 +366,9 @@ def gla_gluon_dq_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, N, W: gl
          b, h, s, mt, N, W, R)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_dq_lanes_add0, (p,)), (gla_gluon_dq_lanes_add1, (p,)),
+                            (gla_gluon_dq_lanes_producer, (p,))], [4, 1], [240, 24])
+    elif CLEAR:
+        gl.warp_specialize([(gla_gluon_dq_lanes_clear0, (p,)), (gla_gluon_dq_lanes_clear1, (p,)),
                             (gla_gluon_dq_lanes_producer, (p,))], [4, 1], [240, 24])
     else:
         gl.warp_specialize([(gla_gluon_dq_lanes_write0, (p,)), (gla_gluon_dq_lanes_write1, (p,)),
