@@ -169,6 +169,8 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, default,
                               spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True,
                               dropout=dropout)
+    if stages is not None and all(b.dilation != 1 for b in branches) and "gluon_lanes_bwd" not in tuning:
+        return None     # no r = 1 branch (config D): slower than the `tl` kernels, so asked for only
     bad = [b for b in branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
     if stages is not None and len(bad) == len(branches):
         if "gluon_lanes_bwd" in tuning:
@@ -176,18 +178,6 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
                             f"w / r a multiple of 128 (segment length {bad[0].segment_length}, r = {bad[0].dilation})")
         return None
     return stages
-
-
-def gluon_lanes_bwd_over_fused(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict) -> bool:
-    """Whether the plan runs the Gluon per-branch dK/dV and lane dq in place of the fused `tl`
-    dK/dV: every branch is a lane branch (no r = 1 branch, config D) that the Gluon lane
-    backward takes, on a target where that pays (Target.gluon_lanes_bwd_over_fused), unless the
-    tuning names `fused_dkdv` or declines the Gluon dK/dV."""
-    if ("fused_dkdv" in tuning or tuning.get("gluon_dkdv_lanes") is False or tuning.get("dropout")
-            or not target.gluon_lanes_bwd_over_fused
-            or not all(b.lanes and gluon_lanes_bwd_branch(b.segment_length, b.dilation) for b in branches)):
-        return False
-    return gluon_lanes_bwd(spec, target, tiles, branches, query_order, False, tuning) is not None
 
 
 def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: dict) -> bool:

@@ -23,8 +23,8 @@ import sympy
 from . import ir
 from .dropout_plan import DROPOUT_GLUON_DQ_DIMS, dropout_refusal, dropout_tuning
 from .gluon_plan import (gluon_curve_lanes, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
-                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_lanes_bwd_over_fused,
-                         gluon_raster_lanes, gluon_split)
+                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_raster_lanes,
+                         gluon_split)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -131,8 +131,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     branches = _branch_irs(spec, orders, query_order, lanes, tiles.block_m, tuning)
     tiling = _query_tiling(branches, lanes.lattice, tiles.block_m, query_order)
     dual_chain = _dual_chain(spec, target, tiles, branches, query_order, tuning)
-    fused_dkdv = (not gluon_lanes_bwd_over_fused(spec, target, tiles, branches, query_order, tuning)
-                  and _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning))
+    fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning)
     if fused_dkdv:
         branches = [dataclasses.replace(b, fused_dkdv=_in_fused_dkdv(b, lanes.lattice)) for b in branches]
     gluon = dict(
@@ -178,9 +177,9 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
 
 def _dropout_lanes_plan(spec: Spec, target: Target, tuning: dict) -> ir.Plan | None:
     """A causal spec's dropout plan with its branches as lanes and every lane kernel in Gluon,
-    where the tuning leaves the lanes to the planner and the target runs all three kernels
-    (forward, dq, dK/dV); else None."""
-    if (not spec.causal or spec.ring_size > 1 or not target.gluon_lanes_default
+    where the tuning leaves the lanes to the planner, a branch has r = 1 (gluon_plan.gluon_lanes_bwd
+    says why) and the target runs all three kernels (forward, dq, dK/dV); else None."""
+    if (not spec.causal or spec.ring_size > 1 or not target.gluon_lanes_default or 1 not in spec.dilation_rates
             or tuning.get("lanes") is not None or tuning.get("gluon_lanes") is not None
             or tuning.get("gluon_dkdv_lanes") is False):
         return None

@@ -217,10 +217,6 @@ class Target:
     # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; the same bits. H200,
     # F causal forward 1.42 -> 1.26 ms (bench/results/forward_raster_lanes-2026-11-29-h200.json)
     gluon_raster_lanes_default: bool = False
-    # A plan whose branches are all lanes (no r = 1 branch, config D) runs the Gluon per-branch
-    # dK/dV and lane dq in place of the fused `tl` dK/dV (gluon_plan.gluon_lanes_bwd_over_fused)
-    # MEASURE
-    gluon_lanes_bwd_over_fused: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:
@@ -263,7 +259,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
               gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
               gluon_dkdv_lanes=True, gluon_exp2=((64, 8),), gluon_bwd_beside_lanes=True,
-              gluon_raster_lanes_default=True, split_wide_lattice=True, gluon_lanes_bwd_over_fused=True)
+              gluon_raster_lanes_default=True, split_wide_lattice=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

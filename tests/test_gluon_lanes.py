@@ -49,11 +49,12 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert plan(_spec(causal=False), sm90).config.gluon_lanes is None      # the Gluon forward's work
     for causal in (True, False):     # no r = 1 branch: every branch as lanes, the first clears the gaps
         no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"gluon_lanes": True})
-        assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0 and no_r1.dkdv_first_writes
-        assert no_r1.config.gluon_lanes_bwd == 4 and no_r1.config.gluon_dkdv_lanes and not no_r1.fused_dkdv
-        fused = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"fused_dkdv": True})
-        assert fused.fused_dkdv == (fused.config.gluon_lanes_bwd is None) == (not causal)   # causal: none fused
-    assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), get_target("sm80")).fused_dkdv   # no Gluon there
+        assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0
+        assert no_r1.config.gluon_lanes_bwd is None and no_r1.fused_dkdv != causal   # slower than `tl`: asked for
+        asked = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"gluon_lanes_bwd": True, "fused_dkdv": False})
+        assert asked.config.gluon_lanes_bwd == 4 and asked.config.gluon_dkdv_lanes and asked.dkdv_first_writes
+    with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: the backward runs the fused dK/dV"):
+        plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90, {"gluon_lanes_bwd": True})
     assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90).config.gluon_lanes == (128, 3)
     assert plan(_spec(dilation_rates=[2, 4, 8]), sm90).config.gluon_lanes is None    # causal: level, asked for
     longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
@@ -118,7 +119,8 @@ def test_generated_source_is_golden_and_stable():
 def _module(tmp_path, **over):
     path = tmp_path / f"gla_{abs(hash(repr(sorted(over.items())))) % 10**6}.py"
     path.write_text(codegen.emit(plan(_spec(**over), get_target("sm90"),
-                                      {"gluon_lanes": True, **({"gluon_lanes_bwd": True} if over.get("causal", True) else {}),
+                                      {"gluon_lanes": True, "gluon_lanes_bwd": True,
+                                       **({} if over.get("causal", True) else {"fused_dkdv": False}),
                                        **({"lanes": "all"} if over.get("head_dim") == 64 else {})})))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
@@ -191,7 +193,8 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     assert [x.args[-4:] for x in predicted_launches(mha, 1024) if x.role == "gluon_dq_lanes"] == \
         [(256, 1, False, False), (512, 2, True, False)]
     no_r1 = build(_spec(name="gla_aot_gap", segment_lengths=[512, 1024], dilation_rates=[2, 4], num_heads=4,
-                        num_kv_heads=2, causal=False), get_target("sm90")).module.attention
+                        num_kv_heads=2, causal=False), get_target("sm90"),
+                  {"gluon_lanes_bwd": True, "fused_dkdv": False}).module.attention
     assert [x.args[-4:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_lanes"] == \
         [(512, 2, False, True), (1024, 4, True, False)]     # the first writes the other offsets' rows too
     assert [x.args[-5:] for x in predicted_launches(no_r1, 1024) if x.role == "gluon_dkdv_lanes"] == \
@@ -250,22 +253,21 @@ GPU_CASES = [
      (1, 2048), {}),
     ("longnet_rates_mixed", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048, 4096],
                                  dilation_rates=[1, 2, 6, 12]), (1, 4096), {}),
-    # no r = 1 branch: the first launch writes "no branch" (0, -inf) into the other offsets' rows
+    # no r = 1 branch: the first launch writes "no branch" (0, -inf) into the other offsets' rows,
+    # and where the Gluon lane backward is asked for, its first launches 0 into the rows and keys
+    # no branch keeps (config D's shape: r past the group); non-causal, in place of the fused dK/dV
     ("no_r1_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8]), (2, 2048),
-     {"gluon_lanes": True}),
+     {"gluon_lanes": True, "gluon_lanes_bwd": True}),
     ("no_r1_non_causal_gaps", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
-     (2, 2048), {}),
+     (2, 2048), {"gluon_lanes_bwd": True, "fused_dkdv": False}),
     ("no_r1_non_causal_exp2_2", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
-     (2, 2048), {"gluon_exp2": 2}),
-    # config D's shape: no r = 1 branch and r past the group, so the first dK/dV launch also
-    # zeroes the keys no head of a group keeps; non-causal, its Gluon backward replaces the
-    # fused `tl` dK/dV (Target.gluon_lanes_bwd_over_fused), which "fused" asks back
+     (2, 2048), {"gluon_exp2": 2, "gluon_lanes_bwd": True, "fused_dkdv": False}),
     ("no_r1_d_like_mha", dict(num_heads=4, num_kv_heads=4, segment_lengths=[1024, 4096], dilation_rates=[4, 16],
-                              causal=False), (1, 8192), {}),
+                              causal=False), (1, 8192), {"gluon_lanes_bwd": True, "fused_dkdv": False}),
     ("no_r1_d_like_gqa_causal", dict(num_heads=8, num_kv_heads=2, segment_lengths=[1024, 4096],
-                                     dilation_rates=[4, 16]), (2, 4096), {"gluon_lanes": True}),
-    ("d_like_fused", dict(num_heads=4, num_kv_heads=4, segment_lengths=[1024, 4096], dilation_rates=[4, 16],
-                          causal=False), (1, 8192), {"fused_dkdv": True}),
+                                     dilation_rates=[4, 16]), (2, 4096), {"gluon_lanes": True, "gluon_lanes_bwd": True}),
+    ("d_like_default", dict(num_heads=4, num_kv_heads=4, segment_lengths=[1024, 4096], dilation_rates=[4, 16],
+                            causal=False), (1, 8192), {}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
 ]
@@ -294,7 +296,7 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
         want = [r in (1, 2) for r in over["dilation_rates"]]
         assert all(taken[x] == want for x in ("gluon_lanes_launch", "gluon_dkdv_lanes_launch",
                                                "gluon_dq_lanes_launch")), taken
-    elif name == "d_like_fused":    # Gluon lanes forward; the fused `tl` dK/dV and the `tl` lane dq
+    elif name == "d_like_default":  # Gluon lanes forward; the fused `tl` dK/dV and the `tl` lane dq
         assert taken["gluon_lanes_launch"] == [True, True] and not any(taken.get("gluon_dkdv_lanes_launch", [])) \
             and not any(taken["gluon_dq_lanes_launch"]), taken
     else:
