@@ -295,7 +295,7 @@ def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir)
                                                     (128, False, "gluon_dkdv_dq"), (64, True, "gluon_dkdv_dq"),
                                                     (128, False, "gluon_dkdv_lanes r6"), (128, True, "gluon_lanes r6"),
                                                     (128, False, "gluon_dkdv_lanes no_r1"),
-                                                    (128, True, "gluon_lanes no_r1")])
+                                                    (128, True, "gluon_lanes no_r1"), (128, False, "lanes")])
 def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim, causal, knob, monkeypatch):
     """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), a causal spec's lane forward,
     dq and dK/dV ({"gluon_lanes": true}), and the dK/dV adding dQ ({"gluon_dkdv_dq": true}: no
@@ -303,7 +303,8 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
     of them taken, out and every gradient exact. "r6": the last branch's r = 6 does not divide
     w, so its launches are the `tl` kernels' beside the Gluon ones, drawing the same coins.
     "no_r1" (r 4, 8, 16): the first launches write 0 into the rows and keys no branch keeps
-    (dK, dV, dQ poisoned first)."""
+    (dK, dV, dQ poisoned first). "lanes" ({"lanes": "all"}, non-causal): every branch a lane
+    branch, so the Gluon lane dq runs beside the dK/dV, in its non-causal form (every key block)."""
     from dilgen.reference import differentiable_reference
     from dilgen.runtime import backward, forward
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
@@ -313,7 +314,8 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
                  **{**SMALL, **({"dilation_rates": {"r6": [1, 2, 6], "no_r1": [4, 8, 16]}[rates]} if rates else {})})
     taken = {}
     spied = [(backward, "gluon_dkdv_lanes_launch")] + ([(forward, "gluon_lanes_launch"),
-                                                        (backward, "gluon_dq_lanes_launch")] if knob == "gluon_lanes" else [])
+                                                        (backward, "gluon_dq_lanes_launch")] if knob == "gluon_lanes" else
+                                                       [(backward, "gluon_dq_lanes_launch")] if knob == "lanes" else [])
     for module, name in spied:
         def spy(*args, real=getattr(module, name), name=name):
             got = real(*args)
@@ -328,7 +330,7 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
     q, k, v = (torch.randn(1, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
                for h in (8, 2, 2))
     attn = dilgen.compile(spec).compiled_for(q.device).attention
-    drop = twin(attn, q.device, tuning={"dropout": True, knob: True})
+    drop = twin(attn, q.device, tuning={"dropout": True, **({"lanes": "all"} if knob == "lanes" else {knob: True})})
     p, seed = 0.2, 70 + head_dim
     out, lse = _DropoutFunction.apply(q, k, v, drop, dropout_args(drop, q, p, seed), None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
