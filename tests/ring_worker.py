@@ -294,10 +294,14 @@ def fault_main(names: str, out_dir: str) -> None:
     forward and backward on P * 16 rows whose w = P * 16 branch spans every rank, with
     the fault injected on one rank. Writes fault{rank}.json after each case: where each
     rank raised (forward or backward), what, and how many seconds after the call began."""
+    import faulthandler
     import time
     import torch.distributed as dist
     import dilgen
     from dilgen.runtime.ring import shard
+    # a hang shows where: every thread's stack on stderr before the parent gives up (its
+    # DILGEN_TEST_HANG_S, tests/test_ring_faults.py), which the parent prints
+    faulthandler.dump_traceback_later(float(os.environ.get("DILGEN_TEST_HANG_S", "150")), exit=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, P = dist.get_rank(), dist.get_world_size()

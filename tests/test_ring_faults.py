@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,20 +41,35 @@ def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True,
     for rank in range(P):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   DILGEN_TEST_HANG_S=str(timeout_s - 20),
                    **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}), **(extra or {}))
         procs.append(subprocess.Popen([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout_s
     results = []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=timeout_s)
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
-            pytest.fail(f"fault cases {names} did not finish in {timeout_s:.0f} s (a hang?)")
+            pytest.fail(f"fault cases {names} did not finish in {timeout_s:.0f} s (a hang?)"
+                        + _hang_report(procs, tmp_path))
         results.append((p.returncode, err))
     del store
     return results
+
+
+def _hang_report(procs, tmp_path) -> str:
+    """What each rank had written when the test gave up: its stderr's tail (the stacks
+    that faulthandler dumped) and its case reports."""
+    text = ""
+    for rank, p in enumerate(procs):
+        _, err = p.communicate()
+        rep = tmp_path / f"fault{rank}.json"
+        text += (f"\n-- rank {rank} exit {p.returncode}, report "
+                 f"{rep.read_text() if rep.exists() else 'none'}:\n{(err or '')[-4000:]}")
+    return text
 
 
 def _reports(tmp_path) -> list[dict]:
