@@ -110,3 +110,27 @@ def test_the_first_call_measures_a_spec_only_where_asked(monkeypatch):
     monkeypatch.setenv("DILGEN_RING_MEASURE", "sometimes")
     with pytest.raises(InputError, match="DILGEN_RING_MEASURE='sometimes': use auto"):
         wanted(q)
+
+
+def test_a_recut_move_packs_rows_of_every_dtype_into_one_buffer_and_back():
+    """recut.pack / unpack: float32 statistics beside bfloat16 rows in one uint8 buffer (one
+    transfer a peer), wider elements first so every part is aligned; the rows land where
+    their runs say, the rows between them untouched."""
+    import torch
+    from dilgen.runtime.ring.recut import pack, packed_bytes, unpack
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(2, 40, 3, 8, generator=g).to(torch.bfloat16)
+    lse = torch.randn(2, 3, 40, generator=g)
+    half = torch.randn(2, 40, 3, 8, generator=g).half()
+    runs_out, runs_in = [(5, 7), (20, 3)], [(1, 7), (30, 3)]
+    buf = pack([rows, lse, half], [1, 2, 1], runs_out)
+    assert buf.dtype == torch.uint8 and buf.numel() == packed_bytes([rows, lse, half], [1, 2, 1], 10)
+    outs = [torch.full_like(rows, 7.0), torch.full_like(lse, 7.0), torch.full_like(half, 7.0)]
+    unpack(buf, outs, [1, 2, 1], runs_in)
+    for src, dst, d in zip([rows, lse, half], outs, [1, 2, 1]):
+        for (a, m), (b, _) in zip(runs_out, runs_in):
+            assert torch.equal(dst.narrow(d, b, m), src.narrow(d, a, m))
+        untouched = torch.ones(dst.shape[d], dtype=torch.bool)
+        for b, m in runs_in:
+            untouched[b:b + m] = False
+        assert (dst.index_select(d, untouched.nonzero().flatten()) == 7.0).all()

@@ -66,7 +66,8 @@ def _between(src: list, dst: list) -> list[tuple[int, int, int]]:
 def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None = None) -> list:
     """Each of `tensors` (my rows in layout src[me] along its dim in `dims`) in layout dst[me]
     (new tensors, or `into`, whose rows outside src's pieces are left as they are): one batch
-    of point-to-point transfers for all of them (of one dtype), my own rows copied."""
+    of point-to-point transfers for all of them, whatever their dtypes (the rows for one peer
+    travel as the bytes of one buffer, pack), my own rows copied."""
     P, me = run.P, run.me
     rows = sum(ln for _, ln in dst[me])
     outs = into or [torch.empty(x.shape[:d] + (rows,) + x.shape[d + 1:], dtype=x.dtype, device=x.device)
@@ -77,25 +78,47 @@ def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None
             continue
         out_runs, in_runs = _between(src[me], dst[peer]), _between(src[peer], dst[me])
         if out_runs:
-            sends[peer] = torch.cat([x.narrow(d, a, m).flatten() for x, d in zip(tensors, dims)
-                                     for a, _, m in out_runs])
+            sends[peer] = pack(tensors, dims, [(a, m) for a, _, m in out_runs])
         if in_runs:
-            per_row = [math.prod(x.shape[:d] + x.shape[d + 1:]) for x, d in zip(tensors, dims)]
-            recvs[peer] = torch.empty(sum(r * m for r in per_row for _, _, m in in_runs),
-                                      dtype=tensors[0].dtype, device=tensors[0].device)
-            lands.append((recvs[peer], in_runs))
+            recvs[peer] = torch.empty(packed_bytes(tensors, dims, sum(m for _, _, m in in_runs)),
+                                      dtype=torch.uint8, device=tensors[0].device)
+            lands.append((recvs[peer], [(b, m) for _, b, m in in_runs]))
     for a, b, m in _between(src[me], dst[me]):
         for x, y, d in zip(tensors, outs, dims):
             y.narrow(d, b, m).copy_(x.narrow(d, a, m))
-    _exchange(run, sends, recvs)      # one dtype per exchange: fp32 lse-likes move in their own
+    _exchange(run, sends, recvs)
     for buf, in_runs in lands:
-        at = 0
-        for x, y, d in zip(tensors, outs, dims):
-            for _, b, m in in_runs:
-                part = y.narrow(d, b, m)
-                part.copy_(buf[at:at + part.numel()].view(part.shape))
-                at += part.numel()
+        unpack(buf, outs, dims, in_runs)
     return outs
+
+
+def _wide_first(tensors: list) -> list[int]:
+    """The order of tensors in a packed buffer: wider elements first, so that each part starts
+    at a multiple of its element size (a float32 part after bfloat16 ones might not)."""
+    return sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+
+
+def packed_bytes(tensors: list, dims: list, rows: int) -> int:
+    """Bytes of `rows` rows of every tensor (rows along its dim in `dims`)."""
+    return sum(rows * math.prod(x.shape[:d] + x.shape[d + 1:]) * x.element_size() for x, d in zip(tensors, dims))
+
+
+def pack(tensors: list, dims: list, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows (start, length) of `runs` of every tensor, one uint8 buffer: tensor by tensor
+    (_wide_first), each tensor's runs in order, each run's rows in the tensor's order."""
+    return torch.cat([tensors[i].narrow(dims[i], a, m).flatten().view(torch.uint8)
+                      for i in _wide_first(tensors) for a, m in runs])
+
+
+def unpack(buf: torch.Tensor, outs: list, dims: list, runs: list[tuple[int, int]]) -> None:
+    """pack's inverse: the buffer's rows written into `outs` at the (start, length) of runs."""
+    at = 0
+    for i in _wide_first(outs):
+        for b, m in runs:
+            part = outs[i].narrow(dims[i], b, m)
+            size = part.numel() * part.element_size()
+            part.copy_(buf[at:at + size].view(part.dtype).view(part.shape))
+            at += size
 
 
 def _exchange(run, sends: list, recvs: list) -> None:
@@ -203,8 +226,7 @@ def recut_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     _each(run, tw, lambda x, args: forward_raw(tw, *x, dropout=args), [qc, kc, vc], [q, k, v], [1, 1, 1],
           [[out_c, lse_c], [out, lse]])
     run.at = ("return", 0, 0)
-    move(run, [out_c], copied, run.pieces, [1], into=[out])
-    move(run, [lse_c], copied, run.pieces, [2], into=[lse])
+    move(run, [out_c, lse_c], copied, run.pieces, [1, 2], into=[out, lse])
     return out, lse
 
 
@@ -215,9 +237,9 @@ def recut_backward(run, q, k, v, out, lse, grad_out, grad_lse):
     run.at = ("exchange", 0, 0)
     out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
     mine = [q, k, v, out, grad_out]
-    copies = move(run, mine, run.pieces, copied, [1] * 5)
     stats = [lse] + ([] if grad_lse is None else [grad_lse.float()])
-    stats_c = move(run, stats, run.pieces, copied, [2] * len(stats))
+    moved = move(run, mine + stats, run.pieces, copied, [1] * 5 + [2] * len(stats))
+    copies, stats_c = moved[:5], moved[5:]
     run.at = ("kernels", 0, 0)
     grads_c = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in copies[:3]]
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
