@@ -65,9 +65,16 @@ def _between(src: list, dst: list) -> list[tuple[int, int, int]]:
 
 def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None = None) -> list:
     """Each of `tensors` (my rows in layout src[me] along its dim in `dims`) in layout dst[me]
-    (new tensors, or `into`, whose rows outside src's pieces are left as they are): one batch
-    of point-to-point transfers for all of them, whatever their dtypes (the rows for one peer
-    travel as the bytes of one buffer, pack), my own rows copied."""
+    (new tensors, or `into`, whose rows outside src's pieces are left as they are): post, then
+    arrive."""
+    return arrive(run, post(run, tensors, src, dst, dims, into))
+
+
+def post(run, tensors: list, src: list, dst: list, dims: list, into: list | None = None) -> tuple:
+    """move's first half: my own rows copied, and one batch of point-to-point transfers posted
+    for all of the tensors, whatever their dtypes (the rows for one peer travel as the bytes of
+    one buffer, pack). Returns what `arrive` waits for; in between, the device is free for
+    work that needs none of the moved rows (the transfers run on their own stream)."""
     P, me = run.P, run.me
     rows = sum(ln for _, ln in dst[me])
     outs = into or [torch.empty(x.shape[:d] + (rows,) + x.shape[d + 1:], dtype=x.dtype, device=x.device)
@@ -86,7 +93,14 @@ def move(run, tensors: list, src: list, dst: list, dims: list, into: list | None
     for a, b, m in _between(src[me], dst[me]):
         for x, y, d in zip(tensors, outs, dims):
             y.narrow(d, b, m).copy_(x.narrow(d, a, m))
-    _exchange(run, sends, recvs)
+    return outs, dims, lands, sends, _post(run, sends, recvs)
+
+
+def arrive(run, posted: tuple) -> list:
+    """move's second half: wait for the transfers `post` posted and land their rows."""
+    outs, dims, lands, _sends, works = posted       # the send buffers live until the wait
+    for work in works:
+        transfer(work.wait)
     for buf, in_runs in lands:
         unpack(buf, outs, dims, in_runs)
     return outs
@@ -121,17 +135,16 @@ def unpack(buf: torch.Tensor, outs: list, dims: list, runs: list[tuple[int, int]
             at += size
 
 
-def _exchange(run, sends: list, recvs: list) -> None:
+def _post(run, sends: list, recvs: list) -> list:
     """Post the transfers with the peers that have rows for me or take rows of mine (the
-    others stay out of it) and wait for them."""
+    others stay out of it); their works, to wait for."""
     dist, ops = run.dist, []
     for d in range(run.P):
         if sends[d] is not None:
             ops.append(dist.P2POp(dist.isend, sends[d], run.peer(d), run.group))
         if recvs[d] is not None:
             ops.append(dist.P2POp(dist.irecv, recvs[d], run.peer(d), run.group))
-    for work in (transfer(dist.batch_isend_irecv, ops) if ops else []):
-        transfer(work.wait)
+    return transfer(dist.batch_isend_irecv, ops) if ops else []
 
 
 def split(targets: list, pieces: list, L: int) -> tuple[list, list]:
@@ -199,53 +212,63 @@ def _runs(run, copied: list, viewed: list) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def _each(run, tw, fn, copies: list, mine: list, dims: list, results: list) -> None:
-    """fn(views of one call's rows, dropout args at its global start) for each of _runs: the
-    results of copied pieces go into `results[0]` (their layout), of viewed ones into
-    `results[1]` (my rows)."""
+def _each(run, tw, fn, kind: str, rows: list, dims: list, results: list) -> None:
+    """fn(views of one call's rows, dropout args at its global start) for each of _runs of
+    `kind`: "view" reads my rows and writes my rows of `results`, "copy" reads the copied
+    tensors and writes theirs."""
     copied, viewed = _layouts(run)
-    for kind, start, row, ln in _runs(run, copied[run.me], viewed[run.me]):
-        src = copies if kind == "copy" else mine
-        views = [None if t is None else t.narrow(d, row, ln) for t, d in zip(src, dims)]
-        dst = results[0] if kind == "copy" else results[1]
-        for out, res in zip(dst, fn(views, _dropout(run, tw, start) if run.dropout_args is not None else ())):
+    for kind_, start, row, ln in _runs(run, copied[run.me], viewed[run.me]):
+        if kind_ != kind:
+            continue
+        views = [None if t is None else t.narrow(d, row, ln) for t, d in zip(rows, dims)]
+        for out, res in zip(results, fn(views, _dropout(run, tw, start) if run.dropout_args is not None else ())):
             out.narrow(2 if out.dim() == 3 else 1, row, ln).copy_(res)
 
 
 def recut_forward(run, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of my rows by the "recut" transport."""
+    """(out, lse) of my rows by the "recut" transport: the blocks of my own rows run while the
+    rows of the assembled blocks travel."""
     copied, _ = _layouts(run)
     tw = _twin(run, q.device)
+    fwd = lambda x, args: forward_raw(tw, *x, dropout=args)  # noqa: E731
     run.at = ("exchange", 0, 0)
-    qc, kc, vc = move(run, [q, k, v], run.pieces, copied, [1, 1, 1])
+    posted = post(run, [q, k, v], run.pieces, copied, [1, 1, 1])
+    run.at = ("kernels", 0, 0)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
+    _each(run, tw, fwd, "view", [q, k, v], [1, 1, 1], [out, lse])
+    run.at = ("exchange", 0, 0)
+    qc, kc, vc = arrive(run, posted)
     run.at = ("kernels", 0, 0)
     out_c = torch.empty_like(qc, memory_format=torch.contiguous_format)
     lse_c = torch.empty((run.B, run.H, qc.shape[1]), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((run.B, run.H, run.n_loc), dtype=torch.float32, device=q.device)
-    _each(run, tw, lambda x, args: forward_raw(tw, *x, dropout=args), [qc, kc, vc], [q, k, v], [1, 1, 1],
-          [[out_c, lse_c], [out, lse]])
+    _each(run, tw, fwd, "copy", [qc, kc, vc], [1, 1, 1], [out_c, lse_c])
     run.at = ("return", 0, 0)
     move(run, [out_c, lse_c], copied, run.pieces, [1, 2], into=[out, lse])
     return out, lse
 
 
 def recut_backward(run, q, k, v, out, lse, grad_out, grad_lse):
-    """(dq, dk, dv) of my rows by the "recut" transport."""
+    """(dq, dk, dv) of my rows by the "recut" transport, ordered as the forward."""
     copied, _ = _layouts(run)
     tw = _twin(run, q.device)
+    bwd = lambda x, args: backward_raw(tw, *x, dropout=args)  # noqa: E731
+    # the kernels' argument order: q, k, v, out, lse, dO, the lse's gradient
+    pick = lambda t, s: t[:3] + [t[3], s[0], t[4], s[1] if len(s) > 1 else None]  # noqa: E731
+    dims = [1, 1, 1, 1, 2, 1, 2]
     run.at = ("exchange", 0, 0)
     out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
     mine = [q, k, v, out, grad_out]
     stats = [lse] + ([] if grad_lse is None else [grad_lse.float()])
-    moved = move(run, mine + stats, run.pieces, copied, [1] * 5 + [2] * len(stats))
-    copies, stats_c = moved[:5], moved[5:]
+    posted = post(run, mine + stats, run.pieces, copied, [1] * 5 + [2] * len(stats))
     run.at = ("kernels", 0, 0)
-    grads_c = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in copies[:3]]
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    pick = lambda t, s: t[:3] + [t[3], s[0], t[4], s[1] if len(s) > 1 else None]  # noqa: E731
-    _each(run, tw, lambda x, args: backward_raw(tw, *x, dropout=args), pick(copies, stats_c),
-          pick(mine, stats), [1, 1, 1, 1, 2, 1, 2], [grads_c, grads])
+    _each(run, tw, bwd, "view", pick(mine, stats), dims, grads)
+    run.at = ("exchange", 0, 0)
+    moved = arrive(run, posted)
+    run.at = ("kernels", 0, 0)
+    grads_c = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in moved[:3]]
+    _each(run, tw, bwd, "copy", pick(moved[:5], moved[5:]), dims, grads_c)
     run.at = ("return", 0, 0)
     move(run, grads_c, copied, run.pieces, [1, 1, 1], into=grads)
     return tuple(grads)
