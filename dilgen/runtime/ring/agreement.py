@@ -278,7 +278,7 @@ def _agree(spec: dict, q, k, v, order: str, group, P: int, me: int, dist,
             collective(dist, agree_on, lambda: dist.all_gather(every, mine, group=agree_on), (mine, *every))
         except PeerLost as exc:
             raise refuse_closed(name, dist, group, P, me, exc) from exc.__cause__
-        rows = [x.tolist() for x in every]
+        rows = torch.stack(every).tolist()     # one read back, not one per rank
     key, frees = fault_key(rows[0][-3]), [r[-1] for r in rows if r[-1] >= 0]
     message = _verdict(name, [r[:-3] for r in rows], error, P)
     if message is not None:
