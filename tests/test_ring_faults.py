@@ -42,7 +42,8 @@ def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True,
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    DILGEN_TEST_HANG_S=str(timeout_s - 20),
-                   **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}), **(extra or {}))
+                   **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}))
+        env.update(extra or {})
         procs.append(subprocess.Popen([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout_s
