@@ -120,7 +120,7 @@ def packed_bytes(tensors: list, dims: list, rows: int) -> int:
 def pack(tensors: list, dims: list, runs: list[tuple[int, int]]) -> torch.Tensor:
     """The rows (start, length) of `runs` of every tensor, one uint8 buffer: tensor by tensor
     (_wide_first), each tensor's runs in order, each run's rows in the tensor's order."""
-    return torch.cat([tensors[i].narrow(dims[i], a, m).flatten().view(torch.uint8)
+    return torch.cat([tensors[i].narrow(dims[i], a, m).contiguous().view(torch.uint8).flatten()
                       for i in _wide_first(tensors) for a, m in runs])
 
 
