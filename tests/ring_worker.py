@@ -252,13 +252,17 @@ FAULTS = {
     "fwd_kill": ("ring", 2, "forward", 1, "kill", "default"),
     # rank 0 killed when it hosts the store (started without torchrun)
     "host_kill": ("ring", 0, "forward", 1, "kill", "default"),
+    # "recut": the kernels of a rank's own blocks raise while its posted transfers travel
+    "fwd_recut": ("recut", 0, "forward", 0, "kernel", "own"),
+    "bwd_recut": ("recut", 2, "backward", 0, "kernel", "own"),
 }
 
 
 class injected:
     """Test hook, this process only: on rank `fail`, RingRun.run (the kernels of one step)
     raises, or kills the process, when pass `direction` reaches step index `step`; for
-    direction "setup", RingRun._transport raises (the forward's set-up)."""
+    direction "setup", RingRun._transport raises (the forward's set-up); how "kernel": the
+    recut transport's single-device kernels raise at their call index `step` of the pass."""
 
     def __init__(self, rank: int, fail: int, direction: str, step: int, how: str):
         self.active, self.args = rank == fail, (rank, direction, step, how)
@@ -279,14 +283,31 @@ class injected:
 
         def setup(ring, *inputs):
             raise RuntimeError(f"injected fault on rank {rank}, {direction} step index {step}")
-        if self.active:
+        if self.active and how == "kernel":
+            self._patch_recut(rank, direction, step)
+        elif self.active:
             RingRun.run = run
             if direction == "setup":
                 RingRun._transport = setup
 
+    def _patch_recut(self, rank, direction, step):
+        from dilgen.runtime.ring import recut
+        name = "forward_raw" if direction == "forward" else "backward_raw"
+        plain, calls = getattr(recut, name), []
+        self.restore = (recut, name, plain)
+
+        def kernels(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == step + 1:
+                raise RuntimeError(f"injected fault on rank {rank}, {direction} step index {step}")
+            return plain(*args, **kwargs)
+        setattr(recut, name, kernels)
+
     def __exit__(self, *exc):
         from dilgen.runtime.ring.run import RingRun
         RingRun.run, RingRun._transport = self.plain, self.plain_transport
+        if getattr(self, "restore", None):
+            setattr(*self.restore)
 
 
 def fault_main(names: str, out_dir: str) -> None:
@@ -310,8 +331,11 @@ def fault_main(names: str, out_dir: str) -> None:
         transport, fail, direction, step, how, where = FAULTS[name]
         group = dist.new_group(list(range(P))) if where == "own" else None
         os.environ["DILGEN_RING_TRANSPORT"] = transport
+        # recut (P = 4): lcm 6, so the borders at 16 and 32 move to 12 and 30; ranks 0 and 2 each
+        # run a block of their own rows on a view and assemble one that takes rank 1's rows
         spec = dilgen.Spec(name=f"fault_{name}", num_heads=2, head_dim=16, dtype="float32",
-                           segment_lengths=[16, 16 * P], dilation_rates=[1, 2], ring_size=P)
+                           segment_lengths=[2, 6] if transport == "recut" else [16, 16 * P],
+                           dilation_rates=[1, 2], ring_size=P)
         kernel = dilgen.compile(spec)
         gen = torch.Generator().manual_seed(5)
         q, k, v = (shard(torch.randn(1, 16 * P, 2, 16, generator=gen), P, rank).requires_grad_(True)

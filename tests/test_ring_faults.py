@@ -134,6 +134,41 @@ def test_rank_failing_mid_call_makes_every_rank_raise(tmp_path, agree):
 
 
 @pytest.mark.timeout(300)
+def test_a_recut_kernel_failing_while_transfers_travel_makes_every_rank_raise(tmp_path):
+    """The recut transport posts its transfers, then runs the kernels of a rank's own blocks
+    while they travel. A rank whose kernels raise there (forward, then backward) closes the
+    group with its transfers still posted: a rank that exchanges rows with it raises
+    RingAborted naming it, within seconds; in the forward every other rank is refused by the
+    backward's agreement; in the backward a rank that needs nothing more from it may return
+    its rows. Every process ends cleanly (each case caught: exit 0)."""
+    cases = ["fwd_recut", "bwd_recut"]
+    results = _launch(",".join(cases), tmp_path)
+    reports = _reports(tmp_path)
+    stderr = "".join(f"\n-- rank {r} exit {rc}:\n{err[-3000:]}" for r, (rc, err) in enumerate(results))
+    for rank, (rc, err) in enumerate(results):
+        assert rc == 0 and "terminate called" not in err, f"rank {rank} exited {rc}:{stderr}"
+    for name in cases:
+        _, fail, direction, step, _, _ = ring_worker.FAULTS[name]
+        where = f"the single-device kernels of the ring {direction}"
+        raised = []
+        for rank, rep in enumerate(reports):
+            e, at = rep[name], f"{name} rank {rank}: {rep[name]}{stderr}"
+            if e["type"] is None:            # returned its rows: only where nothing more was needed
+                assert direction == "backward" and rank != fail, at
+                continue
+            raised.append(rank)
+            assert e["type"] == "RingAborted" and "\n" not in e["error"] and e["seconds"] < SECONDS, at
+            assert f"injected fault on rank {fail}, {direction} step index {step}" in e["error"], at
+            if rank == fail:
+                assert e["error"].startswith(f"fault_{name}: rank {fail} (this rank) failed during {where}"), at
+            else:
+                assert f"rank {fail} failed during {where}" in e["error"] or \
+                    f"an earlier ring call on this group failed (rank {fail}, {where}" in e["error"], at
+        assert fail in raised and (len(raised) == P or direction == "backward") and len(raised) > 1, \
+            f"{name}: ranks {raised} raised{stderr}"
+
+
+@pytest.mark.timeout(300)
 def test_killed_rank_makes_every_rank_raise(tmp_path):
     """Rank 2 is killed (SIGKILL) inside a forward step on the default group: the others
     raise RingAborted (a lost peer, no record: it may have died) within seconds and exit 0
