@@ -30,6 +30,39 @@ def port_taken(errors: list[dict]) -> bool:
                for e in errors)
 
 
+def run_together(cmds: list, out_dir, timeout_s: float, what: str, merge: bool = False,
+                 detail=None, cwd=None) -> list[tuple[int, str]]:
+    """Run processes that wait on each other (ring ranks, torchrun nodes): `cmds` is a list of
+    (argv, env); (exit code, stderr, or stdout and stderr with merge) of each. Each one's output
+    goes to a file of out_dir, not a pipe: a pipe fills while the test reads another process's,
+    and a rank blocked writing to it stalls every rank that waits for it. Past timeout_s all
+    are killed and the test fails, "`what` did not finish in N s (a hang?)", with each one's
+    exit code, output tail and `detail(i)` (what else it left behind)."""
+    import time
+
+    import pytest
+    from pathlib import Path
+    paths = [Path(out_dir) / f"proc{i}.out" for i in range(len(cmds))]
+    procs = []
+    for (argv, env), path in zip(cmds, paths):
+        with open(path, "w") as f:
+            procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=f if merge else subprocess.DEVNULL,
+                                          stderr=subprocess.STDOUT if merge else f))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+        pytest.fail(f"{what} did not finish in {timeout_s:.0f} s (a hang?)" + "".join(
+            f"\n-- process {i} exit {p.returncode}{detail(i) if detail else ''}:\n"
+            f"{path.read_text(errors='replace')[-4000:]}" for i, (p, path) in enumerate(zip(procs, paths))))
+    return [(p.returncode, path.read_text(errors="replace")) for p, path in zip(procs, paths)]
+
+
 def join_ranks(ctx, timeout_s: float, what: str) -> None:
     """Wait for the ranks torch.multiprocessing.start_processes(join=False) started: a rank's
     failure raises as join raises it (ProcessExitedException, ProcessRaisedException); past

@@ -17,7 +17,7 @@ from dilgen.runtime.ring import RingError, shard, unshard
 from dilgen.targets import get_target
 
 import ring_worker
-from proc_tree import free_port as _free_port, join_ranks, port_taken  # noqa: E402
+from proc_tree import free_port as _free_port, join_ranks, port_taken, run_together  # noqa: E402
 
 pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
@@ -447,28 +447,16 @@ def _refused_run(mode: str, tmp_path, P: int = 2) -> list[tuple[int, str]]:
     """refused_main (ring_worker.py) on P ranks started as torchrun starts them (fresh
     interpreters that end through the interpreter's teardown); (exit code, stderr) per rank."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
     script = Path(ring_worker.__file__)
     for attempt in (1, 2):
         port = _free_port()
-        procs = []
-        for rank in range(P):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, str(script), "refused", mode, str(tmp_path)],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          text=True))
-        results = []
-        for p in procs:
-            try:
-                _, err = p.communicate(timeout=240)
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.kill()
-                pytest.fail(f"refused ring ({mode}) did not finish in 240 s (a hang?)")
-            results.append((p.returncode, err))
+        cmds = [([sys.executable, str(script), "refused", mode, str(tmp_path)],
+                 dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+                for rank in range(P)]
+        results = run_together(cmds, tmp_path, 240, f"refused ring ({mode})")
         if attempt == 1 and any("EADDRINUSE" in err for _, err in results):
             continue                      # the port was taken before rank 0 listened on it
         return results

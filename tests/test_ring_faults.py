@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import ring_worker
-from proc_tree import free_port as _free_port  # noqa: E402
+from proc_tree import free_port as _free_port, run_together  # noqa: E402
 
 pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
 
@@ -37,40 +35,21 @@ def _launch(names: str, tmp_path, timeout_s: float = 180, agent: bool = True,
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60)) if agent else None
     port = store.port if agent else _free_port()
-    procs = []
+    cmds = []
     for rank in range(P):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    DILGEN_TEST_HANG_S=str(timeout_s - 20),
                    **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent else {}))
         env.update(extra or {})
-        procs.append(subprocess.Popen([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout_s
-    results = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            pytest.fail(f"fault cases {names} did not finish in {timeout_s:.0f} s (a hang?)"
-                        + _hang_report(procs, tmp_path))
-        results.append((p.returncode, err))
+        cmds.append(([sys.executable, ring_worker.__file__, "fault", names, str(tmp_path)], env))
+
+    def report(rank):               # the cases it had written (the stacks faulthandler dumped are in its stderr)
+        rep = tmp_path / f"fault{rank}.json"
+        return f", report {rep.read_text() if rep.exists() else 'none'}"
+    results = run_together(cmds, tmp_path, timeout_s, f"fault cases {names}", detail=report)
     del store
     return results
-
-
-def _hang_report(procs, tmp_path) -> str:
-    """What each rank had written when the test gave up: its stderr's tail (the stacks
-    that faulthandler dumped) and its case reports."""
-    text = ""
-    for rank, p in enumerate(procs):
-        _, err = p.communicate()
-        rep = tmp_path / f"fault{rank}.json"
-        text += (f"\n-- rank {rank} exit {p.returncode}, report "
-                 f"{rep.read_text() if rep.exists() else 'none'}:\n{(err or '')[-4000:]}")
-    return text
 
 
 def _reports(tmp_path) -> list[dict]:
@@ -210,7 +189,7 @@ def test_store_host_killed_leaves_one_line(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_ring_over_two_nodes_on_one_machine():
+def test_ring_over_two_nodes_on_one_machine(tmp_path):
     """torchrun --nnodes 2 --nproc-per-node 2, started twice (node ranks 0 and 1) on one
     machine: P = 4 over gloo, ranks 1 and 2 on different "nodes", w = 64 over 16 rows per
     rank spans all four (examples/ring_torchrun.py --check exits 1 past 1e-4)."""
@@ -220,20 +199,12 @@ def test_ring_over_two_nodes_on_one_machine():
                          "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-backend", "static",
                          str(ROOT / "examples" / "ring_torchrun.py"), "--cpu", "--tokens", "64", "--check"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        nodes = [subprocess.Popen(cmd(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in (0, 1)]
-        outs = []
-        for p in nodes:
-            try:
-                outs.append(p.communicate(timeout=300)[0])
-            except subprocess.TimeoutExpired:
-                for other in nodes:
-                    other.kill()
-                pytest.fail("torchrun --nnodes 2 did not finish in 300 s (a hang?)")
+        nodes = run_together([(cmd(i), env) for i in (0, 1)], tmp_path, 300, "torchrun --nnodes 2", merge=True)
+        outs = [out for _, out in nodes]
         if attempt == 1 and any("EADDRINUSE" in o or "address already in use" in o for o in outs):
             continue                        # the port was taken before node 0 listened on it
-        for i, (p, out) in enumerate(zip(nodes, outs)):
-            assert p.returncode == 0, f"node {i} exited {p.returncode}:\n{out[-4000:]}"
+        for i, (rc, out) in enumerate(nodes):
+            assert rc == 0, f"node {i} exited {rc}:\n{out[-4000:]}"
         errors = {int(m[0]): float(m[1]) for m in
                   re.findall(r"rank (\d): relative error against float64 (\d\.\d+e[-+]\d+)", "".join(outs))}
         # (a node's two ranks share its stdout, so lines may run into each other: match the number only)

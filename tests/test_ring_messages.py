@@ -4,14 +4,13 @@ accumulator rows no window has written yet (their leftovers made numpy RuntimeWa
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dilgen.runtime.ring.agreement import _FIELDS, _verdict
-from proc_tree import free_port
+from proc_tree import free_port, run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,15 +86,8 @@ def test_ring_forward_never_computes_on_unwritten_accumulator_rows(tmp_path):
     env.update(DILGEN_CACHE_DIR=str(tmp_path / "cache"), DILGEN_RING_TRANSPORT="ring",
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], cwd=ROOT, text=True,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    try:
-        for r, p in enumerate(ranks):
-            out = p.communicate(timeout=240)[0]
-            assert p.returncode == 0, f"rank {r}:\n{out[-4000:]}"
-            assert "RuntimeWarning" not in out, f"rank {r}:\n{out[-4000:]}"
-    finally:
-        for p in ranks:
-            p.kill()
+    ranks = run_together([([sys.executable, "-c", RANK_SCRIPT], dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+                          for r in range(2)], tmp_path, 240, "two ranks", merge=True, cwd=ROOT)
+    for r, (rc, out) in enumerate(ranks):
+        assert rc == 0, f"rank {r}:\n{out[-4000:]}"
+        assert "RuntimeWarning" not in out, f"rank {r}:\n{out[-4000:]}"
