@@ -170,3 +170,71 @@ def test_heads_turns_sequence_shards_into_head_shards_and_back(seed):
             finish()
             assert torch.equal(back[r][:, :, chunk], mine[r][:, :, chunk]), f"rank {r}, chunk {c}: rows came back wrong"
             assert (back[r][:, :, others] == -1).all(), f"rank {r}, chunk {c}: another chunk's heads written"
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_ring_steps_pair_every_send_with_a_receive_of_its_shape_and_ship_the_kept_rows(seed):
+    """RingRun.post_keys and post_returns over random ring schedules (P 2-4, both chunk
+    orders, causal or not, GQA, two or three branches with random segments and rates): in
+    every step each rank's sends meet a receive of the same shape on their peer, forward
+    (the key pieces, compacted) and backward (the partial dK, dV going home); a compacted
+    piece holds, for kv head h, the sender's rows j*g + (h mod g) (the rows head h's query
+    offsets keep), whatever _compact does."""
+    import dilgen
+    from dilgen.planner import plan
+    from dilgen.runtime.ring.run import RingRun
+    from dilgen.schedule import ring_schedule
+    from dilgen.targets import get_target
+    rnd = random.Random(seed)
+    P, order, causal = rnd.choice([2, 3, 4]), rnd.choice(["contiguous", "zigzag"]), rnd.choice([False, True])
+    H, Hkv = rnd.choice([(4, 4), (8, 8), (4, 4), (4, 2), (8, 2)])   # MHA twice as often: its strides exceed 1
+    n_loc = 2 * rnd.choice([4, 6, 8, 12])
+    N = P * n_loc
+    ws, rs = [], []
+    for _ in range(rnd.choice([2, 3])):
+        r = rnd.choice([1, 2, 3, 4])
+        ws.append(r * rnd.choice([1, 2, 3, 4, 6, 8]))
+        rs.append(r)
+    spec = dilgen.Spec(name="exch", num_heads=H, num_kv_heads=Hkv, head_dim=8, segment_lengths=ws,
+                       dilation_rates=rs, causal=causal, ring_size=P)
+    sched = ring_schedule(plan(spec, get_target("interpreter")).ring.to_json(), N, order)
+    pieces = sched["pieces"]
+    wire = _Wire()
+    runs = []
+    for me in range(P):
+        run = RingRun.__new__(RingRun)               # the geometry post_keys reads, no agreement
+        run.P, run.me, run.dist, run.group, run.pieces = P, me, wire, None, pieces
+        run.rows0 = [sum(ln for _, ln in pieces[me][:i]) for i in range(len(pieces[me]))]
+        run.peer = lambda r: r
+        runs.append(run)
+    B = 2
+    keys = [(_rows_of(pieces[r]).float()[None, :, None, None] * 100 + torch.arange(Hkv)[None, None, :, None]
+             + 0.5 * torch.arange(B)[:, None, None, None]).expand(B, n_loc, Hkv, 3).contiguous() for r in range(P)]
+    for step in sched["steps"][1:]:
+        posted = []
+        for r in range(P):
+            wire.me = r
+            posted.append(runs[r].post_keys(step, (keys[r], keys[r] + 0.25)))
+        wire.deliver()
+        t = step["offset"]
+        for r in range(P):
+            got = posted[r].wait()
+            if not step["ranks"][r]["recv"]:
+                assert got == []
+                continue
+            src = (r - t) % P
+            for i, ((start, ln), g, (k, v)) in enumerate(zip(pieces[src], step["ranks"][r]["stride"], got)):
+                rows = torch.arange(ln // g)[:, None] * g + torch.arange(Hkv)[None, :] % g     # (n/g, Hkv)
+                want = torch.stack([keys[src][:, runs[src].rows0[i] + rows[:, h], h] for h in range(Hkv)], dim=2)
+                assert torch.equal(k, want) and torch.equal(v, want + 0.25), f"step {t}: rank {r}'s piece {i} of {src}"
+        partials = [[[torch.ones(b.shape, dtype=torch.float32) for b in bufs] for bufs in posted[r].recv]
+                    if step["ranks"][r]["recv"] else None for r in range(P)]
+        returns = []
+        for r in range(P):
+            wire.me = r
+            returns.append(runs[r].post_returns(step, partials[r], keys[r]))
+        wire.deliver()
+        for r, ex in enumerate(returns):
+            if ex is not None:
+                for _, _, bufs in (ex.wait() if step["ranks"][r]["send"] else []):
+                    assert all((b == 1).all() for b in bufs), f"step {t}: rank {r}'s partials came home wrong"
