@@ -55,6 +55,19 @@ def _ring(P: int, ws: list[int]) -> dict:
             "branches": [{"index": i, "w": w, "r": 1, "raster": True} for i, w in enumerate(ws)]}
 
 
+def _runs(P: int, wire: _Wire, pieces: list, N: int = 0) -> list:
+    """P RingRuns holding only the geometry the moves read (no agreement, no kernels)."""
+    from dilgen.runtime.ring.run import RingRun
+    runs = []
+    for me in range(P):
+        run = RingRun.__new__(RingRun)
+        run.P, run.me, run.N, run.dist, run.group, run.pieces = P, me, N, wire, None, pieces
+        run.rows0 = [sum(ln for _, ln in pieces[me][:i]) for i in range(len(pieces[me]))]
+        run.peer = lambda r: r
+        runs.append(run)
+    return runs
+
+
 def _rows_of(layout) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + ln) for s, ln in layout]) if layout else torch.zeros(0, dtype=torch.long)
 
@@ -77,15 +90,13 @@ def test_recut_moves_every_row_to_its_new_rank_and_back(seed):
     pieces = ring_pieces(n, P, order)
     copied, viewed = split(targets, pieces, L)
     B, H = rnd.choice([1, 2]), 2
-    rows_of = _rows_of
     # a rank's tensors: (B, rows, H, 3) bfloat16 and (B, H, rows) float32, each entry naming its global row
     def tensors(layout):
-        g = rows_of(layout).float()
+        g = _rows_of(layout).float()
         x = (g[None, :, None, None] + 1000 * torch.arange(B)[:, None, None, None]).expand(B, len(g), H, 3)
         return [x.to(torch.bfloat16).contiguous(), (g[None, None, :] * 0.5).expand(B, H, len(g)).contiguous()]
     wire = _Wire()
-    runs = [type("Run", (), {"P": P, "me": r, "dist": wire, "group": None, "peer": staticmethod(lambda d: d)})()
-            for r in range(P)]
+    runs = _runs(P, wire, pieces)
     mine = [tensors(pieces[r]) for r in range(P)]
     posted = []
     for r in range(P):
@@ -97,18 +108,18 @@ def test_recut_moves_every_row_to_its_new_rank_and_back(seed):
         want = tensors(copied[r])
         assert all(torch.equal(a, b) for a, b in zip(moved[r], want)), f"rank {r}: rows of another rank landed wrong"
         # every row of the copied blocks is some rank's, and no row of mine is both viewed and copied
-        assert not set(rows_of(copied[r]).tolist()) & set(rows_of(viewed[r]).tolist())
-        assert sorted(rows_of(copied[r]).tolist() + rows_of(viewed[r]).tolist()) == \
-            sorted(rows_of(targets[r]).tolist())
+        assert not set(_rows_of(copied[r]).tolist()) & set(_rows_of(viewed[r]).tolist())
+        assert sorted(_rows_of(copied[r]).tolist() + _rows_of(viewed[r]).tolist()) == \
+            sorted(_rows_of(targets[r]).tolist())
     back, posted = [[torch.full_like(t, -1.0) for t in mine[r]] for r in range(P)], []
     for r in range(P):
         wire.me = r
         posted.append(post(runs[r], moved[r], copied, pieces, [1, 2], into=back[r]))
     wire.deliver()
-    every_copied = rows_of([p for rank in copied for p in rank])
+    every_copied = _rows_of([p for rank in copied for p in rank])
     for r in range(P):
         arrive(runs[r], posted[r])
-        went = torch.isin(rows_of(pieces[r]), every_copied)       # my rows some rank assembled
+        went = torch.isin(_rows_of(pieces[r]), every_copied)       # my rows some rank assembled
         for d, got, want in zip((1, 2), back[r], mine[r]):
             out, stay = went.nonzero().flatten(), (~went).nonzero().flatten()
             # the rows that went out come back exactly; the others stay as `into` had them
@@ -129,18 +140,7 @@ def test_heads_turns_sequence_shards_into_head_shards_and_back(seed):
     H, N = P * C * hc, 2 * P * rnd.choice([2, 3])
     pieces = ring_pieces(N, P, order)
     wire = _Wire()
-
-    class Run:
-        def __init__(self, me):
-            self.P, self.me, self.N, self.dist, self.group, self.pieces = P, me, N, wire, None, pieces
-            self.rows0 = [sum(ln for _, ln in pieces[me][:i]) for i in range(len(pieces[me]))]
-
-        def peer(self, d):
-            return d
-
-        def piece(self, x, i):
-            return x.narrow(1, self.rows0[i], self.pieces[self.me][i][1])
-    runs = [Run(r) for r in range(P)]
+    runs = _runs(P, wire, pieces, N)
 
     def values(rows):        # entry (b, row, h, x) names its global row, head and batch item
         g = rows.float()[None, :, None, None]
@@ -182,7 +182,6 @@ def test_ring_steps_pair_every_send_with_a_receive_of_its_shape_and_ship_the_kep
     offsets keep), whatever _compact does."""
     import dilgen
     from dilgen.planner import plan
-    from dilgen.runtime.ring.run import RingRun
     from dilgen.schedule import ring_schedule
     from dilgen.targets import get_target
     rnd = random.Random(seed)
@@ -200,13 +199,7 @@ def test_ring_steps_pair_every_send_with_a_receive_of_its_shape_and_ship_the_kep
     sched = ring_schedule(plan(spec, get_target("interpreter")).ring.to_json(), N, order)
     pieces = sched["pieces"]
     wire = _Wire()
-    runs = []
-    for me in range(P):
-        run = RingRun.__new__(RingRun)               # the geometry post_keys reads, no agreement
-        run.P, run.me, run.dist, run.group, run.pieces = P, me, wire, None, pieces
-        run.rows0 = [sum(ln for _, ln in pieces[me][:i]) for i in range(len(pieces[me]))]
-        run.peer = lambda r: r
-        runs.append(run)
+    runs = _runs(P, wire, pieces, N)
     B = 2
     keys = [(_rows_of(pieces[r]).float()[None, :, None, None] * 100 + torch.arange(Hkv)[None, None, :, None]
              + 0.5 * torch.arange(B)[:, None, None, None]).expand(B, n_loc, Hkv, 3).contiguous() for r in range(P)]
