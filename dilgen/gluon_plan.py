@@ -191,19 +191,19 @@ def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: 
     return want and lanes_bwd is not None
 
 
-def gluon_dkdv_dq(spec: Spec, dkdv_lanes: bool, tuning: dict, dropout: bool) -> bool:
-    """KernelConfig.gluon_dkdv_dq: the tuning's (off by default), for a dropout plan whose
-    per-branch dK/dV is Gluon on every branch; asked of any other plan, refused by name."""
+def gluon_dkdv_dq(spec: Spec, dkdv_lanes: bool, tuning: dict) -> bool:
+    """KernelConfig.gluon_dkdv_dq: the tuning's (off by default), for a plan whose per-branch
+    dK/dV is Gluon on every branch (its blocks then hold queries along rows and add dQ, and no
+    dq kernel runs); asked of any other plan, refused by name."""
     want = tuning.get("gluon_dkdv_dq", False)
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq takes true or false (asked: {want!r})")
-    why = ("a plan without attention dropout" if not dropout else
-           "a plan whose per-branch dK/dV is not Gluon" if not dkdv_lanes else
+    why = ("a plan whose per-branch dK/dV is not Gluon" if not dkdv_lanes else
            None if all(gluon_lanes_bwd_branch(w, r) for w, r in spec.branches()) else
            "a branch's dK/dV runs in the `tl` kernel (w / r not a multiple of 128), which adds no dQ")
     if want and why is not None:
-        raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq cannot run here: {why} (it is the dropout plan's "
-                        f"Gluon dK/dV adding dQ; ask for that with {{\"dropout\": true, \"gluon_dkdv_lanes\": true}} "
+        raise SpecError(f"{spec.name}: tuning gluon_dkdv_dq cannot run here: {why} (it is the Gluon per-branch "
+                        f"dK/dV adding dQ; ask for that with {{\"gluon_lanes_bwd\": true, \"gluon_dkdv_lanes\": true}} "
                         f"to see why)")
     return want
 

@@ -66,7 +66,7 @@ def test_the_dropout_plans_lane_dkdv_is_gluon_by_default_and_where_a_tuning_asks
     assert plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": 2}).config.gluon_lanes_bwd == 2
     text = codegen.emit(plan(spec, sm90, {"dropout": True, "gluon_dkdv_lanes": True}))
     assert "gluon_dkdv_lanes=gdl_gluon_dkdv_lanes" in text
-    assert "def gdl_gluon_dkdv_lanes_drop_block(" in text and "_keep64(" in text
+    assert "def gdl_gluon_dkdv_lanes_rows_block(" in text and "_keep64(" in text
     with pytest.raises(dilgen.SpecError, match="gluon_lanes_bwd cannot run here: a ring"):
         plan(_spec("gdl", causal=causal, ring_size=2), sm90, {"dropout": True, "gluon_dkdv_lanes": True})
     with pytest.raises(dilgen.SpecError, match="8 stages at head_dim 128 need"):
@@ -100,18 +100,17 @@ def test_the_dropout_plans_lanes_are_gluon_by_default_and_where_a_tuning_asks():
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_dropout_plans_dkdv_adds_dq_where_a_tuning_asks(causal):
     """{"gluon_dkdv_dq": true}: the dropout plan's Gluon per-branch dK/dV adds each block's dQ
-    share into a float32 buffer (the module's kernel takes DQ, its blocks atomics); off by
-    default; refused by name without dropout, with the `tl` dK/dV, and for a value not a bool."""
+    share into a float32 buffer (the module's kernel takes DQ, its blocks reductions); off by
+    default; refused by name with the `tl` dK/dV and for a value not a bool."""
     sm90 = get_target("sm90")
     spec = _spec("gdq", causal=causal)
     assert not plan(spec, sm90, {"dropout": True}).config.gluon_dkdv_dq
     p = plan(spec, sm90, {"dropout": True, "gluon_dkdv_dq": True})
     assert p.config.gluon_dkdv_dq and p.config.gluon_dkdv_lanes
     text = codegen.emit(p)
-    assert "Lse, Delta, DK, DV, DQ, N, W: gl.constexpr" in text and "gl.atomic_add(dq_ptrs" in text
-    assert "gl.atomic_add" not in codegen.emit(plan(spec, sm90, {"dropout": True}))
-    for tuning, why in (({"gluon_dkdv_dq": True}, "a plan without attention dropout"),
-                        ({"dropout": True, "gluon_dkdv_lanes": False, "gluon_dkdv_dq": True}, "is not Gluon"),
+    assert "Lse, Delta, DK, DV, DQ, N, W: gl.constexpr" in text and "gdq_gluon_dq_add(dq_ptrs" in text
+    assert "_dq_add" not in codegen.emit(plan(spec, sm90, {"dropout": True}))
+    for tuning, why in (({"dropout": True, "gluon_dkdv_lanes": False, "gluon_dkdv_dq": True}, "is not Gluon"),
                         ({"dropout": True, "gluon_dkdv_dq": 1}, "takes true or false")):
         with pytest.raises(dilgen.SpecError, match=f"tuning gluon_dkdv_dq.*{why}"):
             plan(spec, sm90, tuning)
@@ -126,7 +125,8 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     """Under both CI Tritons: the queries-along-rows blocks with the forward's coins compile for
     sm90; each consumer's (P Z)^T and dS^T are stored, fenced and barriered before the wgmma
     that reads them (a 128-thread named barrier: the warpgroup's); with gluon_dkdv_dq, dQ's
-    shares reach the float32 buffer by relaxed float32 reductions."""
+    shares reach the float32 buffer by relaxed reductions of two float32 (the template's _dq_add), and by
+    nothing else."""
     import re
     from triton.experimental.gluon import language as gl
     spec = _spec(f"gdl_{head_dim}_{int(causal)}_{int(adds_dq)}", head_dim=head_dim, causal=causal)
@@ -142,7 +142,8 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
-    assert bool(re.search(r"(red|atom)\.global\.gpu\.relaxed\.add\.f32", ptx)) == adds_dq   # 3.9: red, 3.6: atom
+    assert bool(re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)) == adds_dq
+    assert not re.search(r"(red|atom)\.[a-z.]*add\.f32", ptx)                # no one-element atomics
 
 
 @needs_gluon

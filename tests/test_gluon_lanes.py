@@ -168,6 +168,37 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
 
 
 @needs_gluon
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_dkdv_adding_dq_compiles_for_sm90_with_paired_reductions(tmp_path, head_dim):
+    """{"gluon_dkdv_dq": true} without dropout: the per-branch Gluon dK/dV's blocks hold queries
+    along rows and add dS K into a float32 DQ, two adjacent columns a reduction (the template's
+    _dq_add asserts at compile time that the accumulator's registers 2m, 2m + 1 are columns
+    c, c + 1 of a row); under both CI Tritons it compiles for sm90 with red.global.add.v2.f32
+    and no one-element atomic. Off by default; the fused dK/dV, which adds no dQ, refuses it by
+    name."""
+    import re
+    from triton.experimental.gluon import language as gl
+    from conftest import compile_sm90, load_emitted
+    sm90, spec = get_target("sm90"), _spec(name=f"gdq{head_dim}", head_dim=head_dim)
+    assert plan(spec, sm90).config.gluon_dkdv_lanes and not plan(spec, sm90).config.gluon_dkdv_dq
+    text = codegen.emit(plan(spec, sm90, {"gluon_dkdv_dq": True}))
+    assert "gl.static_assert((pair[0] == 0) & (pair[1] == 1)" in text and "_keep64(" not in text
+    assert "def gdq{0}_gluon_dkdv_lanes_rows_block(".format(head_dim) in text
+    mod = load_emitted(tmp_path / f"{spec.name}.py", text)
+    box = f"tensordesc<bf16[64, 1, {head_dim}],{gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)!r}>"
+    sig = {**{x: box for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
+           "DK": "*bf16", "DV": "*bf16", "DQ": "*fp32", "N": "i32",
+           **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "CLEAR")}}
+    kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
+                          {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)
+    assert not re.search(r"(red|atom)\.[a-z.]*add\.f32", ptx)
+    with pytest.raises(SpecError, match="gluon_dkdv_dq cannot run here: a plan whose per-branch dK/dV is not Gluon"):
+        plan(_spec(name="gdq_fused", causal=False), sm90, {"gluon_dkdv_dq": True})
+
+
+@needs_gluon
 def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
     """Whole segments only: one launch per lane branch, the r = 1 branch's writing, the others
     merging, each specialized for its branch's (w, r)."""
@@ -270,6 +301,12 @@ GPU_CASES = [
                             causal=False), (1, 8192), {}),
     # a short last segment: the call takes the `tl` lane kernel (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {}),
+    # dQ added by the dK/dV's blocks (gluon_dkdv_dq): no dq kernel runs
+    ("dkdv_dq_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"gluon_dkdv_dq": True}),
+    ("dkdv_dq_head_dim_64_fp16", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64, dtype="float16"), (1, 4096),
+     {"gluon_dkdv_dq": True}),
+    ("dkdv_dq_no_r1_non_causal", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
+     (2, 2048), {"gluon_lanes_bwd": True, "fused_dkdv": False, "gluon_dkdv_dq": True}),
 ]
 
 
@@ -288,8 +325,14 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
             taken.setdefault(launch, []).append(got is not None)
             return got
         monkeypatch.setattr(module, launch, spy)
+    if tuning.get("gluon_dkdv_dq"):
+        def no_dq(*args, **kwargs):
+            raise AssertionError("a dq kernel was launched")
+        monkeypatch.setattr(backward._Launches, "dq", no_dq)
     check_against_reference(spec, B, N, tuning, name)
-    if name == "rate_6_mixed":      # L = 1: the fused dK/dV, so no Gluon lane backward; r = 6's forward `tl`
+    if tuning.get("gluon_dkdv_dq"):     # every branch's dK/dV in Gluon, adding dQ; no dq launch at all
+        assert all(taken["gluon_dkdv_lanes_launch"]) and "gluon_dq_lanes_launch" not in taken, taken
+    elif name == "rate_6_mixed":      # L = 1: the fused dK/dV, so no Gluon lane backward; r = 6's forward `tl`
         assert taken["gluon_lanes_launch"] == [True, False] and not any(taken["gluon_dkdv_lanes_launch"]) \
             and taken["gluon_dq_lanes_launch"] == [False, False], taken
     elif name.endswith("_mixed"):   # r = 6, 12 (w / r no whole tile) in the `tl` kernels after the Gluon ones

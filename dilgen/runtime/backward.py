@@ -101,10 +101,10 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
     class_order = attn._class_order(q.device)
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
     covers_all = packing is None or packing.covers_all
-    # a dropout plan whose Gluon dK/dV adds dQ (KernelConfig.gluon_dkdv_dq): every branch's
-    # launch adds into zeroed dk, dv and, by atomics, a float32 dQ; no dq kernel runs
+    # a plan whose Gluon dK/dV adds dQ (KernelConfig.gluon_dkdv_dq): every branch's launch
+    # adds into zeroed dk, dv and, by reductions, a float32 dQ; no dq kernel runs
     dq32 = (torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            if dropout and packing is None and gluon_dkdv_dq_taken(attn, q, k, v, grad_out, q.shape[-3]) else None)
+            if packing is None and gluon_dkdv_dq_taken(attn, q, k, v, grad_out, q.shape[-3]) else None)
     lanes = lane_order(plan)
     has_fused_q = any(not br["lanes"] for br in plan["branches"])
     dq_writes_all = covers_all and (has_fused_q or (lanes and plan["branches"][lanes[0]]["r"] == 1))
