@@ -258,15 +258,16 @@ class KernelConfig:
     gluon_lanes_bwd: int | None = None
     # with gluon_lanes_bwd: the per-branch dK/dV in Gluon too (else only the lane dq)
     gluon_dkdv_lanes: bool = False
-    # a dropout plan's Gluon per-branch dK/dV adds each block's dQ share into a float32 buffer
-    # by atomics, so the backward runs no dq kernel and draws the coins once, not twice
+    # the Gluon per-branch dK/dV adds each block's dQ share into a float32 buffer by
+    # reductions, so the backward runs no dq kernel (and a dropout plan draws its coins once)
     gluon_dkdv_dq: bool = False
     # the Gluon forward's and lanes' softmax: one exponential in every gluon_exp2 as a cubic
     # on the FMA pipe instead of the MUFU unit (0: every one on the MUFU unit)
     gluon_exp2: int = 0
-    # attention dropout's dK/dV: each step's block with queries along rows (P = Q K^T, the
-    # coins in the MMA's column order as in the forward; P^T and dS^T go through shared
-    # memory into the dV and dK products) instead of keys along rows (whose coins are shuffled)
+    # attention dropout's `tl` dK/dV and the Gluon per-branch dK/dV: each step's block with
+    # queries along rows (P = Q K^T, the coins in the MMA's column order as in the forward;
+    # P^T and dS^T go through shared memory into the dV and dK products) instead of keys along
+    # rows (whose coins are shuffled); the Gluon dropout plan's and gluon_dkdv_dq's always are
     dkdv_rows_first: bool = False
     # the Gluon dK/dV loads the next block's lse and Delta while this block's products run
     # (two copies in registers); False: each block's at its top

@@ -427,13 +427,13 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
     return fusable(tiles.bwd_kv)
 
 
-def _dkdv_rows_first(spec: Spec, tuning: dict) -> bool:
-    """KernelConfig.dkdv_rows_first: the tuning's, for a dropout plan only (the layout of its
-    coins is what it changes); asked of another plan, refused."""
+def _dkdv_rows_first(spec: Spec, tuning: dict, gluon_dkdv_lanes: bool) -> bool:
+    """KernelConfig.dkdv_rows_first: the tuning's, for a dropout plan (its `tl` dK/dV) or a plan
+    whose per-branch dK/dV is Gluon; asked of another plan, refused."""
     asked = bool(tuning.get("dkdv_rows_first", False))
-    if asked and not tuning.get("dropout"):
-        raise SpecError(f"{spec.name}: tuning dkdv_rows_first applies to the dropout plan's dK/dV "
-                        f"only; add 'dropout': True or leave it out")
+    if asked and not tuning.get("dropout") and not gluon_dkdv_lanes:
+        raise SpecError(f"{spec.name}: tuning dkdv_rows_first applies to the dropout plan's dK/dV or to the "
+                        f"Gluon per-branch dK/dV, which this plan does not run; add 'dropout': True or leave it out")
     return asked
 
 
@@ -479,7 +479,7 @@ def _config(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
         l2_bytes=target.l2_bytes or 0,
         lattice_group=int(tuning.get("lattice_group", 0)),
         bwd_tma=tiles.bwd_tma,
-        dkdv_rows_first=_dkdv_rows_first(spec, tuning),
+        dkdv_rows_first=_dkdv_rows_first(spec, tuning, (gluon or {}).get("gluon_dkdv_lanes", False)),
         decode=tuple(tuning.get("decode", target.decode_table(tiles.tile_d, tiles.itemsize))),
         **(gluon or {}),
         dot_precision="ieee" if spec.dtype == "float32" else None)

@@ -168,31 +168,33 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_dkdv_adding_dq_compiles_for_sm90_with_paired_reductions(tmp_path, head_dim):
+@pytest.mark.parametrize("head_dim, tuning", [(128, {"gluon_dkdv_dq": True}), (64, {"gluon_dkdv_dq": True}),
+                                              (128, {"dkdv_rows_first": True})])
+def test_dkdv_adding_dq_compiles_for_sm90_with_paired_reductions(tmp_path, head_dim, tuning):
     """{"gluon_dkdv_dq": true} without dropout: the per-branch Gluon dK/dV's blocks hold queries
     along rows and add dS K into a float32 DQ, two adjacent columns a reduction (the template's
     _dq_add asserts at compile time that the accumulator's registers 2m, 2m + 1 are columns
     c, c + 1 of a row); under both CI Tritons it compiles for sm90 with red.global.add.v2.f32
     and no one-element atomic. Off by default; the fused dK/dV, which adds no dQ, refuses it by
-    name."""
+    name. {"dkdv_rows_first": true}: the same blocks adding no dQ."""
     import re
     from triton.experimental.gluon import language as gl
     from conftest import compile_sm90, load_emitted
-    sm90, spec = get_target("sm90"), _spec(name=f"gdq{head_dim}", head_dim=head_dim)
+    adds_dq = tuning.get("gluon_dkdv_dq", False)
+    sm90, spec = get_target("sm90"), _spec(name=f"gdq{head_dim}_{int(adds_dq)}", head_dim=head_dim)
     assert plan(spec, sm90).config.gluon_dkdv_lanes and not plan(spec, sm90).config.gluon_dkdv_dq
-    text = codegen.emit(plan(spec, sm90, {"gluon_dkdv_dq": True}))
-    assert "gl.static_assert((pair[0] == 0) & (pair[1] == 1)" in text and "_keep64(" not in text
-    assert "def gdq{0}_gluon_dkdv_lanes_rows_block(".format(head_dim) in text
+    text = codegen.emit(plan(spec, sm90, tuning))
+    assert ("gl.static_assert((pair[0] == 0) & (pair[1] == 1)" in text) == adds_dq and "_keep64(" not in text
+    assert f"def {spec.name}_gluon_dkdv_lanes_rows_block(" in text
     mod = load_emitted(tmp_path / f"{spec.name}.py", text)
     box = f"tensordesc<bf16[64, 1, {head_dim}],{gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)!r}>"
     sig = {**{x: box for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
-           "DK": "*bf16", "DV": "*bf16", "DQ": "*fp32", "N": "i32",
+           "DK": "*bf16", "DV": "*bf16", **({"DQ": "*fp32"} if adds_dq else {}), "N": "i32",
            **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "CLEAR")}}
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False})
     ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)
+    assert "wgmma.mma_async" in ptx and bool(re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)) == adds_dq
     assert not re.search(r"(red|atom)\.[a-z.]*add\.f32", ptx)
     with pytest.raises(SpecError, match="gluon_dkdv_dq cannot run here: a plan whose per-branch dK/dV is not Gluon"):
         plan(_spec(name="gdq_fused", causal=False), sm90, {"gluon_dkdv_dq": True})
@@ -307,6 +309,10 @@ GPU_CASES = [
      {"gluon_dkdv_dq": True}),
     ("dkdv_dq_no_r1_non_causal", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
      (2, 2048), {"gluon_lanes_bwd": True, "fused_dkdv": False, "gluon_dkdv_dq": True}),
+    # the dK/dV's blocks with queries along rows, adding no dQ (dkdv_rows_first)
+    ("rows_first_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"dkdv_rows_first": True}),
+    ("rows_first_head_dim_64_no_r1", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64, dilation_rates=[2, 4, 8]),
+     (1, 4096), {"gluon_lanes": True, "gluon_lanes_bwd": True, "dkdv_rows_first": True}),
 ]
 
 

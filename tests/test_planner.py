@@ -1,6 +1,7 @@
 """Planner and IR: pure Python, fast. The Hilbert curve of SPEC's test vectors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -204,10 +205,13 @@ def test_the_dropout_plan_runs_the_gluon_forward_where_one_device_can():
         assert config.gluon_fwd is None and config.gluon_dq is None, other
 
 
-def test_dkdv_rows_first_is_the_dropout_plans_and_refused_elsewhere():
+def test_dkdv_rows_first_is_the_dropout_plans_or_the_gluon_dkdvs_and_refused_elsewhere():
     spec = dilgen.Spec(name="rows_first", num_heads=4, head_dim=64, dtype="bfloat16",
                        segment_lengths=[256, 512], dilation_rates=[1, 2])
     assert plan(spec, SM90, {"dropout": True, "dkdv_rows_first": True}).config.dkdv_rows_first
     assert not plan(spec, SM90, {"dropout": True}).config.dkdv_rows_first
-    with pytest.raises(dilgen.SpecError, match="dkdv_rows_first applies to the dropout plan"):
-        plan(spec, SM90, {"dkdv_rows_first": True})
+    with pytest.raises(dilgen.SpecError, match="dkdv_rows_first applies to the dropout plan's dK/dV or to the Gluon"):
+        plan(spec, SM90, {"dkdv_rows_first": True})       # the fused dK/dV
+    causal = dataclasses.replace(spec, causal=True)           # the Gluon per-branch dK/dV
+    assert plan(causal, SM90).config.gluon_dkdv_lanes and not plan(causal, SM90).config.dkdv_rows_first
+    assert plan(causal, SM90, {"dkdv_rows_first": True}).config.dkdv_rows_first
