@@ -309,10 +309,12 @@ GPU_CASES = [
      {"gluon_dkdv_dq": True}),
     ("dkdv_dq_no_r1_non_causal", dict(SMALL, num_heads=8, num_kv_heads=2, dilation_rates=[2, 4, 8], causal=False),
      (2, 2048), {"gluon_lanes_bwd": True, "fused_dkdv": False, "gluon_dkdv_dq": True}),
-    # the dK/dV's blocks with queries along rows, adding no dQ (dkdv_rows_first)
+    # the dK/dV's blocks with queries along rows, adding no dQ (dkdv_rows_first: the default at
+    # head_dim 128), or with keys along rows
     ("rows_first_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"dkdv_rows_first": True}),
     ("rows_first_head_dim_64_no_r1", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64, dilation_rates=[2, 4, 8]),
-     (1, 4096), {"gluon_lanes": True, "gluon_lanes_bwd": True, "dkdv_rows_first": True}),
+     (1, 4096), {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True, "dkdv_rows_first": True}),
+    ("keys_first_gqa", dict(SMALL, num_heads=8, num_kv_heads=2), (2, 2048), {"dkdv_rows_first": False}),
 ]
 
 

@@ -215,3 +215,7 @@ def test_dkdv_rows_first_is_the_dropout_plans_or_the_gluon_dkdvs_and_refused_els
     causal = dataclasses.replace(spec, causal=True)           # the Gluon per-branch dK/dV
     assert plan(causal, SM90).config.gluon_dkdv_lanes and not plan(causal, SM90).config.dkdv_rows_first
     assert plan(causal, SM90, {"dkdv_rows_first": True}).config.dkdv_rows_first
+    wide = dataclasses.replace(causal, head_dim=128)          # its default at head_dim 128, not with dropout
+    assert plan(wide, SM90).config.dkdv_rows_first and not plan(wide, SM90, {"dkdv_rows_first": False}).config.dkdv_rows_first
+    assert not plan(wide, SM90, {"dropout": True}).config.dkdv_rows_first
+    assert not plan(wide, SM80).config.dkdv_rows_first

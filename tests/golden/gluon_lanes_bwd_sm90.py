@@ -10,7 +10,7 @@ def gla_gluon_dkdv_lanes_producer(p):
     """One warp: the tile's K and V (two boxes of 64 key lanes), then for each query head of
     the group with the tile's offset its query and dO blocks of 64 lanes from the diagonal on."""
     (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-     b, kvh, s, g0, jt, N, W, R, NO) = p
+     b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem) = p
     row0 = b * (N // R) + s * (W // R)
     o = (kvh * 4 + g0) % R
     mbarrier.expect(kv_bar, 4 * 64 * 128 * 2)
@@ -31,53 +31,51 @@ def gla_gluon_dkdv_lanes_producer(p):
 
 
 @gluon.jit
-def gla_gluon_dkdv_lanes_block(it, j, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, lanes, lse_next,
-                             delta_next, blocks, R, s_layout: gl.constexpr, DIAGONAL: gl.constexpr):
-    """One query block j of 64 lanes against the warpgroup's keys (the Gluon dK/dV's products:
-    S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q);
-    the DIAGONAL block, of the keys' own lanes, masked to query lane >= key lane. The next
-    block's lse and Delta are loaded while this block's products run."""
+def gla_gluon_dkdv_lanes_rows_block(it, at, dk, dv, k, v, q_smem, do_smem, pt_smem, ds_smem, ready, empty, Lse,
+                                  Delta, s_layout: gl.constexpr, DIAGONAL: gl.constexpr):
+    """One query block of 64 lanes (positions `at` of head h's (B, H, N) row) against the
+    warpgroup's 64 keys, queries along rows: S = Q K^T, P = exp2(S*scale*log2(e) - lse*log2(e)),
+    dV += P^T dO, dP = dO V^T, dS = P (dP - Delta), dK += dS^T Q; P^T and dS^T are read from
+    shared memory.
+    The DIAGONAL block, of the keys' own lanes, masked to query lane >= key lane."""
     dtype: gl.constexpr = q_smem.dtype
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 128, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
-    lse = lse_next * 1.4426950408889634
-    delta = delta_next
     st = it % GLUON_LBWD_STAGES
     mbarrier.wait(ready.index(st), (it // GLUON_LBWD_STAGES) & 1)
     qj = q_smem.index(st).reshape([64, 128])
     doj = do_smem.index(st).reshape([64, 128])
-    s_tok = warpgroup_mma(k, qj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    after = gl.minimum(j + 1, blocks - 1) * (64 * R)
-    lse_next = gl.load(Lse + lanes + after)
-    delta_next = gl.load(Delta + lanes + after)
+    s_tok = warpgroup_mma(qj, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(doj, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    lse = gl.expand_dims(gl.load(Lse + at) * 1.4426950408889634, 1)
+    delta = gl.expand_dims(gl.load(Delta + at), 1)
     scores = warpgroup_mma_wait(1, deps=(s_tok,))
     if DIAGONAL:
-        keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)), 0) >= \
-            gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)
-        scores = gl.where(keep, scores, float("-inf"))
-    pt = gl.exp2(scores * 0.12751743082459868 - gl.expand_dims(lse, 0))
-    dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
-    dpt = warpgroup_mma_wait(1, deps=(dp_tok,))
-    dst = pt * (dpt - gl.expand_dims(delta, 0))
-    dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), qj, dk, is_async=True)
+        keep_causal = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1) >= \
+            gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)), 0)
+        scores = gl.where(keep_causal, scores, float("-inf"))
+    pj = gl.exp2(scores * 0.12751743082459868 - lse)
+    pt_smem.store(pj.to(dtype))
+    fence_async_shared()
+    dv_tok = warpgroup_mma(pt_smem.permute((1, 0)), doj, dv, is_async=True)
+    dp = warpgroup_mma_wait(1, deps=(dp_tok,))
+    ds = pj * (dp - delta)
+    ds_smem.store(ds.to(dtype))
+    fence_async_shared()
+    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), qj, dk, is_async=True)
     dv = warpgroup_mma_wait(1, deps=(dv_tok,))
     dk = warpgroup_mma_wait(0, deps=(dk_tok,))
     mbarrier.arrive(empty.index(st), count=1)
-    return it + 1, dk, dv, lse_next, delta_next
+    return it + 1, dk, dv
 
 
 @gluon.jit
 def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
     """One consumer warpgroup: key lanes k0 = jt*128 + WG*64 ... of the segment against the
-    query blocks as the producer queued them (the Gluon dK/dV's products; causal: the block of
-    the same lanes masked to query lane >= key lane, the one before it skipped); dK, dV added
-    into DK, DV (ACCUMULATE) or written (CLEAR: and the gap keys zeroed), dK times the softmax
-    scale."""
+    query blocks as the producer queued them (gla_gluon_dkdv_lanes_rows_block; causal: the block
+    of the same lanes masked to query lane >= key lane, the one before it skipped); dK, dV added into DK, DV
+    (ACCUMULATE) or written (CLEAR: and the gap keys zeroed), dK times the softmax scale."""
     (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-     b, kvh, s, g0, jt, N, W, R, NO) = p
+     b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem) = p
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -87,27 +85,30 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, 
     o = (kvh * 4 + g0) % R
     k0 = jt * 128 + WG * 64
     blocks = W // R // 64
+    pt = pt_smem.index(WG)
+    dst = ds_smem.index(WG)
     mbarrier.wait(kv_bar, 0)
     k = k_smem.index(WG).reshape([64, 128])
     v = v_smem.index(WG).reshape([64, 128])
+    lanes = s * W + o + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)) * R    # a block's query positions
     it = jt * 0
     for g in range(g0, 4, NO):
-        head = (b * 16 + kvh * 4 + g).to(gl.int64) * N    # head h's (B, H, N) row
-        lanes = s * W + o + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout)) * R
+        h = kvh * 4 + g
+        head = (b * 16 + h).to(gl.int64) * N    # head h's (B, H, N) row
         if WG == 1:     # the queries of the tile's first 64 lanes precede every key of this warpgroup
             mbarrier.wait(ready.index(it % GLUON_LBWD_STAGES), (it // GLUON_LBWD_STAGES) & 1)
             mbarrier.arrive(empty.index(it % GLUON_LBWD_STAGES), count=1)
             it += 1
-        lse_next = gl.load(Lse + head + lanes + k0 * R)
-        delta_next = gl.load(Delta + head + lanes + k0 * R)
-        it, dk, dv, lse_next, delta_next = gla_gluon_dkdv_lanes_block(
-            it, k0 // 64, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse + head, Delta + head, lanes,
-            lse_next, delta_next, blocks, R, s_layout, True)
+        at = lanes + k0 * R
+        it, dk, dv = gla_gluon_dkdv_lanes_rows_block(
+            it, head + at, dk, dv, k, v, q_smem, do_smem, pt, dst, ready, empty, Lse, Delta,
+            s_layout, True)
         first = k0 // 64 + 1
         for j in range(first, blocks):
-            it, dk, dv, lse_next, delta_next = gla_gluon_dkdv_lanes_block(
-                it, j, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse + head, Delta + head, lanes,
-                lse_next, delta_next, blocks, R, s_layout, False)
+            at = lanes + j * (64 * R)
+            it, dk, dv = gla_gluon_dkdv_lanes_rows_block(
+                it, head + at, dk, dv, k, v, q_smem, do_smem, pt, dst, ready, empty, Lse, Delta,
+                s_layout, False)
     keys = s * W + o + R * (k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout)))
     dcols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
     offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 4 + kvh) * 128 \
@@ -188,9 +189,13 @@ def gla_gluon_dkdv_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, N,
     for i in gl.static_range(GLUON_LBWD_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    # each consumer's P^T and dS^T of a block, the A operands of its dV and dK products
+    ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ps_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ps_layout)
     fence_async_shared()
     p = (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-         b, kvh, s, g0, jt, N, W, R, NO)
+         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_dkdv_lanes_add0, (p,)), (gla_gluon_dkdv_lanes_add1, (p,)),
                             (gla_gluon_dkdv_lanes_producer, (p,))], [4, 1], [240, 24])
