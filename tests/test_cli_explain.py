@@ -58,7 +58,7 @@ def test_explain_names_the_kernels_a_plan_launches(tmp_path, arch, want):
     assert want in res.stdout, res.stdout
     # attention dropout runs the spec's dropout plan: every branch in the fused kernels, the
     # forward, per-branch dK/dV and dQ in Gluon on sm90
-    forward, dkdv, dq = {"sm90": ("forward Gluon (128 keys a block, 3 stages)", "dK/dV Gluon (per branch, 3 stages)",
+    forward, dkdv, dq = {"sm90": ("forward Gluon (128 keys a block, 3 stages)", "dK/dV Gluon (per branch, 3 stages, queries along rows)",
                                   "dQ Gluon (4 stages)"),
                          "sm80": ("forward tl (fused)", "dK/dV tl (per branch)", "dQ tl (fused)")}[arch]
     assert (f"with attention dropout (dropout_p > 0): {forward}, {dkdv}, {dq}"

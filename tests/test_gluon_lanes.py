@@ -73,7 +73,9 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     # a branch whose w / r is no multiple of 128 runs in the `tl` kernels beside the Gluon ones
     part = plan(_spec(segment_lengths=[128, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
     assert part.config.gluon_lanes_bwd == 4 and part.config.gluon_dkdv_lanes
-    assert "dK/dV Gluon (per branch, 4 stages; tl for branch 1)" in kernel_families(part)
+    assert "dK/dV Gluon (per branch, 4 stages, queries along rows; tl for branch 1)" in kernel_families(part)
+    keys = plan(_spec(head_dim=64, num_kv_heads=16, segment_lengths=[1024, 2048, 4096]), sm90)   # keys along rows
+    assert "dK/dV Gluon (per branch, 4 stages)" in kernel_families(keys)
     assert "dQ Gluon lanes (4 stages; tl for branch 1)" in kernel_families(part)
     e_causal = _spec(num_kv_heads=16, segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 6, 12])
     assert plan(e_causal, sm90).config.gluon_lanes_bwd == 4          # config E causal: r = 6, 12 in `tl`
