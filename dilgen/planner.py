@@ -433,7 +433,8 @@ def _dkdv_rows_first(spec: Spec, tuning: dict, gluon_dkdv_lanes: bool, tile_d: i
     per-branch dK/dV at head_dim 128 without dropout (a dropout plan's Gluon blocks hold queries
     along rows anyway): it spills 48 bytes a thread there, not 1,144 (Triton 3.6's ptxas), and
     on one H200 causal fwd+bwd takes A 4.08 ms, not 4.41, and B 19.60, not 20.54; at head_dim
-    64, C takes 3.55 against 3.45, so it stays off (bench/results/backward_rows_first-2026-11-30-h200.json)."""
+    64, C takes 3.55 against 3.45, so it stays off (bench/results/backward_rows_first-2026-11-30-h200.json,
+    gluon_dkdv_rows_first_spills-2026-11-30-sm90.json)."""
     if "dkdv_rows_first" not in tuning:
         return gluon_dkdv_lanes and tile_d == 128 and not tuning.get("dropout")
     asked = bool(tuning["dkdv_rows_first"])
