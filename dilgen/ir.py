@@ -423,6 +423,13 @@ class Plan:
                 raise ValueError(f"branch {i}: the fused dK/dV's key classes need r | L "
                                  f"(r = {self.branches[i].dilation}, L = {self.query.lattice})")
 
+    @property
+    def gluon_dkdv_rows_first(self) -> bool:
+        """Whether the Gluon per-branch dK/dV's blocks hold queries along rows (FlashAttention-3's
+        backward): the coins must be the forward's (dropout), dS must reach a dQ product from
+        shared memory (gluon_dkdv_dq), or the config asks (dkdv_rows_first); keys otherwise."""
+        return self.dropout or self.config.gluon_dkdv_dq or self.config.dkdv_rows_first
+
     def to_json(self) -> dict:
         return {
             "fused_dkdv": self.fused_dkdv,

@@ -33,8 +33,7 @@ def kernel_families(plan) -> str:
     # the Gluon lane backward takes the branches gluon_lanes_bwd_branch admits, `tl` the rest
     rest = [b.index for b in plan.branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
     lane_rest = [i for i in lanes if i in rest]
-    # the per-branch Gluon dK/dV's blocks: queries along rows (templates/gluon_lanes_bwd.py.jinja's rows_first)
-    rows = ", queries along rows" if plan.dropout or cfg.gluon_dkdv_dq or cfg.dkdv_rows_first else ""
+    rows = ", queries along rows" if plan.gluon_dkdv_rows_first else ""
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
                  f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages{rows}{_tl_beside(rest)})"
                  if cfg.gluon_dkdv_lanes else

@@ -170,6 +170,16 @@ def compile_sm90(fn, signature: dict, constants: dict | None = None, **options):
                           options={"num_warps": 4, "maxnreg": 168, **options})
 
 
+def forbid_dq_kernels(monkeypatch) -> None:
+    """A backward whose dQ comes from its dK/dV (gluon_dkdv_dq) launches no dq kernel: any
+    launch of one fails the test."""
+    from dilgen.runtime import backward
+
+    def no_dq(*args, **kwargs):
+        raise AssertionError("a dq kernel was launched")
+    monkeypatch.setattr(backward._Launches, "dq", no_dq)
+
+
 def rel_error(a, b) -> float:
     """||a - b|| / ||b|| in float64 on the CPU."""
     b = b.detach().double().cpu()

@@ -14,7 +14,7 @@ from dilgen import codegen
 from dilgen.planner import plan
 from dilgen.targets import get_target
 
-from conftest import TOL, compile_sm90, load_emitted, needs_gluon, on_sm90, rel_error
+from conftest import TOL, compile_sm90, forbid_dq_kernels, load_emitted, needs_gluon, on_sm90, rel_error
 
 SMALL = dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048], dilation_rates=[1, 2, 4])
 DROP_ARGS = dict(seed_ptr="*i64", drop_cut="i32", drop_scale="fp32", drop_n="i32", drop_pos0="i32",
@@ -324,9 +324,7 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
             return got
         monkeypatch.setattr(module, name, spy)
     if knob == "gluon_dkdv_dq":         # dQ comes from the dK/dV's blocks alone
-        def no_dq(*args, **kwargs):
-            raise AssertionError("a dq kernel was launched")
-        monkeypatch.setattr(backward._Launches, "dq", no_dq)
+        forbid_dq_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(head_dim + causal)
     q, k, v = (torch.randn(1, 2048, h, head_dim, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
                for h in (8, 2, 2))

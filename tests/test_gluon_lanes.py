@@ -21,7 +21,7 @@ from dilgen.planner import plan
 from dilgen.spec import SpecError
 from dilgen.targets import get_target
 
-from conftest import check_against_reference, needs_gluon, on_sm90
+from conftest import check_against_reference, forbid_dq_kernels, needs_gluon, on_sm90
 
 GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"           # the lanes
 GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # to the end: dK/dV and dq
@@ -336,9 +336,7 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
             return got
         monkeypatch.setattr(module, launch, spy)
     if tuning.get("gluon_dkdv_dq"):
-        def no_dq(*args, **kwargs):
-            raise AssertionError("a dq kernel was launched")
-        monkeypatch.setattr(backward._Launches, "dq", no_dq)
+        forbid_dq_kernels(monkeypatch)
     check_against_reference(spec, B, N, tuning, name)
     if tuning.get("gluon_dkdv_dq"):     # every branch's dK/dV in Gluon, adding dQ; no dq launch at all
         assert all(taken["gluon_dkdv_lanes_launch"]) and "gluon_dq_lanes_launch" not in taken, taken
