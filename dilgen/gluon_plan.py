@@ -169,8 +169,9 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, default,
                               spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True,
                               dropout=dropout)
-    if stages is not None and all(b.dilation != 1 for b in branches) and "gluon_lanes_bwd" not in tuning:
-        return None     # no r = 1 branch (config D): slower than the `tl` kernels, so asked for only
+    if (stages is not None and all(b.dilation != 1 for b in branches) and "gluon_lanes_bwd" not in tuning
+            and not lanes_bwd_without_r1(spec, target, tiles.tile_d, dropout)):
+        return None     # no r = 1 branch (config D), causal or at head_dim 64: the `tl` kernels unless asked
     bad = [b for b in branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
     if stages is not None and len(bad) == len(branches):
         if "gluon_lanes_bwd" in tuning:
@@ -178,6 +179,26 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
                             f"w / r a multiple of 128 (segment length {bad[0].segment_length}, r = {bad[0].dilation})")
         return None
     return stages
+
+
+def lanes_bwd_without_r1(spec: Spec, target: Target, tile_d: int, dropout: bool) -> bool:
+    """Whether a plan with no r = 1 branch (config D) runs the Gluon lane backward untuned:
+    non-causal, without dropout, at the target's head dims (Target.gluon_lanes_bwd_no_r1),
+    in place of the fused dK/dV (planner._fused_dkdv asks here first)."""
+    return not spec.causal and not dropout and tile_d in target.gluon_lanes_bwd_no_r1
+
+
+def lanes_bwd_in_place_of_fused(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict,
+                                dropout: bool) -> bool:
+    """Whether the fused dK/dV gives way to the Gluon lane backward untuned: a plan with no
+    r = 1 branch where lanes_bwd_without_r1 holds and the lane backward would run without it
+    (neither `fused_dkdv` nor `gluon_lanes_bwd` false in the tuning)."""
+    if ("fused_dkdv" in tuning or tuning.get("gluon_lanes_bwd", True) is False
+            or any(b.dilation == 1 for b in branches)
+            or not lanes_bwd_without_r1(spec, target, tiles.tile_d, dropout)):
+        return False
+    untuned = {k: v for k, v in tuning.items() if k != "gluon_lanes_bwd"}
+    return gluon_lanes_bwd(spec, target, tiles, branches, query_order, False, untuned, dropout) is not None
 
 
 def gluon_dkdv_lanes(spec: Spec, target: Target, lanes_bwd: int | None, tuning: dict) -> bool:

@@ -24,7 +24,7 @@ from . import ir
 from .dropout_plan import DROPOUT_GLUON_DQ_DIMS, dropout_refusal, dropout_tuning
 from .gluon_plan import (gluon_curve_lanes, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
                          gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_raster_lanes,
-                         gluon_split)
+                         gluon_split, lanes_bwd_in_place_of_fused)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
 from .targets import Target
@@ -131,7 +131,8 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     branches = _branch_irs(spec, orders, query_order, lanes, tiles.block_m, tuning)
     tiling = _query_tiling(branches, lanes.lattice, tiles.block_m, query_order)
     dual_chain = _dual_chain(spec, target, tiles, branches, query_order, tuning)
-    fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning)
+    fused_dkdv = _fused_dkdv(spec, target, tiles, branches, lanes, query_order, tuning,
+                             lanes_bwd_in_place_of_fused(spec, target, tiles, branches, query_order, tuning, dropout))
     if fused_dkdv:
         branches = [dataclasses.replace(b, fused_dkdv=_in_fused_dkdv(b, lanes.lattice)) for b in branches]
     gluon = dict(
@@ -403,7 +404,7 @@ def _in_fused_dkdv(b: ir.BranchIR, lattice: int) -> bool:
 
 
 def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lanes,
-                query_order, tuning: dict) -> bool:
+                query_order, tuning: dict, give_way: bool = False) -> bool:
     """One dK/dV launch for every branch, over key tiles of the query lattice (keys
     u = c + L*m, class c kept by the same branches as query class c): possible when every
     branch is a raster lattice branch (no row membership, no curve table), the key tile
@@ -411,13 +412,14 @@ def _fused_dkdv(spec: Spec, target: Target, tiles: _Tiles, branches, lanes: _Lan
     dK, dV do not depend on the forward's query tiling, so it takes every lattice branch whose
     r divides L, lane branch or not; the row-membership branches, and lane branches that tuning
     `lanes` took out of L, take the per-branch dK/dV after it (adding into its dK, dV;
-    runtime.grids.dkdv_per_branch). Sets the dK/dV tile (tiles.bwd_kv)."""
+    runtime.grids.dkdv_per_branch). Sets the dK/dV tile (tiles.bwd_kv). `give_way`: untuned,
+    the Gluon lane backward runs in its place (gluon_plan.lanes_bwd_in_place_of_fused)."""
     fused_set = [b for b in branches if _in_fused_dkdv(b, lanes.lattice)]
 
     def fusable(kv_tile) -> bool:
         return (spec.ring_size == 1 and bool(fused_set) and not lanes.block
                 and target.fused_dkdv_ok(spec.causal, lanes.dkdv_lattice)
-                and bool(tuning.get("fused_dkdv", True))
+                and bool(tuning.get("fused_dkdv", not give_way))
                 and not any(b.order is not None for b in fused_set) and query_order is None
                 and all(b.keep_map is None for b in fused_set)
                 and all(b.segment_length % (lanes.lattice * kv_tile[0]) == 0 for b in fused_set))

@@ -196,6 +196,11 @@ class Target:
     # fwd+bwd 5.48 -> 4.67 ms (dK/dV 2.45 -> 2.19, dq 1.55 -> 1.21); C (head_dim 64) 3.70 -> 3.45
     # (bench/results/lanes_bwd_probe-, backward_gluon_lanes_hd64-2026-11-28-h200.json)
     gluon_lanes_bwd_default: tuple[int, ...] = ()
+    # ... and where a non-causal plan with no r = 1 branch (config D) takes them in place of the
+    # fused `tl` dK/dV: its per-branch dK/dV then holds queries along rows and spills nothing,
+    # D fwd+bwd 2.14 against 2.25 ms in two runs (bench/results/backward_d_rows_first-2026-11-30-h200.json;
+    # causal D keeps the `tl` lanes, 1.58 against 1.50)
+    gluon_lanes_bwd_no_r1: tuple[int, ...] = ()
     gluon_lanes_bwd_stages: int = 4
     gluon_dkdv_lanes: bool = False
     # (head_dim, n): the Gluon forward's and lanes' softmax compute one exponential in n as a
@@ -257,7 +262,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               lane_tiles_fastest=True, fused_tma=True, fold_scale=True, bwd_tma=True, l2_bytes=50 * 2**20,
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(64, 128),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
-              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128),
+              gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128), gluon_lanes_bwd_no_r1=(128,),
               gluon_dkdv_lanes=True, gluon_exp2=((64, 8),), gluon_bwd_beside_lanes=True,
               gluon_raster_lanes_default=True, split_wide_lattice=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)

@@ -50,11 +50,19 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     for causal in (True, False):     # no r = 1 branch: every branch as lanes, the first clears the gaps
         no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"gluon_lanes": True})
         assert no_r1.config.gluon_lanes == (128, 3) and no_r1.gap_lane == 0
-        assert no_r1.config.gluon_lanes_bwd is None and no_r1.fused_dkdv != causal   # slower than `tl`: asked for
+        # causal: level with the `tl` lanes, so asked for; non-causal at head_dim 128: in place of
+        # the fused dK/dV, queries along rows (Target.gluon_lanes_bwd_no_r1)
+        assert (no_r1.config.gluon_lanes_bwd is None) == causal and not no_r1.fused_dkdv
+        assert no_r1.config.dkdv_rows_first == (not causal)
         asked = plan(_spec(dilation_rates=[2, 4, 8], causal=causal), sm90, {"gluon_lanes_bwd": True, "fused_dkdv": False})
         assert asked.config.gluon_lanes_bwd == 4 and asked.config.gluon_dkdv_lanes and asked.dkdv_first_writes
+    for declined in ({"gluon_lanes_bwd": False}, {"fused_dkdv": True}):    # the fused `tl` dK/dV, as asked
+        kept = plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90, declined)
+        assert kept.fused_dkdv and kept.config.gluon_lanes_bwd is None
+    low_no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=False, head_dim=64), sm90)
+    assert low_no_r1.fused_dkdv and low_no_r1.config.gluon_lanes_bwd is None       # head_dim 64: not measured
     with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: the backward runs the fused dK/dV"):
-        plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90, {"gluon_lanes_bwd": True})
+        plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90, {"gluon_lanes_bwd": True, "fused_dkdv": True})
     assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90).config.gluon_lanes == (128, 3)
     assert plan(_spec(dilation_rates=[2, 4, 8]), sm90).config.gluon_lanes is None    # causal: level, asked for
     longnet = _spec(segment_lengths=[2048, 8192, 32768], dilation_rates=[1, 6, 12])   # r = 6, 12 do not divide w
