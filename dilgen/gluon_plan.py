@@ -165,7 +165,10 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
     every branch, and the lane dq), or None (_backward_stages, then the branches' tiles); it
     runs where no fused dK/dV does (templates/gluon_lanes_bwd.py.jinja)."""
     extra = "the backward runs the fused dK/dV kernel here" if fused_dkdv else None
-    default = DROPOUT_LANE_DKDV_STAGES if dropout else target.gluon_lanes_bwd_stages
+    # 3 stages where a dropout plan's tiles or gluon_dkdv_dq's TMA reduce staging (16 KB a
+    # warpgroup at head_dim 128) share the shared memory with the Q/dO ring
+    staged = dropout or (tuning.get("gluon_dkdv_dq") and tiles.tile_d == 128)
+    default = DROPOUT_LANE_DKDV_STAGES if staged else target.gluon_lanes_bwd_stages
     stages = _backward_stages("gluon_lanes_bwd", target.gluon_lanes_bwd_default, default,
                               spec, target, tiles, branches, 1, query_order, tuning, extra, lanes=True,
                               dropout=dropout)

@@ -100,7 +100,7 @@ def test_the_dropout_plans_lanes_are_gluon_by_default_and_where_a_tuning_asks():
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_dropout_plans_dkdv_adds_dq_where_a_tuning_asks(causal):
     """{"gluon_dkdv_dq": true}: the dropout plan's Gluon per-branch dK/dV adds each block's dQ
-    share into a float32 buffer (the module's kernel takes DQ, its blocks reductions); off by
+    share into a float32 buffer (the module's kernel takes DQ, its blocks TMA reduce-adds); off by
     default; refused by name with the `tl` dK/dV and for a value not a bool."""
     sm90 = get_target("sm90")
     spec = _spec("gdq", causal=causal)
@@ -108,7 +108,7 @@ def test_the_dropout_plans_dkdv_adds_dq_where_a_tuning_asks(causal):
     p = plan(spec, sm90, {"dropout": True, "gluon_dkdv_dq": True})
     assert p.config.gluon_dkdv_dq and p.config.gluon_dkdv_lanes
     text = codegen.emit(p)
-    assert "Lse, Delta, DK, DV, DQ, N, W: gl.constexpr" in text and "gdq_gluon_dq_add(dq_ptrs" in text
+    assert "Lse, Delta, DK, DV, DQ, N, W: gl.constexpr" in text and "gdq_gluon_dq_add(dq_desc, [dq_row, dq_col, 0]" in text
     assert "_dq_add" not in codegen.emit(plan(spec, sm90, {"dropout": True}))
     for tuning, why in (({"dropout": True, "gluon_dkdv_lanes": False, "gluon_dkdv_dq": True}, "is not Gluon"),
                         ({"dropout": True, "gluon_dkdv_dq": 1}, "takes true or false")):
@@ -125,8 +125,8 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     """Under both CI Tritons: the queries-along-rows blocks with the forward's coins compile for
     sm90; each consumer's (P Z)^T and dS^T are stored, fenced and barriered before the wgmma
     that reads them (a 128-thread named barrier: the warpgroup's); with gluon_dkdv_dq, dQ's
-    shares reach the float32 buffer by relaxed reductions of two float32 (the template's _dq_add), and by
-    nothing else."""
+    shares reach the float32 buffer by TMA reduce-adds (the template's _dq_add), and by nothing
+    else, in the target's shared memory."""
     import re
     from triton.experimental.gluon import language as gl
     spec = _spec(f"gdl_{head_dim}_{int(causal)}_{int(adds_dq)}", head_dim=head_dim, causal=causal)
@@ -135,15 +135,17 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     layout = gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)
     desc = f"tensordesc<bf16[64, 1, {head_dim}],{layout!r}>"
     sig = {**{x: desc for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
-           "DK": "*bf16", "DV": "*bf16", **({"DQ": "*fp32"} if adds_dq else {}), "N": "i32",
+           "DK": "*bf16", "DV": "*bf16", **({"DQ": f"tensordesc<fp32[64, 1, 64],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)!r}>"}
+              if adds_dq else {}), "N": "i32",
            **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False, "BI": 1})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
-    assert bool(re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)) == adds_dq
-    assert not re.search(r"(red|atom)\.[a-z.]*add\.f32", ptx)                # no one-element atomics
+    assert ("cp.reduce.async.bulk.tensor.3d" in ptx) == adds_dq
+    assert not re.search(r"(red|atom)\.[a-z.]*add\.f32", ptx)                # no element-wise atomics
+    assert kernel.metadata.shared <= get_target("sm90").smem_bytes
 
 
 @needs_gluon
@@ -264,7 +266,8 @@ def test_the_launch_models_dropout_lane_kernels_specialize_as_the_runtimes(cache
 @needs_gluon
 def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir):
     """{"gluon_dkdv_dq": true}: every branch's Gluon dK/dV adds (ACCUMULATE, into zeroed dk and
-    dv) and takes the float32 dQ after dv, in the launch model as in a call."""
+    dv) and takes a descriptor over the float32 dQ after dv (q's view, (64, 1, 64) boxes), in
+    the launch model as in a call."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from dilgen.aot.binder import specialize
@@ -283,7 +286,9 @@ def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir)
     assert len(launches) == 2
     for model, br in zip(launches, plan_["branches"]):
         args = gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, br, True, dropout=drop, dq32=dq32)
-        assert args[8] is dq32
+        r = br["r"]
+        assert args[8].base is dq32 and list(args[8].shape) == [2 * 1024 // r, r * 4, 128]
+        assert list(args[8].block_shape) == [64, 1, 64]
         want = specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc
         assert specialize(attn.gluon_dkdv_lanes_fn, backend, args, OPTIONS).desc == want, br["index"]
     with pytest.raises(ValueError, match="no float32 dQ was given"):

@@ -180,32 +180,36 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
 @needs_gluon
 @pytest.mark.parametrize("head_dim, tuning", [(128, {"gluon_dkdv_dq": True}), (64, {"gluon_dkdv_dq": True}),
                                               (128, {"dkdv_rows_first": True})])
-def test_dkdv_adding_dq_compiles_for_sm90_with_paired_reductions(tmp_path, head_dim, tuning):
+def test_dkdv_adding_dq_compiles_for_sm90_with_tma_reduce_adds(tmp_path, head_dim, tuning):
     """{"gluon_dkdv_dq": true} without dropout: the per-branch Gluon dK/dV's blocks hold queries
-    along rows and add dS K into a float32 DQ, two adjacent columns a reduction (the template's
-    _dq_add asserts at compile time that the accumulator's registers 2m, 2m + 1 are columns
-    c, c + 1 of a row); under both CI Tritons it compiles for sm90 with red.global.add.v2.f32
-    and no one-element atomic. Off by default; the fused dK/dV, which adds no dQ, refuses it by
-    name. {"dkdv_rows_first": true}: the same blocks adding no dQ."""
+    along rows and add scale * dS K into a float32 DQ by TMA reduce-adds of (64, 1, 64) tiles
+    (the template's _dq_add emits the `tl` descriptor's reduce, which the backend's TMA lowering
+    stages in shared memory); under both CI Tritons it compiles for sm90 to
+    cp.reduce.async.bulk.tensor, with no element-wise atomic, in the target's shared memory.
+    Off by default; the fused dK/dV, which adds no dQ, refuses it by name.
+    {"dkdv_rows_first": true}: the same blocks adding no dQ."""
     import re
     from triton.experimental.gluon import language as gl
     from conftest import compile_sm90, load_emitted
     adds_dq = tuning.get("gluon_dkdv_dq", False)
     sm90, spec = get_target("sm90"), _spec(name=f"gdq{head_dim}_{int(adds_dq)}", head_dim=head_dim)
     assert plan(spec, sm90).config.gluon_dkdv_lanes and not plan(spec, sm90).config.gluon_dkdv_dq
-    text = codegen.emit(plan(spec, sm90, tuning))
-    assert ("gl.static_assert((pair[0] == 0) & (pair[1] == 1)" in text) == adds_dq and "_keep64(" not in text
+    planned = plan(spec, sm90, tuning)
+    text = codegen.emit(planned)
+    assert ("create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD" in text) == adds_dq and "_keep64(" not in text
     assert f"def {spec.name}_gluon_dkdv_lanes_rows_block(" in text
     mod = load_emitted(tmp_path / f"{spec.name}.py", text)
     box = f"tensordesc<bf16[64, 1, {head_dim}],{gl.NVMMASharedLayout.get_default_for([64, 1, head_dim], gl.bfloat16)!r}>"
+    dq_box = f"tensordesc<fp32[64, 1, 64],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)!r}>"
     sig = {**{x: box for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
-           "DK": "*bf16", "DV": "*bf16", **({"DQ": "*fp32"} if adds_dq else {}), "N": "i32",
+           "DK": "*bf16", "DV": "*bf16", **({"DQ": dq_box} if adds_dq else {}), "N": "i32",
            **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "CLEAR")}}
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False})
     ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and bool(re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)) == adds_dq
+    assert "wgmma.mma_async" in ptx and ("cp.reduce.async.bulk.tensor.3d" in ptx) == adds_dq
     assert not re.search(r"(red|atom)\.[a-z.]*add\.f32", ptx)
+    assert kernel.metadata.shared <= sm90.smem_bytes, (planned.config.gluon_lanes_bwd, kernel.metadata.shared)
     with pytest.raises(SpecError, match="gluon_dkdv_dq cannot run here: a plan whose per-branch dK/dV is not Gluon"):
         plan(_spec(name="gdq_fused", causal=False), sm90, {"gluon_dkdv_dq": True})
 

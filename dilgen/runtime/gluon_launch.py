@@ -220,7 +220,7 @@ def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: 
                           accumulate: bool, clear: bool = False, dropout: tuple = (), dq32=None) -> tuple:
     """The dK/dV's arguments for branch `br`: q's and dO's descriptors through its
     (B*N/r, r*H, D) view, k's and v's through (B*N/r, r*H_kv, D) (64-row boxes), lse, Delta, dk,
-    dv, the float32 dQ where the plan's kernel adds into one (gluon_dkdv_dq), N; the constexprs
+    dv, the float32 dQ's descriptor where the plan's kernel adds into one (gluon_dkdv_dq, dq32_box), N; the constexprs
     w, r, NO = min(group, r), ACCUMULATE and CLEAR; with `dropout` (a dropout plan's arguments),
     the branch's index (a constexpr) and them."""
     box, w, r = _boxes(plan, B, N), br["w"], br["r"]
@@ -229,8 +229,20 @@ def gluon_dkdv_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, B: 
     if adds_dq and dq32 is None:
         raise ValueError("gluon_dkdv_lanes_args: the plan's dK/dV adds dQ (gluon_dkdv_dq), and no float32 dQ was given")
     return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), lse, delta, dk, dv,
-            *((dq32,) if adds_dq else ()), N, w, r, min(group, r), bool(accumulate), bool(clear),
-            *((br["index"], *dropout) if dropout else ()))
+            *((dq32_box(plan, dq32, B, N, r),) if adds_dq else ()), N, w, r, min(group, r), bool(accumulate),
+            bool(clear), *((br["index"], *dropout) if dropout else ()))
+
+
+def dq32_box(plan: dict, t, B: int, N: int, every: int):
+    """A TMA descriptor over the float32 (B, N, H, D) dQ t viewed as q is, (B*N/every,
+    every*H, D), in unswizzled (64, 1, 64) boxes: the tiles gluon_dkdv_dq's blocks add by TMA
+    reduce-adds (a 256-byte row is past the 128-byte swizzle's span)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    D = plan["head_dim"]
+    shape = [B * N // every, every * plan["num_heads"], D]
+    return TensorDescriptor(t, shape, [shape[1] * D, D, 1], [64, 1, 64],
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
 
 
 def gluon_dq_lanes_args(plan: dict, q, k, v, grad_out, lse, delta, dq, B: int, N: int, br: dict,
