@@ -291,11 +291,13 @@ def test_replayed_backward_equals_the_tl_plan_bit_for_bit():
 
 
 @needs_gluon
-def test_dq_by_tma_reduce_add_needs_a_newer_triton():
+def test_dq_by_tma_reduce_add_has_a_name_in_triton_3_9_only():
     """Issue 42 asked for dQ by TMA reduce-add or a separate pass, whichever measures faster.
-    Gluon's hopper.tma in Triton 3.6 (the GPU machines') has no reduce, so dQ is its own pass
-    (gluon_dq). Triton 3.9 adds tma.async_atomic_add: the smallest kernel using it, a 64 x 64
-    float32 tile added into dq's rows, compiles there for sm90 to cp.reduce.async.bulk.tensor."""
+    Gluon's hopper.tma in Triton 3.6 (the GPU machines') names no reduce; the templates reach
+    it there through the `tl` descriptor's reduce op (gluon_lanes_bwd's _dq_add, compiled in
+    test_gluon_lanes.py under both Tritons). Triton 3.9 adds tma.async_atomic_add: the smallest
+    kernel using it, a 64 x 64 float32 tile added into dq's rows from a swizzled shared-memory
+    tile, compiles there for sm90 to cp.reduce.async.bulk.tensor."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
