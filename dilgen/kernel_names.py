@@ -42,6 +42,6 @@ def kernel_families(plan) -> str:
           "tl (fused)" if len(lanes) < len(plan.branches) else None,
           None if not lanes else f"Gluon lanes ({cfg.gluon_lanes_bwd} stages{_tl_beside(lane_rest)})"
           if cfg.gluon_lanes_bwd and len(lane_rest) < len(lanes) else "tl lanes"]
-    parts.append("dQ in the dK/dV (float32 reductions)" if cfg.gluon_dkdv_dq else "dQ " + ", ".join(x for x in dq if x))
+    parts.append("dQ in the dK/dV (TMA reduce-adds into float32)" if cfg.gluon_dkdv_dq else "dQ " + ", ".join(x for x in dq if x))
     gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq or cfg.gluon_lanes or cfg.gluon_lanes_bwd
     return ", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
