@@ -28,19 +28,12 @@ import toolkit as tk  # noqa: E402
 GPU = dict(ws=[2048, 8192, 32768, 131072, 524288, 1048576], rs=[1, 2, 4, 8, 16, 32], H=16, D=128,
            tokens=262144, small=(8192, 2, 64))          # small: (N, H, D) of the fp64 check
 DRY = dict(ws=[8, 32, 128], rs=[1, 2, 4], H=2, D=16, tokens=64, small=(128, 2, 16))
-LONG = dict(ws=[2048, 8192, 32768, 131072, 524288, 2097152, 8388608], rs=[1, 2, 4, 8, 16, 32, 64])  # --long
 # causal_gqa: H_kv = H/4, causal, zigzag chunks; local: Hilbert segment tiles that all lie inside a rank
 ORDERS = ("raster", "segment", "sequence", "causal_gqa", "local")
 USER = {}            # --specs: name -> a spec's fields and its tokens_per_gpu, run as an "order" each
 TRANSPORTS = ("auto", "ring", "allgather", "heads", "recut", "hybrid")   # DILGEN_RING_TRANSPORT per row (auto: model's)
 BOUND_OUT, BOUND_GRAD = 2e-2, 4e-2
 chunks = lambda spec: "zigzag" if spec.causal and spec.ring_size > 1 else "contiguous"  # noqa: E731 - causal: balanced
-
-
-def predicted(attn, spec, n: int, transport: str) -> dict:
-    """The cost model's ms of this call and of every transport (dilgen.runtime.ring.costs.predicted_ms)."""
-    from dilgen.runtime.ring.costs import predicted_ms
-    return predicted_ms(attn, n, transport, chunks(spec))
 
 
 def hilbert_for(order: str, n: int):
@@ -82,12 +75,14 @@ class Rank:
         return t.tolist()
 
     def wall_ms(self, fn, reps, barrier=True):
-        """ms per call: one warm-up, then reps calls back to back; with barrier, the slowest rank's."""
+        """ms per call: reps calls or as many as fill 0.3 s (<= 50) after a warm-up; barrier: the slowest rank's."""
         def now():
             tk.sync(self.dev)
             self.dist.barrier() if barrier else None
             return time.perf_counter()
-        fn()
+        t0, _ = now(), fn()
+        first = self.reduce([now() - t0], self.dist.ReduceOp.MAX)[0] if barrier else now() - t0
+        reps = max(reps, min(50, math.ceil(0.3 / max(first, 1e-6))))
         t0 = now()
         for _ in range(reps):
             fn()
@@ -121,6 +116,7 @@ class Rank:
 
     def run(self, order) -> dict:
         import dilgen
+        from dilgen.runtime.ring.costs import predicted_ms      # the cost model's ms, beside each row
         torch, P, rank, a, geo = self.torch, self.P, self.rank, self.args, self.geo
         N = (T := a.tokens_per_gpu or USER.get(order, geo)["tokens_per_gpu" if order in USER else "tokens"]) * P
         row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": hilbert_for(order, N) and order,
@@ -136,7 +132,12 @@ class Rank:
             s_fwd, s_fwd_bwd, leaves = self.steps(single, *full)
             s_fwd_bwd()
             ref = [my_rows(t, P, rank, spec).clone() for t in [single(*full[:3])] + [t.grad for t in leaves]]
+            if a.calibrate_specs:       # the spec's own single-device rate on a rank's rows (dilgen calibrate --spec)
+                from dilgen.calibrate import calibrate_specs
+                calibrate_specs([spec], N, None, self.dev)
             if rank == 0:
+                row.update({k.replace("predicted_", "predicted_single_"): v for k, v in predicted_ms(
+                    single.compiled_for(self.dev).attention, N, "single").items() if k.endswith("_ms")})
                 row["single_device_fwd_ms"] = self.wall_ms(s_fwd, a.reps, barrier=False)
                 row["single_device_fwd_bwd_ms"] = self.wall_ms(s_fwd_bwd, max(1, a.reps // 2), barrier=False)
             del leaves, s_fwd, s_fwd_bwd
@@ -162,7 +163,7 @@ class Rank:
             cuda = self.dev.type == "cuda" and torch.cuda.reset_peak_memory_stats(self.dev) is None
             r["fwd_ms"], r["fwd_bwd_ms"] = self.wall_ms(fwd, a.reps), self.wall_ms(fwd_bwd, max(1, a.reps // 2))
             r["peak_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30 if cuda else None
-            r.update(predicted(attn, spec, N, r["transport"]))
+            r.update(predicted_ms(attn, N, r["transport"], chunks(spec)))
             if P == 1:
                 r["single_device_fwd_ms"], r["single_device_fwd_bwd_ms"] = r["fwd_ms"], r["fwd_bwd_ms"]
             del leaves, fwd, fwd_bwd
@@ -173,8 +174,7 @@ class Rank:
         return rows
 
     def transports(self, spec, N: int) -> list[str]:
-        """--transports that can run the spec at this P (all-gather: raster only; recut: a border inside N;
-        hybrid: some branches inside a rank's chunks and some not)."""
+        """--transports that run the spec at this P (allgather: raster; recut: a border in N; hybrid: mixed)."""
         P, H, Hk = self.P, spec.num_heads, spec.num_kv_heads
         return ["auto"] if P == 1 else [t for t in self.args.transports
                                         if (t != "heads" or not (H % P or Hk % P))
@@ -246,8 +246,9 @@ def finish(rows, geo):
         causal = r.get("order") == "causal_gqa" or bool(u and u.get("causal"))
         r[f"useful_tflops_per_gpu_{kind}"] = tk.useful_flops(dict(cfg, B=1, N=r["N"]), causal, kind == "fwd_bwd") \
             / r["gpus"] / r[f"{kind}_ms"] / 1e9
-        if r.get("predicted_fwd_bwd_ms"):
-            r["model_error_fwd_bwd"] = r["predicted_fwd_bwd_ms"] / r["fwd_bwd_ms"] - 1
+        for m, p, t in (("fwd_bwd", "fwd_bwd", "fwd_bwd"), ("single", "single_fwd_bwd", "single_device_fwd_bwd")):
+            if r.get(f"predicted_{p}_ms") and r.get(f"{t}_ms"):
+                r[f"model_error_{m}"] = r[f"predicted_{p}_ms"] / r[f"{t}_ms"] - 1
         s = r.get(f"single_device_{kind}_ms")       # strong_scaling_eff: fwd+bwd's (the last kind)
         r[f"strong_scaling_eff_{kind}"] = r["strong_scaling_eff"] = s / (r["gpus"] * r[f"{kind}_ms"]) if s else None
     for r in rows:
@@ -315,16 +316,15 @@ def parse_args(argv=None):
     add("--orders", default=",".join(ORDERS[:3]), help="subset of " + ",".join(ORDERS))
     add("--transports", default=",".join(TRANSPORTS), help="DILGEN_RING_TRANSPORT values, a row each (P > 1; "
         "all-gather: raster only)")
-    add("--long", action="store_true", help="segments up to 8M (w 2M and 8M cross ranks at 2M tokens per GPU): "
-        "weak scaling; default tokens per GPU 2M")
     add("--plot", dest="replot", metavar="JSON", help="only redraw the plot of a result file")
     add("--specs", metavar="JSON", help="run these specs (a list of spec fields + tokens_per_gpu) instead of --orders")
+    add("--calibrate-specs", action="store_true", help="measure each spec's own rate first (dilgen calibrate --spec)")
     a = ap.parse_args(argv)
     USER.update((u["name"], u) for u in json.loads(Path(a.specs).read_text())) if a.specs else None
     a.orders = list(USER) if a.specs else tk.pick(a.orders, ORDERS, "--orders")
     a.reps = a.reps or (1 if a.dry_run_cpu else 4)
     a.transports = tk.pick(a.transports, TRANSPORTS, "--transports")
-    a.geo = DRY if a.dry_run_cpu else dict(GPU, **LONG, tokens=2 << 20) if a.long else GPU
+    a.geo = DRY if a.dry_run_cpu else GPU
     return a
 
 
@@ -351,7 +351,7 @@ def main(argv=None):
                   "useful FLOPs: sum_i 4*B*H*(N/w_i)*(w_i/r_i)^2*D (w_i capped at N), x3.5 fwd+bwd, / P per GPU"]})
     if not dry:
         head["device"] = f"{len(gpus) and max(gpus)} x {head['device']}"
-    res = tk.Results(tk.result_path(args.out, "ring" + "_long" * args.long, dry), head,
+    res = tk.Results(tk.result_path(args.out, "ring", dry), head,
                      key=("gpus", "order", "tokens_per_gpu", "forced_transport"), append=args.append, lists=())
     failed = False
     for i, P in enumerate(gpus):

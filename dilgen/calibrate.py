@@ -58,26 +58,39 @@ def _fit(predict, measured: float, lo: float = 0.25, hi: float = 8.0) -> float:
     return (lo + hi) / 2
 
 
-def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, tuple[tuple[str, str], ...]]]:
-    """The specs a calibration times over P ranks, each with its chunk order and the
-    (transport, fitted factor) pairs it measures: a raster spec whose long branch crosses
-    every rank (ring_overhead by the ring, heads_fused_slowdown by the heads), and a causal
-    GQA one that one GPU runs in the lane kernels (heads_lanes_slowdown), where its kv heads
-    split over P."""
+def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[str, str | None], ...]]]:
+    """The specs a calibration times over P ranks, each with its chunk order, its N and the
+    (transport, fitted field) pairs it measures. First, on a few rows (the kernels take
+    microseconds), what one call of each transport costs beside its kernels and transfers
+    (field None: Rates.<transport>_call_fwd_ms and _call_ms): a raster spec whose long branch
+    crosses every rank (ring, heads) and one whose segments straddle the rank border (recut).
+    Then, on N rows, the factors: the raster spec (ring_overhead by the ring,
+    heads_fused_slowdown by the heads) and a causal GQA one that one GPU runs in the lane
+    kernels (heads_lanes_slowdown), where its kv heads split over P."""
     H, N, D, dtype = shape["H"], shape["N"], shape["D"], shape.get("dtype", "bfloat16")
-    base = {"num_heads": H, "head_dim": D, "ring_size": P, "dtype": dtype, "segment_lengths": [max(N // (2 * P), 1), N]}
-    specs = [(dict(base, name=f"calibrate_ring_{P}", num_kv_heads=H, dilation_rates=[1, 4]), "contiguous",
+    small = min(N, 1024 * P)
+
+    def base(n: int) -> dict:
+        return {"num_heads": H, "num_kv_heads": H, "head_dim": D, "ring_size": P, "dtype": dtype,
+                "segment_lengths": [max(n // (2 * P), 1), n], "dilation_rates": [1, 4]}
+    heads = (("heads", None),) if H % P == 0 else ()
+    specs = [(dict(base(small), name=f"calibrate_call_{P}"), "contiguous", small, (("ring", None),) + heads),
+             (dict(base(small), name=f"calibrate_recut_{P}", segment_lengths=[max(3 * small // (4 * P), 1)],
+                   dilation_rates=[1]), "contiguous", small, (("recut", None),)),
+             (dict(base(N), name=f"calibrate_ring_{P}"), "contiguous", N,
               (("ring", "ring_overhead"), ("heads", "heads_fused_slowdown")))]
     if (H // 4) % P == 0 and H >= 4:
-        specs.append((dict(base, name=f"calibrate_lanes_{P}", num_kv_heads=H // 4, dilation_rates=[1, 3], causal=True),
-                      "zigzag", (("heads", "heads_lanes_slowdown"),)))
+        specs.append((dict(base(N), name=f"calibrate_lanes_{P}", num_kv_heads=H // 4, dilation_rates=[1, 3],
+                           causal=True), "zigzag", N, (("heads", "heads_lanes_slowdown"),)))
     return specs
 
 
 def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) -> dict:
-    """What a ring call adds over the model's kernels and links (_ring_specs: each factor
-    the value that makes the model's fwd+bwd time, schedule.transport_costs under `rates`,
-    equal the measured one: the slowest rank's, every rank timing the same calls)."""
+    """What a ring call adds over the model's kernels and links (_ring_specs): each transport's
+    own cost per call (the measured forward and fwd+bwd less the model's time for them), then
+    each factor (the value that makes the model's fwd+bwd time, schedule.transport_costs under
+    `rates` with the costs per call just found, equal the measured one). Every time is the
+    slowest rank's, every rank timing the same calls."""
     import os
 
     import torch
@@ -86,12 +99,12 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     from .compiler import compile as compile_spec
     from .runtime.ring import shard
     from .runtime.ring.costs import predicted_ms
-    P, me = dist.get_world_size(group), dist.get_rank(group)
-    B, N = shape["B"], shape["N"]
+    P, me, B = dist.get_world_size(group), dist.get_rank(group), shape["B"]
     sync = device_sync(device)
     before, found = os.environ.get("DILGEN_RING_TRANSPORT"), {}
+    slowest = lambda s: torch.tensor([s], dtype=torch.float64, device=device)   # noqa: E731
     try:
-        for spec, order, fits in _ring_specs(P, shape):
+        for spec, order, N, fits in _ring_specs(P, shape):
             compile_spec(dict(spec, name=spec["name"].replace("_", "_twin_", 1), ring_size=1))  # heads' twins
             kernel = compile_spec(spec)
             g = torch.Generator(device="cpu").manual_seed(7)
@@ -104,9 +117,21 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 os.environ["DILGEN_RING_TRANSPORT"] = transport
                 step = lambda: torch.autograd.backward(  # noqa: E731
                     kernel(*leaves, group=group, chunk_order=order), dout)
-                took = torch.tensor([median_seconds(step, sync, reps)], dtype=torch.float64, device=device)
+                took = slowest(median_seconds(step, sync, reps))
                 dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                 attn = kernel.compiled_for(device).attention
+                if field is None:            # the call's own cost: measured less the model's kernels and links
+                    with torch.no_grad():
+                        fwd = slowest(median_seconds(lambda: kernel(*leaves, group=group, chunk_order=order),
+                                                     sync, reps))
+                    dist.all_reduce(fwd, op=dist.ReduceOp.MAX, group=group)
+                    bare = predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
+                        rates, **{f"{transport}_call_fwd_ms": 1e-9, f"{transport}_call_ms": 1e-9}))
+                    found[f"{transport}_call_fwd_ms"] = max(fwd.item() * 1e3 - bare["predicted_fwd_ms"], 1e-3)
+                    found[f"{transport}_call_ms"] = max(took.item() * 1e3 - bare["predicted_fwd_bwd_ms"], 1e-3)
+                    rates = dataclasses.replace(rates, **{f: found[f] for f in (f"{transport}_call_fwd_ms",
+                                                                                f"{transport}_call_ms")})
+                    continue
                 found[field] = _fit(lambda x: predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
                     rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took.item())
     finally:

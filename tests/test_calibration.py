@@ -128,7 +128,8 @@ def test_calibrate_under_torchrun_measures_the_links(tmp_path):
                for d in (json.loads(p.read_text()) for p in (tmp_path / "cache" / "calibration").iterdir())}
     assert set(records) == {(2, backend), (1, "none")}, records      # the kernels' rates hold for one process too
     links = {"link_gbytes_s", "allgather_gbytes_s", "alltoall_gbytes_s", "step_latency_us", "ring_overhead",
-             "heads_fused_slowdown", "heads_lanes_slowdown"}
+             "heads_fused_slowdown", "heads_lanes_slowdown", "ring_call_fwd_ms", "ring_call_ms", "heads_call_fwd_ms",
+             "heads_call_ms", "recut_call_fwd_ms", "recut_call_ms"}
     assert links <= set(records[2, backend].measured)
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
@@ -199,6 +200,32 @@ def test_cost_model_picks_per_pattern():
     # segments straddling the border, short against a rank's rows, re-cut (recut)
     assert _costs(2, 262144, [2048, 8192, 32768, 131072, 524288], [1, 2, 4, 8, 16])[1] == "hybrid"
     assert _costs(2, 100_000, [1000, 48000], [1, 5])[1] == "recut"
+
+
+def test_each_transport_pays_its_own_measured_cost_per_call():
+    """Rates.<transport>_call_fwd_ms / _call_ms: what one call costs beside its kernels and
+    transfers, added to that transport's price ("allgather" and "hybrid" pay the ring's), never
+    to "local"; calibrate fits them first, on a few rows, less the model's time for those."""
+    ws, rs = [2048, 8192, 32768, 131072, 524288], [1, 2, 4, 8, 16]
+    more = dataclasses.replace(cal.DEFAULT, ring_call_fwd_ms=1000.0, ring_call_ms=3000.0, heads_call_fwd_ms=7.0,
+                               heads_call_ms=70.0, recut_call_fwd_ms=11.0, recut_call_ms=110.0)
+    for w, r, extra in ((ws, rs, {"ring": (1, 3), "allgather": (1, 3), "hybrid": (1, 3), "heads": (7e-3, 7e-2)}),
+                        ([1000, 48000], [1, 5], {"recut": (11e-3, 11e-2), "ring": (1, 3)})):
+        base, dear = (_costs(2, 131072, w, r, rates=x)[0] for x in (cal.DEFAULT, more))
+        for t, (f, fb) in extra.items():
+            payer = "ring" if t in ("allgather", "hybrid") else t
+            was_f, was = (getattr(cal.DEFAULT, f"{payer}_call{x}_ms") / 1e3 for x in ("_fwd", ""))
+            assert dear[t]["fwd_s"] - base[t]["fwd_s"] == pytest.approx(f - was_f), t
+            assert dear[t]["fwd_bwd_s"] - base[t]["fwd_bwd_s"] == pytest.approx(fb - was), t
+    local = [_costs(2, 262144, ws[:3], rs[:3], rates=x)[0]["local"] for x in (cal.DEFAULT, more)]
+    assert local[0] == local[1]
+    specs = measure._ring_specs(2, dict(B=1, H=16, N=32768, D=128))
+    calls = [(s["name"], n, [t for t, f in fits]) for s, _, n, fits in specs if all(f is None for _, f in fits)]
+    assert calls == [("calibrate_call_2", 2048, ["ring", "heads"]), ("calibrate_recut_2", 2048, ["recut"])]
+    from dilgen.schedule import recut_pieces
+    recut = next(s for s, *_ in specs if s["name"] == "calibrate_recut_2")
+    assert recut_pieces({"ring_size": 2, "causal": False, "branches": [{"w": 768, "r": 1}]}, 2048) is not None
+    assert recut["segment_lengths"] == [768]
 
 
 def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibration_keeps_it(fresh, monkeypatch):
