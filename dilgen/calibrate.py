@@ -61,13 +61,14 @@ def _fit(predict, measured: float, lo: float = 0.25, hi: float = 8.0) -> float:
 def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[str, str | None], ...]]]:
     """The specs a calibration times over P ranks, each with its chunk order, its N and the
     (transport, fitted field) pairs it measures. First, on a few rows (the kernels take
-    microseconds), what one call of each transport costs beside its kernels and transfers
-    (field None: Rates.<transport>_call_fwd_ms and _call_ms): a raster spec whose long branch
+    microseconds), the least one call of each transport takes, its host's time (field None:
+    Rates.<transport>_call_fwd_ms and _call_ms): a raster spec whose long branch
     crosses every rank (ring, heads) and one whose segments straddle the rank border (recut).
-    Then, on N rows, the factors: the raster spec (ring_overhead by the ring,
+    Then, on ring_N rows (default N), the factors: the raster spec (ring_overhead by the ring,
     heads_fused_slowdown by the heads) and a causal GQA one that one GPU runs in the lane
     kernels (heads_lanes_slowdown), where its kv heads split over P."""
-    H, N, D, dtype = shape["H"], shape["N"], shape["D"], shape.get("dtype", "bfloat16")
+    H, D, dtype = shape["H"], shape["D"], shape.get("dtype", "bfloat16")
+    N = shape.get("ring_N", shape["N"])      # rows whose kernels outlast the host's issuing them
     small = min(N, 1024 * P)
 
     def base(n: int) -> dict:
@@ -87,10 +88,10 @@ def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[s
 
 def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) -> dict:
     """What a ring call adds over the model's kernels and links (_ring_specs): each transport's
-    own cost per call (the measured forward and fwd+bwd less the model's time for them), then
-    each factor (the value that makes the model's fwd+bwd time, schedule.transport_costs under
-    `rates` with the costs per call just found, equal the measured one). Every time is the
-    slowest rank's, every rank timing the same calls."""
+    least time per call (its forward and fwd+bwd on a few rows), then each factor (the value
+    that makes the model's fwd+bwd time, schedule.transport_costs under `rates` with those
+    least times, equal the measured one). Every time is the slowest rank's, every rank timing
+    the same calls."""
     import os
 
     import torch
@@ -120,15 +121,12 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 took = slowest(median_seconds(step, sync, reps))
                 dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                 attn = kernel.compiled_for(device).attention
-                if field is None:            # the call's own cost: measured less the model's kernels and links
+                if field is None:            # the host's time for one call: the kernels take microseconds
                     with torch.no_grad():
                         fwd = slowest(median_seconds(lambda: kernel(*leaves, group=group, chunk_order=order),
                                                      sync, reps))
                     dist.all_reduce(fwd, op=dist.ReduceOp.MAX, group=group)
-                    bare = predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
-                        rates, **{f"{transport}_call_fwd_ms": 1e-9, f"{transport}_call_ms": 1e-9}))
-                    found[f"{transport}_call_fwd_ms"] = max(fwd.item() * 1e3 - bare["predicted_fwd_ms"], 1e-3)
-                    found[f"{transport}_call_ms"] = max(took.item() * 1e3 - bare["predicted_fwd_bwd_ms"], 1e-3)
+                    found[f"{transport}_call_fwd_ms"], found[f"{transport}_call_ms"] = fwd.item() * 1e3, took.item() * 1e3
                     rates = dataclasses.replace(rates, **{f: found[f] for f in (f"{transport}_call_fwd_ms",
                                                                                 f"{transport}_call_ms")})
                     continue
@@ -156,7 +154,7 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if shape is None:
-        shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16") if device.type == "cuda"
+        shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16", ring_N=131072 * P) if device.type == "cuda"
                  else dict(B=1, H=8, N=64, D=16, dtype="float32"))
     found = measure_kernels(device, shape, P)
     if on and P > 1:

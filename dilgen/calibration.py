@@ -61,11 +61,10 @@ class Rates:
     allgather_gbytes_s: float = 338.0
     alltoall_gbytes_s: float = 334.0
     step_latency_us: float = 30.0
-    # what one eager call of a transport costs beside its kernels and transfers (its agreement
-    # reads the group's fingerprints on the host, and the host issues its pieces' kernels and
-    # copies one by one), forward and fwd+bwd, in ms: a call on a few rows, where the kernels
-    # take microseconds, less the model's time for it (2 x H200, NCCL; `hybrid` and `allgather`
-    # calls pay the ring's, a `local` call's agreement is all it adds and is not counted)
+    # the least one eager call of a transport takes, forward and fwd+bwd, in ms: its host issues
+    # the pieces' kernels, copies and transfers one by one and its agreement reads the group's
+    # fingerprints, timed on a few rows where the kernels take microseconds; a call's price is at
+    # least this ("hybrid" and "allgather" calls: the ring's; "local": its kernels alone)
     ring_call_fwd_ms: float = 0.4
     ring_call_ms: float = 1.2
     heads_call_fwd_ms: float = 0.5

@@ -307,9 +307,9 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
     there and out, lse back forward; q, k, v, out, dO, lse there and dq, dk, dv back backward);
     "hybrid" (given as `hybrid` = (the ring IR of the branches inside the pieces, of the others,
     the others' schedule)) the single-device kernels on the first plus the ring windows of the
-    others. Every transport but "local" adds what one call of it costs beside its kernels and
-    transfers (Rates.*_call_fwd_ms, *_call_ms; "hybrid" and "allgather" the ring's). heads_ok /
-    local_ok: whether those can run this call. spec_rate: the spec's measured single-device
+    others. No transport but "local" is priced below the time its host takes to issue one call
+    (Rates.*_call_fwd_ms, *_call_ms; "hybrid" and "allgather" the ring's). heads_ok / local_ok:
+    whether those can run this call. spec_rate: the spec's measured single-device
     rate (single_device_times), for every transport that runs those kernels."""
     P, n = ring["ring_size"], schedule["n"]
     lat = rates.step_latency_us * 1e-6
@@ -328,9 +328,8 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
         fwd_bytes = row * (2 * heads + 2 * kv_heads)
         bwd_bytes = row * (heads + heads + 2 * kv_heads)   # dO to the heads (the forward's shards
         slow = rates.heads_lanes_slowdown if lanes else rates.heads_fused_slowdown    # kept); dq, dk, dv back
-        costs["heads"] = {"fwd_s": slow * twin_f + fwd_bytes / a2a + 4 * lat + rates.heads_call_fwd_ms * 1e-3,
-                          "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 8 * lat
-                          + rates.heads_call_ms * 1e-3}
+        costs["heads"] = {"fwd_s": slow * twin_f + fwd_bytes / a2a + 4 * lat,
+                          "fwd_bwd_s": slow * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / a2a + 8 * lat}
     if local_ok:
         costs["local"] = {"fwd_s": twin_f, "fwd_bwd_s": twin_f + twin_b}
     if recut is not None and P > 1:
@@ -340,17 +339,20 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
         fwd_bytes = moved * (row * (2 * heads + 2 * kv_heads) + 4 * batch * heads)
         bwd_bytes = moved * (row * (4 * heads + 4 * kv_heads) + 8 * batch * heads)
         link = rates.link_gbytes_s * 1e9
-        costs["recut"] = {"fwd_s": busiest * twin_f + fwd_bytes / link + 2 * lat + rates.recut_call_fwd_ms * 1e-3,
-                          "fwd_bwd_s": busiest * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / link + 4 * lat
-                          + rates.recut_call_ms * 1e-3}
+        costs["recut"] = {"fwd_s": busiest * twin_f + fwd_bytes / link + 2 * lat,
+                          "fwd_bwd_s": busiest * (twin_f + twin_b) + (fwd_bytes + bwd_bytes) / link + 4 * lat}
+    for name, cost in costs.items():      # no call is faster than its host can issue it
+        host = name if name in ("heads", "recut") else "ring"
+        if name != "local":
+            cost["fwd_s"] = max(cost["fwd_s"], getattr(rates, f"{host}_call_fwd_ms") * 1e-3)
+            cost["fwd_bwd_s"] = max(cost["fwd_bwd_s"], getattr(rates, f"{host}_call_ms") * 1e-3)
     return costs
 
 
 def window_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads: int, head_dim: int,
                  itemsize: int, rates) -> dict:
     """{"ring", "allgather": {"fwd_s", "fwd_bwd_s"}}: the window kernels (step_flops at the window
-    rate over ring_overhead), their key transfers (transport_times) and the ring call's own
-    cost (Rates.ring_call_fwd_ms, ring_call_ms)."""
+    rate over ring_overhead) and their key transfers (transport_times)."""
     rate = rates.window_tflops * 1e12 / rates.ring_overhead
     raster, table = (step_flops(ring, schedule, batch, heads, head_dim, part) for part in ("raster", "table"))
     comp = [(a + b) / rate for a, b in zip(raster, table)]
@@ -361,9 +363,8 @@ def window_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_heads
     up = rates.causal_window_bwd if ring["causal"] else rates.window_bwd
     bwd = [(a * up + b * rates.table_window_bwd) / rate for a, b in zip(raster, table)]
     ring_b, gather_b, _ = transport_times(ring, schedule, bytes_per_row=3 * kv_row, step_compute_s=bwd, rates=rates)
-    call_f, call = rates.ring_call_fwd_ms * 1e-3, rates.ring_call_ms * 1e-3
-    return {"ring": {"fwd_s": ring_f + call_f, "fwd_bwd_s": ring_f + ring_b + call},
-            "allgather": {"fwd_s": gather_f + call_f, "fwd_bwd_s": gather_f + gather_b + call}}
+    return {"ring": {"fwd_s": ring_f, "fwd_bwd_s": ring_f + ring_b},
+            "allgather": {"fwd_s": gather_f, "fwd_bwd_s": gather_f + gather_b}}
 
 
 def recut_moved_rows(pieces: list, targets: list) -> list[int]:
