@@ -154,7 +154,7 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if shape is None:
-        shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16", ring_N=131072 * P) if device.type == "cuda"
+        shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16", ring_N=65536 * P) if device.type == "cuda"
                  else dict(B=1, H=8, N=64, D=16, dtype="float32"))
     found = measure_kernels(device, shape, P)
     if on and P > 1:
