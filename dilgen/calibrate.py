@@ -118,13 +118,15 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 os.environ["DILGEN_RING_TRANSPORT"] = transport
                 step = lambda: torch.autograd.backward(  # noqa: E731
                     kernel(*leaves, group=group, chunk_order=order), dout)
-                took = slowest(median_seconds(step, sync, reps))
+                # a floor (field None) is the least of 8 calls (each after a warm-up); a factor, the median
+                clock = (lambda fn: min(median_seconds(fn, sync, 1) for _ in range(8))) if field is None else \
+                    (lambda fn: median_seconds(fn, sync, reps))
+                took = slowest(clock(step))
                 dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                 attn = kernel.compiled_for(device).attention
                 if field is None:            # the host's time for one call: the kernels take microseconds
                     with torch.no_grad():
-                        fwd = slowest(median_seconds(lambda: kernel(*leaves, group=group, chunk_order=order),
-                                                     sync, reps))
+                        fwd = slowest(clock(lambda: kernel(*leaves, group=group, chunk_order=order)))
                     dist.all_reduce(fwd, op=dist.ReduceOp.MAX, group=group)
                     found[f"{transport}_call_fwd_ms"], found[f"{transport}_call_ms"] = fwd.item() * 1e3, took.item() * 1e3
                     rates = dataclasses.replace(rates, **{f: found[f] for f in (f"{transport}_call_fwd_ms",
