@@ -90,8 +90,8 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     """What a ring call adds over the model's kernels and links (_ring_specs): each transport's
     least time per call (its forward and fwd+bwd on a few rows), then each factor (the value
     that makes the model's fwd+bwd time, schedule.transport_costs under `rates` with those
-    least times, equal the measured one). Every time is the slowest rank's, every rank timing
-    the same calls."""
+    least times and the fit spec's own single-device rate, equal the measured one). Every time
+    is the slowest rank's, every rank timing the same calls."""
     import os
 
     import torch
@@ -114,6 +114,12 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                              .to(device=device, dtype=dtype) for h in (spec["num_heads"], spec["num_kv_heads"],
                                                                       spec["num_kv_heads"], spec["num_heads"]))
             leaves = [t.requires_grad_(True) for t in (q, k, v)]
+            if any(f is not None and f.startswith("heads") for _, f in fits):
+                # a user's spec is priced by its own rate (the ring's first call measures it), so
+                # the heads factors are what a heads call adds over its spec's own kernels
+                from .spec import Spec
+                own = spec_entry(Spec(**spec), N // P, device, group)
+                rates = dataclasses.replace(rates, specs=rates.specs + (own,))
             for transport, field in fits:
                 os.environ["DILGEN_RING_TRANSPORT"] = transport
                 step = lambda: torch.autograd.backward(  # noqa: E731
@@ -204,6 +210,23 @@ def measure_spec(spec, n: int, device, reps: int = 3) -> tuple[float, float]:
     return useful_flops(work_of(spec), n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
 
 
+def spec_entry(spec, n: int, device, group=None) -> tuple[str, float, float]:
+    """(spec digest, forward TFLOP/s, backward over forward) of measure_spec on n rows: over a
+    process group, every rank times its own and all take the slowest (the smallest rate, the
+    largest ratio)."""
+    import torch
+    import torch.distributed as dist
+
+    from .calibration import spec_digest
+    fwd_tflops, ratio = measure_spec(spec, n, device)
+    if group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        both = torch.tensor([-fwd_tflops, ratio], dtype=torch.float64,
+                            device=device if dist.get_backend(group) != "gloo" else "cpu")
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        fwd_tflops, ratio = -both[0].item(), both[1].item()
+    return spec_digest(spec.to_json()), fwd_tflops, ratio
+
+
 def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[tuple[str, float, float]]:
     """`dilgen calibrate --spec`: each spec's rate (measure_spec) on one rank's rows of seq_len
     tokens (seq_len / P; the slowest rank's, every rank timing alike), added to this machine's
@@ -212,22 +235,13 @@ def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[
     import torch
     import torch.distributed as dist
 
-    from .calibration import load, spec_digest
+    from .calibration import load
     on = dist.is_available() and dist.is_initialized()
     P = dist.get_world_size(group) if on else 1
     backend = dist.get_backend(group) if on and P > 1 else "none"
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    n = seq_len // P
-    entries = []
-    for spec in specs:
-        fwd_tflops, ratio = measure_spec(spec, n, device)
-        if on and P > 1:      # the slowest rank's time: the smallest rate, the largest ratio
-            both = torch.tensor([-fwd_tflops, ratio], dtype=torch.float64,
-                                device=device if backend != "gloo" else "cpu")
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-            fwd_tflops, ratio = -both[0].item(), both[1].item()
-        entries.append((spec_digest(spec.to_json()), fwd_tflops, ratio))
+    entries = [spec_entry(spec, seq_len // P, device, group if on and P > 1 else None) for spec in specs]
     for machine in {Machine.current(P, backend, device), Machine.current(1, "none", device)}:
         old = load(machine) or DEFAULT
         mine = {d for d, _, _ in entries}

@@ -30,7 +30,8 @@ from dataclasses import dataclass, fields
 from . import cache
 
 DEFAULT_SOURCE = ("profile of 4 x H200, bench/results/ring_profile-2026-11-27-p4.json and "
-                  "ring-2026-11-27.json (not measured on this machine: `dilgen calibrate`)")
+                  "ring-2026-11-27.json, each call's floor from 2 x H200, calibration-2026-11-30-h200x2.json "
+                  "(not measured on this machine: `dilgen calibrate`)")
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,12 @@ class Rates:
     # the pieces' kernels, copies and transfers one by one and its agreement reads the group's
     # fingerprints, timed on a few rows where the kernels take microseconds; a call's price is at
     # least this ("hybrid" and "allgather" calls: the ring's; "local": its kernels alone)
-    ring_call_fwd_ms: float = 0.4
-    ring_call_ms: float = 1.2
-    heads_call_fwd_ms: float = 0.5
-    heads_call_ms: float = 1.4
-    recut_call_fwd_ms: float = 0.7
-    recut_call_ms: float = 2.0
+    ring_call_fwd_ms: float = 1.06        # 2 x H200, calibration-2026-11-30-h200x2.json (c5a54f2)
+    ring_call_ms: float = 4.14
+    heads_call_fwd_ms: float = 6.26
+    heads_call_ms: float = 12.33
+    recut_call_fwd_ms: float = 1.19
+    recut_call_ms: float = 4.18
     source: str = DEFAULT_SOURCE
     measured: tuple[str, ...] = ()        # the fields this machine's calibration measured
     # specs measured by `dilgen calibrate --spec`: (spec_digest, forward TFLOP/s, backward over
