@@ -3,8 +3,9 @@
 schedule.transport_costs prices a ring call from a `Rates`: the useful TFLOP/s of the kernel
 families (the single-device fused kernels, the lane kernels, a ring window), each pass's
 backward over its forward, what a ring call and a head-parallel call add over their kernels,
-and the links (a P2P ring shift, an all-gather's received bytes, an all-to-all's sent bytes,
-in GB/s; a step's latency in µs).
+the least time one call of each transport takes (its host issuing it), and the links (a P2P
+ring shift, an all-gather's received bytes, an all-to-all's sent bytes, in GB/s; a step's
+latency in µs).
 
 `DEFAULT` is the profile committed in bench/results (4 x H200, ring_profile-2026-11-27-p4.json
 and ring-2026-11-27.json). A calibration measures on this machine what it can (the links over
@@ -46,7 +47,8 @@ class Rates:
     table 1.39 (their forward runs rows the dK/dV kernels skip), single device 3.05-3.15,
     causal lanes 4.0); a ring call over its per-step kernels (idle steps, merges, fills:
     1.04); the head-parallel call's kernels on H/(P C) heads beside its all-to-alls (1.10
-    fused, 1.06 lanes; the all-to-alls are counted whole); the links at 1 GiB per rank."""
+    fused, 1.06 lanes; the all-to-alls are counted whole); the links at 1 GiB per rank. The
+    floors under a call (*_call_fwd_ms, *_call_ms) come from a calibration of 2 x H200."""
     window_tflops: float = 298.0          # a ring window: the fused kernel on the window's rows
     twin_fused_tflops: float = 308.0      # one device, the fused kernels (raster)
     twin_lanes_tflops: float = 490.0      # one device, the lane kernels (causal, curve tables)
