@@ -65,8 +65,10 @@ def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[s
     Rates.<transport>_call_fwd_ms and _call_ms): a raster spec whose long branch
     crosses every rank (ring, heads) and one whose segments straddle the rank border (recut).
     Then, on ring_N rows (default N), the factors: the raster spec (ring_overhead by the ring,
-    heads_fused_slowdown by the heads) and a causal GQA one that one GPU runs in the lane
-    kernels (heads_lanes_slowdown), where its kv heads split over P."""
+    heads_fused_slowdown by the heads), a causal GQA one that one GPU runs in the lane kernels
+    (heads_lanes_slowdown where its kv heads split over P; causal_window_bwd by the ring) and
+    a Hilbert segment one whose long branch the windows read through a curve table
+    (table_window_bwd by the ring)."""
     H, D, dtype = shape["H"], shape["D"], shape.get("dtype", "bfloat16")
     N = shape.get("ring_N", shape["N"])      # rows whose kernels outlast the host's issuing them
     small = min(N, 1024 * P)
@@ -80,9 +82,11 @@ def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[s
                    dilation_rates=[1]), "contiguous", small, (("recut", None),)),
              (dict(base(N), name=f"calibrate_ring_{P}"), "contiguous", N,
               (("ring", "ring_overhead"), ("heads", "heads_fused_slowdown")))]
-    if (H // 4) % P == 0 and H >= 4:
-        specs.append((dict(base(N), name=f"calibrate_lanes_{P}", num_kv_heads=H // 4, dilation_rates=[1, 3],
-                           causal=True), "zigzag", N, (("heads", "heads_lanes_slowdown"),)))
+    lanes = (("heads", "heads_lanes_slowdown"),) if (H // 4) % P == 0 and H >= 4 else ()
+    specs.append((dict(base(N), name=f"calibrate_lanes_{P}", num_kv_heads=max(H // 4, 1), dilation_rates=[1, 3],
+                       causal=True), "zigzag", N, lanes + (("ring", "causal_window_bwd"),)))
+    specs.append((dict(base(N), name=f"calibrate_table_{P}", hilbert={"scope": "segment"}), "contiguous", N,
+                   (("ring", "table_window_bwd"),)))
     return specs
 
 

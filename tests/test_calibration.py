@@ -131,6 +131,7 @@ def test_calibrate_under_torchrun_measures_the_links(tmp_path):
              "heads_fused_slowdown", "heads_lanes_slowdown", "ring_call_fwd_ms", "ring_call_ms", "heads_call_fwd_ms",
              "heads_call_ms", "recut_call_fwd_ms", "recut_call_ms"}
     assert links <= set(records[2, backend].measured)
+    assert set(records[2, backend].measured) == set(cal.Rates.numbers())       # no rate left to the profile
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
 
