@@ -107,7 +107,12 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     P, me, B = dist.get_world_size(group), dist.get_rank(group), shape["B"]
     sync = device_sync(device)
     before, found = os.environ.get("DILGEN_RING_TRANSPORT"), {}
-    slowest = lambda s: torch.tensor([s], dtype=torch.float64, device=device)   # noqa: E731
+
+    def slowest(seconds: float) -> float:
+        """The slowest rank's seconds (every rank timed the same call)."""
+        took = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        return took.item()
     try:
         for spec, order, N, fits in _ring_specs(P, shape):
             compile_spec(dict(spec, name=spec["name"].replace("_", "_twin_", 1), ring_size=1))  # heads' twins
@@ -132,18 +137,16 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 clock = (lambda fn: min(median_seconds(fn, sync, 1) for _ in range(8))) if field is None else \
                     (lambda fn: median_seconds(fn, sync, reps))
                 took = slowest(clock(step))
-                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                 attn = kernel.compiled_for(device).attention
                 if field is None:            # the host's time for one call: the kernels take microseconds
                     with torch.no_grad():
                         fwd = slowest(clock(lambda: kernel(*leaves, group=group, chunk_order=order)))
-                    dist.all_reduce(fwd, op=dist.ReduceOp.MAX, group=group)
-                    found[f"{transport}_call_fwd_ms"], found[f"{transport}_call_ms"] = fwd.item() * 1e3, took.item() * 1e3
+                    found[f"{transport}_call_fwd_ms"], found[f"{transport}_call_ms"] = fwd * 1e3, took * 1e3
                     rates = dataclasses.replace(rates, **{f: found[f] for f in (f"{transport}_call_fwd_ms",
                                                                                 f"{transport}_call_ms")})
                     continue
                 found[field] = _fit(lambda x: predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
-                    rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took.item())
+                    rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took)
     finally:
         if before is None:
             os.environ.pop("DILGEN_RING_TRANSPORT", None)

@@ -321,7 +321,7 @@ def transport_costs(ring: dict, schedule: dict, *, batch: int, heads: int, kv_he
         loc_f, loc_b = (t / P for t in single_device_times(ring_l, n, batch, heads, head_dim, lanes, rates,
                                                              spec_rate))
         win = window_costs(ring_r, sched_r, **shape)["ring"]
-        costs["hybrid"] = {"fwd_s": loc_f + win["fwd_s"], "fwd_bwd_s": loc_f + loc_b + win["fwd_bwd_s"]}  # call: win's
+        costs["hybrid"] = {"fwd_s": loc_f + win["fwd_s"], "fwd_bwd_s": loc_f + loc_b + win["fwd_bwd_s"]}
     if heads_ok and P > 1:
         row = batch * head_dim * itemsize * (n // P) * (P - 1) / P     # bytes of one head moved
         a2a = rates.alltoall_gbytes_s * 1e9
