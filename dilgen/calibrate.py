@@ -217,28 +217,40 @@ def measure_spec(spec, n: int, device, reps: int = 3) -> tuple[float, float]:
     return useful_flops(work_of(spec), n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
 
 
-def spec_entry(spec, n: int, device, group=None) -> tuple[str, float, float]:
+def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tuple[str, float, float] | None:
     """(spec digest, forward TFLOP/s, backward over forward) of measure_spec on n rows: over a
     process group, every rank times its own and all take the slowest (the smallest rate, the
-    largest ratio)."""
+    largest ratio). If a rank cannot (its memory, say), every rank returns None when
+    `optional`, else raises; one process alone raises what measure_spec raised."""
     import torch
     import torch.distributed as dist
 
     from .calibration import spec_digest
-    fwd_tflops, ratio = measure_spec(spec, n, device)
-    if group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        both = torch.tensor([-fwd_tflops, ratio], dtype=torch.float64,
-                            device=device if dist.get_backend(group) != "gloo" else "cpu")
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        fwd_tflops, ratio = -both[0].item(), both[1].item()
-    return spec_digest(spec.to_json()), fwd_tflops, ratio
+    grouped = group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    if not grouped:
+        return (spec_digest(spec.to_json()), *measure_spec(spec, n, device))
+    try:
+        rate, ratio = measure_spec(spec, n, device)
+        row, why = [0.0, -rate, ratio], None
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it, never one rank alone
+        row, why = [1.0, 0.0, 0.0], exc
+    both = torch.tensor(row, dtype=torch.float64, device=device if dist.get_backend(group) != "gloo" else "cpu")
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    failed, neg_rate, ratio = both.tolist()
+    if failed and optional:
+        return None
+    if failed:
+        raise RuntimeError(f"calibrating {spec.name} on {n} rows failed on a rank: "
+                           f"{why if why is not None else 'see the other ranks'}") from why
+    return spec_digest(spec.to_json()), -neg_rate, ratio
 
 
 def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[tuple[str, float, float]]:
     """`dilgen calibrate --spec`: each spec's rate (measure_spec) on one rank's rows of seq_len
     tokens (seq_len / P; the slowest rank's, every rank timing alike), added to this machine's
-    records for P ranks and for one process (the entries of other specs kept, a spec's older
-    entry replaced). Returns the entries."""
+    record for P ranks, and on all seq_len rows to its record for one process (a rank's rate
+    where they do not fit); the entries of other specs kept, a spec's older entry replaced.
+    Returns the entries for P ranks."""
     import torch
     import torch.distributed as dist
 
@@ -248,11 +260,16 @@ def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[
     backend = dist.get_backend(group) if on and P > 1 else "none"
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    entries = [spec_entry(spec, seq_len // P, device, group if on and P > 1 else None) for spec in specs]
-    for machine in {Machine.current(P, backend, device), Machine.current(1, "none", device)}:
+    grp = group if on and P > 1 else None
+    entries = [spec_entry(spec, seq_len // P, device, grp) for spec in specs]
+    # one process runs all seq_len rows: its record takes the rate there, where they fit a GPU
+    # (kernels run faster on more rows), else a rank's
+    alone = entries if P == 1 else [spec_entry(spec, seq_len, device, grp, optional=True) or e
+                                    for spec, e in zip(specs, entries)]
+    records = {Machine.current(P, backend, device): entries, Machine.current(1, "none", device): alone}
+    for machine, mine in records.items():
         old = load(machine) or DEFAULT
-        mine = {d for d, _, _ in entries}
-        kept = tuple(e for e in old.specs if e[0] not in mine) + tuple(entries)
+        kept = tuple(e for e in old.specs if e[0] not in {d for d, _, _ in mine}) + tuple(mine)
         store(machine, dataclasses.replace(old, specs=kept))
     return entries
 

@@ -278,6 +278,38 @@ def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibrati
         cal.Rates(specs=(("x", -1.0, 2.0),))
 
 
+def test_calibrate_spec_over_ranks_keeps_a_ranks_rate_and_one_process_rate_at_the_whole_length(fresh, monkeypatch):
+    """Under P ranks, the record for P ranks takes the spec's rate on a rank's rows (seq_len / P),
+    the record for one process its rate on all seq_len rows, or a rank's where a rank cannot
+    run them (every rank alike: a failure travels in the all_reduce)."""
+    import torch.distributed as dist
+
+    import dilgen
+    spec = dilgen.Spec(name="ranks", num_heads=2, head_dim=16, segment_lengths=[16, 32], dilation_rates=[1, 2])
+    for name, value in (("is_initialized", lambda: True), ("get_world_size", lambda group=None: 2),
+                        ("get_backend", lambda group=None: "gloo"), ("all_reduce", lambda *a, **k: None)):
+        monkeypatch.setattr(dist, name, value)       # a world of 2 whose other rank agrees with this one
+    rates = {32: (100.0, 3.0), 64: (150.0, 2.5)}
+    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: rates[n])
+    digest = cal.spec_digest(spec.to_json())
+    assert measure.calibrate_specs([spec], 64) == [(digest, 100.0, 3.0)]
+    records = lambda: {P: cal.load(cal.Machine.current(P, "gloo" if P == 2 else "none")).for_spec(digest)  # noqa: E731
+                       for P in (2, 1)}
+    assert records() == {2: (100.0, 3.0), 1: (150.0, 2.5)}
+    def too_big(spec, n, device):
+        if n == 64:
+            raise MemoryError("64 rows do not fit")
+        return rates[n]
+    monkeypatch.setattr(measure, "measure_spec", too_big)
+    measure.calibrate_specs([spec], 64)
+    assert records() == {2: (100.0, 3.0), 1: (100.0, 3.0)}
+    def nothing_fits(spec, n, device):
+        raise MemoryError("none")
+    monkeypatch.setattr(measure, "measure_spec", nothing_fits)
+    with pytest.raises(RuntimeError, match="calibrating ranks on 32 rows failed on a rank: none"):
+        measure.calibrate_specs([spec], 64)
+
+
 def test_dilgen_calibrate_spec_measures_the_spec_on_this_device(fresh, tmp_path, capsys):
     import dilgen
     from dilgen.cli import main
