@@ -20,7 +20,7 @@ class _Wire:
 
     class P2POp:
         def __init__(self, op, tensor, peer, group):
-            self.op, self.tensor, self.peer = op, tensor, peer
+            self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
 
     def __init__(self):
         self.me, self.sends, self.recvs = 0, {}, {}
@@ -30,6 +30,9 @@ class _Wire:
 
     def irecv(self):
         pass
+
+    def get_backend(self, group=None):
+        return "wire"
 
     def batch_isend_irecv(self, ops):
         for o in ops:

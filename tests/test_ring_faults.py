@@ -210,3 +210,42 @@ def test_ring_over_two_nodes_on_one_machine(tmp_path):
         # (a node's two ranks share its stdout, so lines may run into each other: match the number only)
         assert sorted(errors) == [0, 1, 2, 3] and max(errors.values()) < 1e-4, errors
         return
+
+
+_HALF_SENT = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from dilgen.runtime.ring import faults
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+group = dist.new_group([0, 1])
+rows = torch.ones(50_000_000)              # 200 MB: still travelling when rank 0 closes
+if rank == 0:                               # posts its rows, then fails: settles and closes
+    faults.post_transfers(dist, [dist.P2POp(dist.isend, rows, 1, group)])
+    faults._settle()
+    faults.close_group(dist, group, 2, 0)
+    time.sleep(3)
+else:
+    got = torch.empty_like(rows)
+    try:
+        dist.irecv(got, 0, group=group).wait()
+        print("received", bool(got.eq(1).all()))
+    except RuntimeError as exc:
+        print("raised", str(exc)[:80])
+"""
+
+
+def test_a_failing_rank_lets_its_rows_in_flight_arrive_before_it_closes(tmp_path):
+    """A rank that fails with rows half sent (gloo) waits for its posted transfers, at most
+    2 s, before it closes its pairs: closed first, the peer's receive of those rows waited
+    forever. The peer receives them (or raises); it never hangs."""
+    script = tmp_path / "half_sent.py"
+    script.write_text(_HALF_SENT)
+    port = str(_free_port())
+    env = lambda r: dict(os.environ, RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,  # noqa: E731
+                         PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    results = run_together([([sys.executable, str(script)], env(r)) for r in range(2)], tmp_path, 90,
+                           "a rank failing with rows in flight", merge=True)
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert "received True" in results[1][1], results[1][1][-2000:]

@@ -92,6 +92,33 @@ def transfer(fn, *args):
         raise PeerLost(exc) from exc
 
 
+#: the gloo transfers this pass posted (Guard lets them finish before it closes the pairs)
+_POSTED: list = []
+
+
+def post_transfers(dist, ops: list) -> list:
+    """dist.batch_isend_irecv(ops) (PeerLost if it raises), its works. On a gloo group they
+    are kept for the pass's Guard: a rank that fails with rows half sent lets its transfers
+    finish (or time out) before it closes its pairs, for a peer's receive of rows in flight
+    would wait on a closed pair forever."""
+    works = transfer(dist.batch_isend_irecv, ops) if ops else []
+    if works and dist.get_backend(ops[0].group) == "gloo":
+        _POSTED.extend(works)
+    return works
+
+
+def _settle(timeout_s: float = 2.0) -> None:
+    """Wait for this pass's posted gloo transfers, all of them within timeout_s (a timeout
+    closes that context's pairs, as close_group does), and forget them."""
+    deadline = time.monotonic() + timeout_s
+    for work in _POSTED:
+        try:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except Exception:  # noqa: BLE001 - a peer gone, or the time up: closed below anyway
+            pass
+    _POSTED.clear()
+
+
 def collective(dist, group, fn, tensors) -> None:
     """Run a blocking collective of a ring call; on gloo, return (or raise PeerLost) only
     once no process group thread holds its tensors (let_go): the process may end next."""
@@ -267,6 +294,7 @@ class Guard:
     def __init__(self, run, direction: str, phase: str = "start"):
         self.run = run
         run.direction, run.at = direction, (phase, 0, 0)
+        _POSTED.clear()             # an earlier pass's transfers all arrived
 
     def __enter__(self):
         return self
@@ -280,6 +308,7 @@ class Guard:
         name, me, where = run.attn.spec["name"], run.me, _where(run, keys=not lost)
         if not lost:
             _record(run.dist, run.fault_key, me, where, _short(cause))
+        _settle()
         close_group(run.dist, run.group, run.P, me)
         if not isinstance(exc, Exception):
             return False                # KeyboardInterrupt, SystemExit: as they are

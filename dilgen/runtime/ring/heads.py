@@ -23,7 +23,7 @@ import torch
 from ..backward import backward_raw
 from ..forward import forward_raw
 from ..registry import twin, twins_available
-from .faults import transfer
+from .faults import post_transfers, transfer
 
 
 def heads_refusal(attn, P: int, packed: bool) -> str | None:
@@ -97,7 +97,7 @@ class _Posted:
                 continue
             ops.append(dist.P2POp(dist.isend, sends[d], run.peer(d), run.group))
             ops.append(dist.P2POp(dist.irecv, recvs[d], run.peer(d), run.group))
-        self.works = transfer(dist.batch_isend_irecv, ops) if ops else []
+        self.works = post_transfers(dist, ops)
         self.keep = (sends, recvs, keep)
 
     def wait(self):

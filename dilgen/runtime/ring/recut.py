@@ -20,7 +20,7 @@ from ...schedule import recut_pieces
 from ..backward import backward_raw
 from ..forward import forward_raw
 from ..registry import twins_available
-from .faults import transfer
+from .faults import post_transfers, transfer
 from .heads import _dropout, _twin
 
 
@@ -144,7 +144,7 @@ def _post(run, sends: list, recvs: list) -> list:
             ops.append(dist.P2POp(dist.isend, sends[d], run.peer(d), run.group))
         if recvs[d] is not None:
             ops.append(dist.P2POp(dist.irecv, recvs[d], run.peer(d), run.group))
-    return transfer(dist.batch_isend_irecv, ops) if ops else []
+    return post_transfers(dist, ops)
 
 
 def split(targets: list, pieces: list, L: int) -> tuple[list, list]:

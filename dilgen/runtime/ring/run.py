@@ -19,7 +19,7 @@ from ..varlen import Packing, packed_tables
 from .agreement import _agree, _group_info
 from ..dropout_call import bad_p, cut_and_scale, dropout_twin, model_streams, seed_tensor, valid_p
 from .dropout import Counter, dropout_proposal, dropout_refusal
-from .faults import Guard, collective, remember, transfer
+from .faults import Guard, collective, post_transfers, remember, transfer
 from .costs import call_costs
 from .heads import heads_refusal
 from .hybrid import hybrid_parts, hybrid_refusal
@@ -52,7 +52,7 @@ class _Exchange:
     """Posted P2P transfers of one step (batch_isend_irecv) and their buffers."""
 
     def __init__(self, dist, ops, recv, keep):
-        self.works = transfer(dist.batch_isend_irecv, ops) if ops else []
+        self.works = post_transfers(dist, ops)
         self.recv = recv
         self._keep = keep
 
