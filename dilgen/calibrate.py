@@ -137,14 +137,14 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 clock = (lambda fn: min(median_seconds(fn, sync, 1) for _ in range(8))) if field is None else \
                     (lambda fn: median_seconds(fn, sync, reps))
                 took = slowest(clock(step))
-                attn = kernel.compiled_for(device).attention
                 if field is None:            # the host's time for one call: the kernels take microseconds
                     with torch.no_grad():
                         fwd = slowest(clock(lambda: kernel(*leaves, group=group, chunk_order=order)))
-                    found[f"{transport}_call_fwd_ms"], found[f"{transport}_call_ms"] = fwd * 1e3, took * 1e3
-                    rates = dataclasses.replace(rates, **{f: found[f] for f in (f"{transport}_call_fwd_ms",
-                                                                                f"{transport}_call_ms")})
+                    floors = {f"{transport}_call_fwd_ms": fwd * 1e3, f"{transport}_call_ms": took * 1e3}
+                    found |= floors
+                    rates = dataclasses.replace(rates, **floors)
                     continue
+                attn = kernel.compiled_for(device).attention
                 found[field] = _fit(lambda x: predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
                     rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took)
     finally:
