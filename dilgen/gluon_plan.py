@@ -186,9 +186,12 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
 
 def lanes_bwd_without_r1(spec: Spec, target: Target, tile_d: int, dropout: bool) -> bool:
     """Whether a plan with no r = 1 branch (config D) runs the Gluon lane backward untuned:
-    non-causal, without dropout, at the target's head dims (Target.gluon_lanes_bwd_no_r1),
+    non-causal, without dropout, at the target's head dims (Target.gluon_lanes_bwd_no_r1) and
+    on lanes no longer than it was measured on (w / r keys, Target.gluon_lanes_bwd_no_r1_lane),
     in place of the fused dK/dV (planner._fused_dkdv asks here first)."""
-    return not spec.causal and not dropout and tile_d in target.gluon_lanes_bwd_no_r1
+    longest = max(w // r for w, r in zip(spec.segment_lengths, spec.dilation_rates))
+    return (not spec.causal and not dropout and tile_d in target.gluon_lanes_bwd_no_r1
+            and longest <= target.gluon_lanes_bwd_no_r1_lane)
 
 
 def lanes_bwd_in_place_of_fused(spec: Spec, target: Target, tiles, branches, query_order, tuning: dict,

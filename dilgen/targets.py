@@ -199,8 +199,13 @@ class Target:
     # ... and where a non-causal plan with no r = 1 branch (config D) takes them in place of the
     # fused `tl` dK/dV: its per-branch dK/dV then holds queries along rows and spills nothing,
     # D fwd+bwd 2.14 against 2.25 ms in two runs (bench/results/backward_d_rows_first-2026-11-30-h200.json;
-    # causal D keeps the `tl` lanes, 1.58 against 1.50)
+    # causal D keeps the `tl` lanes, 1.58 against 1.50), as far as it was measured: lanes of at
+    # most gluon_lanes_bwd_no_r1_lane keys (w / r; D's are 1024). One branch w 131072, r 8, H 8
+    # (16384 keys a lane) took 13.2 ms fwd+bwd on 131,072 rows with it, 9.4 with the fused dK/dV
+    # (single_device_fwd_bwd_ms of one_long_branch: ring_users-2026-11-30-h200x2-floors.json,
+    # ring_users-2026-11-29-h200x2-measured.json)
     gluon_lanes_bwd_no_r1: tuple[int, ...] = ()
+    gluon_lanes_bwd_no_r1_lane: int = 0
     gluon_lanes_bwd_stages: int = 4
     gluon_dkdv_lanes: bool = False
     # (head_dim, n): the Gluon forward's and lanes' softmax compute one exponential in n as a
@@ -263,6 +268,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               dual_chain_head_dims=(64,), gluon_fwd_tiles=((64, 128, 3), (128, 128, 3)), gluon_fwd_default=(64, 128),
               gluon_dkdv_default=(64, 128), gluon_dq_default=(128,),
               gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128), gluon_lanes_bwd_no_r1=(128,),
+              gluon_lanes_bwd_no_r1_lane=1024,
               gluon_dkdv_lanes=True, gluon_exp2=((64, 8),), gluon_bwd_beside_lanes=True,
               gluon_raster_lanes_default=True, split_wide_lattice=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)

@@ -61,6 +61,9 @@ def test_default_for_causal_lanes_and_taken_when_asked():
         assert kept.fused_dkdv and kept.config.gluon_lanes_bwd is None
     low_no_r1 = plan(_spec(dilation_rates=[2, 4, 8], causal=False, head_dim=64), sm90)
     assert low_no_r1.fused_dkdv and low_no_r1.config.gluon_lanes_bwd is None       # head_dim 64: not measured
+    for long_lane, rates in ((4096, [2]), (131072, [8])):    # lanes of 1024 < w / r keys: the fused dK/dV
+        long_no_r1 = plan(_spec(segment_lengths=[long_lane], dilation_rates=rates, causal=False), sm90)
+        assert long_no_r1.fused_dkdv and long_no_r1.config.gluon_lanes_bwd is None, long_lane
     with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: the backward runs the fused dK/dV"):
         plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90, {"gluon_lanes_bwd": True, "fused_dkdv": True})
     assert plan(_spec(dilation_rates=[2, 4, 8], causal=False), sm90).config.gluon_lanes == (128, 3)
