@@ -245,12 +245,69 @@ def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tupl
     return spec_digest(spec.to_json()), -neg_rate, ratio
 
 
+def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3) -> tuple[str, float] | None:
+    """(spec digest, the spec's own ring_overhead): its call over the group's P ranks by the
+    `ring` transport on seq_len rows (zigzag chunks when causal), fwd+bwd, the slowest rank's
+    median, and the factor that makes the model's `ring` price under `rates` (with the spec's
+    own rate) equal it, as measure_transports fits the family's. None on every rank where a
+    rank cannot run it, or where the call's floor binds (the windows' cost is not seen)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .calibration import spec_digest
+    from .compiler import compile as compile_spec
+    from .runtime.ring import shard
+    from .runtime.ring.costs import predicted_ms
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    order = "zigzag" if spec.causal else "contiguous"
+    ring_spec = spec.replace(ring_size=P)         # its own name: the kernels a ring call of it built
+    digest = spec_digest(ring_spec.to_json())
+    rates = dataclasses.replace(rates, windows=tuple(w for w in rates.windows if w[0] != digest))
+    before = os.environ.get("DILGEN_RING_TRANSPORT")
+    try:
+        os.environ["DILGEN_RING_TRANSPORT"] = "ring"
+        kernel = compile_spec(ring_spec)
+        g, dtype = torch.Generator(device="cpu").manual_seed(seq_len), getattr(torch, spec.dtype)
+        q, k, v, dout = (shard(torch.randn(1, seq_len, h, spec.head_dim, generator=g), P, me, order, spec=ring_spec)
+                         .to(device=device, dtype=dtype) for h in (spec.num_heads, spec.num_kv_heads,
+                                                                  spec.num_kv_heads, spec.num_heads))
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        took = median_seconds(lambda: torch.autograd.backward(
+            kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), reps)
+        row = [0.0, took]
+    except Exception:  # noqa: BLE001 - every rank learns of it, never one rank alone
+        row = [1.0, 0.0]
+    finally:
+        if before is None:
+            os.environ.pop("DILGEN_RING_TRANSPORT", None)
+        else:
+            os.environ["DILGEN_RING_TRANSPORT"] = before
+    both = torch.tensor(row, dtype=torch.float64, device=device if dist.get_backend(group) != "gloo" else "cpu")
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    failed, took = both.tolist()
+    if failed:
+        return None
+    attn = kernel.compiled_for(device).attention
+    price = lambda x: predicted_ms(attn, seq_len, "ring", order, rates=dataclasses.replace(  # noqa: E731
+        rates, ring_overhead=x))["predicted_fwd_bwd_ms"] / 1e3
+    factor = _window_factor(price, took)
+    return None if factor is None else (digest, factor)
+
+
+def _window_factor(price, took: float) -> float | None:
+    """The ring_overhead at which price(x) = took, or None where even the bracket's least
+    prices the call at or above took (its floor binds: the windows' cost is not seen)."""
+    return None if price(0.25) >= took else _fit(price, took)
+
+
 def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[tuple[str, float, float]]:
     """`dilgen calibrate --spec`: each spec's rate (measure_spec) on one rank's rows of seq_len
     tokens (seq_len / P; the slowest rank's, every rank timing alike), added to this machine's
-    record for P ranks, and on all seq_len rows to its record for one process (a rank's rate
-    where they do not fit); the entries of other specs kept, a spec's older entry replaced.
-    Returns the entries for P ranks."""
+    record for P ranks with its ring call's own factor (window_entry), and on all seq_len rows
+    to its record for one process (a rank's rate where they do not fit); the entries of other
+    specs kept, a spec's older entry replaced. Returns the rate entries for P ranks."""
     import torch
     import torch.distributed as dist
 
@@ -270,7 +327,13 @@ def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[
     for machine, mine in records.items():
         old = load(machine) or DEFAULT
         kept = tuple(e for e in old.specs if e[0] not in {d for d, _, _ in mine}) + tuple(mine)
-        store(machine, dataclasses.replace(old, specs=kept))
+        windows = old.windows
+        if machine.world_size > 1:          # each spec's ring call, priced by its own rate
+            priced = dataclasses.replace(old, specs=kept)
+            timed = [window_entry(spec, seq_len, grp, device, priced) for spec in specs]
+            drop = {e[0] for e in entries}
+            windows = tuple(w for w in old.windows if w[0] not in drop) + tuple(w for w in timed if w)
+        store(machine, dataclasses.replace(old, specs=kept, windows=windows))
     return entries
 
 

@@ -79,6 +79,10 @@ class Rates:
     # specs measured by `dilgen calibrate --spec`: (spec_digest, forward TFLOP/s, backward over
     # forward) of each spec's single-device kernels, which then replace the family rates for it
     specs: tuple[tuple[str, float, float], ...] = ()
+    # (spec_digest, ring_overhead) of a spec whose ring call `dilgen calibrate --spec` timed over
+    # P ranks: its window kernels' own factor, in place of ring_overhead (fitted on the family's
+    # fit spec) for that spec's "ring", "allgather" and "hybrid" prices
+    windows: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in self.numbers():
@@ -96,30 +100,43 @@ class Rates:
                     and all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
                             for x in entry[1:])):
                 raise ValueError(f"Rates.specs entry {entry!r}: (spec digest, TFLOP/s > 0, backward ratio > 0)")
+        for entry in self.windows:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                    and not isinstance(entry[1], bool) and isinstance(entry[1], (int, float))
+                    and math.isfinite(entry[1]) and entry[1] > 0):
+                raise ValueError(f"Rates.windows entry {entry!r}: (spec digest, ring_overhead > 0)")
 
     @staticmethod
     def numbers() -> tuple[str, ...]:
-        return tuple(f.name for f in fields(Rates) if f.name not in ("source", "measured", "specs"))
+        return tuple(f.name for f in fields(Rates) if f.name not in ("source", "measured", "specs", "windows"))
 
     def for_spec(self, digest: str) -> tuple[float, float] | None:
         """(forward TFLOP/s, backward over forward) measured for the spec of this digest, or None."""
         return next(((f, b) for d, f, b in self.specs if d == digest), None)
 
+    def window_for(self, digest: str) -> float | None:
+        """The ring_overhead measured for the spec of this digest (its own ring call), or None."""
+        return next((x for d, x in self.windows if d == digest), None)
+
     def to_json(self) -> dict:
         return {**{n: getattr(self, n) for n in self.numbers()}, "source": self.source,
-                "measured": list(self.measured), "specs": [list(e) for e in self.specs]}
+                "measured": list(self.measured), "specs": [list(e) for e in self.specs],
+                "windows": [list(e) for e in self.windows]}
 
     @classmethod
     def from_json(cls, data) -> "Rates":
         """The Rates a record holds (ValueError when it is not one: a corrupt record)."""
-        if not isinstance(data, dict) or set(data) - {*cls.numbers(), "source", "measured", "specs"}:
+        if not isinstance(data, dict) or set(data) - {*cls.numbers(), "source", "measured", "specs", "windows"}:
             raise ValueError("not a Rates record")
-        measured, specs = data.get("measured", []), data.get("specs", [])
+        measured, specs, windows = data.get("measured", []), data.get("specs", []), data.get("windows", [])
         if not isinstance(measured, list) or not all(isinstance(m, str) for m in measured):
             raise ValueError("Rates.measured must be a list of names")
         if not isinstance(specs, list) or not all(isinstance(e, list) for e in specs):
             raise ValueError("Rates.specs must be a list of [digest, TFLOP/s, ratio]")
-        return cls(**{**data, "measured": tuple(measured), "specs": tuple(tuple(e) for e in specs)})
+        if not isinstance(windows, list) or not all(isinstance(e, list) for e in windows):
+            raise ValueError("Rates.windows must be a list of [digest, ring_overhead]")
+        return cls(**{**data, "measured": tuple(measured), "specs": tuple(tuple(e) for e in specs),
+                      "windows": tuple(tuple(e) for e in windows)})
 
     def key(self) -> str:
         """A stable digest of the numbers (what the ring's agreement compares)."""
@@ -129,7 +146,9 @@ class Rates:
 @functools.lru_cache(maxsize=64)      # every ring call asks (the agreement, the costs)
 def _rates_key(rates: Rates) -> str:
     text = json.dumps({**{n: float(getattr(rates, n)) for n in rates.numbers()},
-                       "specs": sorted([d, float(f), float(b)] for d, f, b in rates.specs)}, sort_keys=True)
+                       "specs": sorted([d, float(f), float(b)] for d, f, b in rates.specs),
+                       **({"windows": sorted([d, float(x)] for d, x in rates.windows)} if rates.windows else {})},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

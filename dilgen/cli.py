@@ -425,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-mib", type=int, default=256, help="MiB per rank of each link measurement (default 256)")
     p.add_argument("--spec", action="append", default=[], metavar="SPEC.json",
                    help="measure this spec's own single-device rate (repeatable; with --seq-len), which the "
-                        "cost model then prices its ring calls with, in place of the family rates")
+                        "cost model then prices its ring calls with, in place of the family rates; "
+                        "under torchrun also its ring call's own window factor")
     p.add_argument("--seq-len", type=int, default=None, metavar="N",
                    help="with --spec: the ring call's tokens N (measured on N / P rows per rank)")
     p.set_defaults(func=cmd_calibrate)

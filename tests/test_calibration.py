@@ -135,6 +135,36 @@ def test_calibrate_under_torchrun_measures_the_links(tmp_path):
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
 
+def test_calibrate_spec_under_torchrun_times_the_specs_ring_call(tmp_path):
+    """`dilgen calibrate --spec` over two ranks: the record for two ranks holds the spec's rate on a
+    rank's rows and its ring call's own factor (Rates.windows); one process's, its rate alone."""
+    import torch
+
+    import dilgen
+    spec = dilgen.Spec(name="mine", num_heads=2, head_dim=16, segment_lengths=[16, 64], dilation_rates=[1, 2],
+                       dtype="float32")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(spec.to_json()))
+    two = torch.cuda.device_count() >= 2
+    env = dict(os.environ, DILGEN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    if not two:
+        env["CUDA_VISIBLE_DEVICES"] = ""              # one GPU or none: both ranks on the CPU
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "dilgen.cli", "calibrate", "--spec", str(path), "--seq-len", "128"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = {d["machine"]["world_size"]: cal.Rates.from_json(d["rates"])
+               for d in (json.loads(p.read_text()) for p in (tmp_path / "cache" / "calibration").iterdir())}
+    digest = cal.spec_digest(spec.to_json())
+    assert set(records) == {1, 2} and all(r.for_spec(digest) for r in records.values()), records
+    assert records[1].windows == ()
+    if two:     # 128 rows on two GPUs: the call's floor binds, so no factor is fitted, or one inside the bracket
+        assert records[2].windows == () or 0.25 < records[2].window_for(digest) < 8.0, records[2]
+    else:       # the interpreter takes far longer than GPU rates price: the factor at the bracket's top
+        assert [d for d, _ in records[2].windows] == [digest], records[2]
+        assert records[2].window_for(digest) == pytest.approx(8.0, rel=1e-6)
+
+
 def test_explain_forecasts_every_gpu_count_with_the_rates_it_names(fresh, capsys):
     from dilgen.cli import main
     spec = ROOT / "examples" / "specs" / "longnet_base.json"
@@ -154,6 +184,8 @@ def test_explain_forecasts_every_gpu_count_with_the_rates_it_names(fresh, capsys
 
 def test_a_factor_is_fitted_where_the_model_meets_the_measured_time():
     assert abs(measure._fit(lambda x: 3.0 * x + 1.0, 7.0) - 2.0) < 1e-6
+    assert measure._window_factor(lambda x: 2.0 * x, 3.0) == pytest.approx(1.5, abs=1e-6)
+    assert measure._window_factor(lambda x: max(1.0, 2.0 * x), 0.9) is None      # the floor binds
     assert measure._fit(lambda x: x, 100.0) == pytest.approx(8.0, abs=1e-6)     # clamped to the bracket
 
 
@@ -265,7 +297,8 @@ def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibrati
     attn = types.SimpleNamespace(spec=ring_spec.to_json(), plan=plan(ring_spec, get_target("sm90")).to_json())
     measured = dataclasses.replace(spec_rates, link_gbytes_s=99.0, measured=("link_gbytes_s",))
     priced = predicted_ms(attn, 128, "local", rates=measured)["priced_with"]
-    assert priced == {"source": cal.DEFAULT.source, "measured": {"link_gbytes_s": 99.0}, "spec_rate": [50.0, 3.0]}
+    assert priced == {"source": cal.DEFAULT.source, "measured": {"link_gbytes_s": 99.0}, "spec_rate": [50.0, 3.0],
+                      "spec_ring_overhead": None}
     assert predicted_ms(attn, 128, "local", rates=cal.DEFAULT)["priced_with"]["spec_rate"] is None
     # a full calibration keeps the measured specs; a later --spec replaces only that spec's entry
     again = measure.calibrate(None)
@@ -292,10 +325,16 @@ def test_calibrate_spec_over_ranks_keeps_a_ranks_rate_and_one_process_rate_at_th
     rates = {32: (100.0, 3.0), 64: (150.0, 2.5)}
     monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: rates[n])
     digest = cal.spec_digest(spec.to_json())
+    timed = []           # the spec's ring call over the two ranks, priced with its rate on a rank's rows
+    monkeypatch.setattr(measure, "window_entry", lambda spec, n, group, device, priced: timed.append(
+        (n, priced.for_spec(digest))) or (digest, 1.7))
     assert measure.calibrate_specs([spec], 64) == [(digest, 100.0, 3.0)]
     records = lambda: {P: cal.load(cal.Machine.current(P, "gloo" if P == 2 else "none")).for_spec(digest)  # noqa: E731
                        for P in (2, 1)}
-    assert records() == {2: (100.0, 3.0), 1: (150.0, 2.5)}
+    assert records() == {2: (100.0, 3.0), 1: (150.0, 2.5)} and timed == [(64, (100.0, 3.0))]
+    windows = lambda: {P: cal.load(cal.Machine.current(P, "gloo" if P == 2 else "none")).windows  # noqa: E731
+                       for P in (2, 1)}
+    assert windows() == {2: ((digest, 1.7),), 1: ()}          # a ring's factor: the P ranks' record only
     def too_big(spec, n, device):
         if n == 64:
             raise MemoryError("64 rows do not fit")
@@ -323,3 +362,29 @@ def test_dilgen_calibrate_spec_measures_the_spec_on_this_device(fresh, tmp_path,
     assert fwd > 0 and ratio > 0
     with pytest.raises(SystemExit, match="--seq-len"):
         main(["calibrate", "--spec", str(path)])
+
+
+def test_a_spec_whose_ring_call_was_timed_prices_its_windows_by_its_own_factor():
+    """Rates.windows: a spec's own ring_overhead (calibrate.window_entry) replaces the family's in
+    that spec's "ring", "allgather" and "hybrid" prices only; records without one keep their key."""
+    import dilgen
+    spec = dilgen.Spec(name="costs", num_heads=16, num_kv_heads=16, head_dim=128, dtype="bfloat16",
+                       segment_lengths=[4096, 65536], dilation_rates=[1, 4], ring_size=2)
+    digest = cal.spec_digest(spec.to_json())
+    base = dataclasses.replace(cal.DEFAULT, ring_call_ms=1e-3, ring_call_fwd_ms=1e-3)      # no floor binds
+    slow = dataclasses.replace(base, windows=(("another spec", 0.5), (digest, 3 * base.ring_overhead)))
+    (plain, _), (own, _) = (_costs(2, 32768, [4096, 65536], [1, 4], rates=r) for r in (base, slow))
+    for t in ("ring", "allgather", "hybrid"):
+        assert own[t]["fwd_bwd_s"] > plain[t]["fwd_bwd_s"], t
+    for t in set(plain) - {"ring", "allgather", "hybrid"}:
+        assert own[t] == plain[t], t
+    assert slow.window_for(digest) == 3 * base.ring_overhead and base.window_for(digest) is None
+    assert cal.Rates.from_json(json.loads(json.dumps(slow.to_json()))) == slow
+    assert slow.key() != base.key() == dataclasses.replace(base, windows=()).key()
+    old_record = {k: v for k, v in base.to_json().items() if k != "windows"}       # before Rates.windows
+    assert cal.Rates.from_json(old_record) == base
+    for bad in ((digest,), (digest, 0.0), (digest, float("nan")), (1, 2.0), (digest, True)):
+        with pytest.raises(ValueError, match="windows"):
+            cal.Rates(windows=(bad,))
+    with pytest.raises(ValueError, match="windows"):
+        cal.Rates.from_json(dict(base.to_json(), windows="x"))

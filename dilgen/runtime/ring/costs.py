@@ -4,6 +4,7 @@ borders, hybrid's split of the branches), and predicted_ms, the model's answer f
 (what bench_ring prints beside each row, what `dilgen explain --ring` forecasts)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ...calibration import rates_for, spec_digest
@@ -30,10 +31,13 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
     local = local_possible(attn, sched, packed)
     split = not (local or packed) and twins_available()
     rates = rates or rates_for(P)
+    digest = spec_digest(attn.spec)
+    if rates.window_for(digest) is not None:        # this spec's windows, timed by its own ring call
+        rates = dataclasses.replace(rates, ring_overhead=rates.window_for(digest))
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
                            heads_ok=heads_refusal(attn, P, packed) is None, local_ok=local, rates=rates,
-                           spec_rate=rates.for_spec(spec_digest(attn.spec)),
+                           spec_rate=rates.for_spec(digest),
                            recut=None if local or packed or not twins_available() else recut_targets(attn, sched),
                            hybrid=hybrid_parts(attn, sched) if split else None)
 
@@ -50,7 +54,8 @@ def predicted_ms(attn, n: int, transport: str, order: str = "contiguous", rates=
     spec_rate = rates.for_spec(spec_digest(spec))
     # what priced it: the rates' source, the fields a calibration or a first call measured, the spec's own rate
     priced = {"priced_with": {"source": rates.source, "measured": {m: getattr(rates, m) for m in rates.measured},
-                              "spec_rate": list(spec_rate) if spec_rate else None}}
+                              "spec_rate": list(spec_rate) if spec_rate else None,
+                              "spec_ring_overhead": rates.window_for(spec_digest(spec))}}
     if plan["ring"]["ring_size"] == 1:
         f, b = single_device_times(work_of(spec), n, 1, heads, d, _single_device_lanes(plan), rates, spec_rate)
         return {"predicted_fwd_ms": f * 1e3, "predicted_fwd_bwd_ms": (f + b) * 1e3, **priced}
