@@ -327,13 +327,13 @@ def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[
     for machine, mine in records.items():
         old = load(machine) or DEFAULT
         kept = tuple(e for e in old.specs if e[0] not in {d for d, _, _ in mine}) + tuple(mine)
-        windows = old.windows
+        priced = dataclasses.replace(old, specs=kept)
+        store(machine, priced)              # the ring calls below find the spec's rate
         if machine.world_size > 1:          # each spec's ring call, priced by its own rate
-            priced = dataclasses.replace(old, specs=kept)
             timed = [window_entry(spec, seq_len, grp, device, priced) for spec in specs]
             drop = {e[0] for e in entries}
-            windows = tuple(w for w in old.windows if w[0] not in drop) + tuple(w for w in timed if w)
-        store(machine, dataclasses.replace(old, specs=kept, windows=windows))
+            store(machine, dataclasses.replace(priced, windows=tuple(w for w in old.windows if w[0] not in drop)
+                                               + tuple(w for w in timed if w)))
     return entries
 
 
