@@ -258,7 +258,6 @@ def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3)
 
     from .calibration import spec_digest
     from .compiler import compile as compile_spec
-    from .runtime.ring import shard
     from .runtime.ring.costs import predicted_ms
     P, me = dist.get_world_size(group), dist.get_rank(group)
     order = "zigzag" if spec.causal else "contiguous"
@@ -269,10 +268,10 @@ def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3)
     try:
         os.environ["DILGEN_RING_TRANSPORT"] = "ring"
         kernel = compile_spec(ring_spec)
-        g, dtype = torch.Generator(device="cpu").manual_seed(seq_len), getattr(torch, spec.dtype)
-        q, k, v, dout = (shard(torch.randn(1, seq_len, h, spec.head_dim, generator=g), P, me, order, spec=ring_spec)
-                         .to(device=device, dtype=dtype) for h in (spec.num_heads, spec.num_kv_heads,
-                                                                  spec.num_kv_heads, spec.num_heads))
+        g = torch.Generator(device=device).manual_seed(seq_len + me)     # a rank's rows: only their time counts
+        q, k, v, dout = (torch.randn(1, seq_len // P, h, spec.head_dim, generator=g, device=device,
+                                     dtype=getattr(torch, spec.dtype))
+                         for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads))
         leaves = [t.requires_grad_(True) for t in (q, k, v)]
         took = median_seconds(lambda: torch.autograd.backward(
             kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), reps)
