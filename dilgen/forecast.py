@@ -66,7 +66,8 @@ def forecast(spec: Spec, n: int, P: int) -> list[dict]:
             got = predicted_ms(attn, n, transport, order, rates=rates)
         row = {"gpus": p, "transport": transport, "fwd_ms": got["predicted_fwd_ms"],
                "fwd_bwd_ms": got["predicted_fwd_bwd_ms"], "gib_per_gpu": call_bytes(sp, n, p) / 2**30,
-               "calibrated": rates is not DEFAULT}
+               "calibrated": rates is not DEFAULT, "spec_rate": got["priced_with"]["spec_rate"] is not None,
+               "spec_ring_overhead": got["priced_with"].get("spec_ring_overhead") is not None}
         single = single or (row["fwd_bwd_ms"] if p == 1 else None)
         row["efficiency"] = single / (p * row["fwd_bwd_ms"]) if single else None
         rows.append(row)
@@ -77,9 +78,14 @@ def forecast_lines(spec: Spec, n: int, P: int) -> list[str]:
     """forecast() as the lines `dilgen explain --ring P` prints."""
     rows = forecast(spec, n, P)
     measured = any(r.get("calibrated") for r in rows)
+    own = [what for what, key in (("single-device rate", "spec_rate"), ("ring factor", "spec_ring_overhead"))
+           if any(r.get(key) for r in rows)]
     lines = [f"  forecast at N = {n} (batch 1; rates: "
              + ("this machine's calibration" if measured else
-                "the committed 4 x H200 profile; `dilgen calibrate` measures this machine") + "):",
+                "the committed 4 x H200 profile; `dilgen calibrate` measures this machine")
+             + (f", with this spec's own {' and '.join(own)}" if own else
+                (", the family rates for this spec (`dilgen calibrate --spec` measures its own)" if measured else ""))
+             + "):",
              "    GPUs  transport      fwd ms  fwd+bwd ms  efficiency  call tensors per GPU"]
     for r in rows:
         if "why" in r:

@@ -179,7 +179,16 @@ def test_explain_forecasts_every_gpu_count_with_the_rates_it_names(fresh, capsys
     assert forecast.call_bytes(spec_obj, 262144, 2) * 2 == forecast.call_bytes(spec_obj, 262144, 1)
     measure.calibrate(None)                                       # a record for one process
     assert main(["explain", str(spec), "--ring", "1", "--seq-len", "262144"]) == 0
-    assert "this machine's calibration" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "this machine's calibration, the family rates for this spec" in out, out
+    # a spec measured by `calibrate --spec` (its rate; over P ranks, its ring call's factor too)
+    digest = cal.spec_digest(spec_obj.to_json())
+    machine = cal.Machine.current(2, "nccl")
+    cal.store(machine, dataclasses.replace(cal.DEFAULT, specs=((digest, 400.0, 3.0),), windows=((digest, 1.5),),
+                                           measured=("window_tflops",)))
+    assert main(["explain", str(spec), "--ring", "2", "--seq-len", "262144"]) == 0
+    out = capsys.readouterr().out
+    assert "with this spec's own single-device rate and ring factor" in out, out
 
 
 def test_a_factor_is_fitted_where_the_model_meets_the_measured_time():
