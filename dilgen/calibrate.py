@@ -2,7 +2,9 @@
 (dilgen.calibration: what a Rates holds, the machine key, the records)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 
 from . import cache
@@ -58,6 +60,29 @@ def _fit(predict, measured: float, lo: float = 0.25, hi: float = 8.0) -> float:
     return (lo + hi) / 2
 
 
+def _slowest(row: list[float], device, group) -> list[float]:
+    """The elementwise max of `row` over the group's ranks (on the CPU for gloo): the slowest
+    rank's time, and a failure flag any rank raised (negate a rate to take the least)."""
+    import torch
+    import torch.distributed as dist
+    both = torch.tensor(row, dtype=torch.float64, device=device if dist.get_backend(group) != "gloo" else "cpu")
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return both.tolist()
+
+
+@contextlib.contextmanager
+def _transport_kept():
+    """DILGEN_RING_TRANSPORT as it was, whatever the block sets it to."""
+    before = os.environ.get("DILGEN_RING_TRANSPORT")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DILGEN_RING_TRANSPORT", None)
+        else:
+            os.environ["DILGEN_RING_TRANSPORT"] = before
+
+
 def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[str, str | None], ...]]]:
     """The specs a calibration times over P ranks, each with its chunk order, its N and the
     (transport, fitted field) pairs it measures. First, on a few rows (the kernels take
@@ -96,8 +121,6 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     that makes the model's fwd+bwd time, schedule.transport_costs under `rates` with those
     least times and the fit spec's own single-device rate, equal the measured one). Every time
     is the slowest rank's, every rank timing the same calls."""
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -106,14 +129,9 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     from .runtime.ring.costs import predicted_ms
     P, me, B = dist.get_world_size(group), dist.get_rank(group), shape["B"]
     sync = device_sync(device)
-    before, found = os.environ.get("DILGEN_RING_TRANSPORT"), {}
-
-    def slowest(seconds: float) -> float:
-        """The slowest rank's seconds (every rank timed the same call)."""
-        took = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-        return took.item()
-    try:
+    found = {}
+    slowest = lambda seconds: _slowest([seconds], device, group)[0]    # noqa: E731 - every rank timed the same call
+    with _transport_kept():
         for spec, order, N, fits in _ring_specs(P, shape):
             compile_spec(dict(spec, name=spec["name"].replace("_", "_twin_", 1), ring_size=1))  # heads' twins
             kernel = compile_spec(spec)
@@ -147,11 +165,6 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 attn = kernel.compiled_for(device).attention
                 found[field] = _fit(lambda x: predicted_ms(attn, N, transport, order, rates=dataclasses.replace(
                     rates, **{field: x}))["predicted_fwd_bwd_ms"] / 1e3, took)
-    finally:
-        if before is None:
-            os.environ.pop("DILGEN_RING_TRANSPORT", None)
-        else:
-            os.environ["DILGEN_RING_TRANSPORT"] = before
     return found
 
 
@@ -222,7 +235,6 @@ def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tupl
     process group, every rank times its own and all take the slowest (the smallest rate, the
     largest ratio). If a rank cannot (its memory, say), every rank returns None when
     `optional`, else raises; one process alone raises what measure_spec raised."""
-    import torch
     import torch.distributed as dist
 
     from .calibration import spec_digest
@@ -234,9 +246,7 @@ def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tupl
         row, why = [0.0, -rate, ratio], None
     except Exception as exc:  # noqa: BLE001 - every rank learns of it, never one rank alone
         row, why = [1.0, 0.0, 0.0], exc
-    both = torch.tensor(row, dtype=torch.float64, device=device if dist.get_backend(group) != "gloo" else "cpu")
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    failed, neg_rate, ratio = both.tolist()
+    failed, neg_rate, ratio = _slowest(row, device, group)
     if failed and optional:
         return None
     if failed:
@@ -251,8 +261,6 @@ def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3)
     median, and the factor that makes the model's `ring` price under `rates` (with the spec's
     own rate) equal it, as measure_transports fits the family's. None on every rank where a
     rank cannot run it, or where the call's floor binds (the windows' cost is not seen)."""
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -264,28 +272,21 @@ def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3)
     ring_spec = spec.replace(ring_size=P)         # its own name: the kernels a ring call of it built
     digest = spec_digest(ring_spec.to_json())
     rates = dataclasses.replace(rates, windows=tuple(w for w in rates.windows if w[0] != digest))
-    before = os.environ.get("DILGEN_RING_TRANSPORT")
     try:
-        os.environ["DILGEN_RING_TRANSPORT"] = "ring"
-        kernel = compile_spec(ring_spec)
-        g = torch.Generator(device=device).manual_seed(seq_len + me)     # a rank's rows: only their time counts
-        q, k, v, dout = (torch.randn(1, seq_len // P, h, spec.head_dim, generator=g, device=device,
-                                     dtype=getattr(torch, spec.dtype))
-                         for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads))
-        leaves = [t.requires_grad_(True) for t in (q, k, v)]
-        took = median_seconds(lambda: torch.autograd.backward(
-            kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), reps)
+        with _transport_kept():
+            os.environ["DILGEN_RING_TRANSPORT"] = "ring"
+            kernel = compile_spec(ring_spec)
+            g = torch.Generator(device=device).manual_seed(seq_len + me)   # a rank's rows: only their time counts
+            q, k, v, dout = (torch.randn(1, seq_len // P, h, spec.head_dim, generator=g, device=device,
+                                         dtype=getattr(torch, spec.dtype))
+                             for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads))
+            leaves = [t.requires_grad_(True) for t in (q, k, v)]
+            took = median_seconds(lambda: torch.autograd.backward(
+                kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), reps)
         row = [0.0, took]
     except Exception:  # noqa: BLE001 - every rank learns of it, never one rank alone
         row = [1.0, 0.0]
-    finally:
-        if before is None:
-            os.environ.pop("DILGEN_RING_TRANSPORT", None)
-        else:
-            os.environ["DILGEN_RING_TRANSPORT"] = before
-    both = torch.tensor(row, dtype=torch.float64, device=device if dist.get_backend(group) != "gloo" else "cpu")
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    failed, took = both.tolist()
+    failed, took = _slowest(row, device, group)
     if failed:
         return None
     attn = kernel.compiled_for(device).attention
@@ -325,13 +326,12 @@ def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[
     records = {Machine.current(P, backend, device): entries, Machine.current(1, "none", device): alone}
     for machine, mine in records.items():
         old = load(machine) or DEFAULT
-        kept = tuple(e for e in old.specs if e[0] not in {d for d, _, _ in mine}) + tuple(mine)
-        priced = dataclasses.replace(old, specs=kept)
+        ours = {d for d, _, _ in mine}
+        priced = dataclasses.replace(old, specs=tuple(e for e in old.specs if e[0] not in ours) + tuple(mine))
         store(machine, priced)              # the ring calls below find the spec's rate
         if machine.world_size > 1:          # each spec's ring call, priced by its own rate
             timed = [window_entry(spec, seq_len, grp, device, priced) for spec in specs]
-            drop = {e[0] for e in entries}
-            store(machine, dataclasses.replace(priced, windows=tuple(w for w in old.windows if w[0] not in drop)
+            store(machine, dataclasses.replace(priced, windows=tuple(w for w in old.windows if w[0] not in ours)
                                                + tuple(w for w in timed if w)))
     return entries
 
@@ -340,8 +340,6 @@ def command(link_mib: int = 256, specs: list | None = None, seq_len: int | None 
     """`dilgen calibrate`: under torchrun, every rank of the world (links and kernels); alone,
     this process's device (kernels only). With `specs` (dilgen.Spec), only those specs' own
     rates at seq_len tokens (calibrate_specs). The lines rank 0 prints."""
-    import os
-
     import torch
     import torch.distributed as dist
     started = False

@@ -32,8 +32,8 @@ def call_costs(attn, sched: dict, batch: int, heads: int, kv_heads: int, head_di
     split = not (local or packed) and twins_available()
     rates = rates or rates_for(P)
     digest = spec_digest(attn.spec)
-    if rates.window_for(digest) is not None:        # this spec's windows, timed by its own ring call
-        rates = dataclasses.replace(rates, ring_overhead=rates.window_for(digest))
+    if (own := rates.window_for(digest)) is not None:     # this spec's windows, timed by its own ring call
+        rates = dataclasses.replace(rates, ring_overhead=own)
     return transport_costs(plan["ring"], sched, batch=batch, heads=heads, kv_heads=kv_heads,
                            head_dim=head_dim, itemsize=itemsize, lanes=_single_device_lanes(plan),
                            heads_ok=heads_refusal(attn, P, packed) is None, local_ok=local, rates=rates,
