@@ -10,7 +10,7 @@ import time
 from . import cache
 from .calibration import DEFAULT, Machine, Rates, store
 from .links import measure_links
-from .stats import device_sync, median_seconds
+from .stats import device_sync, loop_seconds, median_seconds
 
 
 KERNEL_RATES = ("twin_fused_tflops", "twin_bwd", "twin_lanes_tflops", "twin_causal_bwd", "window_tflops", "window_bwd")
@@ -206,17 +206,18 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     return rates
 
 
-def measure_spec(spec, n: int, device, reps: int = 3) -> tuple[float, float]:
+def measure_spec(spec, n: int, device, reps: int = 3, *, as_rank: bool = True) -> tuple[float, float]:
     """(forward TFLOP/s, backward over forward) of a dilgen.Spec's single-device kernels on n
-    rows, batch 1 (useful FLOPs, schedule.useful_flops): the rate of the kernels its ring
-    calls run by the local, recut, hybrid and heads transports."""
+    rows, batch 1 (useful FLOPs, schedule.useful_flops). as_rank: the kernels its ring calls
+    run on a rank's rows by the local, recut, hybrid and heads transports (a sequence-scope
+    curve's rows arrive in curve order: raster); else the spec's own on one device (its curve
+    table kept)."""
     import torch
 
     from .compiler import compile as compile_spec
     from .schedule import useful_flops, work_of
-    scope = getattr(spec.hilbert, "scope", None)
-    one = spec.replace(ring_size=1, name=f"calibrate_{spec.name}"[:100],
-                       **({"hilbert": None} if scope == "sequence" else {}))   # a rank's curve rows: raster
+    raster = as_rank and getattr(spec.hilbert, "scope", None) == "sequence"
+    one = spec.replace(ring_size=1, name=f"calibrate_{spec.name}"[:100], **({"hilbert": None} if raster else {}))
     kernel = compile_spec(one)
     dtype = getattr(torch, spec.dtype)
     sync = device_sync(device)
@@ -230,7 +231,8 @@ def measure_spec(spec, n: int, device, reps: int = 3) -> tuple[float, float]:
     return useful_flops(work_of(spec), n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
 
 
-def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tuple[str, float, float] | None:
+def spec_entry(spec, n: int, device, group=None, optional: bool = False, *,
+               as_rank: bool = True) -> tuple[str, float, float] | None:
     """(spec digest, forward TFLOP/s, backward over forward) of measure_spec on n rows: over a
     process group, every rank times its own and all take the slowest (the smallest rate, the
     largest ratio). If a rank cannot (its memory, say), every rank returns None when
@@ -240,9 +242,9 @@ def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tupl
     from .calibration import spec_digest
     grouped = group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     if not grouped:
-        return (spec_digest(spec.to_json()), *measure_spec(spec, n, device))
+        return (spec_digest(spec.to_json()), *measure_spec(spec, n, device, as_rank=as_rank))
     try:
-        rate, ratio = measure_spec(spec, n, device)
+        rate, ratio = measure_spec(spec, n, device, as_rank=as_rank)
         row, why = [0.0, -rate, ratio], None
     except Exception as exc:  # noqa: BLE001 - every rank learns of it, never one rank alone
         row, why = [1.0, 0.0, 0.0], exc
@@ -255,12 +257,14 @@ def spec_entry(spec, n: int, device, group=None, optional: bool = False) -> tupl
     return spec_digest(spec.to_json()), -neg_rate, ratio
 
 
-def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3) -> tuple[str, float] | None:
+def window_entry(spec, seq_len: int, group, device, rates: Rates, calls: int = 5) -> tuple[str, float] | None:
     """(spec digest, the spec's own ring_overhead): its call over the group's P ranks by the
-    `ring` transport on seq_len rows (zigzag chunks when causal), fwd+bwd, the slowest rank's
-    median, and the factor that makes the model's `ring` price under `rates` (with the spec's
-    own rate) equal it, as measure_transports fits the family's. None on every rank where a
-    rank cannot run it, or where the call's floor binds (the windows' cost is not seen)."""
+    `ring` transport on seq_len rows (zigzag chunks when causal), fwd+bwd, `calls` calls back
+    to back (a training step's rate, and bench_ring's; a call alone pays its host time
+    on top of its device time), the slowest rank's, and the factor that makes the model's `ring`
+    price under `rates` (with the spec's own rate) equal it, as measure_transports fits the
+    family's. None on every rank where a rank cannot run it, or where the call's floor binds
+    (the windows' cost is not seen)."""
     import torch
     import torch.distributed as dist
 
@@ -281,8 +285,8 @@ def window_entry(spec, seq_len: int, group, device, rates: Rates, reps: int = 3)
                                          dtype=getattr(torch, spec.dtype))
                              for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads))
             leaves = [t.requires_grad_(True) for t in (q, k, v)]
-            took = median_seconds(lambda: torch.autograd.backward(
-                kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), reps)
+            took = loop_seconds(lambda: torch.autograd.backward(
+                kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), calls)
         row = [0.0, took]
     except Exception:  # noqa: BLE001 - every rank learns of it, never one rank alone
         row = [1.0, 0.0]
@@ -318,10 +322,10 @@ def calibrate_specs(specs: list, seq_len: int, group=None, device=None) -> list[
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     grp = group if on and P > 1 else None
-    entries = [spec_entry(spec, seq_len // P, device, grp) for spec in specs]
-    # one process runs all seq_len rows: its record takes the rate there, where they fit a GPU
-    # (kernels run faster on more rows), else a rank's
-    alone = entries if P == 1 else [spec_entry(spec, seq_len, device, grp, optional=True) or e
+    entries = [spec_entry(spec, seq_len // P, device, grp, as_rank=P > 1) for spec in specs]
+    # one process runs all seq_len rows by the spec's own kernels: its record takes the rate
+    # there, where they fit a GPU (kernels run faster on more rows), else a rank's
+    alone = entries if P == 1 else [spec_entry(spec, seq_len, device, grp, optional=True, as_rank=False) or e
                                     for spec, e in zip(specs, entries)]
     records = {Machine.current(P, backend, device): entries, Machine.current(1, "none", device): alone}
     for machine, mine in records.items():

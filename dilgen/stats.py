@@ -1,4 +1,4 @@
-"""Work counts (useful FLOPs by the brief's formula) and the median timer the calibrations use."""
+"""Work counts (useful FLOPs by the brief's formula) and the timers the calibrations use."""
 from __future__ import annotations
 
 import statistics
@@ -16,6 +16,20 @@ def median_seconds(fn, sync, reps: int) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def loop_seconds(fn, sync, calls: int) -> float:
+    """Seconds per call of `calls` calls of fn() back to back after one warm-up, one sync() at
+    the end: the host issues a call while the device runs the last, as a training step does
+    (and as bench_ring times its rows). A fixed count, so ranks whose calls meet in a
+    collective run the same number."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
 
 
 def device_sync(device):

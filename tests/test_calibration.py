@@ -276,7 +276,7 @@ def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibrati
     replaces the family rates for that spec only; the record's key follows it."""
     import dilgen
     spec = dilgen.Spec(name="measured", num_heads=2, head_dim=16, segment_lengths=[16, 32], dilation_rates=[1, 2])
-    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: (123.0, 2.0) if n == 64 else (1.0, 1.0))
+    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device, **kw: (123.0, 2.0) if n == 64 else (1.0, 1.0))
     entries = measure.calibrate_specs([spec], 64)
     digest = cal.spec_digest(spec.replace(ring_size=2, name="another_name").to_json())
     assert entries == [(digest, 123.0, 2.0)]
@@ -312,7 +312,7 @@ def test_a_spec_measured_by_calibrate_prices_its_ring_calls_and_a_full_calibrati
     # a full calibration keeps the measured specs; a later --spec replaces only that spec's entry
     again = measure.calibrate(None)
     assert again.for_spec(digest) == (123.0, 2.0)
-    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: (7.0, 3.0))
+    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device, **kw: (7.0, 3.0))
     measure.calibrate_specs([spec], 64)
     monkeypatch.setattr(cal, "_MEMO", {})
     assert cal.rates_for(1, "none").for_spec(digest) == (7.0, 3.0) and len(cal.rates_for(1, "none").specs) == 1
@@ -331,8 +331,8 @@ def test_calibrate_spec_over_ranks_keeps_a_ranks_rate_and_one_process_rate_at_th
     for name, value in (("is_initialized", lambda: True), ("get_world_size", lambda group=None: 2),
                         ("get_backend", lambda group=None: "gloo"), ("all_reduce", lambda *a, **k: None)):
         monkeypatch.setattr(dist, name, value)       # a world of 2 whose other rank agrees with this one
-    rates = {32: (100.0, 3.0), 64: (150.0, 2.5)}
-    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device: rates[n])
+    rates = {(32, True): (100.0, 3.0), (64, False): (150.0, 2.5)}   # a rank's kernels on its rows; the spec's own on all
+    monkeypatch.setattr(measure, "measure_spec", lambda spec, n, device, as_rank: rates[n, as_rank])
     digest = cal.spec_digest(spec.to_json())
     timed = []           # the spec's ring call over the two ranks, priced with its rate on a rank's rows
     monkeypatch.setattr(measure, "window_entry", lambda spec, n, group, device, priced: timed.append(
@@ -344,14 +344,14 @@ def test_calibrate_spec_over_ranks_keeps_a_ranks_rate_and_one_process_rate_at_th
     windows = lambda: {P: cal.load(cal.Machine.current(P, "gloo" if P == 2 else "none")).windows  # noqa: E731
                        for P in (2, 1)}
     assert windows() == {2: ((digest, 1.7),), 1: ()}          # a ring's factor: the P ranks' record only
-    def too_big(spec, n, device):
+    def too_big(spec, n, device, as_rank):
         if n == 64:
             raise MemoryError("64 rows do not fit")
-        return rates[n]
+        return rates[n, as_rank]
     monkeypatch.setattr(measure, "measure_spec", too_big)
     measure.calibrate_specs([spec], 64)
     assert records() == {2: (100.0, 3.0), 1: (100.0, 3.0)}
-    def nothing_fits(spec, n, device):
+    def nothing_fits(spec, n, device, **kw):
         raise MemoryError("none")
     monkeypatch.setattr(measure, "measure_spec", nothing_fits)
     with pytest.raises(RuntimeError, match="calibrating ranks on 32 rows failed on a rank: none"):
@@ -397,3 +397,32 @@ def test_a_spec_whose_ring_call_was_timed_prices_its_windows_by_its_own_factor()
             cal.Rates(windows=(bad,))
     with pytest.raises(ValueError, match="windows"):
         cal.Rates.from_json(dict(base.to_json(), windows="x"))
+
+
+def test_a_rank_is_timed_on_its_kernels_and_one_process_on_the_specs_own(monkeypatch):
+    """measure_spec: a ring rank's rows of a sequence-scope curve arrive in curve order, so its
+    kernels are the raster twin's; one device runs the spec's own, curve table and all."""
+    import dilgen
+    import dilgen.compiler
+    spec = dilgen.Spec(name="curve", num_heads=2, head_dim=16, segment_lengths=[16, 64], dilation_rates=[1, 2],
+                       hilbert={"scope": "sequence", "grid": [8, 8]}, ring_size=2)
+    compiled = []
+    class Stop(Exception):
+        pass
+    def compile_(s):
+        compiled.append(s)
+        raise Stop
+    monkeypatch.setattr(dilgen.compiler, "compile", compile_)
+    for as_rank in (True, False):
+        with pytest.raises(Stop):
+            measure.measure_spec(spec, 64, None, as_rank=as_rank)
+    assert [s.hilbert for s in compiled] == [None, spec.hilbert] and {s.ring_size for s in compiled} == {1}
+
+
+def test_a_spec_ring_call_is_timed_back_to_back():
+    """stats.loop_seconds (window_entry's clock): one warm-up, then a fixed count of calls with
+    one sync at their end, as a training step's calls run (and every rank the same count)."""
+    from dilgen.stats import loop_seconds
+    seen = []
+    took = loop_seconds(lambda: seen.append("call"), lambda: seen.append("sync"), 4)
+    assert seen == ["call", "sync"] + ["call"] * 4 + ["sync"] and took >= 0
