@@ -210,8 +210,8 @@ def measure_spec(spec, n: int, device, reps: int = 3, *, as_rank: bool = True) -
     """(forward TFLOP/s, backward over forward) of a dilgen.Spec's single-device kernels on n
     rows, batch 1 (useful FLOPs, schedule.useful_flops). as_rank: the kernels its ring calls
     run on a rank's rows by the local, recut, hybrid and heads transports (a sequence-scope
-    curve's rows arrive in curve order: raster); else the spec's own on one device (its curve
-    table kept)."""
+    curve's rows arrive in curve order: raster); else the spec's own on one device (its curve's
+    permutation of the rows, or its table, included)."""
     import torch
 
     from .compiler import compile as compile_spec
