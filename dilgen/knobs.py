@@ -9,6 +9,7 @@ words it takes, never a guess.
   DILGEN_INTERPRET_OVERFLOW_CHECK  default off
   DILGEN_AOT                       default on
   DILGEN_REPLAY                    default on
+  DILGEN_RING_LANE_WINDOWS         default off
 """
 from __future__ import annotations
 

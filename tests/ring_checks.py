@@ -79,7 +79,9 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     mine = [sh(t).to(dt).to(dev).clone().requires_grad_(True) for t in (q, k, v)]
     # a case's "tuning" forces planner flags (the sm90 descriptor loads run in the interpreter)
     kernel = dilgen.Kernel(spec, None, case["tuning"]) if case.get("tuning") else dilgen.compile(spec)
-    agree = None
+    from dilgen.runtime.ring import lane_windows
+    agree = env = None
+    before = dict(lane_windows.RAN)
     if case.get("compile"):
         # the ring as ops: the call traces as one graph (fullgraph=True), P2P inside the op
         from torch._dynamo.testing import CompileCounter
@@ -92,15 +94,16 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     else:
         # the ring's windows unless a case names a transport ("auto": the cost model's)
         agree = {"DILGEN_RING_AGREE": case["agree"]} if case.get("agree") else None
+        env = {**(agree or {}), **case.get("env", {})} or None        # a case's "env": more variables
         measure = case.get("measure") and tempfile.mkdtemp(prefix=f"dilgen_measure_rank{rank}_")
-        with transport(case.get("transport", "ring"), measure, agree):
+        with transport(case.get("transport", "ring"), measure, env):
             out, lse = kernel(*mine, group=group, return_lse=True, chunk_order=order)
             if measure:
                 fails = measured(spec, P, dev, group)
                 if fails:
                     return [f"{case['name']} rank {rank}: {f}" for f in fails]
             if agree and (fails := agreed_on_side_group(group)):
-                return [f"{case['name']} rank {rank}: {f}"]
+                return [f"{case['name']} rank {rank}: {fails}"]
         ran = kernel.compiled_for(dev).attention.last_ring_transport
         if case.get("expect_transport", ran) != ran:
             return [f"{case['name']} rank {rank}: transport {ran}, want {case['expect_transport']}"]
@@ -108,8 +111,10 @@ def check_case(case: dict, rank: int, P: int, dev: torch.device, group=None) -> 
     g_lse = sh(glse, 2).to(dev)
     lse_finite = torch.isfinite(lse.detach())
     loss = (out.float() * g_out).sum() + torch.where(lse_finite, lse, torch.zeros_like(lse)).mul(g_lse).sum()
-    with transport(case.get("transport", "ring"), env=agree):
+    with transport(case.get("transport", "ring"), env=env):
         loss.backward()
+    if case.get("lane_windows") and any(lane_windows.RAN[k] == before[k] for k in before):
+        return [f"{case['name']} rank {rank}: no window ran as lanes ({lane_windows.RAN})"]
 
     return compare_rows(f"{case['name']} rank {rank}", TOL[spec.dtype], (out, lse, *(t.grad for t in mine)),
                         (sh(ref_out.detach()), sh(ref_lse.detach(), 2), *(sh(g) for g in ref_grads)))

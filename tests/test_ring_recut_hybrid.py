@@ -134,3 +134,29 @@ def test_a_recut_move_packs_rows_of_every_dtype_into_one_buffer_and_back():
         for b, m in runs_in:
             untouched[b:b + m] = False
         assert (dst.index_select(d, untouched.nonzero().flatten()) == 7.0).all()
+
+
+# -- a remote window of one branch as dense attention on its lanes (ring/lane_windows.py) ------
+LANES = {"DILGEN_RING_LANE_WINDOWS": "1"}
+LANE_CASES = [
+    {"name": "lanes_one_branch", "spec": {"segment_lengths": [64], "dilation_rates": [4], "num_heads": 4},
+     "shape": [2, 64], "env": LANES, "lane_windows": True},
+    {"name": "lanes_hybrid", "spec": {"segment_lengths": [8, 16, 128], "dilation_rates": [1, 2, 4], "num_heads": 4},
+     "shape": [1, 128], "transport": "hybrid", "env": LANES, "lane_windows": True},
+    {"name": "lanes_allgather_bf16", "spec": {"segment_lengths": [64], "dilation_rates": [2], "dtype": "bfloat16"},
+     "shape": [1, 64], "transport": "allgather", "env": LANES, "lane_windows": True},
+    # what lanes do not take runs the fused windows: GQA (one offset per query head, not kv head)
+    {"name": "lanes_gqa_fused", "spec": {"segment_lengths": [64], "dilation_rates": [4], "num_heads": 4,
+                                         "num_kv_heads": 2}, "shape": [1, 64], "env": LANES},
+]
+
+
+@pytest.mark.timeout(400)
+def test_lane_windows_match_the_single_device_reference(tmp_path):
+    """Every rank's out, lse and gradients against the float64 reference, with the remote
+    windows of a lone branch run as dense attention on its lanes (checked to have run)."""
+    from test_ring import _run_ring
+    reports = _run_ring(2, LANE_CASES, tmp_path, timeout_s=360)
+    fails = [f for r in reports for f in r["fails"]]
+    assert not fails, "\n".join(fails)
+    assert all(r["passed"] == [c["name"] for c in LANE_CASES] for r in reports)

@@ -18,6 +18,7 @@ from ..launch import ensure_descriptor_allocator, poison
 from .faults import Guard
 from .heads import twin_backward, twin_forward
 from .hybrid import add_local_grads, local_forward
+from .lane_windows import lane_backward, lane_forward, lane_window
 from .recut import recut_backward, recut_forward
 from .run import RingRun, _uncompact_add
 
@@ -89,7 +90,13 @@ def _forward(run: RingRun, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             else:
                 kk, vv = keys[ki]
                 k_off, n_k, g = run.key_window(step, ki)
+            lanes = merged[qi] and lane_window(run, step, bits, q_off, n_q, k_off, n_k, g, dev)
             todo[qi] -= 1
+            if lanes:          # one branch's remote window as dense attention on its lanes
+                lane_forward(lanes, run.piece(q, qi), kk, vv, run.piece(acc, qi), lse.narrow(2, run.rows0[qi], n_q))
+                if todo[qi] == 0 and acc is not out:
+                    run.piece(out, qi).copy_(run.piece(acc, qi))
+                continue
             dst = run.piece(out if todo[qi] == 0 else acc, qi)
             acc_v, lse_v = run.piece(acc, qi), lse.narrow(2, run.rows0[qi], n_q)
             qv = run.piece(q, qi)
@@ -184,6 +191,11 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
             ks = (run.bstride(kk), kk.stride(1), kk.stride(2))
             vs = (run.bstride(vv), vv.stride(1), vv.stride(2))
             dos = (run.bstride(dov), dov.stride(1), dov.stride(2))
+            lanes = lane_window(run, step, bits, q_off, n_q, k_off, n_k, g, dev)
+            if lanes:          # as the forward's window: dense attention on the branch's lanes
+                lane_backward(lanes, qv, kk, vv, run.piece(out, qi), lse_v, dov,
+                              dlse.narrow(2, run.rows0[qi], n_q) if has_dlse else None, dqv, dkk, dvv)
+                continue
             for idx in range(len(branches)):
                 if not bits >> idx & 1:
                     continue

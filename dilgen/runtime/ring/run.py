@@ -11,6 +11,7 @@ import os
 import torch
 
 from ...calibration import rates_for
+from ...knobs import flag
 from ...schedule import pick_transport, ring_schedule, ring_schedule_packed
 from ..checks import InputError, check_positions
 from ..interpreter import interpreting
@@ -139,6 +140,7 @@ class RingRun:
 
         def local_check(n_loc):
             _check_geometry(self.attn, n_loc, self.P, self.order, self.packed)
+            self.lane_windows = flag("DILGEN_RING_LANE_WINDOWS", False)     # ring/lane_windows.py
             if self.dropout_p and not valid_p(self.dropout_p):
                 raise bad_p(self.attn.spec["name"], self.dropout_p)
             if self.dropout_p:
