@@ -145,9 +145,7 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
     group_size = H // Hkv
     dev = q.device
     grad_out, lse, delta, dlse, has_dlse = backward_inputs(out, lse, grad_out, grad_lse)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=dev) for t in (q, k, v))
     launch = {name: ({} if run.interpret else dict(opts)) for name, opts in conf["launch"].items()}
     pre = attn._kernel(run.interpret, source_fn=kernels["preprocess"])
     dkdv = attn._kernel(run.interpret, source_fn=kernels["dkdv"])
@@ -187,12 +185,8 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
             qv, dov, dqv = run.piece(q, qi), run.piece(grad_out, qi), run.piece(dq, qi)
             lse_v = lse.narrow(2, run.rows0[qi], n_q)
             delta_v = delta.narrow(2, run.rows0[qi], n_q)
-            qs = (run.bstride(qv), qv.stride(1), qv.stride(2))
-            ks = (run.bstride(kk), kk.stride(1), kk.stride(2))
-            vs = (run.bstride(vv), vv.stride(1), vv.stride(2))
-            dos = (run.bstride(dov), dov.stride(1), dov.stride(2))
-            lanes = lane_window(run, step, bits, q_off, n_q, k_off, n_k, g, dev)
-            if lanes:          # as the forward's window: dense attention on the branch's lanes
+            qs, ks, vs, dos = ((run.bstride(t), t.stride(1), t.stride(2)) for t in (qv, kk, vv, dov))
+            if lanes := lane_window(run, step, bits, q_off, n_q, k_off, n_k, g, dev):   # as the forward's
                 lane_backward(lanes, qv, kk, vv, run.piece(out, qi), lse_v, dov,
                               dlse.narrow(2, run.rows0[qi], n_q) if has_dlse else None, dqv, dkk, dvv)
                 continue
