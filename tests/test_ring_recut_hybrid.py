@@ -145,6 +145,10 @@ LANE_CASES = [
      "shape": [1, 128], "transport": "hybrid", "env": LANES, "lane_windows": True},
     {"name": "lanes_allgather_bf16", "spec": {"segment_lengths": [64], "dilation_rates": [2], "dtype": "bfloat16"},
      "shape": [1, 64], "transport": "allgather", "env": LANES, "lane_windows": True},
+    {"name": "lanes_r_over_heads", "spec": {"segment_lengths": [128], "dilation_rates": [8], "num_heads": 2},
+     "shape": [1, 128], "env": LANES, "lane_windows": True},
+    {"name": "lanes_heads_over_r", "spec": {"segment_lengths": [64], "dilation_rates": [2], "num_heads": 8},
+     "shape": [1, 64], "env": LANES, "lane_windows": True},
     # what lanes do not take runs the fused windows: GQA (one offset per query head, not kv head)
     {"name": "lanes_gqa_fused", "spec": {"segment_lengths": [64], "dilation_rates": [4], "num_heads": 4,
                                          "num_kv_heads": 2}, "shape": [1, 64], "env": LANES},
