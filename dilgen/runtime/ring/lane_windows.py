@@ -56,9 +56,10 @@ def lane_window(run, step, bits: int, q_off: int, n_q: int, k_off: int, n_k: int
     return tw, r, rows
 
 
-def _lse_rows(lse: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(B, H, n) -> (B, H, n/r)."""
-    return lse.gather(2, rows.t()[None].expand(lse.shape[0], -1, -1))
+def _indices(rows: torch.Tensor, B: int, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather/scatter indices of each head's lane rows: into (B, n, H, D) along the rows, and
+    into (B, H, n) along the last dim."""
+    return rows[None, :, :, None].expand(B, -1, H, D), rows.t()[None].expand(B, -1, -1)
 
 
 def lane_forward(found, qv, kk, vv, acc_v, lse_v) -> None:
@@ -66,9 +67,7 @@ def lane_forward(found, qv, kk, vv, acc_v, lse_v) -> None:
     tw, r, rows = found
     RAN["forward"] += 1
     out_c, lse_c = forward_raw(tw, _compact(qv, r), kk, vv)
-    B, _, H, D = acc_v.shape
-    idx = rows[None, :, :, None].expand(B, -1, H, D)
-    lidx = rows.t()[None].expand(B, -1, -1)
+    idx, lidx = _indices(rows, *acc_v.shape[:1], *acc_v.shape[2:])
     a, la = acc_v.gather(1, idx), lse_v.gather(2, lidx)
     top = torch.maximum(la, lse_c)
     new = top + torch.log(torch.exp(la - top) + torch.exp(lse_c - top))
@@ -82,9 +81,9 @@ def lane_backward(found, qv, kk, vv, ov, lse_v, dov, dlse_v, dqv, dkk, dvv) -> N
     tw, r, rows = found
     RAN["backward"] += 1
     q_c, o_c, do_c = (_compact(x, r) for x in (qv, ov, dov))
-    dlse = None if dlse_v is None else _lse_rows(dlse_v, rows).contiguous()
-    dq_c, dk_c, dv_c = backward_raw(tw, q_c, kk, vv, o_c, _lse_rows(lse_v, rows).contiguous(), do_c, dlse)
-    B, _, H, D = dqv.shape
-    dqv.scatter_add_(1, rows[None, :, :, None].expand(B, -1, H, D), dq_c.float())
+    idx, lidx = _indices(rows, *dqv.shape[:1], *dqv.shape[2:])
+    dlse = None if dlse_v is None else dlse_v.gather(2, lidx)
+    dq_c, dk_c, dv_c = backward_raw(tw, q_c, kk, vv, o_c, lse_v.gather(2, lidx), do_c, dlse)
+    dqv.scatter_add_(1, idx, dq_c.float())
     dkk += dk_c.float()
     dvv += dv_c.float()
