@@ -120,7 +120,8 @@ class Rank:
         torch, P, rank, a, geo = self.torch, self.P, self.rank, self.args, self.geo
         N = (T := a.tokens_per_gpu or USER.get(order, geo)["tokens_per_gpu" if order in USER else "tokens"]) * P
         row = {"gpus": P, "tokens_per_gpu": T, "N": N, "hilbert": hilbert_for(order, N) and order,
-               "hilbert_spec": hilbert_for(order, N), "order": order, "bf16_rel_error_vs_fp64": self.bf16_error(order)}
+               "hilbert_spec": hilbert_for(order, N), "order": order, "user_spec": USER.get(order),
+               "bf16_rel_error_vs_fp64": self.bf16_error(order)}
         spec, one = make_spec(geo, order, N, P), make_spec(geo, order, N, 1, name=f"ring_{order}_one")
         # the single-device kernel on the full N (the same tensors on every rank): its rows, T_1(N)
         g = torch.Generator(device=self.dev).manual_seed(1234)
@@ -169,8 +170,7 @@ class Rank:
             del leaves, fwd, fwd_bwd
             rows.append(r)
         os.environ["DILGEN_RING_TRANSPORT"] = "auto"
-        del mine
-        tk.cleanup(self.dev)
+        del mine; tk.cleanup(self.dev)    # noqa: E702
         return rows
 
     def transports(self, spec, N: int) -> list[str]:
