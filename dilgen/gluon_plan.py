@@ -338,10 +338,13 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         return f"it takes head_dim {dims}, not {spec.head_dim}"
     if not gluon_available():
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
+    # a sequence-scope curve on one device, non-causal, permutes whole rows around the kernels
+    # (planner._row_order): they run on curve-ordered rows and read no table
+    permuted = getattr(spec.hilbert, "scope", None) == "sequence" and not spec.causal and spec.ring_size == 1
     checks = [
         (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),
-        (query_order is not None or (any(b.order is not None for b in branches) if lattice_only
+        (query_order is not None or (any(b.order is not None for b in branches) if lattice_only or permuted
                                      else spec.hilbert is not None and not curve_lanes),
          "Hilbert orders read through tables"),
         (tiles.itemsize != 2 or tiles.head_dim_pad is not None, "it takes float16 or bfloat16 "

@@ -79,7 +79,7 @@ def test_beside_lane_branches_by_default_and_off_where_told(monkeypatch):
 @needs_gluon
 @pytest.mark.parametrize("over, tuning, why", [
     (dict(causal=True), {}, "causal specs run their branches as lane kernels"),
-    (dict(hilbert={"scope": "sequence", "grid": [64, 64]}), {}, "Hilbert orders"),
+    (dict(hilbert={"scope": "segment"}, segment_lengths=[2048], dilation_rates=[1]), {}, "Hilbert orders"),
     (dict(dtype="float32"), {}, "float16 or bfloat16"),
     (dict(head_dim=32), {}, "head_dim 64 or 128, not 32"),
     (dict(), {"fused_dkdv": False}, "per-branch dK/dV kernels"),
@@ -93,6 +93,19 @@ def test_refused_by_name_where_it_cannot_run(over, tuning, why):
         plan(_spec(**over), get_target("sm90"), asked)
     if "gluon_dkdv" not in tuning:
         assert plan(_spec(**over), get_target("sm90"), tuning).config.gluon_dkdv is None  # not asked: tl
+
+
+@needs_gluon
+def test_a_sequence_curve_on_one_device_takes_the_gluon_backward():
+    """Scope "sequence", non-causal, on one device permutes whole rows into curve order around
+    the kernels (planner._row_order) and reads no table: its sm90 plan is its raster twin's,
+    Gluon dK/dV and dQ included. Causal keeps the table (its mask compares raster positions)."""
+    sm90, curve = get_target("sm90"), {"scope": "sequence", "grid": [64, 64]}
+    p, raster = plan(_spec(hilbert=curve), sm90), plan(_spec(), sm90)
+    assert p.row_order is not None
+    assert (p.config.gluon_dkdv, p.config.gluon_dq) == (raster.config.gluon_dkdv, raster.config.gluon_dq) == (4, 4)
+    causal = plan(_spec(hilbert=curve, causal=True), sm90)
+    assert causal.row_order is None and causal.config.gluon_dkdv is None
 
 
 @needs_gluon
@@ -241,6 +254,9 @@ GPU_CASES = [
      {"gluon_dkdv": True, "gluon_dq": True}),
     ("beside_chosen_lane", dict(SMALL, num_heads=8, num_kv_heads=4), (1, 4096),
      {"lanes": [2], "gluon_dkdv": True, "gluon_dq": True}),
+    # rows permuted into a sequence curve's order around the kernels (no table)
+    ("hilbert_sequence", dict(SMALL, num_heads=4, num_kv_heads=4, hilbert={"scope": "sequence", "grid": [32, 64]}),
+     (1, 2048), {"gluon_dkdv": True, "gluon_dq": True}),
     # a short last segment: the call takes the `tl` kernels (every segment must be whole)
     ("short_last_segment_tl", dict(SMALL, num_heads=4, num_kv_heads=2), (1, 2048 + 512), {"gluon_dq": True}),
 ]
