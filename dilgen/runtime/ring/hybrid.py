@@ -100,7 +100,11 @@ def add_local_grads(run, grads: tuple, q, k, v, out, lse, grad_out, grad_lse) ->
     `grads` (the windows' fp32 accumulators)."""
     run.at = ("kernels", 0, 0)
     tw = local_twin(run, q.device)
-    parts = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads]
-    _pieces(run, lambda x, args: backward_raw(tw, *x, dropout=args), [q, k, v, out, lse, grad_out, grad_lse], parts)
+    step, tensors = (lambda x, args: backward_raw(tw, *x, dropout=args)), [q, k, v, out, lse, grad_out, grad_lse]
+    if run.dropout_args is None:    # each gradient added as it lands (no float32 copy of it first)
+        parts = step(tensors, ())
+    else:                           # per piece, at its global offset
+        parts = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads]
+        _pieces(run, step, tensors, parts)
     for acc, part in zip(grads, parts):
         acc += part
