@@ -106,6 +106,8 @@ def test_a_sequence_curve_on_one_device_takes_the_gluon_backward():
     assert (p.config.gluon_dkdv, p.config.gluon_dq) == (raster.config.gluon_dkdv, raster.config.gluon_dq) == (4, 4)
     causal = plan(_spec(hilbert=curve, causal=True), sm90)
     assert causal.row_order is None and causal.config.gluon_dkdv is None
+    drop = plan(_spec(hilbert=curve), sm90, {"dropout": True})     # the dropout plan's Gluon dQ and dK/dV too
+    assert drop.row_order is not None and drop.config.gluon_dq == 4 and drop.config.gluon_dkdv_lanes
 
 
 @needs_gluon

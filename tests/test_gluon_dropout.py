@@ -295,13 +295,18 @@ def test_the_launch_models_dkdv_adding_dq_specializes_as_the_runtimes(cache_dir)
         gluon_dkdv_lanes_args(plan_, q, k, v, q, f32, f32, k, v, 2, 1024, plan_["branches"][0], True, dropout=drop)
 
 
+VARIANTS = {"r6": dict(dilation_rates=[1, 2, 6]), "no_r1": dict(dilation_rates=[4, 8, 16]),
+            "hilbert": dict(hilbert={"scope": "sequence", "grid": [32, 64]})}
+
+
 @on_sm90
 @pytest.mark.parametrize("head_dim, causal, knob", [(128, False, "gluon_dkdv_lanes"), (64, False, "gluon_dkdv_lanes"),
                                                     (128, True, "gluon_dkdv_lanes"), (128, True, "gluon_lanes"),
                                                     (128, False, "gluon_dkdv_dq"), (64, True, "gluon_dkdv_dq"),
                                                     (128, False, "gluon_dkdv_lanes r6"), (128, True, "gluon_lanes r6"),
                                                     (128, False, "gluon_dkdv_lanes no_r1"),
-                                                    (128, True, "gluon_lanes no_r1"), (128, False, "lanes")])
+                                                    (128, True, "gluon_lanes no_r1"), (128, False, "lanes"),
+                                                    (128, False, "gluon_dkdv_lanes hilbert")])
 def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim, causal, knob, monkeypatch):
     """The per-branch Gluon dK/dV ({"gluon_dkdv_lanes": true}), a causal spec's lane forward,
     dq and dK/dV ({"gluon_lanes": true}), and the dK/dV adding dQ ({"gluon_dkdv_dq": true}: no
@@ -310,14 +315,16 @@ def test_gluon_dropout_lane_kernels_match_the_float64_reference_on_sm90(head_dim
     w, so its launches are the `tl` kernels' beside the Gluon ones, drawing the same coins.
     "no_r1" (r 4, 8, 16): the first launches write 0 into the rows and keys no branch keeps
     (dK, dV, dQ poisoned first). "lanes" ({"lanes": "all"}, non-causal): every branch a lane
-    branch, so the Gluon lane dq runs beside the dK/dV, in its non-causal form (every key block)."""
+    branch, so the Gluon lane dq runs beside the dK/dV, in its non-causal form (every key block).
+    "hilbert": a sequence curve, its rows permuted around the kernels (the coins count them in
+    curve order)."""
     from dilgen.reference import differentiable_reference
     from dilgen.runtime import backward, forward
     from dilgen.runtime.dropout_call import _DropoutFunction, dropout_args
     from dilgen.runtime.registry import twin
     knob, _, rates = knob.partition(" ")
     spec = _spec(f"gdl_{head_dim}_{int(causal)}_{knob}{rates}", head_dim=head_dim, causal=causal,
-                 **{**SMALL, **({"dilation_rates": {"r6": [1, 2, 6], "no_r1": [4, 8, 16]}[rates]} if rates else {})})
+                 **{**SMALL, **VARIANTS.get(rates, {})})
     taken = {}
     spied = [(backward, "gluon_dkdv_lanes_launch")] + ([(forward, "gluon_lanes_launch"),
                                                         (backward, "gluon_dq_lanes_launch")] if knob == "gluon_lanes" else
