@@ -317,6 +317,8 @@ CASES_P2 += [
     # kernels, the others (w 64; 128 with r = 3) in the windows, merged by their lse
     {"name": "hybrid_raster_b2", "spec": {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4], "num_heads": 4},
      "shape": [2, 64], "transport": "hybrid", "expect_transport": "hybrid"},
+    {"name": "hybrid_bf16", "spec": {"segment_lengths": [8, 64], "dilation_rates": [1, 4], "dtype": "bfloat16"},
+     "shape": [1, 64], "transport": "hybrid", "expect_transport": "hybrid"},
     # the first auto call of a spec measures its own rate (DILGEN_RING_MEASURE=1 on the CPU): every rank
     # the same entry, then the cost model's pick
     {"name": "measured_rate", "spec": {"segment_lengths": [8, 48], "dilation_rates": [1, 3]},
