@@ -225,9 +225,13 @@ def measure_spec(spec, n: int, device, reps: int = 3, *, as_rank: bool = True) -
     q, k, v = (torch.randn(1, n, h, spec.head_dim, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
                for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
     dout = torch.randn(1, n, spec.num_heads, spec.head_dim, generator=g).to(device=device, dtype=dtype)
+    def fwd_bwd():      # fresh gradients each call, as a training step's (no accumulation)
+        for t in (q, k, v):
+            t.grad = None
+        torch.autograd.backward(kernel(q, k, v), dout)
     with torch.no_grad():
         fwd = median_seconds(lambda: kernel(q, k, v), sync, reps)
-    both = median_seconds(lambda: torch.autograd.backward(kernel(q, k, v), dout), sync, reps)
+    both = median_seconds(fwd_bwd, sync, reps)
     return useful_flops(work_of(spec), n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
 
 

@@ -419,6 +419,24 @@ def test_a_rank_is_timed_on_its_kernels_and_one_process_on_the_specs_own(monkeyp
     assert [s.hilbert for s in compiled] == [None, spec.hilbert] and {s.ring_size for s in compiled} == {1}
 
 
+def test_a_specs_backward_is_timed_on_fresh_gradients(monkeypatch):
+    """measure_spec's fwd+bwd calls start with no gradient, as bench_ring's and a training
+    step's do: accumulating into the last call's would time an add per tensor on top."""
+    import torch
+    import dilgen
+    import dilgen.compiler
+    spec = dilgen.Spec(name="fresh", num_heads=2, head_dim=16, segment_lengths=[16, 64], dilation_rates=[1, 2])
+    seen = []
+
+    def kernel(q, k, v):
+        seen.append((torch.is_grad_enabled(), q.grad is None and k.grad is None and v.grad is None))
+        return q * k.sum() * v.sum()
+    monkeypatch.setattr(dilgen.compiler, "compile", lambda s: kernel)
+    measure.measure_spec(spec, 64, torch.device("cpu"), reps=3)
+    backward_calls = [fresh for grad, fresh in seen if grad]
+    assert len(backward_calls) == 4 and all(backward_calls)     # a warm-up and 3 timed
+
+
 def test_a_spec_ring_call_is_timed_back_to_back():
     """stats.loop_seconds (window_entry's clock): one warm-up, then a fixed count of calls with
     one sync at their end, as a training step's calls run (and every rank the same count)."""
