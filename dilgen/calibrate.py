@@ -206,6 +206,18 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
     return rates
 
 
+def _fresh_step(call, leaves, dout):
+    """A timed fwd+bwd step: call(*leaves), its backward from dout, each time on fresh
+    gradients, as a training step's (accumulating would time an add per leaf on top)."""
+    import torch
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(call(*leaves), dout)
+    return step
+
+
 def measure_spec(spec, n: int, device, reps: int = 3, *, as_rank: bool = True) -> tuple[float, float]:
     """(forward TFLOP/s, backward over forward) of a dilgen.Spec's single-device kernels on n
     rows, batch 1 (useful FLOPs, schedule.useful_flops). as_rank: the kernels its ring calls
@@ -225,13 +237,9 @@ def measure_spec(spec, n: int, device, reps: int = 3, *, as_rank: bool = True) -
     q, k, v = (torch.randn(1, n, h, spec.head_dim, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
                for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
     dout = torch.randn(1, n, spec.num_heads, spec.head_dim, generator=g).to(device=device, dtype=dtype)
-    def fwd_bwd():      # fresh gradients each call, as a training step's (no accumulation)
-        for t in (q, k, v):
-            t.grad = None
-        torch.autograd.backward(kernel(q, k, v), dout)
     with torch.no_grad():
         fwd = median_seconds(lambda: kernel(q, k, v), sync, reps)
-    both = median_seconds(fwd_bwd, sync, reps)
+    both = median_seconds(_fresh_step(kernel, (q, k, v), dout), sync, reps)
     return useful_flops(work_of(spec), n, 1, spec.num_heads, spec.head_dim) / fwd / 1e12, max(both - fwd, 1e-9) / fwd
 
 
@@ -289,8 +297,8 @@ def window_entry(spec, seq_len: int, group, device, rates: Rates, calls: int = 5
                                          dtype=getattr(torch, spec.dtype))
                              for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads, spec.num_heads))
             leaves = [t.requires_grad_(True) for t in (q, k, v)]
-            took = loop_seconds(lambda: torch.autograd.backward(
-                kernel(*leaves, group=group, chunk_order=order), dout), device_sync(device), calls)
+            took = loop_seconds(_fresh_step(lambda *x: kernel(*x, group=group, chunk_order=order), leaves, dout),
+                                device_sync(device), calls)
         row = [0.0, took]
     except Exception:  # noqa: BLE001 - every rank learns of it, never one rank alone
         row = [1.0, 0.0]
