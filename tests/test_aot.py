@@ -268,6 +268,23 @@ def test_the_dropout_plans_kernels_compile_for_sm90(cache_dir):
         assert cubin[:4] == b"\x7fELF" and json.loads(meta)["name"] == job.fn_name, job.desc
 
 
+def test_compiled_dropout_kernels_draw_philox_by_64_bit_multiplies(cache_dir):
+    """Compiled for a GPU (not interpreted), common.dropout_philox takes each of Philox's
+    products as one mul.wide.u32 (IMAD.WIDE.U32): the forward's PTX holds both round multipliers
+    in wide multiplies and no umulhi of them (mul.hi.u32 ... -845247145)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from dilgen.aot import artifacts
+    compiled = build(dilgen.spec_from_dict(dict(TINY, name="aot_tiny_wide")), SM90, {"dropout": True})
+    job = next(j for j in aot.plan_jobs(compiled, SM90, [SEQ])[0] if j.role == "forward")
+    module = aot_build._import_path(job.module_path, job.module_sha)
+    src = artifacts.source_of(aot_build.as_jit(getattr(module, job.fn_name)), dict(job.signature),
+                              dict(job.constexprs), dict(job.attrs))
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(job.options)).asm["ptx"]
+    assert "mul.wide.u32 t, %r" in ptx and "0xCD9E8D57" in ptx and "0xD2511F53" in ptx
+    assert "-845247145" not in ptx and "-766435501" not in ptx
+
+
 def test_runtime_finds_and_launches_the_artifacts(built, monkeypatch, gpu):
     from triton.backends.compiler import GPUTarget
     _, attn = _fresh_attention(TINY)
