@@ -9,9 +9,9 @@ from .spec import Spec
 # Attention dropout's plan (Plan.dropout): every branch in the fused `tl` kernels, which see
 # each entry's raster query and key positions (the mask's counter, dilgen.dropout; a sequence
 # curve's rows permuted around the kernels count in curve order), with one chain; no curve-row
-# kernel, and of the fused Gluon kernels only the forward and
-# dQ (sm90, non-causal, one device: their key blocks are whole spans of a branch's lanes, so
-# their threads draw their coins in the accumulator's registers). One device reads keys and queries
+# kernel, and of the fused Gluon kernels only the forward and dQ (sm90, non-causal, one
+# device: their key blocks are whole spans of a branch's lanes, so their threads draw their
+# coins in the accumulator's registers). One device reads keys and queries
 # through descriptors where the target does (the forward's at head_dim 128 only); a ring's
 # windows, whose dropout blocks start before the window (on a span of 32 lanes), read them
 # through masked pointers

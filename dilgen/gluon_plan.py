@@ -338,9 +338,8 @@ def _refusal(spec: Spec, target: Target, tiles, branches, query_order, tile, lan
         return f"it takes head_dim {dims}, not {spec.head_dim}"
     if not gluon_available():
         return "this Triton has no triton.experimental.gluon with Hopper's warpgroup_mma"
-    # a sequence-scope curve on one device, non-causal, permutes whole rows around the kernels
-    # (planner._row_order): they run on curve-ordered rows and read no table
-    permuted = getattr(spec.hilbert, "scope", None) == "sequence" and not spec.causal and spec.ring_size == 1
+    # rows permuted into a sequence curve's order around the kernels (planner._row_order) read no table
+    permuted = spec.rows_in_curve_order
     checks = [
         (spec.causal and not lanes, "causal specs run their branches as lane kernels (gluon_lanes)"),
         (spec.ring_size > 1, "a ring runs its own window kernels"),

@@ -49,10 +49,9 @@ def _row_order(spec: Spec) -> ir.TableMap | None:
     the raster kernel on curve-ordered rows, so one gather of q, k, v (and a scatter of out)
     replaces a table load in every tile (issue 12: one permutation, not a slower kernel).
     Causal keeps the table: its mask compares raster positions."""
-    hil = spec.hilbert
-    if hil is None or hil.scope != "sequence" or spec.ring_size > 1 or spec.causal:
+    if not spec.rows_in_curve_order:
         return None
-    rows, cols = hil.grid
+    rows, cols = spec.hilbert.grid
     return None if _is_identity(rows, cols) else ir.TableMap(f"curve_{rows}x{cols}", "sequence", rows, cols)
 
 

@@ -210,6 +210,10 @@ class Spec:
         return len(self.segment_lengths)
 
     @property
+    def rows_in_curve_order(self) -> bool:   # one device permutes whole rows around raster kernels
+        return self.hilbert is not None and self.hilbert.scope == "sequence" and not self.causal and self.ring_size == 1
+
+    @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
