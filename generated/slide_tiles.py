@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 7eb8ef1a3ed92cd4
+# template hash: a713cacc7d1749e0
 # plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1337,6 +1337,61 @@ def slide_tiles_gluon_blocks(d):
 
 
 @gluon.jit
+def slide_tiles_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
+    """Packed rows: the keys of branch (w = W, r = R) a class-d query at u0 of a sequence of n
+    rows reads, its lane (offset hb mod R) of the segment holding u0, the last of which may be
+    short (SPEC 2.1); 0 where the branch does not keep the class."""
+    keep = (d % R == 0).to(gl.int32)
+    return keep * ((gl.minimum(n - (u0 // W) * W, W) - hb % R + R - 1) // R)
+
+
+@gluon.jit
+def slide_tiles_gluon_packed_blocks(t, d, u0, n, hb):
+    """Packed rows: (key blocks of the tile, keys of block t that are real). A branch's lane
+    ends in a partial block only in a short segment; its other blocks, and every block of a
+    whole segment, are full."""
+    nb = t * 0
+    valid = t * 0 + GLUON_KEYS
+    cnt = slide_tiles_gluon_lane_keys(d, u0, n, hb, 1024, 1)  # branch 0
+    nb += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
+    if (t == nb - 1) & (cnt > 0):
+        valid = (cnt - 1) % GLUON_KEYS + 1
+    return nb, valid
+
+
+@gluon.jit
+def slide_tiles_gluon_load_packed(it, kd, vd, V, k_smem, v_smem, k_ready, v_ready, kv_empty, h, d, u0, s0, n,
+                        W: gl.constexpr, R: gl.constexpr):
+    """Packed rows: slide_tiles_gluon_load_branch for the sequence of n rows at row s0. Its lane's keys are
+    the rows p0 + R*j (p0 = s0 + segment start + offset), the rows p0 // R + j, column
+    (p0 mod R)*H_kv + h // 4 of the (rows/R, R*H_kv, D) view over all the packed rows. The
+    lane's last block, when partial, reads V through a descriptor that ends at the lane's last
+    key, so that the rows past it are zeros (P is 0 there, and 0 times another sequence's
+    non-finite value would not be)."""
+    hb = h
+    cnt = slide_tiles_gluon_lane_keys(d, u0, n, hb, W, R)
+    p0 = s0 + (u0 // W) * W + hb % R
+    krow = p0 // R
+    kcol = (p0 % R) * 2 + h // 4
+    for j in range((cnt + GLUON_KEYS - 1) // GLUON_KEYS):
+        st = it % GLUON_STAGES
+        mbarrier.wait(kv_empty.index(st), ((it // GLUON_STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(st), GLUON_KEYS * 64 * 2)
+        tma_load(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.expect(v_ready.index(st), GLUON_KEYS * 64 * 2)
+        if (j + 1) * GLUON_KEYS > cnt:
+            first = (p0 + R * j * GLUON_KEYS).to(gl.int64) * 2 + h // 4
+            tail = tma.make_tensor_descriptor(V + first * 64, [cnt - j * GLUON_KEYS, 1, 64],
+                                              [R * 128, 64, 1],
+                                              [GLUON_KEYS, 1, 64], vd.layout)
+            tma_load(tail, [0, 0, 0], v_ready.index(st), v_smem.index(st))
+        else:
+            tma_load(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+        it += 1
+    return it
+
+
+@gluon.jit
 def slide_tiles_gluon_load_branch(it, kd, vd, k_smem, v_smem, k_ready, v_ready, kv_empty, b, h, d, u0, N,
                         W: gl.constexpr, R: gl.constexpr):
     """Queue the key blocks of one branch (w = W, r = R) for a class-d tile whose first row is
@@ -1358,27 +1413,42 @@ def slide_tiles_gluon_load_branch(it, kd, vd, k_smem, v_smem, k_ready, v_ready, 
 
 
 @gluon.jit
-def slide_tiles_gluon_producer(p):
+def slide_tiles_gluon_producer(p, PACKED: gl.constexpr):
     """One warp: both Q tiles, then every kept branch's key blocks in branch order."""
-    (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-     b, h, d, c, m0, N) = p
+    if PACKED:
+        (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, d, c, m0, N, s0, n, V, Out) = p
+        qrow, qcol = (s0 + c) // 1, ((s0 + c) % 1) * 8 + h
+    else:
+        (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, d, c, m0, N) = p
+        qrow, qcol = b * (N // 1), c * 8 + h
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), GLUON_ROWS * 64 * 2)
-        tma_load(q_desc, [b * (N // 1) + m0 + wg * GLUON_ROWS, c * 8 + h, 0],
-                                        q_bars.index(wg), q_smem.index(wg))
+        tma_load(q_desc, [qrow + m0 + wg * GLUON_ROWS, qcol, 0], q_bars.index(wg), q_smem.index(wg))
     u0 = c + 1 * m0
     it = d * 0
-    it = slide_tiles_gluon_load_branch(it, k_descs[0], v_descs[0], k_smem, v_smem, k_ready, v_ready,
-                                        kv_empty, b, h, d, u0, N, 1024, 1)  # branch 0
+    if PACKED:
+        it = slide_tiles_gluon_load_packed(it, k_descs[0], v_descs[0], V, k_smem, v_smem, k_ready,
+                                            v_ready, kv_empty, h, d, u0, s0, n, 1024, 1)
+    else:
+        it = slide_tiles_gluon_load_branch(it, k_descs[0], v_descs[0], k_smem, v_smem, k_ready, v_ready,
+                                            kv_empty, b, h, d, u0, N, 1024, 1)  # branch 0
 
 
 @gluon.jit
-def slide_tiles_gluon_consume(p, WG: gl.constexpr):
+def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup: rows m0 + WG*64 ... of the tile against the stream of key
     blocks (it never sees the branches). Block t's scores are issued before block t - 1's
-    P·V, and block t's softmax runs while that P·V is on the tensor cores."""
-    (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-     b, h, d, c, m0, N) = p
+    P·V, and block t's softmax runs while that P·V is on the tensor cores. PACKED: rows of
+    one sequence of packed rows, whose lanes may end in a partial block (keys past the lane's
+    end score -inf) and whose last tile may pass the sequence's end (rows past it not stored)."""
+    if PACKED:
+        (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, d, c, m0, N, s0, n, V, Out) = p
+    else:
+        (q_desc, o_desc, k_descs, v_descs, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, d, c, m0, N) = p
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1387,7 +1457,12 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr):
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_zero = gl.zeros([GLUON_ROWS, GLUON_KEYS], gl.float32, layout=s_layout)
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
-    T = slide_tiles_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
+    if PACKED:
+        u0 = c + 1 * m0
+        T, valid = slide_tiles_gluon_packed_blocks(0, d, u0, n, h)
+        keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
+    else:
+        T = slide_tiles_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
 
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG).reshape([GLUON_ROWS, D])
@@ -1395,6 +1470,9 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr):
     s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_KEYS, D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
+    if PACKED:
+        if valid < GLUON_KEYS:
+            s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.18033688011112042
     pj = slide_tiles_gluon_exp2(gl.fma(s, 0.18033688011112042, -gl.expand_dims(m_i, 1)))
     l_i = gl.sum(pj, axis=1)
@@ -1408,6 +1486,10 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr):
         mbarrier.wait(v_ready.index(pst), ((t - 1) // GLUON_STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
+        if PACKED:
+            valid = slide_tiles_gluon_packed_blocks(t, d, u0, n, h)[1]
+            if valid < GLUON_KEYS:
+                s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.18033688011112042)
         alpha = gl.exp2(m_i - m_new)
         pj = slide_tiles_gluon_exp2(gl.fma(s, 0.18033688011112042, -gl.expand_dims(m_new, 1)))     # one multiply-add a score
@@ -1424,23 +1506,56 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr):
     mbarrier.arrive(kv_empty.index(lst), count=1)
 
     out = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
-    q_smem.index(WG).reshape([GLUON_ROWS, D]).store(out)    # the warpgroup's Q buffer holds its output
-    fence_async_shared()
-    tma_store(o_desc, [b * (N // 1) + m0 + WG * GLUON_ROWS, c * 8 + h, 0],
-                                    q_smem.index(WG))
-    rows = c + 1 * (m0 + WG * GLUON_ROWS + gl.arange(0, GLUON_ROWS, layout=gl.SliceLayout(1, s_layout)))
-    gl.store(Lse + (b * 8 + h).to(gl.int64) * N + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    if PACKED:      # lse is (H, rows); a tile past the sequence's end stores its rows one by one
+        rows = c + 1 * (m0 + WG * GLUON_ROWS + gl.arange(0, GLUON_ROWS, layout=gl.SliceLayout(1, s_layout)))
+        if c + 1 * (m0 + WG * GLUON_ROWS + GLUON_ROWS - 1) < n:
+            q_smem.index(WG).reshape([GLUON_ROWS, D]).store(out)
+            fence_async_shared()
+            tma_store(o_desc, [(s0 + c) // 1 + m0 + WG * GLUON_ROWS,
+                               ((s0 + c) % 1) * 8 + h, 0], q_smem.index(WG))
+        else:
+            o_rows = gl.expand_dims(gl.convert_layout(rows, gl.SliceLayout(1, o_layout)), 1)
+            o_cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
+            gl.store(Out + ((s0 + o_rows).to(gl.int64) * 8 + h) * D + o_cols, out, mask=o_rows < n)
+        gl.store(Lse + h.to(gl.int64) * N + s0 + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < n)
+    else:
+        q_smem.index(WG).reshape([GLUON_ROWS, D]).store(out)    # the warpgroup's Q buffer holds its output
+        fence_async_shared()
+        tma_store(o_desc, [b * (N // 1) + m0 + WG * GLUON_ROWS, c * 8 + h, 0],
+                                        q_smem.index(WG))
+        rows = c + 1 * (m0 + WG * GLUON_ROWS + gl.arange(0, GLUON_ROWS, layout=gl.SliceLayout(1, s_layout)))
+        gl.store(Lse + (b * 8 + h).to(gl.int64) * N + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def slide_tiles_gluon_consumer0(p):
-    slide_tiles_gluon_consume(p, 0)
+    slide_tiles_gluon_consume(p, 0, False)
 
 
 @gluon.jit
 def slide_tiles_gluon_consumer1(p):
-    slide_tiles_gluon_consume(p, 1)
+    slide_tiles_gluon_consume(p, 1, False)
+
+
+@gluon.jit
+def slide_tiles_gluon_fixed_producer(p):
+    slide_tiles_gluon_producer(p, False)
+
+
+@gluon.jit
+def slide_tiles_gluon_packed_consumer0(p):
+    slide_tiles_gluon_consume(p, 0, True)
+
+
+@gluon.jit
+def slide_tiles_gluon_packed_consumer1(p):
+    slide_tiles_gluon_consume(p, 1, True)
+
+
+@gluon.jit
+def slide_tiles_gluon_packed_producer(p):
+    slide_tiles_gluon_producer(p, True)
 
 
 @gluon.jit
@@ -1476,8 +1591,49 @@ def slide_tiles_gluon_fwd(q_desc, o_desc, k0, v0, Lse, N):
     fence_async_shared()
     p = (q_desc, o_desc, (k0,), (v0,),
          Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, b, h, d, c, m0, N)
-    gl.warp_specialize([(slide_tiles_gluon_consumer0, (p,)), (slide_tiles_gluon_consumer1, (p,)), (slide_tiles_gluon_producer, (p,))],
+    gl.warp_specialize([(slide_tiles_gluon_consumer0, (p,)), (slide_tiles_gluon_consumer1, (p,)), (slide_tiles_gluon_fixed_producer, (p,))],
                        [4, 1], [240, 24])
+
+
+@gluon.jit
+def slide_tiles_gluon_fwd_packed(q_desc, o_desc, k0, v0, V, Out, Lse, SeqStart, SeqLen, rows):
+    """The forward over packed rows (runtime.varlen): the same work for sequence b of the
+    launch group, rows SeqStart[b] + [0, SeqLen[b]), its segments from its first row.
+    q_desc, o_desc   q and out as (rows/L, L*H, D): row u of the sequence is row (s0 + u) // L,
+                     column ((s0 + u) mod L)*H + h (rows a multiple of L)
+    k<i>, v<i>       branch i's keys as (rows/r, r*H_kv, D), as the fixed-length kernel's
+    V, Out           v and out (rows, H_kv or H, D): a lane's partial last block of V, a tile's
+                     rows past its sequence's end (runtime/gluon_launch.py gluon_packed_launch)
+    Lse              (H, rows)
+    program          (d + L*t, b*H + h) as slide_tiles_gluon_fwd's; a tile past the sequence's end does nothing"""
+    dtype: gl.constexpr = q_desc.dtype
+    m0 = (gl.program_id(0) // 1) * (2 * GLUON_ROWS)
+    d = gl.program_id(0) % 1
+    b = gl.program_id(1) // 8
+    h = gl.program_id(1) % 8
+    c = (h + d) % 1
+    s0 = gl.load(SeqStart + b)
+    n = gl.load(SeqLen + b)
+    if c + 1 * m0 >= n:
+        return
+    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_ROWS, 1, 64], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 64], k0.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_STAGES, GLUON_KEYS, 1, 64], v0.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [GLUON_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(GLUON_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+    p = (q_desc, o_desc, (k0,), (v0,),
+         Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, b, h, d, c, m0, rows, s0, n, V, Out)
+    gl.warp_specialize([(slide_tiles_gluon_packed_consumer0, (p,)), (slide_tiles_gluon_packed_consumer1, (p,)),
+                        (slide_tiles_gluon_packed_producer, (p,))], [4, 1], [240, 24])
 
 # ---- sm90: the fused dK, dV in Gluon (KernelConfig.gluon_dkdv; runtime/backward.py launches it
 # on a GPU for fixed-length rows whose every segment is whole, slide_tiles_bwd_dkdv_fused otherwise) ----
@@ -1901,5 +2057,6 @@ attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel
                                lane_kernel=slide_tiles_fwd_lanes,
                                curve_kernel=slide_tiles_curve_rows,
                                gluon_kernel=slide_tiles_gluon_fwd,
+                               gluon_packed=slide_tiles_gluon_fwd_packed,
                                gluon_dkdv=slide_tiles_gluon_dkdv,
                                gluon_lanes=slide_tiles_gluon_lanes)

@@ -44,7 +44,7 @@ class GeneratedAttention:
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
                  lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
                  gluon_dkdv=None, gluon_dq=None, gluon_lanes=None, gluon_dkdv_lanes=None,
-                 gluon_dq_lanes=None, gluon_raster_lanes=None) -> None:
+                 gluon_dq_lanes=None, gluon_raster_lanes=None, gluon_packed=None) -> None:
         if plan.get("fused_dkdv") and not any(b.get("fused_dkdv") for b in plan["branches"]):
             # a module generated before BranchIR.fused_dkdv: runtime.grids.dkdv_per_branch would
             # run every branch again after its fused dK/dV launch (dK, dV counted twice)
@@ -57,6 +57,7 @@ class GeneratedAttention:
         self.lane_kernel = lane_kernel             # one branch per launch (plan "lanes")
         self.curve_kernel = curve_kernel           # compact curve-ordered rows (curve_rows.py)
         self.gluon_fn = gluon_kernel               # sm90's Gluon forward (@gluon.jit, gluon_launch.py) or None
+        self.gluon_packed_fn = gluon_packed        # the Gluon forward over packed rows (sm90) or None
         self.gluon_dkdv_fn = gluon_dkdv            # sm90's Gluon fused dK/dV (@gluon.jit) or None
         self.gluon_dq_fn = gluon_dq                # sm90's Gluon dQ (@gluon.jit) or None
         self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon lane branches (@gluon.jit) or None
@@ -120,6 +121,11 @@ class GeneratedAttention:
         """The Gluon forward as launched on a GPU: its `dilgen build` binary where there is
         one, else Gluon's JIT (aot.run.launcher), made on first use; None without one."""
         return self._gluon("gluon", self.gluon_fn)
+
+    @property
+    def gluon_packed_kernel(self):
+        """The Gluon forward over packed rows as launched on a GPU (as gluon_kernel); None without one."""
+        return self._gluon("gluon_packed", self.gluon_packed_fn)
 
     @property
     def gluon_dkdv_kernel(self):

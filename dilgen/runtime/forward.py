@@ -11,7 +11,7 @@ import torch
 
 from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
-from .gluon_launch import gluon_lanes_launch, gluon_launch
+from .gluon_launch import gluon_lanes_launch, gluon_launch, gluon_packed_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
 from .replay import Recorder, enabled, keep, lookup, recording_into, signature, split_dropout
@@ -91,7 +91,9 @@ def _forward(attn, q, k, v, packing, dropout=()) -> tuple[torch.Tensor, torch.Te
     with recording_into(recorder):      # copies of curve-ordered rows launch as they are made
         _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
                      packing, interpret, writes_all, clears, varlen, dropout)
-    allocator = bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")) and not interpret
+    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed forward's partial blocks
+    allocator = not interpret and bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma") or (
+        varlen and attn.gluon_packed_fn is not None and any(x[0] is attn.gluon_packed_kernel for x in launches)))
     if allocator:
         ensure_descriptor_allocator()
     if record:
@@ -116,7 +118,12 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
     lanes = lane_order(plan)
     fused = any(not br["lanes"] for br in plan["branches"])
     for seqs, B, N in groups:   # packed batches: one group per length class of sequences
-        gluon = None if (interpret or varlen) else gluon_launch(attn, q, k, v, out, lse, B, N, dropout)
+        if interpret:
+            gluon = None
+        elif varlen:
+            gluon = gluon_packed_launch(attn, q, k, v, out, lse, seqs, B, N, dropout)
+        else:
+            gluon = gluon_launch(attn, q, k, v, out, lse, B, N, dropout)
         if gluon is not None:       # the same work as the fused kernel, in Gluon (sm90)
             launches.append(gluon)
         elif fused:   # every branch that is not a lane branch

@@ -63,6 +63,22 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int, dropout: tuple = ()):
             (*gluon_args(plan, q, k, v, out, lse, B, N), *dropout), OPTIONS)
 
 
+def gluon_packed_launch(attn, q, k, v, out, lse, seqs: tuple, B: int, N: int, dropout: tuple = ()):
+    """(kernel, grid, args, options) of the Gluon forward over packed rows for one launch group
+    (`seqs`: its starts and lengths, B sequences, the longest N), or None when the group takes
+    the `tl` kernel: no dropout, and the rows a multiple of the lattice L (each branch's view
+    (rows/r, r*H_kv, D) then holds every row; TMA reads zeros past its end)."""
+    plan = attn.plan
+    rows, L = q.shape[0], plan["query"]["lattice"]
+    if (dropout or attn.gluon_packed_fn is None or rows % L or q.device.type != "cuda" or not _sm90(q.device)
+            or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out))):
+        return None
+    tiles = -(-(-(-N // L)) // 128)
+    fused = gluon_args(plan, q, k, v, out, lse, 1, rows)[:-2]      # q, out, each lattice branch's k and v
+    return (attn.gluon_packed_kernel, (L * tiles, B * plan["num_heads"]), (*fused, v, out, lse, *seqs, rows),
+            OPTIONS)
+
+
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False,
                        dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon lanes of branch `br` for this call, or

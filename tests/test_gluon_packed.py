@@ -1,0 +1,191 @@
+"""sm90's Gluon forward over packed rows (templates/gluon_fwd.py.jinja `_fwd_packed`,
+runtime.gluon_launch.gluon_packed_launch): on the CPU, which plans carry it, when a call
+takes it and that it compiles for sm90; on an sm90 GPU, packed and padded batches against
+the float64 reference run on each sequence alone (outputs poisoned first), with short
+segments, partial key blocks, tiles past a sequence's end, and non-finite values in the rows
+beside a sequence that must not reach it."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import triton
+
+import dilgen
+from dilgen.reference import differentiable_reference
+from dilgen.runtime import gluon_launch
+
+from conftest import needs_gluon, on_sm90, rel_error
+
+SMALL = dict(num_heads=8, num_kv_heads=2, head_dim=128, segment_lengths=[512, 1024, 2048],
+             dilation_rates=[1, 2, 4], dtype="bfloat16")
+
+
+def _spec(name, **over):
+    return dilgen.Spec(name=name, **dict(SMALL, **over))
+
+
+def _module(tmp_path, spec, dropout=False):
+    from dilgen import codegen
+    from dilgen.planner import plan
+    from dilgen.targets import get_target
+    path = tmp_path / f"{spec.name}.py"
+    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": dropout})))
+    found = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(found)
+    found.loader.exec_module(mod)
+    return mod
+
+
+@needs_gluon
+def test_plans_without_dropout_carry_the_packed_forward(tmp_path):
+    plain = _module(tmp_path, _spec("gp_plain"))
+    assert plain.attention.gluon_packed_fn is plain.gp_plain_gluon_fwd_packed
+    dropped = _module(tmp_path, _spec("gp_drop"), dropout=True)
+    assert dropped.attention.gluon_packed_fn is None and not hasattr(dropped, "gp_drop_gluon_fwd_packed")
+
+
+@needs_gluon
+def test_a_cpu_call_or_dropout_takes_the_tl_kernel(tmp_path):
+    attn = _module(tmp_path, _spec("gp_cpu")).attention
+    q = torch.randn(64, 8, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(64, 2, 128, dtype=torch.bfloat16)
+    seqs = (torch.tensor([0], dtype=torch.int32), torch.tensor([64], dtype=torch.int32))
+    out, lse = torch.empty_like(q), torch.empty(8, 64)
+    assert gluon_launch.gluon_packed_launch(attn, q, k, v, out, lse, seqs, 1, 64) is None
+
+
+@needs_gluon
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
+def test_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The PTX has the warpgroup MMAs, TMA loads through the host descriptors, and the
+    descriptor a lane's partial last block of V is read through, made in the kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = _module(tmp_path, _spec("gp_ptx"))
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 1, 128], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, 1, 128],{layout!r}>"
+    sig = {"q_desc": desc(64), "o_desc": desc(64), **{f"{x}{i}": desc(128) for x in "kv" for i in range(3)},
+           "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "SeqStart": "*i32", "SeqLen": "*i32", "rows": "i32"}
+    kernel = triton.compile(GluonASTSource(mod.gp_ptx_gluon_fwd_packed, sig, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert "tensormap" in ptx                           # the partial block's descriptor, made in the kernel
+    assert kernel.metadata.global_scratch_size >= 128 * 3
+
+
+# -- on an sm90 GPU ---------------------------------------------------------------------
+# (id, spec fields, sequence lengths): the rows a multiple of the lattice L, so the Gluon
+# forward takes every launch group
+PACKED = [
+    # short sequences (one short segment per branch), partial key blocks, a 7-row sequence
+    ("short_and_long", dict(), [1000, 4096, 389, 2178, 7, 518]),
+    ("head_dim_64_mha", dict(head_dim=64, num_kv_heads=8), [3000, 130, 2048, 1006]),
+    ("head_base", dict(head_base=3), [2051, 515, 1470]),
+    ("lanes_beside", dict(dilation_rates=[1, 2, 6]), [3001, 1100, 127]),   # r = 6 runs as `tl` lanes after it
+]
+
+
+def _inputs(spec, total, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, spec.num_heads, spec.head_dim, generator=g)
+    k, v = (torch.randn(total, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
+    return [t.to(torch.bfloat16).cuda() for t in (q, k, v)]
+
+
+def _taken(monkeypatch):
+    from dilgen.runtime import forward
+    taken = []
+
+    def spy(*args, real=forward.gluon_packed_launch):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(forward, "gluon_packed_launch", spy)
+    return taken
+
+
+def _check_sequences(spec, q, k, v, out, lse, cu, skip=()):
+    for b in range(len(cu) - 1):
+        a, e = cu[b], cu[b + 1]
+        if e == a or b in skip:
+            continue
+        qq, kk, vv = (t[a:e].double().cpu().unsqueeze(0) for t in (q, k, v))
+        ro, rl = differentiable_reference(qq, kk, vv, spec)
+        assert torch.isfinite(out[a:e]).all(), f"sequence {b}: non-finite or unwritten rows"
+        assert rel_error(out[a:e].cpu(), ro[0]) < 2e-2, f"sequence {b}"
+        assert (lse[:, a:e].cpu().double() - rl[0]).abs().max() < 0.4, f"sequence {b}: lse"
+
+
+@on_sm90
+@pytest.mark.parametrize("case", PACKED, ids=[c[0] for c in PACKED])
+def test_packed_rows_match_the_float64_reference_on_sm90(case, monkeypatch):
+    name, over, lengths = case
+    spec = _spec("gp_" + name, **over)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    assert cu[-1] % 4 == 0
+    taken = _taken(monkeypatch)
+    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
+    assert taken and all(taken), taken
+    _check_sequences(spec, q, k, v, out, lse, cu)
+
+
+@on_sm90
+def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
+    """Sequence 1 (389 rows) ends in partial key blocks; the rows after it, sequence 2's, hold
+    inf and NaN in k and v. Every other sequence is exact."""
+    spec = _spec("gp_beside")
+    cu = [0, 1000, 1389, 2400, 4096]
+    taken = _taken(monkeypatch)
+    q, k, v = _inputs(spec, cu[-1], seed=11)
+    k[1389:1400], v[1389:1400] = float("inf"), float("nan")
+    out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
+    assert taken and all(taken), taken
+    _check_sequences(spec, q, k, v, out, lse, cu, skip={2})
+
+
+@on_sm90
+def test_a_padded_batch_with_nan_padding_matches_on_sm90(monkeypatch):
+    spec = _spec("gp_padded")
+    B, N, valid = 3, 2048, [2048, 700, 1301]
+    mask = torch.arange(N)[None, :] >= torch.tensor(valid)[:, None]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, N, h, 128, generator=g).to(torch.bfloat16).cuda() for h in (8, 2, 2))
+    for t in (q, k, v):
+        t[mask.cuda()] = float("nan")
+    taken = _taken(monkeypatch)
+    out, lse = dilgen.compile(spec).padded(q, k, v, mask.cuda(), return_lse=True)
+    assert taken and all(taken), taken
+    for b, n in enumerate(valid):
+        ro, rl = differentiable_reference(*(t[b:b + 1, :n].double().cpu() for t in (q, k, v)), spec)
+        assert rel_error(out[b, :n].cpu(), ro[0]) < 2e-2, f"item {b}"
+        assert (out[b, n:] == 0).all(), f"item {b}: padding rows"
+
+
+@on_sm90
+def test_gradients_through_the_packed_gluon_forward_on_sm90(monkeypatch):
+    """The `tl` backward of packed rows reads the Gluon forward's lse: dq, dk, dv exact."""
+    spec = _spec("gp_grad")
+    cu = [0, 1500, 1889, 4000]
+    taken = _taken(monkeypatch)
+    q, k, v = (t.requires_grad_() for t in _inputs(spec, cu[-1], seed=5))
+    out = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    assert taken and all(taken), taken
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out * grad.to(out.dtype).cuda()).sum().backward()
+    for b in range(len(cu) - 1):
+        a, e = cu[b], cu[b + 1]
+        ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        ro, _ = differentiable_reference(*ref_in, spec)
+        (ro[0] * grad[a:e].double()).sum().backward()
+        for mine, ref in zip((q, k, v), ref_in):
+            assert rel_error(mine.grad[a:e].cpu(), ref.grad[0]) < 4e-2, f"sequence {b}"
