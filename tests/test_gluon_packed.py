@@ -87,7 +87,7 @@ PACKED = [
     # short sequences (one short segment per branch), partial key blocks, a 7-row sequence
     ("short_and_long", dict(), [1000, 4096, 389, 2178, 7, 518]),
     ("head_dim_64_mha", dict(head_dim=64, num_kv_heads=8), [3000, 130, 2048, 1006]),
-    ("head_base", dict(head_base=3), [2051, 515, 1470]),
+    ("head_base", dict(head_base=4), [2051, 515, 1470]),
     ("lanes_beside", dict(dilation_rates=[1, 2, 6]), [3001, 1100, 127]),   # r = 6 runs as `tl` lanes after it
 ]
 

@@ -38,25 +38,34 @@ def gx_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
 
 
 @gluon.jit
-def gx_gluon_packed_blocks(t, d, u0, n, hb):
-    """Packed rows: (key blocks of the tile, keys of block t that are real). A branch's lane
-    ends in a partial block only in a short segment; its other blocks, and every block of a
-    whole segment, are full."""
-    nb = t * 0
-    valid = t * 0 + GLUON_KEYS
+def gx_gluon_packed_blocks(d, u0, n, hb):
+    """Packed rows: the tile's key blocks T, then per branch the index of its lane's last block
+    where that block is partial (else -1) and the keys of it that are real. A lane ends in a
+    partial block only in a short segment."""
+    T = d * 0
     cnt = gx_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
-    nb += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    if (t == nb - 1) & (cnt > 0):
-        valid = (cnt - 1) % GLUON_KEYS + 1
+    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
+    e0 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
+    c0 = cnt % GLUON_KEYS
     cnt = gx_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
-    nb += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    if (t == nb - 1) & (cnt > 0):
-        valid = (cnt - 1) % GLUON_KEYS + 1
+    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
+    e1 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
+    c1 = cnt % GLUON_KEYS
     cnt = gx_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
-    nb += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    if (t == nb - 1) & (cnt > 0):
-        valid = (cnt - 1) % GLUON_KEYS + 1
-    return nb, valid
+    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
+    e2 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
+    c2 = cnt % GLUON_KEYS
+    return T, e0, c0, e1, c1, e2, c2
+
+
+@gluon.jit
+def gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2):
+    """The real keys of block t (GLUON_KEYS but in a lane's partial last block)."""
+    valid = t * 0 + GLUON_KEYS
+    valid = gl.where(t == e0, c0, valid)
+    valid = gl.where(t == e1, c1, valid)
+    valid = gl.where(t == e2, c2, valid)
+    return valid
 
 
 @gluon.jit
@@ -171,7 +180,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 4 * m0
-        T, valid = gx_gluon_packed_blocks(0, d, u0, n, h)
+        T, e0, c0, e1, c1, e2, c2 = gx_gluon_packed_blocks(d, u0, n, h)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = gx_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -182,7 +191,8 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     s_tok = warpgroup_mma(q, k_smem.index(0).reshape([GLUON_KEYS, D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
-    if PACKED:
+    if PACKED:      # keys past a lane's end in its partial last block score -inf
+        valid = gx_gluon_real_keys(0, e0, c0, e1, c1, e2, c2)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
@@ -199,7 +209,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = gx_gluon_packed_blocks(t, d, u0, n, h)[1]
+            valid = gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
