@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: dd5244bad6c3ca57
+# template hash: 861e99fc275ef24f
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1188,52 +1188,60 @@ def longnet_base_gluon_exp2(x):
 
 
 @gluon.jit
+def longnet_base_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
+    """The keys of branch (w = W, r = R) a class-d query at u0 reads: its lane (offset hb mod R)
+    of the segment holding u0; 0 where the branch does not keep the class."""
+    keep = (d % R == 0).to(gl.int32)
+    return keep * ((gl.minimum(n - (u0 // W) * W, W) - hb % R + R - 1) // R)
+
+
+@gluon.jit
+def longnet_base_gluon_packed_blocks(d, u0, n, hb, BN: gl.constexpr):
+    """The tile's blocks of BN keys T, then per branch the index of its lane's last block where
+    that block is partial (else -1) and the keys of it that are real."""
+    T = d * 0
+    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
+    T += (cnt + BN - 1) // BN
+    e0 = gl.where(cnt % BN != 0, T - 1, -1)
+    c0 = cnt % BN
+    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
+    T += (cnt + BN - 1) // BN
+    e1 = gl.where(cnt % BN != 0, T - 1, -1)
+    c1 = cnt % BN
+    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
+    T += (cnt + BN - 1) // BN
+    e2 = gl.where(cnt % BN != 0, T - 1, -1)
+    c2 = cnt % BN
+    return T, e0, c0, e1, c1, e2, c2
+
+
+@gluon.jit
+def longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, BN: gl.constexpr):
+    """The real keys of block t: BN, but in a lane's partial last block."""
+    valid = t * 0 + BN
+    valid = gl.where(t == e0, c0, valid)
+    valid = gl.where(t == e1, c1, valid)
+    valid = gl.where(t == e2, c2, valid)
+    return valid
+
+
+@gluon.jit
+def longnet_base_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
+    """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    D: gl.constexpr = like.block_shape[2]
+    heads = like.shape[1] // R
+    return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],
+                                      like.block_shape, like.layout)
+
+
+@gluon.jit
 def longnet_base_gluon_blocks(d):
     """Key blocks of a class-d tile: w / r / GLUON_KEYS for each branch with r | d."""
     t = gl.where(d % 1 == 0, 16, 0)  # branch 0: w = 2048, r = 1
     t += gl.where(d % 2 == 0, 16, 0)  # branch 1: w = 4096, r = 2
     t += gl.where(d % 4 == 0, 16, 0)  # branch 2: w = 8192, r = 4
     return t
-
-
-@gluon.jit
-def longnet_base_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
-    """Packed rows: the keys of branch (w = W, r = R) a class-d query at u0 of a sequence of n
-    rows reads, its lane (offset hb mod R) of the segment holding u0, the last of which may be
-    short (SPEC 2.1); 0 where the branch does not keep the class."""
-    keep = (d % R == 0).to(gl.int32)
-    return keep * ((gl.minimum(n - (u0 // W) * W, W) - hb % R + R - 1) // R)
-
-
-@gluon.jit
-def longnet_base_gluon_packed_blocks(d, u0, n, hb):
-    """Packed rows: the tile's key blocks T, then per branch the index of its lane's last block
-    where that block is partial (else -1) and the keys of it that are real. A lane ends in a
-    partial block only in a short segment."""
-    T = d * 0
-    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e0 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c0 = cnt % GLUON_KEYS
-    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e1 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c1 = cnt % GLUON_KEYS
-    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e2 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c2 = cnt % GLUON_KEYS
-    return T, e0, c0, e1, c1, e2, c2
-
-
-@gluon.jit
-def longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2):
-    """The real keys of block t (GLUON_KEYS but in a lane's partial last block)."""
-    valid = t * 0 + GLUON_KEYS
-    valid = gl.where(t == e0, c0, valid)
-    valid = gl.where(t == e1, c1, valid)
-    valid = gl.where(t == e2, c2, valid)
-    return valid
 
 
 @gluon.jit
@@ -1257,11 +1265,8 @@ def longnet_base_gluon_load_packed(it, kd, vd, V, k_smem, v_smem, k_ready, v_rea
         tma_load(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), GLUON_KEYS * 128 * 2)
         if (j + 1) * GLUON_KEYS > cnt:
-            first = (p0 + R * j * GLUON_KEYS).to(gl.int64) * 16 + h
-            tail = tma.make_tensor_descriptor(V + first * 128, [cnt - j * GLUON_KEYS, 1, 128],
-                                              [R * 2048, 128, 1],
-                                              [GLUON_KEYS, 1, 128], vd.layout)
-            tma_load(tail, [0, 0, 0], v_ready.index(st), v_smem.index(st))
+            tail = longnet_base_gluon_lane_box(V, p0, h, cnt, R, vd)
+            tma_load(tail, [j * GLUON_KEYS, 0, 0], v_ready.index(st), v_smem.index(st))
         else:
             tma_load(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
         it += 1
@@ -1348,7 +1353,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 4 * m0
-        T, e0, c0, e1, c1, e2, c2 = longnet_base_gluon_packed_blocks(d, u0, n, h)
+        T, e0, c0, e1, c1, e2, c2 = longnet_base_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = longnet_base_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -1360,7 +1365,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     if PACKED:      # keys past a lane's end in its partial last block score -inf
-        valid = longnet_base_gluon_real_keys(0, e0, c0, e1, c1, e2, c2)
+        valid = longnet_base_gluon_real_keys(0, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
@@ -1377,7 +1382,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2)
+            valid = longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
@@ -1553,35 +1558,93 @@ def longnet_base_gluon_dkdv_load_branch(it, qd, dod, q_smem, do_smem, ready, emp
 
 
 @gluon.jit
-def longnet_base_gluon_dkdv_producer(p):
+def longnet_base_gluon_dkdv_load_packed(it, qd, dod, Q, DO, q_smem, do_smem, ready, empty, h, c, u0, s0, n,
+                             W: gl.constexpr, R: gl.constexpr):
+    """Packed rows: longnet_base_gluon_dkdv_load_branch for the sequence of n rows at row s0. Head h's
+    query lanes of the segment holding u0 are the rows p0 + R*j (p0 = s0 + segment start +
+    offset): the rows p0 // R + j, column (p0 mod R)*H + h of the (rows/R, R*H, D) views. A
+    lane's partial last block reads Q and dO through descriptors that end at its last row
+    (zeros past it: P is 0 there, and 0 times another sequence's non-finite value would not be)."""
+    hb = h
+    cnt = longnet_base_gluon_lane_keys((c - hb % 4 + 4) % 4, u0, n, hb, W, R)
+    p0 = s0 + (u0 // W) * W + hb % R
+    row0 = p0 // R
+    col = (p0 % R) * 16 + h
+    for j in range((cnt + GLUON_LANES - 1) // GLUON_LANES):
+        st = it % GLUON_BWD_STAGES
+        mbarrier.wait(empty.index(st), ((it // GLUON_BWD_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), 2 * GLUON_LANES * 128 * 2)
+        if (j + 1) * GLUON_LANES > cnt:
+            tma_load(longnet_base_gluon_lane_box(Q, p0, h, cnt, R, qd), [j * GLUON_LANES, 0, 0], ready.index(st),
+                     q_smem.index(st))
+            tma_load(longnet_base_gluon_lane_box(DO, p0, h, cnt, R, dod), [j * GLUON_LANES, 0, 0], ready.index(st),
+                     do_smem.index(st))
+        else:
+            tma_load(qd, [row0 + j * GLUON_LANES, col, 0], ready.index(st), q_smem.index(st))
+            tma_load(dod, [row0 + j * GLUON_LANES, col, 0], ready.index(st), do_smem.index(st))
+        it += 1
+    return it
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_producer(p, PACKED: gl.constexpr):
     """One warp: the tile's K and V, then for each query head of the kv group every kept
     branch's query blocks, in branch order."""
-    (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-     b, kvh, c, m0, N) = p
+    if PACKED:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N, s0, n, Q, DO) = p
+        krow, kcol = (s0 + c) // 4, ((s0 + c) % 4) * 16 + kvh
+    else:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N) = p
+        krow, kcol = b * (N // 4), c * 16 + kvh
     mbarrier.expect(kv_bar, 4 * GLUON_LANES * 128 * 2)
     for wg in gl.static_range(2):
-        tma_load(k_desc, [b * (N // 4) + m0 + wg * GLUON_LANES, c * 16 + kvh, 0],
-                 kv_bar, k_smem.index(wg))
-        tma_load(v_desc, [b * (N // 4) + m0 + wg * GLUON_LANES, c * 16 + kvh, 0],
-                 kv_bar, v_smem.index(wg))
+        tma_load(k_desc, [krow + m0 + wg * GLUON_LANES, kcol, 0], kv_bar, k_smem.index(wg))
+        tma_load(v_desc, [krow + m0 + wg * GLUON_LANES, kcol, 0], kv_bar, v_smem.index(wg))
     u0 = c + 4 * m0
     it = c * 0
     for g in range(1):
         h = kvh * 1 + g
-        it = longnet_base_gluon_dkdv_load_branch(it, qds[0], dods[0], q_smem, do_smem, ready, empty,
-                                                 b, h, c, u0, N, 2048, 1)  # branch 0
-        it = longnet_base_gluon_dkdv_load_branch(it, qds[1], dods[1], q_smem, do_smem, ready, empty,
-                                                 b, h, c, u0, N, 4096, 2)  # branch 1
-        it = longnet_base_gluon_dkdv_load_branch(it, qds[2], dods[2], q_smem, do_smem, ready, empty,
-                                                 b, h, c, u0, N, 8192, 4)  # branch 2
+        if PACKED:
+            it = longnet_base_gluon_dkdv_load_packed(it, qds[0], dods[0], Q, DO, q_smem, do_smem, ready,
+                                                     empty, h, c, u0, s0, n, 2048, 1)
+        else:
+            it = longnet_base_gluon_dkdv_load_branch(it, qds[0], dods[0], q_smem, do_smem, ready, empty,
+                                                     b, h, c, u0, N, 2048, 1)  # branch 0
+        if PACKED:
+            it = longnet_base_gluon_dkdv_load_packed(it, qds[1], dods[1], Q, DO, q_smem, do_smem, ready,
+                                                     empty, h, c, u0, s0, n, 4096, 2)
+        else:
+            it = longnet_base_gluon_dkdv_load_branch(it, qds[1], dods[1], q_smem, do_smem, ready, empty,
+                                                     b, h, c, u0, N, 4096, 2)  # branch 1
+        if PACKED:
+            it = longnet_base_gluon_dkdv_load_packed(it, qds[2], dods[2], Q, DO, q_smem, do_smem, ready,
+                                                     empty, h, c, u0, s0, n, 8192, 4)
+        else:
+            it = longnet_base_gluon_dkdv_load_branch(it, qds[2], dods[2], q_smem, do_smem, ready, empty,
+                                                     b, h, c, u0, N, 8192, 4)  # branch 2
 
 
 @gluon.jit
-def longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
-                   W: gl.constexpr, R: gl.constexpr):
+def longnet_base_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, ar, cnt, PACKED: gl.constexpr):
+    """lse and Delta of the query lanes of block j; PACKED: a lane past the lane's count reads
+    lse = inf and Delta = 0, so that its P^T and dS^T are 0."""
+    at = lanes + j * (GLUON_LANES * R)
+    if PACKED:
+        real = j * GLUON_LANES + ar < cnt
+        return gl.load(Lse + at, mask=real, other=float("inf")), gl.load(Delta + at, mask=real, other=0.0)
+    else:
+        return gl.load(Lse + at), gl.load(Delta + at)
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N, s0, n,
+                   W: gl.constexpr, R: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup's 64 keys against the branch's query blocks (as the producer
     queued them): S^T = K Q^T, P^T = exp2(S^T*scale*log2(e) - lse*log2(e)), dV += P^T dO,
-    dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q."""
+    dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q. PACKED: the lanes of the
+    sequence of n rows at row s0, lse and Delta (H, rows)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, GLUON_LANES, 16])
@@ -1590,13 +1653,20 @@ def longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, emp
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     if (c - h) % R == 0:
         s_zero = gl.zeros([GLUON_LANES, GLUON_LANES], gl.float32, layout=s_layout)
-        lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
-            + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
-        blocks = (W // R) // GLUON_LANES
+        ar = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout))
+        if PACKED:
+            hb = h
+            cnt = longnet_base_gluon_lane_keys((c - hb % 4 + 4) % 4, u0, n, hb, W, R)
+            lanes = h.to(gl.int64) * N + s0 + (u0 // W) * W + hb % R + ar * R
+            blocks = (cnt + GLUON_LANES - 1) // GLUON_LANES
+        else:
+            cnt = W // R
+            lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R + ar * R
+            blocks = (W // R) // GLUON_LANES
         for j in range(blocks):
             # this block's lse and Delta, in flight while the producer's stage is awaited
-            lse = gl.load(Lse + lanes + j * (GLUON_LANES * R)) * 1.4426950408889634
-            delta = gl.load(Delta + lanes + j * (GLUON_LANES * R))
+            lse, delta = longnet_base_gluon_dkdv_stats(Lse, Delta, lanes, j, R, ar, cnt, PACKED)
+            lse = lse * 1.4426950408889634
             st = it % GLUON_BWD_STAGES
             mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)
             qj = q_smem.index(st).reshape([GLUON_LANES, 128])
@@ -1617,11 +1687,17 @@ def longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, emp
 
 
 @gluon.jit
-def longnet_base_gluon_dkdv_consume(p, WG: gl.constexpr):
+def longnet_base_gluon_dkdv_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup: keys m0 + WG*64 ... of the tile, dK and dV in registers over
-    every kept branch of every head of the group; written once, dK times the softmax scale."""
-    (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-     b, kvh, c, m0, N) = p
+    every kept branch of every head of the group; written once, dK times the softmax scale.
+    PACKED: keys of one sequence of packed rows; keys past its end are not stored."""
+    if PACKED:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N, s0, n, Q, DO) = p
+    else:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N) = p
+        s0, n = 0, 0
     dtype: gl.constexpr = q_smem.dtype
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 128, 16])
@@ -1635,26 +1711,52 @@ def longnet_base_gluon_dkdv_consume(p, WG: gl.constexpr):
     for g in range(1):
         h = kvh * 1 + g
         it, dk, dv = longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
-                                                    2048, 1)  # branch 0
+                                                    s0, n, 2048, 1, PACKED)  # branch 0
         it, dk, dv = longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
-                                                    4096, 2)  # branch 1
+                                                    s0, n, 4096, 2, PACKED)  # branch 1
         it, dk, dv = longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
-                                                    8192, 4)  # branch 2
+                                                    s0, n, 8192, 4, PACKED)  # branch 2
     keys = c + 4 * (m0 + WG * GLUON_LANES + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(1, o_layout)))
     dcols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
-    offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 16 + kvh) * 128 + gl.expand_dims(dcols, 0)
-    gl.store(DK + offs, (dk * 0.08838834764831843).to(dtype))
-    gl.store(DV + offs, dv.to(dtype))
+    if PACKED:
+        at = gl.expand_dims(keys, 1)
+        offs = ((s0 + at).to(gl.int64) * 16 + kvh) * 128 + gl.expand_dims(dcols, 0)
+        gl.store(DK + offs, (dk * 0.08838834764831843).to(dtype), mask=at < n)
+        gl.store(DV + offs, dv.to(dtype), mask=at < n)
+    else:
+        offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 16 + kvh) * 128 + gl.expand_dims(dcols, 0)
+        gl.store(DK + offs, (dk * 0.08838834764831843).to(dtype))
+        gl.store(DV + offs, dv.to(dtype))
 
 
 @gluon.jit
 def longnet_base_gluon_dkdv_consumer0(p):
-    longnet_base_gluon_dkdv_consume(p, 0)
+    longnet_base_gluon_dkdv_consume(p, 0, False)
 
 
 @gluon.jit
 def longnet_base_gluon_dkdv_consumer1(p):
-    longnet_base_gluon_dkdv_consume(p, 1)
+    longnet_base_gluon_dkdv_consume(p, 1, False)
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_fixed_producer(p):
+    longnet_base_gluon_dkdv_producer(p, False)
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_packed_consumer0(p):
+    longnet_base_gluon_dkdv_consume(p, 0, True)
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_packed_consumer1(p):
+    longnet_base_gluon_dkdv_consume(p, 1, True)
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_packed_producer(p):
+    longnet_base_gluon_dkdv_producer(p, True)
 
 
 @gluon.jit
@@ -1689,8 +1791,42 @@ def longnet_base_gluon_dkdv(q0, q1, q2, do0, do1, do2, k_desc, v_desc, Lse, Delt
     fence_async_shared()
     p = ((q0, q1, q2), (do0, do1, do2), k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem,
          kv_bar, ready, empty, b, kvh, c, m0, N)
-    gl.warp_specialize([(longnet_base_gluon_dkdv_consumer0, (p,)), (longnet_base_gluon_dkdv_consumer1, (p,)), (longnet_base_gluon_dkdv_producer, (p,))],
+    gl.warp_specialize([(longnet_base_gluon_dkdv_consumer0, (p,)), (longnet_base_gluon_dkdv_consumer1, (p,)), (longnet_base_gluon_dkdv_fixed_producer, (p,))],
                        [4, 1], [240, 24])
+
+
+@gluon.jit
+def longnet_base_gluon_dkdv_packed(q0, q1, q2, do0, do1, do2, k_desc, v_desc, Q, DO, Lse, Delta, DK, DV, SeqStart, SeqLen, rows):
+    """The dK/dV over packed rows (runtime.varlen): longnet_base_gluon_dkdv's work for sequence b of the
+    launch group, rows SeqStart[b] + [0, SeqLen[b]), its segments from its first row; views
+    over all the rows as longnet_base_gluon_fwd_packed's (rows a multiple of L). Q, DO: q and dO
+    (rows, H, D), whose lanes' partial last blocks are read through descriptors made here;
+    Lse, Delta (H, rows); DK, DV (rows, H_kv, D). A tile past the sequence's end does nothing."""
+    dtype: gl.constexpr = k_desc.dtype
+    c = gl.program_id(0) % 4
+    m0 = (gl.program_id(0) // 4) * (2 * GLUON_LANES)
+    b = gl.program_id(1) // 16
+    kvh = gl.program_id(1) % 16
+    s0 = gl.load(SeqStart + b)
+    n = gl.load(SeqLen + b)
+    if c + 4 * m0 >= n:
+        return
+    k_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANES, 1, 128], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANES, 1, 128], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [GLUON_BWD_STAGES, GLUON_LANES, 1, 128], q0.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [GLUON_BWD_STAGES, GLUON_LANES, 1, 128], do0.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [GLUON_BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [GLUON_BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(GLUON_BWD_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    p = ((q0, q1, q2), (do0, do1, do2), k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem,
+         kv_bar, ready, empty, b, kvh, c, m0, rows, s0, n, Q, DO)
+    gl.warp_specialize([(longnet_base_gluon_dkdv_packed_consumer0, (p,)), (longnet_base_gluon_dkdv_packed_consumer1, (p,)),
+                        (longnet_base_gluon_dkdv_packed_producer, (p,))], [4, 1], [240, 24])
 
 # ---- sm90: dQ in Gluon (KernelConfig.gluon_dq; runtime/backward.py launches it on a GPU for
 # fixed-length rows whose every segment is whole, longnet_base_bwd_dq otherwise) ----
@@ -1720,33 +1856,84 @@ def longnet_base_gluon_dq_load_branch(it, kd, vd, k_smem, v_smem, ready, empty, 
 
 
 @gluon.jit
-def longnet_base_gluon_dq_producer(p):
-    """One warp: both warpgroups' Q and dO tiles, then every kept branch's key blocks."""
-    (q_desc, do_desc, k_descs, v_descs, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
-     b, h, d, c, m0, N) = p
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bars.index(wg), 2 * 64 * 128 * 2)
-        tma_load(q_desc, [b * (N // 4) + m0 + wg * 64, c * 16 + h, 0],
-                 q_bars.index(wg), q_smem.index(wg))
-        tma_load(do_desc, [b * (N // 4) + m0 + wg * 64, c * 16 + h, 0],
-                 q_bars.index(wg), do_smem.index(wg))
-    u0 = c + 4 * m0
-    it = d * 0
-    it = longnet_base_gluon_dq_load_branch(it, k_descs[0], v_descs[0], k_smem, v_smem, ready, empty,
-                                            b, h, d, u0, N, 2048, 1)  # branch 0
-    it = longnet_base_gluon_dq_load_branch(it, k_descs[1], v_descs[1], k_smem, v_smem, ready, empty,
-                                            b, h, d, u0, N, 4096, 2)  # branch 1
-    it = longnet_base_gluon_dq_load_branch(it, k_descs[2], v_descs[2], k_smem, v_smem, ready, empty,
-                                            b, h, d, u0, N, 8192, 4)  # branch 2
+def longnet_base_gluon_dq_load_packed(it, kd, vd, K, V, k_smem, v_smem, ready, empty, h, d, u0, s0, n,
+                           W: gl.constexpr, R: gl.constexpr):
+    """Packed rows: longnet_base_gluon_dq_load_branch for the sequence of n rows at row s0, its lane's keys
+    as the Gluon forward's producer finds them (longnet_base_gluon_load_packed). The lane's partial last
+    block reads K and V through descriptors that end at the lane's last key: the rows past it
+    are zeros (dS is 0 there and dP finite, and 0 times another sequence's non-finite value
+    would not be)."""
+    hb = h
+    cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, W, R)
+    p0 = s0 + (u0 // W) * W + hb % R
+    krow = p0 // R
+    kcol = (p0 % R) * 16 + h
+    for j in range((cnt + GLUON_DQ_KEYS - 1) // GLUON_DQ_KEYS):
+        st = it % GLUON_DQ_STAGES
+        mbarrier.wait(empty.index(st), ((it // GLUON_DQ_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), 2 * GLUON_DQ_KEYS * 128 * 2)
+        if (j + 1) * GLUON_DQ_KEYS > cnt:
+            tma_load(longnet_base_gluon_lane_box(K, p0, h, cnt, R, kd), [j * GLUON_DQ_KEYS, 0, 0], ready.index(st),
+                     k_smem.index(st))
+            tma_load(longnet_base_gluon_lane_box(V, p0, h, cnt, R, vd), [j * GLUON_DQ_KEYS, 0, 0], ready.index(st),
+                     v_smem.index(st))
+        else:
+            tma_load(kd, [krow + j * GLUON_DQ_KEYS, kcol, 0], ready.index(st), k_smem.index(st))
+            tma_load(vd, [krow + j * GLUON_DQ_KEYS, kcol, 0], ready.index(st), v_smem.index(st))
+        it += 1
+    return it
 
 
 @gluon.jit
-def longnet_base_gluon_dq_consume(p, WG: gl.constexpr):
+def longnet_base_gluon_dq_producer(p, PACKED: gl.constexpr):
+    """One warp: both warpgroups' Q and dO tiles, then every kept branch's key blocks."""
+    if PACKED:
+        (q_desc, do_desc, k_descs, v_descs, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
+         b, h, d, c, m0, N, s0, n, K, V) = p
+        qrow, qcol = (s0 + c) // 4, ((s0 + c) % 4) * 16 + h
+    else:
+        (q_desc, do_desc, k_descs, v_descs, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
+         b, h, d, c, m0, N) = p
+        qrow, qcol = b * (N // 4), c * 16 + h
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), 2 * 64 * 128 * 2)
+        tma_load(q_desc, [qrow + m0 + wg * 64, qcol, 0], q_bars.index(wg), q_smem.index(wg))
+        tma_load(do_desc, [qrow + m0 + wg * 64, qcol, 0], q_bars.index(wg), do_smem.index(wg))
+    u0 = c + 4 * m0
+    it = d * 0
+    if PACKED:
+        it = longnet_base_gluon_dq_load_packed(it, k_descs[0], v_descs[0], K, V, k_smem, v_smem,
+                                                ready, empty, h, d, u0, s0, n, 2048, 1)
+    else:
+        it = longnet_base_gluon_dq_load_branch(it, k_descs[0], v_descs[0], k_smem, v_smem, ready, empty,
+                                                b, h, d, u0, N, 2048, 1)  # branch 0
+    if PACKED:
+        it = longnet_base_gluon_dq_load_packed(it, k_descs[1], v_descs[1], K, V, k_smem, v_smem,
+                                                ready, empty, h, d, u0, s0, n, 4096, 2)
+    else:
+        it = longnet_base_gluon_dq_load_branch(it, k_descs[1], v_descs[1], k_smem, v_smem, ready, empty,
+                                                b, h, d, u0, N, 4096, 2)  # branch 1
+    if PACKED:
+        it = longnet_base_gluon_dq_load_packed(it, k_descs[2], v_descs[2], K, V, k_smem, v_smem,
+                                                ready, empty, h, d, u0, s0, n, 8192, 4)
+    else:
+        it = longnet_base_gluon_dq_load_branch(it, k_descs[2], v_descs[2], k_smem, v_smem, ready, empty,
+                                                b, h, d, u0, N, 8192, 4)  # branch 2
+
+
+@gluon.jit
+def longnet_base_gluon_dq_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup: dQ of rows m0 + WG*64 ... of the tile over the stream of key
     blocks: S = Q K^T, P = exp2(S*scale*log2(e) - lse*log2(e)), dP = dO V^T,
-    dS = P (dP - Delta), dQ += dS K; written once, times the softmax scale."""
-    (q_desc, do_desc, k_descs, v_descs, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
-     b, h, d, c, m0, N) = p
+    dS = P (dP - Delta), dQ += dS K; written once, times the softmax scale. PACKED: rows of one
+    sequence of packed rows (keys past a lane's end score -inf; rows past the sequence's end
+    are not stored), lse and Delta (H, rows)."""
+    if PACKED:
+        (q_desc, do_desc, k_descs, v_descs, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
+         b, h, d, c, m0, N, s0, n, K, V) = p
+    else:
+        (q_desc, do_desc, k_descs, v_descs, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
+         b, h, d, c, m0, N) = p
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, GLUON_DQ_KEYS, 16])
@@ -1756,16 +1943,25 @@ def longnet_base_gluon_dq_consume(p, WG: gl.constexpr):
     s_zero = gl.zeros([64, GLUON_DQ_KEYS], gl.float32, layout=s_layout)
     dq = gl.zeros([64, 128], gl.float32, layout=o_layout)
     rows = c + 4 * (m0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)))
-    at = (b * 16 + h).to(gl.int64) * N + rows
-    lse = gl.expand_dims(gl.load(Lse + at) * 1.4426950408889634, 1)
-    delta = gl.expand_dims(gl.load(Delta + at), 1)
+    if PACKED:
+        at = h.to(gl.int64) * N + s0 + rows
+        lse = gl.expand_dims(gl.load(Lse + at, mask=rows < n, other=0.0) * 1.4426950408889634, 1)
+        delta = gl.expand_dims(gl.load(Delta + at, mask=rows < n, other=0.0), 1)
+    else:
+        at = (b * 16 + h).to(gl.int64) * N + rows
+        lse = gl.expand_dims(gl.load(Lse + at) * 1.4426950408889634, 1)
+        delta = gl.expand_dims(gl.load(Delta + at), 1)
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG).reshape([64, 128])
     do = do_smem.index(WG).reshape([64, 128])
-    T = d * 0
-    T += gl.where(d % 1 == 0, 2048 // GLUON_DQ_KEYS, 0)  # branch 0
-    T += gl.where(d % 2 == 0, 2048 // GLUON_DQ_KEYS, 0)  # branch 1
-    T += gl.where(d % 4 == 0, 2048 // GLUON_DQ_KEYS, 0)  # branch 2
+    if PACKED:
+        T, e0, c0, e1, c1, e2, c2 = longnet_base_gluon_packed_blocks(d, c + 4 * m0, n, h, GLUON_DQ_KEYS)
+        keys = gl.expand_dims(gl.arange(0, GLUON_DQ_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
+    else:
+        T = d * 0
+        T += gl.where(d % 1 == 0, 2048 // GLUON_DQ_KEYS, 0)  # branch 0
+        T += gl.where(d % 2 == 0, 2048 // GLUON_DQ_KEYS, 0)  # branch 1
+        T += gl.where(d % 4 == 0, 2048 // GLUON_DQ_KEYS, 0)  # branch 2
     for t in range(T):
         st = t % GLUON_DQ_STAGES
         mbarrier.wait(ready.index(st), (t // GLUON_DQ_STAGES) & 1)
@@ -1774,6 +1970,10 @@ def longnet_base_gluon_dq_consume(p, WG: gl.constexpr):
         s_tok = warpgroup_mma(q, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, vt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
+        if PACKED:      # keys past a lane's end in its partial last block: P = 0
+            valid = longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_DQ_KEYS)
+            if valid < GLUON_DQ_KEYS:
+                s = gl.where(keys < valid, s, float("-inf"))
         pj = gl.exp2(s * 0.12751743082459868 - lse)
         dp = warpgroup_mma_wait(0, deps=(dp_tok,))
         ds = pj * (dp - delta)
@@ -1782,18 +1982,43 @@ def longnet_base_gluon_dq_consume(p, WG: gl.constexpr):
         mbarrier.arrive(empty.index(st), count=1)
     out_rows = c + 4 * (m0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout)))
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
-    offs = ((b * N + gl.expand_dims(out_rows, 1)).to(gl.int64) * 16 + h) * 128 + gl.expand_dims(cols, 0)
-    gl.store(DQ + offs, (dq * 0.08838834764831843).to(dtype))
+    if PACKED:
+        o_rows = gl.expand_dims(out_rows, 1)
+        offs = ((s0 + o_rows).to(gl.int64) * 16 + h) * 128 + gl.expand_dims(cols, 0)
+        gl.store(DQ + offs, (dq * 0.08838834764831843).to(dtype), mask=o_rows < n)
+    else:
+        offs = ((b * N + gl.expand_dims(out_rows, 1)).to(gl.int64) * 16 + h) * 128 + gl.expand_dims(cols, 0)
+        gl.store(DQ + offs, (dq * 0.08838834764831843).to(dtype))
 
 
 @gluon.jit
 def longnet_base_gluon_dq_consumer0(p):
-    longnet_base_gluon_dq_consume(p, 0)
+    longnet_base_gluon_dq_consume(p, 0, False)
 
 
 @gluon.jit
 def longnet_base_gluon_dq_consumer1(p):
-    longnet_base_gluon_dq_consume(p, 1)
+    longnet_base_gluon_dq_consume(p, 1, False)
+
+
+@gluon.jit
+def longnet_base_gluon_dq_fixed_producer(p):
+    longnet_base_gluon_dq_producer(p, False)
+
+
+@gluon.jit
+def longnet_base_gluon_dq_packed_consumer0(p):
+    longnet_base_gluon_dq_consume(p, 0, True)
+
+
+@gluon.jit
+def longnet_base_gluon_dq_packed_consumer1(p):
+    longnet_base_gluon_dq_consume(p, 1, True)
+
+
+@gluon.jit
+def longnet_base_gluon_dq_packed_producer(p):
+    longnet_base_gluon_dq_producer(p, True)
 
 
 @gluon.jit
@@ -1830,8 +2055,44 @@ def longnet_base_gluon_dq(q_desc, do_desc, k0, k1, k2, v0, v1, v2, Lse, Delta, D
     fence_async_shared()
     p = (q_desc, do_desc, (k0, k1, k2), (v0, v1, v2), Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars,
          ready, empty, b, h, d, c, m0, N)
-    gl.warp_specialize([(longnet_base_gluon_dq_consumer0, (p,)), (longnet_base_gluon_dq_consumer1, (p,)), (longnet_base_gluon_dq_producer, (p,))],
+    gl.warp_specialize([(longnet_base_gluon_dq_consumer0, (p,)), (longnet_base_gluon_dq_consumer1, (p,)), (longnet_base_gluon_dq_fixed_producer, (p,))],
                        [4, 1], [240, 24])
+
+
+@gluon.jit
+def longnet_base_gluon_dq_packed(q_desc, do_desc, k0, k1, k2, v0, v1, v2, K, V, Lse, Delta, DQ, SeqStart, SeqLen, rows):
+    """The dQ over packed rows (runtime.varlen): longnet_base_gluon_dq's work for sequence b of the
+    launch group, rows SeqStart[b] + [0, SeqLen[b]), its segments from its first row; views
+    as longnet_base_gluon_fwd_packed's (rows a multiple of L). K, V: k and v (rows, H_kv, D), whose lanes'
+    partial last blocks are read through descriptors made here; Lse, Delta (H, rows); DQ
+    (rows, H, D). A tile past the sequence's end does nothing."""
+    dtype: gl.constexpr = q_desc.dtype
+    m0 = (gl.program_id(0) // 4) * 128
+    d = gl.program_id(0) % 4
+    b = gl.program_id(1) // 16
+    h = gl.program_id(1) % 16
+    c = (h + d) % 4
+    s0 = gl.load(SeqStart + b)
+    n = gl.load(SeqLen + b)
+    if c + 4 * m0 >= n:
+        return
+    q_smem = gl.allocate_shared_memory(dtype, [2, 64, 1, 128], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 64, 1, 128], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_DQ_STAGES, GLUON_DQ_KEYS, 1, 128], k0.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_DQ_STAGES, GLUON_DQ_KEYS, 1, 128], v0.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [GLUON_DQ_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [GLUON_DQ_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(GLUON_DQ_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    p = (q_desc, do_desc, (k0, k1, k2), (v0, v1, v2), Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars,
+         ready, empty, b, h, d, c, m0, rows, s0, n, K, V)
+    gl.warp_specialize([(longnet_base_gluon_dq_packed_consumer0, (p,)), (longnet_base_gluon_dq_packed_consumer1, (p,)),
+                        (longnet_base_gluon_dq_packed_producer, (p,))], [4, 1], [240, 24])
 
 
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_base_fwd_kernel,
@@ -1842,4 +2103,6 @@ attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_base_fwd_kerne
                                gluon_kernel=longnet_base_gluon_fwd,
                                gluon_packed=longnet_base_gluon_fwd_packed,
                                gluon_dkdv=longnet_base_gluon_dkdv,
-                               gluon_dq=longnet_base_gluon_dq)
+                               gluon_dkdv_packed=longnet_base_gluon_dkdv_packed,
+                               gluon_dq=longnet_base_gluon_dq,
+                               gluon_dq_packed=longnet_base_gluon_dq_packed)

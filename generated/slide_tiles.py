@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: dd5244bad6c3ca57
+# template hash: 861e99fc275ef24f
 # plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1330,40 +1330,48 @@ def slide_tiles_gluon_exp2(x):
 
 
 @gluon.jit
-def slide_tiles_gluon_blocks(d):
-    """Key blocks of a class-d tile: w / r / GLUON_KEYS for each branch with r | d."""
-    t = gl.where(d % 1 == 0, 8, 0)  # branch 0: w = 1024, r = 1
-    return t
-
-
-@gluon.jit
 def slide_tiles_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
-    """Packed rows: the keys of branch (w = W, r = R) a class-d query at u0 of a sequence of n
-    rows reads, its lane (offset hb mod R) of the segment holding u0, the last of which may be
-    short (SPEC 2.1); 0 where the branch does not keep the class."""
+    """The keys of branch (w = W, r = R) a class-d query at u0 reads: its lane (offset hb mod R)
+    of the segment holding u0; 0 where the branch does not keep the class."""
     keep = (d % R == 0).to(gl.int32)
     return keep * ((gl.minimum(n - (u0 // W) * W, W) - hb % R + R - 1) // R)
 
 
 @gluon.jit
-def slide_tiles_gluon_packed_blocks(d, u0, n, hb):
-    """Packed rows: the tile's key blocks T, then per branch the index of its lane's last block
-    where that block is partial (else -1) and the keys of it that are real. A lane ends in a
-    partial block only in a short segment."""
+def slide_tiles_gluon_packed_blocks(d, u0, n, hb, BN: gl.constexpr):
+    """The tile's blocks of BN keys T, then per branch the index of its lane's last block where
+    that block is partial (else -1) and the keys of it that are real."""
     T = d * 0
     cnt = slide_tiles_gluon_lane_keys(d, u0, n, hb, 1024, 1)  # branch 0
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e0 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c0 = cnt % GLUON_KEYS
+    T += (cnt + BN - 1) // BN
+    e0 = gl.where(cnt % BN != 0, T - 1, -1)
+    c0 = cnt % BN
     return T, e0, c0
 
 
 @gluon.jit
-def slide_tiles_gluon_real_keys(t, e0, c0):
-    """The real keys of block t (GLUON_KEYS but in a lane's partial last block)."""
-    valid = t * 0 + GLUON_KEYS
+def slide_tiles_gluon_real_keys(t, e0, c0, BN: gl.constexpr):
+    """The real keys of block t: BN, but in a lane's partial last block."""
+    valid = t * 0 + BN
     valid = gl.where(t == e0, c0, valid)
     return valid
+
+
+@gluon.jit
+def slide_tiles_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
+    """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    D: gl.constexpr = like.block_shape[2]
+    heads = like.shape[1] // R
+    return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],
+                                      like.block_shape, like.layout)
+
+
+@gluon.jit
+def slide_tiles_gluon_blocks(d):
+    """Key blocks of a class-d tile: w / r / GLUON_KEYS for each branch with r | d."""
+    t = gl.where(d % 1 == 0, 8, 0)  # branch 0: w = 1024, r = 1
+    return t
 
 
 @gluon.jit
@@ -1387,11 +1395,8 @@ def slide_tiles_gluon_load_packed(it, kd, vd, V, k_smem, v_smem, k_ready, v_read
         tma_load(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), GLUON_KEYS * 64 * 2)
         if (j + 1) * GLUON_KEYS > cnt:
-            first = (p0 + R * j * GLUON_KEYS).to(gl.int64) * 2 + h // 4
-            tail = tma.make_tensor_descriptor(V + first * 64, [cnt - j * GLUON_KEYS, 1, 64],
-                                              [R * 128, 64, 1],
-                                              [GLUON_KEYS, 1, 64], vd.layout)
-            tma_load(tail, [0, 0, 0], v_ready.index(st), v_smem.index(st))
+            tail = slide_tiles_gluon_lane_box(V, p0, h // 4, cnt, R, vd)
+            tma_load(tail, [j * GLUON_KEYS, 0, 0], v_ready.index(st), v_smem.index(st))
         else:
             tma_load(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
         it += 1
@@ -1466,7 +1471,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 1 * m0
-        T, e0, c0 = slide_tiles_gluon_packed_blocks(d, u0, n, h)
+        T, e0, c0 = slide_tiles_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = slide_tiles_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -1478,7 +1483,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     if PACKED:      # keys past a lane's end in its partial last block score -inf
-        valid = slide_tiles_gluon_real_keys(0, e0, c0)
+        valid = slide_tiles_gluon_real_keys(0, e0, c0, GLUON_KEYS)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.18033688011112042
@@ -1495,7 +1500,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = slide_tiles_gluon_real_keys(t, e0, c0)
+            valid = slide_tiles_gluon_real_keys(t, e0, c0, GLUON_KEYS)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.18033688011112042)
@@ -1671,31 +1676,81 @@ def slide_tiles_gluon_dkdv_load_branch(it, qd, dod, q_smem, do_smem, ready, empt
 
 
 @gluon.jit
-def slide_tiles_gluon_dkdv_producer(p):
+def slide_tiles_gluon_dkdv_load_packed(it, qd, dod, Q, DO, q_smem, do_smem, ready, empty, h, c, u0, s0, n,
+                             W: gl.constexpr, R: gl.constexpr):
+    """Packed rows: slide_tiles_gluon_dkdv_load_branch for the sequence of n rows at row s0. Head h's
+    query lanes of the segment holding u0 are the rows p0 + R*j (p0 = s0 + segment start +
+    offset): the rows p0 // R + j, column (p0 mod R)*H + h of the (rows/R, R*H, D) views. A
+    lane's partial last block reads Q and dO through descriptors that end at its last row
+    (zeros past it: P is 0 there, and 0 times another sequence's non-finite value would not be)."""
+    hb = h
+    cnt = slide_tiles_gluon_lane_keys((c - hb % 1 + 1) % 1, u0, n, hb, W, R)
+    p0 = s0 + (u0 // W) * W + hb % R
+    row0 = p0 // R
+    col = (p0 % R) * 8 + h
+    for j in range((cnt + GLUON_LANES - 1) // GLUON_LANES):
+        st = it % GLUON_BWD_STAGES
+        mbarrier.wait(empty.index(st), ((it // GLUON_BWD_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), 2 * GLUON_LANES * 64 * 2)
+        if (j + 1) * GLUON_LANES > cnt:
+            tma_load(slide_tiles_gluon_lane_box(Q, p0, h, cnt, R, qd), [j * GLUON_LANES, 0, 0], ready.index(st),
+                     q_smem.index(st))
+            tma_load(slide_tiles_gluon_lane_box(DO, p0, h, cnt, R, dod), [j * GLUON_LANES, 0, 0], ready.index(st),
+                     do_smem.index(st))
+        else:
+            tma_load(qd, [row0 + j * GLUON_LANES, col, 0], ready.index(st), q_smem.index(st))
+            tma_load(dod, [row0 + j * GLUON_LANES, col, 0], ready.index(st), do_smem.index(st))
+        it += 1
+    return it
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_producer(p, PACKED: gl.constexpr):
     """One warp: the tile's K and V, then for each query head of the kv group every kept
     branch's query blocks, in branch order."""
-    (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-     b, kvh, c, m0, N) = p
+    if PACKED:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N, s0, n, Q, DO) = p
+        krow, kcol = (s0 + c) // 1, ((s0 + c) % 1) * 2 + kvh
+    else:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N) = p
+        krow, kcol = b * (N // 1), c * 2 + kvh
     mbarrier.expect(kv_bar, 4 * GLUON_LANES * 64 * 2)
     for wg in gl.static_range(2):
-        tma_load(k_desc, [b * (N // 1) + m0 + wg * GLUON_LANES, c * 2 + kvh, 0],
-                 kv_bar, k_smem.index(wg))
-        tma_load(v_desc, [b * (N // 1) + m0 + wg * GLUON_LANES, c * 2 + kvh, 0],
-                 kv_bar, v_smem.index(wg))
+        tma_load(k_desc, [krow + m0 + wg * GLUON_LANES, kcol, 0], kv_bar, k_smem.index(wg))
+        tma_load(v_desc, [krow + m0 + wg * GLUON_LANES, kcol, 0], kv_bar, v_smem.index(wg))
     u0 = c + 1 * m0
     it = c * 0
     for g in range(4):
         h = kvh * 4 + g
-        it = slide_tiles_gluon_dkdv_load_branch(it, qds[0], dods[0], q_smem, do_smem, ready, empty,
-                                                b, h, c, u0, N, 1024, 1)  # branch 0
+        if PACKED:
+            it = slide_tiles_gluon_dkdv_load_packed(it, qds[0], dods[0], Q, DO, q_smem, do_smem, ready,
+                                                    empty, h, c, u0, s0, n, 1024, 1)
+        else:
+            it = slide_tiles_gluon_dkdv_load_branch(it, qds[0], dods[0], q_smem, do_smem, ready, empty,
+                                                    b, h, c, u0, N, 1024, 1)  # branch 0
 
 
 @gluon.jit
-def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
-                   W: gl.constexpr, R: gl.constexpr):
+def slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, ar, cnt, PACKED: gl.constexpr):
+    """lse and Delta of the query lanes of block j; PACKED: a lane past the lane's count reads
+    lse = inf and Delta = 0, so that its P^T and dS^T are 0."""
+    at = lanes + j * (GLUON_LANES * R)
+    if PACKED:
+        real = j * GLUON_LANES + ar < cnt
+        return gl.load(Lse + at, mask=real, other=float("inf")), gl.load(Delta + at, mask=real, other=0.0)
+    else:
+        return gl.load(Lse + at), gl.load(Delta + at)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N, s0, n,
+                   W: gl.constexpr, R: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup's 64 keys against the branch's query blocks (as the producer
     queued them): S^T = K Q^T, P^T = exp2(S^T*scale*log2(e) - lse*log2(e)), dV += P^T dO,
-    dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q."""
+    dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q. PACKED: the lanes of the
+    sequence of n rows at row s0, lse and Delta (H, rows)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, GLUON_LANES, 16])
@@ -1704,11 +1759,17 @@ def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empt
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     if (c - h) % R == 0:
         s_zero = gl.zeros([GLUON_LANES, GLUON_LANES], gl.float32, layout=s_layout)
-        lanes = (b * 8 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
-            + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
-        blocks = (W // R) // GLUON_LANES
-        lse_next = gl.load(Lse + lanes)
-        delta_next = gl.load(Delta + lanes)
+        ar = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout))
+        if PACKED:
+            hb = h
+            cnt = slide_tiles_gluon_lane_keys((c - hb % 1 + 1) % 1, u0, n, hb, W, R)
+            lanes = h.to(gl.int64) * N + s0 + (u0 // W) * W + hb % R + ar * R
+            blocks = (cnt + GLUON_LANES - 1) // GLUON_LANES
+        else:
+            cnt = W // R
+            lanes = (b * 8 + h).to(gl.int64) * N + (u0 // W) * W + h % R + ar * R
+            blocks = (W // R) // GLUON_LANES
+        lse_next, delta_next = slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, 0, R, ar, cnt, PACKED)
         for j in range(blocks):
             lse = lse_next * 1.4426950408889634
             delta = delta_next
@@ -1720,9 +1781,7 @@ def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empt
             dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # the next block's lse and Delta (the last block's again at the end): in flight
             # while this block's products run
-            after = gl.minimum(j + 1, blocks - 1) * (GLUON_LANES * R)
-            lse_next = gl.load(Lse + lanes + after)
-            delta_next = gl.load(Delta + lanes + after)
+            lse_next, delta_next = slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, gl.minimum(j + 1, blocks - 1), R, ar, cnt, PACKED)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             pt = gl.exp2(s * 0.18033688011112042 - gl.expand_dims(lse, 0))
             dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)
@@ -1737,11 +1796,17 @@ def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empt
 
 
 @gluon.jit
-def slide_tiles_gluon_dkdv_consume(p, WG: gl.constexpr):
+def slide_tiles_gluon_dkdv_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup: keys m0 + WG*64 ... of the tile, dK and dV in registers over
-    every kept branch of every head of the group; written once, dK times the softmax scale."""
-    (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-     b, kvh, c, m0, N) = p
+    every kept branch of every head of the group; written once, dK times the softmax scale.
+    PACKED: keys of one sequence of packed rows; keys past its end are not stored."""
+    if PACKED:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N, s0, n, Q, DO) = p
+    else:
+        (qds, dods, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+         b, kvh, c, m0, N) = p
+        s0, n = 0, 0
     dtype: gl.constexpr = q_smem.dtype
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -1755,22 +1820,48 @@ def slide_tiles_gluon_dkdv_consume(p, WG: gl.constexpr):
     for g in range(4):
         h = kvh * 4 + g
         it, dk, dv = slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, Delta, b, h, c, u0, N,
-                                                   1024, 1)  # branch 0
+                                                   s0, n, 1024, 1, PACKED)  # branch 0
     keys = c + 1 * (m0 + WG * GLUON_LANES + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(1, o_layout)))
     dcols = gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout))
-    offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 2 + kvh) * 64 + gl.expand_dims(dcols, 0)
-    gl.store(DK + offs, (dk * 0.125).to(dtype))
-    gl.store(DV + offs, dv.to(dtype))
+    if PACKED:
+        at = gl.expand_dims(keys, 1)
+        offs = ((s0 + at).to(gl.int64) * 2 + kvh) * 64 + gl.expand_dims(dcols, 0)
+        gl.store(DK + offs, (dk * 0.125).to(dtype), mask=at < n)
+        gl.store(DV + offs, dv.to(dtype), mask=at < n)
+    else:
+        offs = ((b * N + gl.expand_dims(keys, 1)).to(gl.int64) * 2 + kvh) * 64 + gl.expand_dims(dcols, 0)
+        gl.store(DK + offs, (dk * 0.125).to(dtype))
+        gl.store(DV + offs, dv.to(dtype))
 
 
 @gluon.jit
 def slide_tiles_gluon_dkdv_consumer0(p):
-    slide_tiles_gluon_dkdv_consume(p, 0)
+    slide_tiles_gluon_dkdv_consume(p, 0, False)
 
 
 @gluon.jit
 def slide_tiles_gluon_dkdv_consumer1(p):
-    slide_tiles_gluon_dkdv_consume(p, 1)
+    slide_tiles_gluon_dkdv_consume(p, 1, False)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_fixed_producer(p):
+    slide_tiles_gluon_dkdv_producer(p, False)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_packed_consumer0(p):
+    slide_tiles_gluon_dkdv_consume(p, 0, True)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_packed_consumer1(p):
+    slide_tiles_gluon_dkdv_consume(p, 1, True)
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_packed_producer(p):
+    slide_tiles_gluon_dkdv_producer(p, True)
 
 
 @gluon.jit
@@ -1805,8 +1896,42 @@ def slide_tiles_gluon_dkdv(q0, do0, k_desc, v_desc, Lse, Delta, DK, DV, N):
     fence_async_shared()
     p = ((q0,), (do0,), k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem,
          kv_bar, ready, empty, b, kvh, c, m0, N)
-    gl.warp_specialize([(slide_tiles_gluon_dkdv_consumer0, (p,)), (slide_tiles_gluon_dkdv_consumer1, (p,)), (slide_tiles_gluon_dkdv_producer, (p,))],
+    gl.warp_specialize([(slide_tiles_gluon_dkdv_consumer0, (p,)), (slide_tiles_gluon_dkdv_consumer1, (p,)), (slide_tiles_gluon_dkdv_fixed_producer, (p,))],
                        [4, 1], [240, 24])
+
+
+@gluon.jit
+def slide_tiles_gluon_dkdv_packed(q0, do0, k_desc, v_desc, Q, DO, Lse, Delta, DK, DV, SeqStart, SeqLen, rows):
+    """The dK/dV over packed rows (runtime.varlen): slide_tiles_gluon_dkdv's work for sequence b of the
+    launch group, rows SeqStart[b] + [0, SeqLen[b]), its segments from its first row; views
+    over all the rows as slide_tiles_gluon_fwd_packed's (rows a multiple of L). Q, DO: q and dO
+    (rows, H, D), whose lanes' partial last blocks are read through descriptors made here;
+    Lse, Delta (H, rows); DK, DV (rows, H_kv, D). A tile past the sequence's end does nothing."""
+    dtype: gl.constexpr = k_desc.dtype
+    c = gl.program_id(0) % 1
+    m0 = (gl.program_id(0) // 1) * (2 * GLUON_LANES)
+    b = gl.program_id(1) // 2
+    kvh = gl.program_id(1) % 2
+    s0 = gl.load(SeqStart + b)
+    n = gl.load(SeqLen + b)
+    if c + 1 * m0 >= n:
+        return
+    k_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANES, 1, 64], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANES, 1, 64], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [GLUON_BWD_STAGES, GLUON_LANES, 1, 64], q0.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [GLUON_BWD_STAGES, GLUON_LANES, 1, 64], do0.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [GLUON_BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [GLUON_BWD_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(GLUON_BWD_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    p = ((q0,), (do0,), k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem,
+         kv_bar, ready, empty, b, kvh, c, m0, rows, s0, n, Q, DO)
+    gl.warp_specialize([(slide_tiles_gluon_dkdv_packed_consumer0, (p,)), (slide_tiles_gluon_dkdv_packed_consumer1, (p,)),
+                        (slide_tiles_gluon_dkdv_packed_producer, (p,))], [4, 1], [240, 24])
 
 # ---- sm90: the lane branches in Gluon (KernelConfig.gluon_lanes; runtime/forward.py launches it
 # on a GPU for fixed-length rows whose every segment is whole, slide_tiles_fwd_lanes otherwise) ----
@@ -2067,4 +2192,5 @@ attention = GeneratedAttention(SPEC, PLAN, forward_kernel=slide_tiles_fwd_kernel
                                gluon_kernel=slide_tiles_gluon_fwd,
                                gluon_packed=slide_tiles_gluon_fwd_packed,
                                gluon_dkdv=slide_tiles_gluon_dkdv,
+                               gluon_dkdv_packed=slide_tiles_gluon_dkdv_packed,
                                gluon_lanes=slide_tiles_gluon_lanes)

@@ -138,7 +138,7 @@ def test_generated_source_is_golden_and_stable():
                                            "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
     codegen.check_syntax(text)
     assert "gluon_kernel=gb_gluon_fwd,\n" in text and "gluon_dkdv=gb_gluon_dkdv,\n" in text
-    assert "gluon_dq=gb_gluon_dq)" in text
+    assert "gluon_dq=gb_gluon_dq,\n" in text and "gluon_dkdv_packed=gb_gluon_dkdv_packed,\n" in text
 
 
 def _module(tmp_path, prefetch: bool = True, **over):

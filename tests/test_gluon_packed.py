@@ -1,9 +1,10 @@
-"""sm90's Gluon forward over packed rows (templates/gluon_fwd.py.jinja `_fwd_packed`,
-runtime.gluon_launch.gluon_packed_launch): on the CPU, which plans carry it, when a call
-takes it and that it compiles for sm90; on an sm90 GPU, packed and padded batches against
-the float64 reference run on each sequence alone (outputs poisoned first), with short
-segments, partial key blocks, tiles past a sequence's end, and non-finite values in the rows
-beside a sequence that must not reach it."""
+"""sm90's Gluon kernels over packed rows (the `_packed` forward, dQ and dK/dV of
+templates/gluon_fwd.py.jinja, gluon_dq.py.jinja, gluon_bwd.py.jinja; runtime.gluon_launch
+gluon_packed_launch, gluon_dq_packed_launch, gluon_dkdv_packed_launch): on the CPU, which
+plans carry them, when a call takes them and that they compile for sm90; on an sm90 GPU,
+packed and padded batches against the float64 reference run on each sequence alone (outputs
+poisoned first), with short segments, partial blocks, tiles past a sequence's end, and
+non-finite values in the rows beside a sequence that must not reach it."""
 from __future__ import annotations
 
 import importlib.util
@@ -41,9 +42,13 @@ def _module(tmp_path, spec, dropout=False):
 @needs_gluon
 def test_plans_without_dropout_carry_the_packed_forward(tmp_path):
     plain = _module(tmp_path, _spec("gp_plain"))
-    assert plain.attention.gluon_packed_fn is plain.gp_plain_gluon_fwd_packed
+    attn = plain.attention
+    assert attn.gluon_packed_fn is plain.gp_plain_gluon_fwd_packed
+    assert attn.gluon_dq_packed_fn is plain.gp_plain_gluon_dq_packed
+    assert attn.gluon_dkdv_packed_fn is plain.gp_plain_gluon_dkdv_packed
     dropped = _module(tmp_path, _spec("gp_drop"), dropout=True)
     assert dropped.attention.gluon_packed_fn is None and not hasattr(dropped, "gp_drop_gluon_fwd_packed")
+    assert dropped.attention.gluon_dq_packed_fn is None and dropped.attention.gluon_dkdv_packed_fn is None
 
 
 @needs_gluon
@@ -59,24 +64,35 @@ def test_a_cpu_call_or_dropout_takes_the_tl_kernel(tmp_path):
 @needs_gluon
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"),
                     reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
-def test_compiles_for_sm90_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+def test_compiles_for_sm90_without_a_gpu(tmp_path, kind):
     """The PTX has the warpgroup MMAs, TMA loads through the host descriptors, and the
-    descriptor a lane's partial last block of V is read through, made in the kernel."""
+    descriptors a lane's partial last block is read through, made in the kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    mod = _module(tmp_path, _spec("gp_ptx"))
+    mod = _module(tmp_path, _spec("gp_ptx_" + kind))
 
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, 1, 128], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, 1, 128],{layout!r}>"
-    sig = {"q_desc": desc(64), "o_desc": desc(64), **{f"{x}{i}": desc(128) for x in "kv" for i in range(3)},
-           "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "SeqStart": "*i32", "SeqLen": "*i32", "rows": "i32"}
-    kernel = triton.compile(GluonASTSource(mod.gp_ptx_gluon_fwd_packed, sig, {}), target=GPUTarget("cuda", 90, 32),
+    seqs = {"SeqStart": "*i32", "SeqLen": "*i32", "rows": "i32"}
+    if kind == "fwd":
+        sig = {"q_desc": desc(64), "o_desc": desc(64), **{f"{x}{i}": desc(128) for x in "kv" for i in range(3)},
+               "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", **seqs}
+    elif kind == "dq":
+        sig = {"q_desc": desc(64), "do_desc": desc(64), **{f"{x}{i}": desc(64) for x in "kv" for i in range(3)},
+               "K": "*bf16", "V": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", **seqs}
+    else:
+        sig = {**{f"{x}{i}": desc(64) for x in ("q", "do") for i in range(3)}, "k_desc": desc(64),
+               "v_desc": desc(64), "Q": "*bf16", "DO": "*bf16", "Lse": "*fp32", "Delta": "*fp32",
+               "DK": "*bf16", "DV": "*bf16", **seqs}
+    fn = getattr(mod, f"gp_ptx_{kind}_gluon_{kind}_packed")
+    kernel = triton.compile(GluonASTSource(fn, sig, {}), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "maxnreg": 168})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    assert "tensormap" in ptx                           # the partial block's descriptor, made in the kernel
+    assert "tensormap.replace" in ptx                  # the partial blocks' descriptors, made in the kernel
     assert kernel.metadata.global_scratch_size >= 128 * 3
 
 
@@ -171,21 +187,51 @@ def test_a_padded_batch_with_nan_padding_matches_on_sm90(monkeypatch):
         assert (out[b, n:] == 0).all(), f"item {b}: padding rows"
 
 
+GRADS = [
+    # (id, spec fields, sequence lengths, the sequence whose first rows hold inf and NaN)
+    ("gqa_d128", dict(), [1500, 389, 2111, 1000], 2),
+    ("mha_d64_prefetch", dict(head_dim=64, num_kv_heads=8), [130, 3000, 2046, 1], 2),
+    ("lanes_beside", dict(dilation_rates=[1, 2, 6]), [2600, 777, 1043], 2),
+]
+
+
 @on_sm90
-def test_gradients_through_the_packed_gluon_forward_on_sm90(monkeypatch):
-    """The `tl` backward of packed rows reads the Gluon forward's lse: dq, dk, dv exact."""
-    spec = _spec("gp_grad")
-    cu = [0, 1500, 1889, 4000]
+@pytest.mark.parametrize("case", GRADS, ids=[c[0] for c in GRADS])
+def test_gradients_of_packed_rows_on_sm90(case, monkeypatch):
+    """The Gluon forward, dQ and dK/dV of packed rows: dq, dk, dv of every sequence exact, the
+    one whose rows hold inf and NaN (q, k, v and the output gradient) excepted: the lanes
+    before it end in partial blocks and must not read them."""
+    from dilgen.runtime import backward
+    name, over, lengths, bad = case
+    spec = _spec("gp_grad_" + name, **over)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    assert cu[-1] % 4 == 0
     taken = _taken(monkeypatch)
-    q, k, v = (t.requires_grad_() for t in _inputs(spec, cu[-1], seed=5))
+    for fn in ("gluon_dq_packed_launch", "gluon_dkdv_packed_launch"):
+        def spy(*args, real=getattr(backward, fn)):
+            got = real(*args)
+            taken.append(got is not None)
+            return got
+        monkeypatch.setattr(backward, fn, spy)
+    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype).cuda()
+    for t in (q, k, v, grad):
+        t[cu[bad]:cu[bad] + 5] = float("nan")
+        t[cu[bad] + 5:cu[bad] + 9] = float("inf")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
-    assert taken and all(taken), taken
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-    (out * grad.to(out.dtype).cuda()).sum().backward()
-    for b in range(len(cu) - 1):
+    (out * grad).sum().backward()
+    assert len(taken) == 3 and all(taken), taken
+    for b in range(len(lengths)):
         a, e = cu[b], cu[b + 1]
+        if b == bad:
+            continue
         ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
         ro, _ = differentiable_reference(*ref_in, spec)
-        (ro[0] * grad[a:e].double()).sum().backward()
-        for mine, ref in zip((q, k, v), ref_in):
-            assert rel_error(mine.grad[a:e].cpu(), ref.grad[0]) < 4e-2, f"sequence {b}"
+        (ro[0] * grad[a:e].double().cpu()).sum().backward()
+        assert rel_error(out[a:e], ro[0]) < 2e-2, f"sequence {b}: out"
+        for mine, ref, what in zip((q, k, v), ref_in, "qkv"):
+            assert torch.isfinite(mine.grad[a:e]).all(), f"sequence {b}: d{what} not finite"
+            assert rel_error(mine.grad[a:e], ref.grad[0]) < 4e-2, f"sequence {b}: d{what}"

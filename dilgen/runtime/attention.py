@@ -44,7 +44,8 @@ class GeneratedAttention:
     def __init__(self, spec: dict, plan: dict, forward_kernel, backward_kernels=None,
                  lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
                  gluon_dkdv=None, gluon_dq=None, gluon_lanes=None, gluon_dkdv_lanes=None,
-                 gluon_dq_lanes=None, gluon_raster_lanes=None, gluon_packed=None) -> None:
+                 gluon_dq_lanes=None, gluon_raster_lanes=None, gluon_packed=None,
+                 gluon_dq_packed=None, gluon_dkdv_packed=None) -> None:
         if plan.get("fused_dkdv") and not any(b.get("fused_dkdv") for b in plan["branches"]):
             # a module generated before BranchIR.fused_dkdv: runtime.grids.dkdv_per_branch would
             # run every branch again after its fused dK/dV launch (dK, dV counted twice)
@@ -60,6 +61,8 @@ class GeneratedAttention:
         self.gluon_packed_fn = gluon_packed        # the Gluon forward over packed rows (sm90) or None
         self.gluon_dkdv_fn = gluon_dkdv            # sm90's Gluon fused dK/dV (@gluon.jit) or None
         self.gluon_dq_fn = gluon_dq                # sm90's Gluon dQ (@gluon.jit) or None
+        self.gluon_dq_packed_fn = gluon_dq_packed  # the Gluon dQ over packed rows (sm90) or None
+        self.gluon_dkdv_packed_fn = gluon_dkdv_packed  # the Gluon dK/dV over packed rows (sm90) or None
         self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon lane branches (@gluon.jit) or None
         self.gluon_raster_lanes_fn = gluon_raster_lanes    # beside curve lanes, the raster ones (sm90) or None
         self.gluon_dkdv_lanes_fn = gluon_dkdv_lanes    # sm90's Gluon causal dK/dV per branch or None
@@ -126,6 +129,16 @@ class GeneratedAttention:
     def gluon_packed_kernel(self):
         """The Gluon forward over packed rows as launched on a GPU (as gluon_kernel); None without one."""
         return self._gluon("gluon_packed", self.gluon_packed_fn)
+
+    @property
+    def gluon_dq_packed_kernel(self):
+        """The Gluon dQ over packed rows as launched on a GPU (as gluon_kernel); None without one."""
+        return self._gluon("gluon_dq_packed", self.gluon_dq_packed_fn)
+
+    @property
+    def gluon_dkdv_packed_kernel(self):
+        """The Gluon dK/dV over packed rows as launched on a GPU (as gluon_kernel); None without one."""
+        return self._gluon("gluon_dkdv_packed", self.gluon_dkdv_packed_fn)
 
     @property
     def gluon_dkdv_kernel(self):

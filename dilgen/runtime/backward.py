@@ -20,7 +20,7 @@ import torch
 
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch,
-                           gluon_dq_lanes_launch)
+                           gluon_dq_lanes_launch, gluon_dq_packed_launch, gluon_dkdv_packed_launch)
 from .grids import dkdv_per_branch, lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
@@ -161,7 +161,9 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
         if dq32 is not None:
             dq.copy_(dq32)
 
-    allocator = bool((plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma"))
+    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed dQ's and dK/dV's partial blocks
+    allocator = bool((plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma")
+                     or (packing is not None and (attn.gluon_dq_packed_fn or attn.gluon_dkdv_packed_fn) is not None))
     if run.interpret:
         with interpreting():
             launches()
@@ -219,8 +221,13 @@ class _Launches:
         plan, conf, at, kv_bn = self.plan, self.conf, self.at, self.conf["kv_block_n"]
         q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
         fused = conf.get("fused_dkdv", False)
-        gluon = None if (self.interpret or at.varlen or not fused) else \
-            gluon_dkdv_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N)
+        if self.interpret or not fused:
+            gluon = None
+        elif at.varlen:
+            gluon = None if self.dropout else \
+                gluon_dkdv_packed_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, seqs, B, N)
+        else:
+            gluon = gluon_dkdv_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N)
         if gluon is not None:       # the fused kernel's work, in Gluon (sm90)
             self._run(*gluon)
         elif fused:
@@ -271,8 +278,12 @@ class _Launches:
         lane branch adding into it."""
         plan, conf, at = self.plan, self.conf, self.at
         q, k, v, grad_out, lse, delta = self.q, self.k, self.v, self.grad_out, self.lse, self.delta
-        gluon = None if (self.interpret or at.varlen or not has_fused_q) else \
-            gluon_dq_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N, self.dropout)
+        if self.interpret or not has_fused_q:
+            gluon = None
+        elif at.varlen:
+            gluon = gluon_dq_packed_launch(self.attn, q, k, v, grad_out, lse, delta, dq, seqs, B, N, self.dropout)
+        else:
+            gluon = gluon_dq_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N, self.dropout)
         if gluon is not None:       # the fused dq's work, in Gluon (sm90)
             self._run(*gluon)
         elif has_fused_q:

@@ -63,20 +63,54 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int, dropout: tuple = ()):
             (*gluon_args(plan, q, k, v, out, lse, B, N), *dropout), OPTIONS)
 
 
+def _packed_takes(attn, fn, dropout: tuple, *tensors) -> bool:
+    """Whether a launch group of packed rows runs the Gluon kernel `fn`: no dropout, sm90, the
+    tensors contiguous and 16-byte aligned, and the rows a multiple of the lattice L (each
+    branch's view (rows/r, r*H_kv, D) then holds every row; TMA reads zeros past its end)."""
+    q = tensors[0]
+    return not (dropout or fn is None or q.shape[0] % attn.plan["query"]["lattice"] or q.device.type != "cuda"
+                or not _sm90(q.device) or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))
+
+
+def _packed_grid(plan: dict, B: int, N: int) -> tuple:
+    """(L * tiles of 128 lattice rows of the longest sequence N, B sequences * H)."""
+    L = plan["query"]["lattice"]
+    return L * -(-(-(-N // L)) // 128), B * plan["num_heads"]
+
+
 def gluon_packed_launch(attn, q, k, v, out, lse, seqs: tuple, B: int, N: int, dropout: tuple = ()):
     """(kernel, grid, args, options) of the Gluon forward over packed rows for one launch group
     (`seqs`: its starts and lengths, B sequences, the longest N), or None when the group takes
-    the `tl` kernel: no dropout, and the rows a multiple of the lattice L (each branch's view
-    (rows/r, r*H_kv, D) then holds every row; TMA reads zeros past its end)."""
-    plan = attn.plan
-    rows, L = q.shape[0], plan["query"]["lattice"]
-    if (dropout or attn.gluon_packed_fn is None or rows % L or q.device.type != "cuda" or not _sm90(q.device)
-            or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out))):
+    the `tl` kernel (_packed_takes)."""
+    if not _packed_takes(attn, attn.gluon_packed_fn, dropout, q, k, v, out):
         return None
-    tiles = -(-(-(-N // L)) // 128)
-    fused = gluon_args(plan, q, k, v, out, lse, 1, rows)[:-2]      # q, out, each lattice branch's k and v
-    return (attn.gluon_packed_kernel, (L * tiles, B * plan["num_heads"]), (*fused, v, out, lse, *seqs, rows),
+    fused = gluon_args(attn.plan, q, k, v, out, lse, 1, q.shape[0])[:-2]      # q, out, each lattice branch's k, v
+    return (attn.gluon_packed_kernel, _packed_grid(attn.plan, B, N), (*fused, v, out, lse, *seqs, q.shape[0]),
             OPTIONS)
+
+
+def gluon_dq_packed_launch(attn, q, k, v, grad_out, lse, delta, dq, seqs: tuple, B: int, N: int, dropout: tuple = ()):
+    """(kernel, grid, args, options) of the Gluon dQ over packed rows for one launch group, or
+    None (as gluon_packed_launch)."""
+    if not (attn.plan["config"].get("gluon_dq")
+            and _packed_takes(attn, attn.gluon_dq_packed_fn, dropout, q, k, v, grad_out, dq)):
+        return None
+    fused = gluon_dq_args(attn.plan, q, k, v, grad_out, lse, delta, dq, 1, q.shape[0])[:-4]
+    return (attn.gluon_dq_packed_kernel, _packed_grid(attn.plan, B, N),
+            (*fused, k, v, lse, delta, dq, *seqs, q.shape[0]), OPTIONS)
+
+
+def gluon_dkdv_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, B: int, N: int):
+    """(kernel, grid, args, options) of the Gluon dK/dV over packed rows for one launch group,
+    or None (as gluon_packed_launch): program (c + L*t, b*H_kv + kvh)."""
+    plan = attn.plan
+    if not (plan["config"].get("gluon_dkdv")
+            and _packed_takes(attn, attn.gluon_dkdv_packed_fn, (), q, k, v, grad_out, dk, dv)):
+        return None
+    fused = gluon_dkdv_args(plan, q, k, v, grad_out, lse, delta, dk, dv, 1, q.shape[0])[:-5]
+    L = plan["query"]["lattice"]
+    return (attn.gluon_dkdv_packed_kernel, (L * -(-(-(-N // L)) // 128), B * plan["num_kv_heads"]),
+            (*fused, q, grad_out, lse, delta, dk, dv, *seqs, q.shape[0]), OPTIONS)
 
 
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False,

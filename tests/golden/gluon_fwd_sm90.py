@@ -20,52 +20,60 @@ def gx_gluon_exp2(x):
 
 
 @gluon.jit
+def gx_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
+    """The keys of branch (w = W, r = R) a class-d query at u0 reads: its lane (offset hb mod R)
+    of the segment holding u0; 0 where the branch does not keep the class."""
+    keep = (d % R == 0).to(gl.int32)
+    return keep * ((gl.minimum(n - (u0 // W) * W, W) - hb % R + R - 1) // R)
+
+
+@gluon.jit
+def gx_gluon_packed_blocks(d, u0, n, hb, BN: gl.constexpr):
+    """The tile's blocks of BN keys T, then per branch the index of its lane's last block where
+    that block is partial (else -1) and the keys of it that are real."""
+    T = d * 0
+    cnt = gx_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
+    T += (cnt + BN - 1) // BN
+    e0 = gl.where(cnt % BN != 0, T - 1, -1)
+    c0 = cnt % BN
+    cnt = gx_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
+    T += (cnt + BN - 1) // BN
+    e1 = gl.where(cnt % BN != 0, T - 1, -1)
+    c1 = cnt % BN
+    cnt = gx_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
+    T += (cnt + BN - 1) // BN
+    e2 = gl.where(cnt % BN != 0, T - 1, -1)
+    c2 = cnt % BN
+    return T, e0, c0, e1, c1, e2, c2
+
+
+@gluon.jit
+def gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, BN: gl.constexpr):
+    """The real keys of block t: BN, but in a lane's partial last block."""
+    valid = t * 0 + BN
+    valid = gl.where(t == e0, c0, valid)
+    valid = gl.where(t == e1, c1, valid)
+    valid = gl.where(t == e2, c2, valid)
+    return valid
+
+
+@gluon.jit
+def gx_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
+    """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    D: gl.constexpr = like.block_shape[2]
+    heads = like.shape[1] // R
+    return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],
+                                      like.block_shape, like.layout)
+
+
+@gluon.jit
 def gx_gluon_blocks(d):
     """Key blocks of a class-d tile: w / r / GLUON_KEYS for each branch with r | d."""
     t = gl.where(d % 1 == 0, 16, 0)  # branch 0: w = 2048, r = 1
     t += gl.where(d % 2 == 0, 16, 0)  # branch 1: w = 4096, r = 2
     t += gl.where(d % 4 == 0, 16, 0)  # branch 2: w = 8192, r = 4
     return t
-
-
-@gluon.jit
-def gx_gluon_lane_keys(d, u0, n, hb, W: gl.constexpr, R: gl.constexpr):
-    """Packed rows: the keys of branch (w = W, r = R) a class-d query at u0 of a sequence of n
-    rows reads, its lane (offset hb mod R) of the segment holding u0, the last of which may be
-    short (SPEC 2.1); 0 where the branch does not keep the class."""
-    keep = (d % R == 0).to(gl.int32)
-    return keep * ((gl.minimum(n - (u0 // W) * W, W) - hb % R + R - 1) // R)
-
-
-@gluon.jit
-def gx_gluon_packed_blocks(d, u0, n, hb):
-    """Packed rows: the tile's key blocks T, then per branch the index of its lane's last block
-    where that block is partial (else -1) and the keys of it that are real. A lane ends in a
-    partial block only in a short segment."""
-    T = d * 0
-    cnt = gx_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e0 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c0 = cnt % GLUON_KEYS
-    cnt = gx_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e1 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c1 = cnt % GLUON_KEYS
-    cnt = gx_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
-    T += (cnt + GLUON_KEYS - 1) // GLUON_KEYS
-    e2 = gl.where(cnt % GLUON_KEYS != 0, T - 1, -1)
-    c2 = cnt % GLUON_KEYS
-    return T, e0, c0, e1, c1, e2, c2
-
-
-@gluon.jit
-def gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2):
-    """The real keys of block t (GLUON_KEYS but in a lane's partial last block)."""
-    valid = t * 0 + GLUON_KEYS
-    valid = gl.where(t == e0, c0, valid)
-    valid = gl.where(t == e1, c1, valid)
-    valid = gl.where(t == e2, c2, valid)
-    return valid
 
 
 @gluon.jit
@@ -89,11 +97,8 @@ def gx_gluon_load_packed(it, kd, vd, V, k_smem, v_smem, k_ready, v_ready, kv_emp
         tma_load(kd, [krow + j * GLUON_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), GLUON_KEYS * 128 * 2)
         if (j + 1) * GLUON_KEYS > cnt:
-            first = (p0 + R * j * GLUON_KEYS).to(gl.int64) * 4 + h // 4
-            tail = tma.make_tensor_descriptor(V + first * 128, [cnt - j * GLUON_KEYS, 1, 128],
-                                              [R * 512, 128, 1],
-                                              [GLUON_KEYS, 1, 128], vd.layout)
-            tma_load(tail, [0, 0, 0], v_ready.index(st), v_smem.index(st))
+            tail = gx_gluon_lane_box(V, p0, h // 4, cnt, R, vd)
+            tma_load(tail, [j * GLUON_KEYS, 0, 0], v_ready.index(st), v_smem.index(st))
         else:
             tma_load(vd, [krow + j * GLUON_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
         it += 1
@@ -180,7 +185,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 4 * m0
-        T, e0, c0, e1, c1, e2, c2 = gx_gluon_packed_blocks(d, u0, n, h)
+        T, e0, c0, e1, c1, e2, c2 = gx_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = gx_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -192,7 +197,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     if PACKED:      # keys past a lane's end in its partial last block score -inf
-        valid = gx_gluon_real_keys(0, e0, c0, e1, c1, e2, c2)
+        valid = gx_gluon_real_keys(0, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
@@ -209,7 +214,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2)
+            valid = gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
