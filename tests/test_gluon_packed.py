@@ -190,7 +190,7 @@ def test_a_padded_batch_with_nan_padding_matches_on_sm90(monkeypatch):
 GRADS = [
     # (id, spec fields, sequence lengths, the sequence whose first rows hold inf and NaN)
     ("gqa_d128", dict(), [1500, 389, 2111, 1000], 2),
-    ("mha_d64_prefetch", dict(head_dim=64, num_kv_heads=8), [130, 3000, 2046, 1], 2),
+    ("mha_d64_prefetch", dict(head_dim=64, num_kv_heads=8), [130, 3000, 2046, 4], 2),
     ("lanes_beside", dict(dilation_rates=[1, 2, 6]), [2600, 777, 1043], 2),
 ]
 
@@ -223,7 +223,7 @@ def test_gradients_of_packed_rows_on_sm90(case, monkeypatch):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     (out * grad).sum().backward()
-    assert len(taken) == 3 and all(taken), taken
+    assert len(taken) >= 3 and all(taken), taken      # forward, dQ, dK/dV per launch group
     for b in range(len(lengths)):
         a, e = cu[b], cu[b + 1]
         if b == bad:

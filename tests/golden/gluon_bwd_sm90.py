@@ -95,14 +95,18 @@ def gb_gluon_dkdv_producer(p, PACKED: gl.constexpr):
 
 
 @gluon.jit
-def gb_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, ar, cnt, PACKED: gl.constexpr):
-    """lse and Delta of the query lanes of block j; PACKED: a lane past the lane's count reads
-    lse = inf and Delta = 0, so that its P^T and dS^T are 0."""
-    at = lanes + j * (GLUON_LANES * R)
+def gb_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, cnt, PACKED: gl.constexpr):
+    """lse and Delta of the query lanes of block j. PACKED: `lanes` is the lane's first
+    position in Lse (a scalar: the vector is made here, as no register holds it between
+    blocks), and in its partial last block a lane past its count reads lse = inf and
+    Delta = 0, so that its P^T and dS^T are 0."""
     if PACKED:
-        real = j * GLUON_LANES + ar < cnt
-        return gl.load(Lse + at, mask=real, other=float("inf")), gl.load(Delta + at, mask=real, other=0.0)
+        idx = j * GLUON_LANES + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GLUON_LANES, 16])))
+        at = lanes + idx * R
+        return gl.load(Lse + at, mask=idx < cnt, other=float("inf")), gl.load(Delta + at, mask=idx < cnt, other=0.0)
     else:
+        at = lanes + j * (GLUON_LANES * R)
         return gl.load(Lse + at), gl.load(Delta + at)
 
 
@@ -121,19 +125,19 @@ def gb_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empty, Lse, D
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     if (c - h) % R == 0:
         s_zero = gl.zeros([GLUON_LANES, GLUON_LANES], gl.float32, layout=s_layout)
-        ar = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout))
         if PACKED:
             hb = h
             cnt = gb_gluon_lane_keys((c - hb % 4 + 4) % 4, u0, n, hb, W, R)
-            lanes = h.to(gl.int64) * N + s0 + (u0 // W) * W + hb % R + ar * R
+            lanes = h.to(gl.int64) * N + s0 + (u0 // W) * W + hb % R
             blocks = (cnt + GLUON_LANES - 1) // GLUON_LANES
         else:
-            cnt = W // R
-            lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R + ar * R
+            cnt = 0
+            lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
+                + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
             blocks = (W // R) // GLUON_LANES
         for j in range(blocks):
             # this block's lse and Delta, in flight while the producer's stage is awaited
-            lse, delta = gb_gluon_dkdv_stats(Lse, Delta, lanes, j, R, ar, cnt, PACKED)
+            lse, delta = gb_gluon_dkdv_stats(Lse, Delta, lanes, j, R, cnt, PACKED)
             lse = lse * 1.4426950408889634
             st = it % GLUON_BWD_STAGES
             mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)
