@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: f1b4ac068b319c2f
+# template hash: 368b9bbc285e1a2d
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1627,16 +1627,15 @@ def longnet_base_gluon_dkdv_producer(p, PACKED: gl.constexpr):
 
 
 @gluon.jit
-def longnet_base_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, cnt, PACKED: gl.constexpr):
+def longnet_base_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, offs, cnt, PACKED: gl.constexpr):
     """lse and Delta of the query lanes of block j. PACKED: `lanes` is the lane's first
-    position in Lse (a scalar: the vector is made here, as no register holds it between
-    blocks), and in its partial last block a lane past its count reads lse = inf and
-    Delta = 0, so that its P^T and dS^T are 0."""
+    position in Lse (a scalar) and `offs` the lanes' offsets from it in a block (int32: fewer
+    registers held between blocks than 64-bit positions); a lane past the lane's count reads
+    lse = inf and Delta = 0, so that its P^T and dS^T are 0."""
     if PACKED:
-        idx = j * GLUON_LANES + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GLUON_LANES, 16])))
-        at = lanes + idx * R
-        return gl.load(Lse + at, mask=idx < cnt, other=float("inf")), gl.load(Delta + at, mask=idx < cnt, other=0.0)
+        real = offs < (cnt - j * GLUON_LANES) * R
+        at = lanes + j * (GLUON_LANES * R) + offs
+        return gl.load(Lse + at, mask=real, other=float("inf")), gl.load(Delta + at, mask=real, other=0.0)
     else:
         at = lanes + j * (GLUON_LANES * R)
         return gl.load(Lse + at), gl.load(Delta + at)
@@ -1661,15 +1660,16 @@ def longnet_base_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, emp
             hb = h
             cnt = longnet_base_gluon_lane_keys((c - hb % 4 + 4) % 4, u0, n, hb, W, R)
             lanes = h.to(gl.int64) * N + s0 + (u0 // W) * W + hb % R
+            offs = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
             blocks = (cnt + GLUON_LANES - 1) // GLUON_LANES
         else:
-            cnt = 0
+            cnt, offs = 0, 0
             lanes = (b * 16 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
                 + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
             blocks = (W // R) // GLUON_LANES
         for j in range(blocks):
             # this block's lse and Delta, in flight while the producer's stage is awaited
-            lse, delta = longnet_base_gluon_dkdv_stats(Lse, Delta, lanes, j, R, cnt, PACKED)
+            lse, delta = longnet_base_gluon_dkdv_stats(Lse, Delta, lanes, j, R, offs, cnt, PACKED)
             lse = lse * 1.4426950408889634
             st = it % GLUON_BWD_STAGES
             mbarrier.wait(ready.index(st), (it // GLUON_BWD_STAGES) & 1)

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: f1b4ac068b319c2f
+# template hash: 368b9bbc285e1a2d
 # plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1733,16 +1733,15 @@ def slide_tiles_gluon_dkdv_producer(p, PACKED: gl.constexpr):
 
 
 @gluon.jit
-def slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, cnt, PACKED: gl.constexpr):
+def slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, j, R: gl.constexpr, offs, cnt, PACKED: gl.constexpr):
     """lse and Delta of the query lanes of block j. PACKED: `lanes` is the lane's first
-    position in Lse (a scalar: the vector is made here, as no register holds it between
-    blocks), and in its partial last block a lane past its count reads lse = inf and
-    Delta = 0, so that its P^T and dS^T are 0."""
+    position in Lse (a scalar) and `offs` the lanes' offsets from it in a block (int32: fewer
+    registers held between blocks than 64-bit positions); a lane past the lane's count reads
+    lse = inf and Delta = 0, so that its P^T and dS^T are 0."""
     if PACKED:
-        idx = j * GLUON_LANES + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GLUON_LANES, 16])))
-        at = lanes + idx * R
-        return gl.load(Lse + at, mask=idx < cnt, other=float("inf")), gl.load(Delta + at, mask=idx < cnt, other=0.0)
+        real = offs < (cnt - j * GLUON_LANES) * R
+        at = lanes + j * (GLUON_LANES * R) + offs
+        return gl.load(Lse + at, mask=real, other=float("inf")), gl.load(Delta + at, mask=real, other=0.0)
     else:
         at = lanes + j * (GLUON_LANES * R)
         return gl.load(Lse + at), gl.load(Delta + at)
@@ -1767,13 +1766,14 @@ def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empt
             hb = h
             cnt = slide_tiles_gluon_lane_keys((c - hb % 1 + 1) % 1, u0, n, hb, W, R)
             lanes = h.to(gl.int64) * N + s0 + (u0 // W) * W + hb % R
+            offs = gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
             blocks = (cnt + GLUON_LANES - 1) // GLUON_LANES
         else:
-            cnt = 0
+            cnt, offs = 0, 0
             lanes = (b * 8 + h).to(gl.int64) * N + (u0 // W) * W + h % R \
                 + gl.arange(0, GLUON_LANES, layout=gl.SliceLayout(0, s_layout)) * R
             blocks = (W // R) // GLUON_LANES
-        lse_next, delta_next = slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, 0, R, cnt, PACKED)
+        lse_next, delta_next = slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, 0, R, offs, cnt, PACKED)
         for j in range(blocks):
             lse = lse_next * 1.4426950408889634
             delta = delta_next
@@ -1785,7 +1785,7 @@ def slide_tiles_gluon_dkdv_branch(it, dk, dv, k, v, q_smem, do_smem, ready, empt
             dp_tok = warpgroup_mma(v, doj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # the next block's lse and Delta (the last block's again at the end): in flight
             # while this block's products run
-            lse_next, delta_next = slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, gl.minimum(j + 1, blocks - 1), R, cnt, PACKED)
+            lse_next, delta_next = slide_tiles_gluon_dkdv_stats(Lse, Delta, lanes, gl.minimum(j + 1, blocks - 1), R, offs, cnt, PACKED)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             pt = gl.exp2(s * 0.18033688011112042 - gl.expand_dims(lse, 0))
             dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), doj, dv, is_async=True)

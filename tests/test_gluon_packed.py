@@ -208,22 +208,24 @@ def test_gradients_of_packed_rows_on_sm90(case, monkeypatch):
     for n in lengths:
         cu.append(cu[-1] + n)
     assert cu[-1] % 4 == 0
-    taken = _taken(monkeypatch)
-    for fn in ("gluon_dq_packed_launch", "gluon_dkdv_packed_launch"):
-        def spy(*args, real=getattr(backward, fn)):
-            got = real(*args)
-            taken.append(got is not None)
-            return got
-        monkeypatch.setattr(backward, fn, spy)
+    kernel = dilgen.compile(spec)
     q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    taken = _taken(monkeypatch)
+    for fn, cfg in (("gluon_dq_packed_launch", "gluon_dq"), ("gluon_dkdv_packed_launch", "gluon_dkdv")):
+        if kernel.compiled_for(q.device).attention.plan["config"].get(cfg):    # else `tl` (explain says which)
+            def spy(*args, real=getattr(backward, fn)):
+                got = real(*args)
+                taken.append(got is not None)
+                return got
+            monkeypatch.setattr(backward, fn, spy)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype).cuda()
     for t in (q, k, v, grad):
         t[cu[bad]:cu[bad] + 5] = float("nan")
         t[cu[bad] + 5:cu[bad] + 9] = float("inf")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    out = kernel(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     (out * grad).sum().backward()
-    assert len(taken) >= 3 and all(taken), taken      # forward, dQ, dK/dV per launch group
+    assert len(taken) >= 2 and all(taken), taken      # forward, dK/dV (and dQ) per launch group
     for b in range(len(lengths)):
         a, e = cu[b], cu[b + 1]
         if b == bad:
