@@ -120,7 +120,23 @@ def packed_summary(plan, cu: list[int]) -> list[str]:
     for a, e, n in groups:
         lines.append(f"    sequences {sorted(order[a:e])} (longest {n}): {e - a} x {plan.num_heads} "
                      f"(sequence, head) programs per tile")
-    return lines
+    return lines + packed_kernels(plan, cu[-1])
+
+
+def packed_kernels(plan, rows: int) -> list[str]:
+    """Which of the plan's Gluon kernels a packed call of `rows` rows runs on sm90
+    (runtime.gluon_launch._packed_takes): those over the lattice branches, where the rows are a
+    multiple of the lattice L; dropout, lane branches and other row counts run `tl`."""
+    cfg, L = plan.config, plan.query.lattice
+    gluon = [name for name, on in (("forward", cfg.gluon_fwd), ("dK/dV", cfg.gluon_dkdv), ("dQ", cfg.gluon_dq)) if on]
+    if not gluon:
+        return []
+    if rows % L:
+        return [f"  on sm90: tl kernels, as the rows ({rows}) are not a multiple of L = {L} (the Gluon "
+                f"{', '.join(gluon)} read each branch's rows through (rows / r, r * H, D) views): append "
+                f"{L - rows % L} row(s) as one more sequence (its output unused) to run them"]
+    return [f"  on sm90: {', '.join(gluon)} in Gluon (the rows, {rows}, a multiple of L = {L}); with "
+            f"dropout, tl"]
 
 
 def ring_summary(plan, seq_len: int | None, cu: list[int] | None = None) -> list[str]:

@@ -255,3 +255,18 @@ def test_explain_bad_arguments(tmp_path):
     assert "head_dim" in one_error_line((rc, err))
 
 
+
+
+def test_explain_names_the_kernels_a_packing_runs_on_sm90(tmp_path):
+    """The Gluon forward, dK/dV and dQ take packed rows whose count is a multiple of the
+    lattice L; other counts run `tl`, and explain says how to get the Gluon ones."""
+    spec = {"name": "ex_pk", "segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4],
+            "num_heads": 16, "head_dim": 128}
+    path = write_spec(tmp_path, spec)
+    rc, out, _ = main_in_process("explain", path, "--arch", "sm90", "--cu-seqlens", "0,1000,9000")
+    assert rc == 0 and "on sm90: forward, dK/dV, dQ in Gluon (the rows, 9000, a multiple of L = 4)" in out
+    rc, out, _ = main_in_process("explain", path, "--arch", "sm90", "--cu-seqlens", "0,1000,9001")
+    assert rc == 0 and "on sm90: tl kernels, as the rows (9001) are not a multiple of L = 4" in out
+    assert "append 3 row(s) as one more sequence" in out
+    rc, out, _ = main_in_process("explain", path, "--arch", "sm80", "--cu-seqlens", "0,1000,9001")
+    assert rc == 0 and "on sm90" not in out
