@@ -22,8 +22,10 @@ from dilgen.targets import get_target
 
 from conftest import check_against_reference, needs_gluon, on_sm90
 
-GOLDEN = Path(__file__).parent / "golden" / "gluon_bwd_sm90.py"
-MARK = "# ---- sm90: the fused dK, dV in Gluon"      # to the end: dK/dV, then dQ
+GOLDEN = Path(__file__).parent / "golden" / "gluon_bwd_sm90.py"         # the dK/dV's section
+GOLDEN_DQ = Path(__file__).parent / "golden" / "gluon_dq_sm90.py"       # the dQ's, to the end
+MARK = "# ---- sm90: the fused dK, dV in Gluon"
+MARK_DQ = "# ---- sm90: dQ in Gluon"
 
 
 def _spec(**over):
@@ -131,11 +133,12 @@ def test_the_lse_and_delta_prefetch_is_a_knob_refused_without_the_gluon_dkdv():
 def test_generated_source_is_golden_and_stable():
     text = codegen.emit(plan(_spec(), get_target("sm90")))
     assert text == codegen.emit(plan(_spec(), get_target("sm90")))
-    section = text[text.index(MARK):]
-    if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(section)
-    assert section == GOLDEN.read_text(), ("the Gluon dK/dV's source changed; if on purpose, "
-                                           "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
+    dkdv, dq = text[text.index(MARK):text.index(MARK_DQ)], text[text.index(MARK_DQ):]
+    for golden, section in ((GOLDEN, dkdv), (GOLDEN_DQ, dq)):
+        if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
+            golden.write_text(section)
+        assert section == golden.read_text(), (f"the Gluon backward's source changed ({golden.name}); if on "
+                                               f"purpose, regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
     codegen.check_syntax(text)
     assert "gluon_kernel=gb_gluon_fwd,\n" in text and "gluon_dkdv=gb_gluon_dkdv,\n" in text
     assert "gluon_dq=gb_gluon_dq,\n" in text and "gluon_dkdv_packed=gb_gluon_dkdv_packed,\n" in text

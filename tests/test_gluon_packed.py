@@ -237,3 +237,43 @@ def test_gradients_of_packed_rows_on_sm90(case, monkeypatch):
         for mine, ref, what in zip((q, k, v), ref_in, "qkv"):
             assert torch.isfinite(mine.grad[a:e]).all(), f"sequence {b}: d{what} not finite"
             assert rel_error(mine.grad[a:e], ref.grad[0]) < 4e-2, f"sequence {b}: d{what}"
+
+
+@on_sm90
+def test_replays_and_a_cuda_graph_give_the_bits_of_a_fresh_call_on_sm90(monkeypatch):
+    """Packed calls of one layout replay the first one's Gluon launches (host descriptors made
+    again over the call's tensors, the in-kernel ones in fresh scratch) with their own offsets;
+    a capture in a CUDA graph replays to the eager call's bits. Forward and gradients."""
+    from dilgen.runtime import replay
+    spec = _spec("gp_replay")
+    kernel = dilgen.compile(spec)
+    taken = _taken(monkeypatch)
+
+    def step(q, k, v, cu):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = kernel(*leaves, cu_seqlens=cu, return_lse=True)
+        g = torch.ones_like(out)
+        return (out, lse, *torch.autograd.grad(out, leaves, g))
+    for i, lens in enumerate(([1000, 389, 2711], [389, 2711, 1000], [2711, 1000, 389])):   # one layout
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+        q, k, v = _inputs(spec, 4100, seed=30 + i)
+        got = step(q, k, v, cu)
+        replay.ENABLED = False
+        try:
+            want = step(q, k, v, cu)
+        finally:
+            replay.ENABLED = True
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+    assert taken and all(taken)
+    attn = kernel.compiled_for(q.device).attention
+    assert {key[0] for key, r in attn._replays.items() if hasattr(r, "launches")} >= {"vfwd", "vbwd"}
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(q, k, v, cu)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = step(q, k, v, cu)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
