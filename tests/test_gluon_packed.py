@@ -96,6 +96,41 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, kind):
     assert kernel.metadata.global_scratch_size >= 128 * 3
 
 
+@needs_gluon
+def test_build_models_the_packed_kernels_as_the_runtime_launches_them(cache_dir):
+    """`dilgen build`'s launch model has the packed forward, dQ and dK/dV for a packed call of
+    N rows where N is a multiple of L, and its MockTensor arguments give the specialization of
+    a call's real ones: the binaries it stores are the ones the runtime looks up."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.build import plan_jobs
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    from dilgen.targets import get_target
+    compiled = build(_spec("gp_aot"), get_target("sm90"), {})
+    attn, plan = compiled.module.attention, compiled.module.attention.plan
+    roles = ("gluon_forward_packed", "gluon_dq_packed", "gluon_dkdv_packed")
+    model = {x.role: x for x in predicted_launches(attn, 4096) if x.role in roles}
+    assert set(model) == set(roles)
+    assert not {x.role for x in predicted_launches(attn, 4098)} & set(roles)     # 4098 rows: not a multiple of 4
+    jobs, _ = plan_jobs(compiled, get_target("sm90"), [4096])
+    assert set(roles) <= {j.role for j in jobs}
+    q, g, out, dq = (torch.randn(4096, 8, 128, dtype=torch.bfloat16) for _ in range(4))
+    k, v, dk, dv = (torch.randn(4096, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    lse, delta = torch.empty(8, 4096), torch.empty(8, 4096)
+    seqs = (torch.tensor([0, 1000], dtype=torch.int32), torch.tensor([1000, 3096], dtype=torch.int32))
+    real = {"gluon_forward_packed": gluon_launch.gluon_packed_args(plan, q, k, v, out, lse, seqs, 4096),
+            "gluon_dq_packed": gluon_launch.gluon_dq_packed_args(plan, q, k, v, g, lse, delta, dq, seqs, 4096),
+            "gluon_dkdv_packed": gluon_launch.gluon_dkdv_packed_args(plan, q, k, v, g, lse, delta, dk, dv, seqs,
+                                                                    4096)}
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    for role in roles:
+        fn = model[role].source_fn
+        want = specialize(fn, backend, real[role], gluon_launch.OPTIONS).desc
+        assert specialize(fn, backend, model[role].args, model[role].launch_opts).desc == want, role
+
+
 # -- on an sm90 GPU ---------------------------------------------------------------------
 # (id, spec fields, sequence lengths): the rows a multiple of the lattice L, so the Gluon
 # forward takes every launch group

@@ -49,6 +49,19 @@ def _gluon_args(plan: dict, role: str, N: int, base: dict) -> tuple:
     return gluon_dkdv_args(plan, x, x, x, x, f32, f32, x, x, 1, N)
 
 
+def _gluon_packed_args(plan: dict, role: str, N: int, base: dict) -> tuple:
+    """The packed Gluon kernels' arguments for a packed call of N rows, as
+    runtime/gluon_launch.py makes them (the sequences' starts and lengths are device values)."""
+    import torch
+    from ..runtime.gluon_launch import gluon_dkdv_packed_args, gluon_dq_packed_args, gluon_packed_args
+    x, f32, seqs = _mock(base["dtype"]), _mock(torch.float32), (_mock(torch.int32), _mock(torch.int32))
+    if role == "gluon_forward_packed":
+        return gluon_packed_args(plan, x, x, x, x, f32, seqs, N)
+    if role == "gluon_dq_packed":
+        return gluon_dq_packed_args(plan, x, x, x, x, f32, f32, x, seqs, N)
+    return gluon_dkdv_packed_args(plan, x, x, x, x, f32, f32, x, x, seqs, N)
+
+
 def _dropout_values(plan: dict, ctx: dict) -> tuple:
     """A dropout plan's trailing arguments of its Gluon kernels (its `tl` kernels name theirs)."""
     names = ("seed_ptr", "drop_cut", "drop_scale", "drop_n", "drop_pos0", "drop_streams")
@@ -119,7 +132,10 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
                                 ("gluon_dq", "gluon_dq_fn", False), ("gluon_lanes", "gluon_lanes_fn", True),
                                 ("gluon_raster_lanes", "gluon_raster_lanes_fn", True),
                                 ("gluon_dkdv_lanes", "gluon_dkdv_lanes_fn", False),
-                                ("gluon_dq_lanes", "gluon_dq_lanes_fn", False)):
+                                ("gluon_dq_lanes", "gluon_dq_lanes_fn", False),
+                                ("gluon_forward_packed", "gluon_packed_fn", True),
+                                ("gluon_dkdv_packed", "gluon_dkdv_packed_fn", False),
+                                ("gluon_dq_packed", "gluon_dq_packed_fn", False)):
         fn = getattr(attention, attr, None)
         if fn is not None:
             from ..runtime.gluon_launch import OPTIONS
@@ -138,7 +154,9 @@ def seq_lens_for(plan: dict, seq_lens: Iterable[int]) -> list[int]:
 
 def predicted_launches(attention, seq_len: int) -> list[Launch]:
     """Every kernel launch of one forward + backward at sequence length `seq_len` (any
-    batch: B is not a kernel argument), as the runtime makes them on a GPU."""
+    batch: B is not a kernel argument), as the runtime makes them on a GPU, and the Gluon
+    kernels of a packed call of `seq_len` rows (the `tl` kernels' VARLEN variants compile on
+    first use)."""
     import inspect
     import torch
     from ..runtime.grids import dkdv_per_branch, lane_grid, lane_order, lattice_group_tiles
@@ -169,6 +187,10 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             # that specializes them (their descriptors' shapes are not specialized)
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.append(Launch(role, fn, _gluon_args(plan, role, N, base), opts))
+        elif role in ("gluon_forward_packed", "gluon_dkdv_packed", "gluon_dq_packed"):
+            # a packed call of N rows (runtime/gluon_launch.py _packed_takes: N a multiple of L)
+            if N % lattice == 0 and (role == "gluon_forward_packed" or plan["config"].get(role[:-len("_packed")])):
+                out.append(Launch(role, fn, _gluon_packed_args(plan, role, N, base), opts))
         elif role in ("gluon_lanes", "gluon_raster_lanes"):    # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_fwd_args(plan, role, N, base))

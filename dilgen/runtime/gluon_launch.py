@@ -84,9 +84,28 @@ def gluon_packed_launch(attn, q, k, v, out, lse, seqs: tuple, B: int, N: int, dr
     the `tl` kernel (_packed_takes)."""
     if not _packed_takes(attn, attn.gluon_packed_fn, dropout, q, k, v, out):
         return None
-    fused = gluon_args(attn.plan, q, k, v, out, lse, 1, q.shape[0])[:-2]      # q, out, each lattice branch's k, v
-    return (attn.gluon_packed_kernel, _packed_grid(attn.plan, B, N), (*fused, v, out, lse, *seqs, q.shape[0]),
-            OPTIONS)
+    return (attn.gluon_packed_kernel, _packed_grid(attn.plan, B, N),
+            gluon_packed_args(attn.plan, q, k, v, out, lse, seqs, q.shape[0]), OPTIONS)
+
+
+def gluon_packed_args(plan: dict, q, k, v, out, lse, seqs: tuple, rows: int) -> tuple:
+    """The packed forward's arguments: the fixed-length forward's descriptors over all the
+    rows (gluon_args at B = 1, N = rows), v and out (partial blocks, row-by-row stores), lse,
+    the group's starts and lengths, rows."""
+    return (*gluon_args(plan, q, k, v, out, lse, 1, rows)[:-2], v, out, lse, *seqs, rows)
+
+
+def gluon_dq_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dq, seqs: tuple, rows: int) -> tuple:
+    """The packed dQ's arguments: gluon_dq_args' descriptors at B = 1, N = rows, k and v,
+    lse, Delta, dq, the group's starts and lengths, rows."""
+    return (*gluon_dq_args(plan, q, k, v, grad_out, lse, delta, dq, 1, rows)[:-4], k, v, lse, delta, dq, *seqs, rows)
+
+
+def gluon_dkdv_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, rows: int) -> tuple:
+    """The packed dK/dV's arguments: gluon_dkdv_args' descriptors at B = 1, N = rows, q and dO,
+    lse, Delta, dk, dv, the group's starts and lengths, rows."""
+    return (*gluon_dkdv_args(plan, q, k, v, grad_out, lse, delta, dk, dv, 1, rows)[:-5], q, grad_out, lse, delta,
+            dk, dv, *seqs, rows)
 
 
 def gluon_dq_packed_launch(attn, q, k, v, grad_out, lse, delta, dq, seqs: tuple, B: int, N: int, dropout: tuple = ()):
@@ -95,9 +114,8 @@ def gluon_dq_packed_launch(attn, q, k, v, grad_out, lse, delta, dq, seqs: tuple,
     if not (attn.plan["config"].get("gluon_dq")
             and _packed_takes(attn, attn.gluon_dq_packed_fn, dropout, q, k, v, grad_out, dq)):
         return None
-    fused = gluon_dq_args(attn.plan, q, k, v, grad_out, lse, delta, dq, 1, q.shape[0])[:-4]
     return (attn.gluon_dq_packed_kernel, _packed_grid(attn.plan, B, N),
-            (*fused, k, v, lse, delta, dq, *seqs, q.shape[0]), OPTIONS)
+            gluon_dq_packed_args(attn.plan, q, k, v, grad_out, lse, delta, dq, seqs, q.shape[0]), OPTIONS)
 
 
 def gluon_dkdv_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, B: int, N: int):
@@ -107,10 +125,9 @@ def gluon_dkdv_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, seqs: 
     if not (plan["config"].get("gluon_dkdv")
             and _packed_takes(attn, attn.gluon_dkdv_packed_fn, (), q, k, v, grad_out, dk, dv)):
         return None
-    fused = gluon_dkdv_args(plan, q, k, v, grad_out, lse, delta, dk, dv, 1, q.shape[0])[:-5]
     L = plan["query"]["lattice"]
     return (attn.gluon_dkdv_packed_kernel, (L * -(-(-(-N // L)) // 128), B * plan["num_kv_heads"]),
-            (*fused, q, grad_out, lse, delta, dk, dv, *seqs, q.shape[0]), OPTIONS)
+            gluon_dkdv_packed_args(plan, q, k, v, grad_out, lse, delta, dk, dv, seqs, q.shape[0]), OPTIONS)
 
 
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False,
