@@ -11,7 +11,13 @@ are the lane s·w_i + o + r_i·j of segment s. A 64-row (queries) or 128-row (ke
 view is a TMA load of dilated rows. The dK/dV reads the other way round: keys through the
 lattice's view, each branch's query and dO lanes through (B·N/r_i, r_i·H, D). The descriptors are made on the host (made in the kernel,
 by each program, they cost A 1.724 -> 1.844 ms; bench/results/gluon_dilgen_check-2026-11-27-h200.json);
-a replay makes them again over the call's tensors (replay.Descriptor)."""
+a replay makes them again over the call's tensors (replay.Descriptor).
+
+Packed rows (runtime.varlen) take the same host descriptors over all the rows (B = 1,
+N = rows): sequence b's lane starting at row p0 is row p0 // r, column (p0 mod r)·H + h of a
+branch's view, whatever b's start. Only a lane's partial last block is read through a
+descriptor made in the kernel (common.jinja gluon_packed_helpers: _lane_box), which ends at
+the lane's last row."""
 from __future__ import annotations
 
 import torch
