@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 368b9bbc285e1a2d
+# template hash: 89e06763c2cb354e
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1202,26 +1202,26 @@ def longnet_base_gluon_packed_blocks(d, u0, n, hb, BN: gl.constexpr):
     T = d * 0
     cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
     T += (cnt + BN - 1) // BN
-    e0 = gl.where(cnt % BN != 0, T - 1, -1)
-    c0 = cnt % BN
+    last0 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail0 = cnt % BN                             # its real keys
     cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
     T += (cnt + BN - 1) // BN
-    e1 = gl.where(cnt % BN != 0, T - 1, -1)
-    c1 = cnt % BN
+    last1 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail1 = cnt % BN                             # its real keys
     cnt = longnet_base_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
     T += (cnt + BN - 1) // BN
-    e2 = gl.where(cnt % BN != 0, T - 1, -1)
-    c2 = cnt % BN
-    return T, e0, c0, e1, c1, e2, c2
+    last2 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail2 = cnt % BN                             # its real keys
+    return T, last0, tail0, last1, tail1, last2, tail2
 
 
 @gluon.jit
-def longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, BN: gl.constexpr):
+def longnet_base_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, BN: gl.constexpr):
     """The real keys of block t: BN, but in a lane's partial last block."""
     valid = t * 0 + BN
-    valid = gl.where(t == e0, c0, valid)
-    valid = gl.where(t == e1, c1, valid)
-    valid = gl.where(t == e2, c2, valid)
+    valid = gl.where(t == last0, tail0, valid)
+    valid = gl.where(t == last1, tail1, valid)
+    valid = gl.where(t == last2, tail2, valid)
     return valid
 
 
@@ -1353,7 +1353,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 4 * m0
-        T, e0, c0, e1, c1, e2, c2 = longnet_base_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
+        T, last0, tail0, last1, tail1, last2, tail2 = longnet_base_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = longnet_base_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -1365,7 +1365,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     if PACKED:      # keys past a lane's end in its partial last block score -inf
-        valid = longnet_base_gluon_real_keys(0, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
+        valid = longnet_base_gluon_real_keys(0, last0, tail0, last1, tail1, last2, tail2, GLUON_KEYS)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
@@ -1382,7 +1382,7 @@ def longnet_base_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
+            valid = longnet_base_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, GLUON_KEYS)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
@@ -1959,7 +1959,7 @@ def longnet_base_gluon_dq_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     q = q_smem.index(WG).reshape([64, 128])
     do = do_smem.index(WG).reshape([64, 128])
     if PACKED:
-        T, e0, c0, e1, c1, e2, c2 = longnet_base_gluon_packed_blocks(d, c + 4 * m0, n, h, GLUON_DQ_KEYS)
+        T, last0, tail0, last1, tail1, last2, tail2 = longnet_base_gluon_packed_blocks(d, c + 4 * m0, n, h, GLUON_DQ_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_DQ_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = d * 0
@@ -1975,7 +1975,7 @@ def longnet_base_gluon_dq_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         dp_tok = warpgroup_mma(do, vt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         if PACKED:      # keys past a lane's end in its partial last block: P = 0
-            valid = longnet_base_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_DQ_KEYS)
+            valid = longnet_base_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, GLUON_DQ_KEYS)
             if valid < GLUON_DQ_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         pj = gl.exp2(s * 0.12751743082459868 - lse)

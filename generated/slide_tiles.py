@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 368b9bbc285e1a2d
+# template hash: 89e06763c2cb354e
 # plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1344,16 +1344,16 @@ def slide_tiles_gluon_packed_blocks(d, u0, n, hb, BN: gl.constexpr):
     T = d * 0
     cnt = slide_tiles_gluon_lane_keys(d, u0, n, hb, 1024, 1)  # branch 0
     T += (cnt + BN - 1) // BN
-    e0 = gl.where(cnt % BN != 0, T - 1, -1)
-    c0 = cnt % BN
-    return T, e0, c0
+    last0 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail0 = cnt % BN                             # its real keys
+    return T, last0, tail0
 
 
 @gluon.jit
-def slide_tiles_gluon_real_keys(t, e0, c0, BN: gl.constexpr):
+def slide_tiles_gluon_real_keys(t, last0, tail0, BN: gl.constexpr):
     """The real keys of block t: BN, but in a lane's partial last block."""
     valid = t * 0 + BN
-    valid = gl.where(t == e0, c0, valid)
+    valid = gl.where(t == last0, tail0, valid)
     return valid
 
 
@@ -1471,7 +1471,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 1 * m0
-        T, e0, c0 = slide_tiles_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
+        T, last0, tail0 = slide_tiles_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = slide_tiles_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -1483,7 +1483,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     if PACKED:      # keys past a lane's end in its partial last block score -inf
-        valid = slide_tiles_gluon_real_keys(0, e0, c0, GLUON_KEYS)
+        valid = slide_tiles_gluon_real_keys(0, last0, tail0, GLUON_KEYS)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.18033688011112042
@@ -1500,7 +1500,7 @@ def slide_tiles_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = slide_tiles_gluon_real_keys(t, e0, c0, GLUON_KEYS)
+            valid = slide_tiles_gluon_real_keys(t, last0, tail0, GLUON_KEYS)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.18033688011112042)

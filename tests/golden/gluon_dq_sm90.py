@@ -125,7 +125,7 @@ def gb_gluon_dq_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     q = q_smem.index(WG).reshape([64, 128])
     do = do_smem.index(WG).reshape([64, 128])
     if PACKED:
-        T, e0, c0, e1, c1, e2, c2 = gb_gluon_packed_blocks(d, c + 4 * m0, n, h, GLUON_DQ_KEYS)
+        T, last0, tail0, last1, tail1, last2, tail2 = gb_gluon_packed_blocks(d, c + 4 * m0, n, h, GLUON_DQ_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_DQ_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = d * 0
@@ -141,7 +141,7 @@ def gb_gluon_dq_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         dp_tok = warpgroup_mma(do, vt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
         if PACKED:      # keys past a lane's end in its partial last block: P = 0
-            valid = gb_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_DQ_KEYS)
+            valid = gb_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, GLUON_DQ_KEYS)
             if valid < GLUON_DQ_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         pj = gl.exp2(s * 0.12751743082459868 - lse)

@@ -34,26 +34,26 @@ def gx_gluon_packed_blocks(d, u0, n, hb, BN: gl.constexpr):
     T = d * 0
     cnt = gx_gluon_lane_keys(d, u0, n, hb, 2048, 1)  # branch 0
     T += (cnt + BN - 1) // BN
-    e0 = gl.where(cnt % BN != 0, T - 1, -1)
-    c0 = cnt % BN
+    last0 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail0 = cnt % BN                             # its real keys
     cnt = gx_gluon_lane_keys(d, u0, n, hb, 4096, 2)  # branch 1
     T += (cnt + BN - 1) // BN
-    e1 = gl.where(cnt % BN != 0, T - 1, -1)
-    c1 = cnt % BN
+    last1 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail1 = cnt % BN                             # its real keys
     cnt = gx_gluon_lane_keys(d, u0, n, hb, 8192, 4)  # branch 2
     T += (cnt + BN - 1) // BN
-    e2 = gl.where(cnt % BN != 0, T - 1, -1)
-    c2 = cnt % BN
-    return T, e0, c0, e1, c1, e2, c2
+    last2 = gl.where(cnt % BN != 0, T - 1, -1)   # the lane's last block, if partial
+    tail2 = cnt % BN                             # its real keys
+    return T, last0, tail0, last1, tail1, last2, tail2
 
 
 @gluon.jit
-def gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, BN: gl.constexpr):
+def gx_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, BN: gl.constexpr):
     """The real keys of block t: BN, but in a lane's partial last block."""
     valid = t * 0 + BN
-    valid = gl.where(t == e0, c0, valid)
-    valid = gl.where(t == e1, c1, valid)
-    valid = gl.where(t == e2, c2, valid)
+    valid = gl.where(t == last0, tail0, valid)
+    valid = gl.where(t == last1, tail1, valid)
+    valid = gl.where(t == last2, tail2, valid)
     return valid
 
 
@@ -185,7 +185,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
     acc = gl.zeros([GLUON_ROWS, D], gl.float32, layout=o_layout)
     if PACKED:
         u0 = c + 4 * m0
-        T, e0, c0, e1, c1, e2, c2 = gx_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
+        T, last0, tail0, last1, tail1, last2, tail2 = gx_gluon_packed_blocks(d, u0, n, h, GLUON_KEYS)
         keys = gl.expand_dims(gl.arange(0, GLUON_KEYS, layout=gl.SliceLayout(0, s_layout)), 0)
     else:
         T = gx_gluon_blocks(d)            # at least one: a branch with r = 1 keeps every class
@@ -197,7 +197,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     if PACKED:      # keys past a lane's end in its partial last block score -inf
-        valid = gx_gluon_real_keys(0, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
+        valid = gx_gluon_real_keys(0, last0, tail0, last1, tail1, last2, tail2, GLUON_KEYS)
         if valid < GLUON_KEYS:
             s = gl.where(keys < valid, s, float("-inf"))
     m_i = gl.max(s, axis=1) * 0.12751743082459868
@@ -214,7 +214,7 @@ def gx_gluon_consume(p, WG: gl.constexpr, PACKED: gl.constexpr):
         o_tok = warpgroup_mma(p_op, v_smem.index(pst).reshape([GLUON_KEYS, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))          # block t's scores; t - 1's P V still runs
         if PACKED:
-            valid = gx_gluon_real_keys(t, e0, c0, e1, c1, e2, c2, GLUON_KEYS)
+            valid = gx_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, GLUON_KEYS)
             if valid < GLUON_KEYS:
                 s = gl.where(keys < valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.12751743082459868)
