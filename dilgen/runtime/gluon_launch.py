@@ -78,10 +78,11 @@ def _packed_takes(attn, fn, dropout: tuple, *tensors) -> bool:
                 or not _sm90(q.device) or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))
 
 
-def _packed_grid(plan: dict, B: int, N: int) -> tuple:
-    """(L * tiles of 128 lattice rows of the longest sequence N, B sequences * H)."""
+def _packed_grid(plan: dict, B: int, N: int, heads: str = "num_heads") -> tuple:
+    """(L * tiles of 128 lattice rows of the longest sequence N, B sequences * the plan's
+    `heads`: query heads, or kv heads for the dK/dV)."""
     L = plan["query"]["lattice"]
-    return L * -(-(-(-N // L)) // 128), B * plan["num_heads"]
+    return L * -(-(-(-N // L)) // 128), B * plan[heads]
 
 
 def gluon_packed_launch(attn, q, k, v, out, lse, seqs: tuple, B: int, N: int, dropout: tuple = ()):
@@ -131,8 +132,7 @@ def gluon_dkdv_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, seqs: 
     if not (plan["config"].get("gluon_dkdv")
             and _packed_takes(attn, attn.gluon_dkdv_packed_fn, (), q, k, v, grad_out, dk, dv)):
         return None
-    L = plan["query"]["lattice"]
-    return (attn.gluon_dkdv_packed_kernel, (L * -(-(-(-N // L)) // 128), B * plan["num_kv_heads"]),
+    return (attn.gluon_dkdv_packed_kernel, _packed_grid(plan, B, N, "num_kv_heads"),
             gluon_dkdv_packed_args(plan, q, k, v, grad_out, lse, delta, dk, dv, seqs, q.shape[0]), OPTIONS)
 
 
