@@ -125,7 +125,7 @@ def packed_summary(plan, cu: list[int]) -> list[str]:
 
 def packed_kernels(plan, rows: int) -> list[str]:
     """Which of the plan's Gluon kernels a packed call of `rows` rows runs on sm90
-    (runtime.gluon_launch._packed_takes): those over the lattice branches, where the rows are a
+    (runtime.gluon_packed._packed_takes): those over the lattice branches, where the rows are a
     multiple of the lattice L; dropout, lane branches and other row counts run `tl`."""
     cfg, L = plan.config, plan.query.lattice
     gluon = [name for name, on in (("forward", cfg.gluon_fwd), ("dK/dV", cfg.gluon_dkdv), ("dQ", cfg.gluon_dq)) if on]

@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 89e06763c2cb354e
+# template hash: aaaac7bd828346e9
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1498,7 +1498,7 @@ def longnet_base_gluon_fwd_packed(q_desc, o_desc, k0, k1, k2, v0, v1, v2, V, Out
                      column ((s0 + u) mod L)*H + h (rows a multiple of L)
     k<i>, v<i>       branch i's keys as (rows/r, r*H_kv, D), as the fixed-length kernel's
     V, Out           v and out (rows, H_kv or H, D): a lane's partial last block of V, a tile's
-                     rows past its sequence's end (runtime/gluon_launch.py gluon_packed_launch)
+                     rows past its sequence's end (runtime/gluon_packed.py gluon_packed_launch)
     Lse              (H, rows)
     program          (d + L*t, b*H + h) as longnet_base_gluon_fwd's; a tile past the sequence's end does nothing"""
     dtype: gl.constexpr = q_desc.dtype

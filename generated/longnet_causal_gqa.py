@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 89e06763c2cb354e
+# template hash: aaaac7bd828346e9
 # plan key:      ccccb1a8950afd95028c45a0c80a52bc4d2da59e38fae414b7e0f34229ce4d05
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1582,24 +1582,54 @@ def longnet_causal_gqa_gluon_lanes_exp2(x):
 
 
 @gluon.jit
-def longnet_causal_gqa_gluon_lanes_producer(p):
+def longnet_causal_gqa_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
+    """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    D: gl.constexpr = like.block_shape[2]
+    heads = like.shape[1] // R
+    return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],
+                                      like.block_shape, like.layout)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_produce(p, PACKED: gl.constexpr):
     """One warp: the tile's two Q blocks, then the segment's key blocks 0 ... T - 1, T the
-    blocks up to the tile's last query lane (no key past it is ever needed)."""
-    (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-     b, h, s, mt, N, W, R) = p
-    row0 = b * (N // R) + s * (W // R)
+    blocks up to the tile's last query lane (no key past it is ever needed). PACKED: the
+    lanes of sequence b's segment s, starting at row p0 = s0 + s*W + o, are the rows p0 // R + j,
+    column (p0 mod R)*H + h of the branch's views over all the packed rows; a block past the
+    lane's last key (cnt) reads V through a descriptor that ends there (zeros: P is 0 there,
+    and 0 times another sequence's non-finite value would not be)."""
+    if PACKED:
+        (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R, s0, cnt, V) = p
+        p0 = s0 + s * W + h % R
+        row0 = p0 // R
+        qcol = (p0 % R) * 16 + h
+        kcol = (p0 % R) * 4 + h // 4
+    else:
+        (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R) = p
+        row0 = b * (N // R) + s * (W // R)
+        qcol = (h % R) * 16 + h
+        kcol = (h % R) * 4 + h // 4
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
-        tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS,
-                          (h % R) * 16 + h, 0], q_bars.index(wg), q_smem.index(wg))
-    kcol = (h % R) * 4 + h // 4
+        tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS, qcol, 0], q_bars.index(wg),
+                 q_smem.index(wg))
     for t in range((mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
         st = t % GLUON_LANE_STAGES
         mbarrier.wait(kv_empty.index(st), ((t // GLUON_LANE_STAGES) & 1) ^ 1)   # both consumers let go of it
         mbarrier.expect(k_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
         tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
-        tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+        if PACKED:
+            if (t + 1) * GLUON_LANE_KEYS > cnt:
+                tma_load(longnet_causal_gqa_gluon_lane_box(V, p0, h // 4, cnt, R, v_desc), [t * GLUON_LANE_KEYS, 0, 0],
+                         v_ready.index(st), v_smem.index(st))
+            else:
+                tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
+        else:
+            tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
 
 
 @gluon.jit
@@ -1641,13 +1671,18 @@ def longnet_causal_gqa_gluon_lanes_block(t, q, acc, m_i, l_i, p_op, k_smem, v_sm
 
 
 @gluon.jit
-def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr):
+def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR: gl.constexpr, PACKED: gl.constexpr):
     """One consumer warpgroup: query lanes q0 = mt*128 + WG*64 ... of the segment against the
     stream of key blocks, as the Gluon forward's consumers (block t's scores issued before
     block t - 1's P·V); key block 0 holds lane 0, so every row's running max is finite from
-    the first."""
-    (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-     b, h, s, mt, N, W, R) = p
+    the first. PACKED: lanes of a sequence's segment (the producer's), lanes past the lane's
+    end (cnt) not stored; the causal mask keeps every key past it from a stored row."""
+    if PACKED:
+        (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R, s0, cnt, V) = p
+    else:
+        (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R) = p
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, GLUON_LANE_KEYS, 16])
@@ -1694,24 +1729,47 @@ def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.c
     out = acc / gl.expand_dims(gl.convert_layout(l_i, rows_l), 1)
     lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, rows_l)     # natural log
     rows = s * W + h % R + R * (q0 + gl.arange(0, GLUON_LANE_ROWS, layout=rows_l))
-    lse_rows = Lse + (b * 16 + h).to(gl.int64) * N + rows
-    if ACCUMULATE:  # merge with the launches before this one (common.merge_partial)
-        offs = ((b * N + gl.expand_dims(rows, 1)).to(gl.int64) * 16 + h) * 128 \
+    if PACKED:      # the sequence's rows from s0, lse (H, rows); lanes past the lane's end not stored
+        lse_rows = Lse + h.to(gl.int64) * N + s0 + rows
+        real = q0 + gl.arange(0, GLUON_LANE_ROWS, layout=rows_l) < cnt
+        offs = ((s0 + gl.expand_dims(rows, 1)).to(gl.int64) * 16 + h) * 128 \
             + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
-        lse_acc = gl.load(lse_rows)
+    else:
+        lse_rows = Lse + (b * 16 + h).to(gl.int64) * N + rows
+    if ACCUMULATE:  # merge with the launches before this one (common.merge_partial)
+        if PACKED:
+            lse_acc = gl.load(lse_rows, mask=real, other=float("-inf"))
+        else:
+            offs = ((b * N + gl.expand_dims(rows, 1)).to(gl.int64) * 16 + h) * 128 \
+                + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
+            lse_acc = gl.load(lse_rows)
         top = gl.maximum(lse_acc, lse)              # finite: this launch's lse is
         w_acc = gl.exp(lse_acc - top)
         w_new = gl.exp(lse - top)
         total = w_acc + w_new
-        out_acc = gl.where(gl.expand_dims(w_acc > 0.0, 1), gl.load(Out + offs).to(gl.float32)
-                           * gl.expand_dims(w_acc, 1), 0.0)
+        kept = gl.expand_dims(w_acc > 0.0, 1)
+        if PACKED:
+            out_prev = gl.load(Out + offs, mask=gl.expand_dims(real, 1), other=0.0)
+        else:
+            out_prev = gl.load(Out + offs)
+        out_acc = gl.where(kept, out_prev.to(gl.float32) * gl.expand_dims(w_acc, 1), 0.0)
         out = (out_acc + out * gl.expand_dims(w_new, 1)) / gl.expand_dims(total, 1)
         lse = top + gl.log(total)
-    q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128]).store(out.to(dtype))   # its Q buffer holds its output
-    fence_async_shared()
-    tma_store(o_desc, [b * (N // R) + s * (W // R) + q0, (h % R) * 16 + h, 0],
-              q_smem.index(WG))
-    gl.store(lse_rows, lse)
+    if PACKED:
+        if q0 + GLUON_LANE_ROWS <= cnt:
+            q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128]).store(out.to(dtype))
+            fence_async_shared()
+            p0 = s0 + s * W + h % R
+            tma_store(o_desc, [p0 // R + q0, (p0 % R) * 16 + h, 0], q_smem.index(WG))
+        else:
+            gl.store(Out + offs, out.to(dtype), mask=gl.expand_dims(real, 1))
+        gl.store(lse_rows, lse, mask=real)
+    else:
+        q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128]).store(out.to(dtype))   # its Q buffer holds its output
+        fence_async_shared()
+        tma_store(o_desc, [b * (N // R) + s * (W // R) + q0, (h % R) * 16 + h, 0],
+                  q_smem.index(WG))
+        gl.store(lse_rows, lse)
     if CLEAR:   # the first launch where no branch keeps every row: "no branch" (0, -inf) into
         # the rows of the tile's span that other offsets c than o keep (common.gap_rows)
         offs_d = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout)), 0)
@@ -1726,32 +1784,62 @@ def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.c
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_write0(p):
-    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, False)
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, False, False)
 
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_write1(p):
-    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, False)
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, False, False)
 
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_add0(p):
-    longnet_causal_gqa_gluon_lanes_consume(p, 0, True, False)
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, True, False, False)
 
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_add1(p):
-    longnet_causal_gqa_gluon_lanes_consume(p, 1, True, False)
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, True, False, False)
 
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_clear0(p):
-    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, True)
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, True, False)
 
 
 @gluon.jit
 def longnet_causal_gqa_gluon_lanes_clear1(p):
-    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, True)
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, True, False)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_packed_write0(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, False, False, True)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_packed_write1(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, False, False, True)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_packed_add0(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 0, True, False, True)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_packed_add1(p):
+    longnet_causal_gqa_gluon_lanes_consume(p, 1, True, False, True)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_producer(p):
+    longnet_causal_gqa_gluon_lanes_produce(p, False)
+
+
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_packed_producer(p):
+    longnet_causal_gqa_gluon_lanes_produce(p, True)
 
 
 @gluon.jit
@@ -1802,9 +1890,59 @@ def longnet_causal_gqa_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, 
                             (longnet_causal_gqa_gluon_lanes_producer, (p,))], [4, 1], [240, 24])
 
 
+@gluon.jit
+def longnet_causal_gqa_gluon_lanes_packed(q_desc, o_desc, k_desc, v_desc, V, Out, Lse, SeqStart, SeqLen, N, W: gl.constexpr,
+                         R: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """The lanes over packed rows (runtime.varlen): the same work for sequence b of the launch
+    group, rows SeqStart[b] + [0, SeqLen[b]), its segments from its first row, the last one
+    maybe short (SPEC 2.1: its lanes end early).
+    q_desc, o_desc   q and out as (N/R, R*H, D), N all the packed rows (a multiple of R): the lane
+                     starting at row p0 is the rows p0 // R + j, column (p0 mod R)*H + h
+    k_desc, v_desc   k and v as (N/R, R*H_kv, D); boxes of 128
+    V, Out           v and out (N, H_kv or H, D): a block past the lane's last key, the lanes of a
+                     tile past it (runtime/gluon_packed.py)
+    Lse              (H, N)
+    program          (s*T + t, b*H + h) as longnet_causal_gqa_gluon_lanes'; a tile past its lane's end does nothing"""
+    dtype: gl.constexpr = q_desc.dtype
+    n_tiles: gl.constexpr = W // R // (2 * GLUON_LANE_ROWS)
+    s = gl.program_id(0) // n_tiles
+    mt = n_tiles - 1 - gl.program_id(0) % n_tiles
+    b = gl.program_id(1) // 16
+    h = gl.program_id(1) % 16
+    s0 = gl.load(SeqStart + b)
+    n = gl.load(SeqLen + b)
+    # the lane's keys: offset o = h mod R of the segment's min(n - s*W, W) rows
+    cnt = gl.maximum(gl.minimum(n - s * W, W) - h % R + R - 1, 0) // R
+    if mt * (2 * GLUON_LANE_ROWS) >= cnt:
+        return
+    q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANE_ROWS, 1, 128], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [GLUON_LANE_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(GLUON_LANE_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+    p = (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
+         b, h, s, mt, N, W, R, s0, cnt, V)
+    if ACCUMULATE:
+        gl.warp_specialize([(longnet_causal_gqa_gluon_lanes_packed_add0, (p,)), (longnet_causal_gqa_gluon_lanes_packed_add1, (p,)),
+                            (longnet_causal_gqa_gluon_lanes_packed_producer, (p,))], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([(longnet_causal_gqa_gluon_lanes_packed_write0, (p,)), (longnet_causal_gqa_gluon_lanes_packed_write1, (p,)),
+                            (longnet_causal_gqa_gluon_lanes_packed_producer, (p,))], [4, 1], [240, 24])
+
+
 attention = GeneratedAttention(SPEC, PLAN, forward_kernel=longnet_causal_gqa_fwd_kernel,
                                backward_kernels=BACKWARD_KERNELS,
                                decode_kernels=DECODE_KERNELS,
                                lane_kernel=longnet_causal_gqa_fwd_lanes,
                                curve_kernel=None,
-                               gluon_lanes=longnet_causal_gqa_gluon_lanes)
+                               gluon_lanes=longnet_causal_gqa_gluon_lanes,
+                               gluon_lanes_packed=longnet_causal_gqa_gluon_lanes_packed)

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 89e06763c2cb354e
+# template hash: aaaac7bd828346e9
 # plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1616,7 +1616,7 @@ def slide_tiles_gluon_fwd_packed(q_desc, o_desc, k0, v0, V, Out, Lse, SeqStart, 
                      column ((s0 + u) mod L)*H + h (rows a multiple of L)
     k<i>, v<i>       branch i's keys as (rows/r, r*H_kv, D), as the fixed-length kernel's
     V, Out           v and out (rows, H_kv or H, D): a lane's partial last block of V, a tile's
-                     rows past its sequence's end (runtime/gluon_launch.py gluon_packed_launch)
+                     rows past its sequence's end (runtime/gluon_packed.py gluon_packed_launch)
     Lse              (H, rows)
     program          (d + L*t, b*H + h) as slide_tiles_gluon_fwd's; a tile past the sequence's end does nothing"""
     dtype: gl.constexpr = q_desc.dtype
@@ -2113,8 +2113,9 @@ def slide_tiles_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexp
         w_acc = gl.exp(lse_acc - top)
         w_new = gl.exp(lse - top)
         total = w_acc + w_new
-        out_acc = gl.where(gl.expand_dims(w_acc > 0.0, 1), gl.load(Out + offs).to(gl.float32)
-                           * gl.expand_dims(w_acc, 1), 0.0)
+        kept = gl.expand_dims(w_acc > 0.0, 1)
+        out_prev = gl.load(Out + offs)
+        out_acc = gl.where(kept, out_prev.to(gl.float32) * gl.expand_dims(w_acc, 1), 0.0)
         out = (out_acc + out * gl.expand_dims(w_new, 1)) / gl.expand_dims(total, 1)
         lse = top + gl.log(total)
     gl.store(Out + offs, out.to(dtype))     # scattered to the rows' raster places

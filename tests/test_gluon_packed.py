@@ -1,5 +1,5 @@
 """sm90's Gluon kernels over packed rows (the `_packed` forward, dQ and dK/dV of
-templates/gluon_fwd.py.jinja, gluon_dq.py.jinja, gluon_bwd.py.jinja; runtime.gluon_launch
+templates/gluon_fwd.py.jinja, gluon_dq.py.jinja, gluon_bwd.py.jinja; runtime.gluon_packed
 gluon_packed_launch, gluon_dq_packed_launch, gluon_dkdv_packed_launch): on the CPU, which
 plans carry them, when a call takes them and that they compile for sm90; on an sm90 GPU,
 packed and padded batches against the float64 reference run on each sequence alone (outputs
@@ -15,7 +15,7 @@ import triton
 
 import dilgen
 from dilgen.reference import differentiable_reference
-from dilgen.runtime import gluon_launch
+from dilgen.runtime import gluon_launch, gluon_packed
 
 from conftest import needs_gluon, on_sm90, rel_error
 
@@ -58,7 +58,7 @@ def test_a_cpu_call_or_dropout_takes_the_tl_kernel(tmp_path):
     k = v = torch.randn(64, 2, 128, dtype=torch.bfloat16)
     seqs = (torch.tensor([0], dtype=torch.int32), torch.tensor([64], dtype=torch.int32))
     out, lse = torch.empty_like(q), torch.empty(8, 64)
-    assert gluon_launch.gluon_packed_launch(attn, q, k, v, out, lse, seqs, 1, 64) is None
+    assert gluon_packed.gluon_packed_launch(attn, q, k, v, out, lse, seqs, 1, 64) is None
 
 
 @needs_gluon
@@ -120,9 +120,9 @@ def test_build_models_the_packed_kernels_as_the_runtime_launches_them(cache_dir)
     k, v, dk, dv = (torch.randn(4096, 2, 128, dtype=torch.bfloat16) for _ in range(4))
     lse, delta = torch.empty(8, 4096), torch.empty(8, 4096)
     seqs = (torch.tensor([0, 1000], dtype=torch.int32), torch.tensor([1000, 3096], dtype=torch.int32))
-    real = {"gluon_forward_packed": gluon_launch.gluon_packed_args(plan, q, k, v, out, lse, seqs, 4096),
-            "gluon_dq_packed": gluon_launch.gluon_dq_packed_args(plan, q, k, v, g, lse, delta, dq, seqs, 4096),
-            "gluon_dkdv_packed": gluon_launch.gluon_dkdv_packed_args(plan, q, k, v, g, lse, delta, dk, dv, seqs,
+    real = {"gluon_forward_packed": gluon_packed.gluon_packed_args(plan, q, k, v, out, lse, seqs, 4096),
+            "gluon_dq_packed": gluon_packed.gluon_dq_packed_args(plan, q, k, v, g, lse, delta, dq, seqs, 4096),
+            "gluon_dkdv_packed": gluon_packed.gluon_dkdv_packed_args(plan, q, k, v, g, lse, delta, dk, dv, seqs,
                                                                     4096)}
     backend = make_backend(GPUTarget("cuda", 90, 32))
     for role in roles:

@@ -53,7 +53,7 @@ def _gluon_packed_args(plan: dict, role: str, N: int, base: dict) -> tuple:
     """The packed Gluon kernels' arguments for a packed call of N rows, as
     runtime/gluon_launch.py makes them (the sequences' starts and lengths are device values)."""
     import torch
-    from ..runtime.gluon_launch import gluon_dkdv_packed_args, gluon_dq_packed_args, gluon_packed_args
+    from ..runtime.gluon_packed import gluon_dkdv_packed_args, gluon_dq_packed_args, gluon_packed_args
     x, f32, seqs = _mock(base["dtype"]), _mock(torch.float32), (_mock(torch.int32), _mock(torch.int32))
     if role == "gluon_forward_packed":
         return gluon_packed_args(plan, x, x, x, x, f32, seqs, N)
@@ -135,7 +135,8 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
                                 ("gluon_dq_lanes", "gluon_dq_lanes_fn", False),
                                 ("gluon_forward_packed", "gluon_packed_fn", True),
                                 ("gluon_dkdv_packed", "gluon_dkdv_packed_fn", False),
-                                ("gluon_dq_packed", "gluon_dq_packed_fn", False)):
+                                ("gluon_dq_packed", "gluon_dq_packed_fn", False),
+                                ("gluon_lanes_packed", "gluon_lanes_packed_fn", True)):
         fn = getattr(attention, attr, None)
         if fn is not None:
             from ..runtime.gluon_launch import OPTIONS
@@ -188,9 +189,11 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.append(Launch(role, fn, _gluon_args(plan, role, N, base), opts))
         elif role in ("gluon_forward_packed", "gluon_dkdv_packed", "gluon_dq_packed"):
-            # a packed call of N rows (runtime/gluon_launch.py _packed_takes: N a multiple of L)
+            # a packed call of N rows (runtime/gluon_packed.py _packed_takes: N a multiple of L)
             if N % lattice == 0 and (role == "gluon_forward_packed" or plan["config"].get(role[:-len("_packed")])):
                 out.append(Launch(role, fn, _gluon_packed_args(plan, role, N, base), opts))
+        elif role == "gluon_lanes_packed":      # a packed call of N rows whose sequences cover them
+            out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_packed_args(plan, N, base))
         elif role in ("gluon_lanes", "gluon_raster_lanes"):    # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_fwd_args(plan, role, N, base))
@@ -315,4 +318,22 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tup
                 out.append(gluon_dq_lanes_args(plan, mock, mock, mock, mock, f32, f32, mock, 1, N, br,
                                                n > 0 or fused_q, n == 0 and plan.get("gap_lane") is not None,
                                                _dropout_values(plan, base)))
+    return out
+
+
+def _gluon_lanes_packed_args(plan: dict, N: int, base: dict) -> list[tuple]:
+    """The causal Gluon lanes over packed rows: per lane branch it takes (runtime/gluon_packed.py
+    gluon_lanes_packed_launch: not a first launch that clears, N a multiple of r), in launch
+    order, for a packing whose sequences cover the N rows (the first launch writes)."""
+    import torch
+    from ..gluon_plan import gluon_lane_branch
+    from ..runtime.gluon_packed import gluon_lanes_packed_args
+    from ..runtime.grids import lane_order
+    x, f32, seqs, out = _mock(base["dtype"]), _mock(torch.float32), (_mock(torch.int32), _mock(torch.int32)), []
+    fused = any(not br["lanes"] for br in plan["branches"])
+    for n, i in enumerate(lane_order(plan)):
+        br = plan["branches"][i]
+        clears = n == 0 and not fused and plan.get("gap_lane") is not None
+        if not clears and N % br["r"] == 0 and gluon_lane_branch(br["w"], br["r"], plan["config"]["gluon_lanes"][0]):
+            out.append(gluon_lanes_packed_args(plan, x, x, x, x, f32, seqs, N, br, n > 0 or fused))
     return out

@@ -45,7 +45,7 @@ class GeneratedAttention:
                  lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
                  gluon_dkdv=None, gluon_dq=None, gluon_lanes=None, gluon_dkdv_lanes=None,
                  gluon_dq_lanes=None, gluon_raster_lanes=None, gluon_packed=None,
-                 gluon_dq_packed=None, gluon_dkdv_packed=None) -> None:
+                 gluon_dq_packed=None, gluon_dkdv_packed=None, gluon_lanes_packed=None) -> None:
         if plan.get("fused_dkdv") and not any(b.get("fused_dkdv") for b in plan["branches"]):
             # a module generated before BranchIR.fused_dkdv: runtime.grids.dkdv_per_branch would
             # run every branch again after its fused dK/dV launch (dK, dV counted twice)
@@ -64,6 +64,7 @@ class GeneratedAttention:
         self.gluon_dq_packed_fn = gluon_dq_packed  # the Gluon dQ over packed rows (sm90) or None
         self.gluon_dkdv_packed_fn = gluon_dkdv_packed  # the Gluon dK/dV over packed rows (sm90) or None
         self.gluon_lanes_fn = gluon_lanes          # sm90's Gluon lane branches (@gluon.jit) or None
+        self.gluon_lanes_packed_fn = gluon_lanes_packed    # the causal Gluon lanes over packed rows (sm90) or None
         self.gluon_raster_lanes_fn = gluon_raster_lanes    # beside curve lanes, the raster ones (sm90) or None
         self.gluon_dkdv_lanes_fn = gluon_dkdv_lanes    # sm90's Gluon causal dK/dV per branch or None
         self.gluon_dq_lanes_fn = gluon_dq_lanes        # sm90's Gluon causal lane dq or None
@@ -154,6 +155,11 @@ class GeneratedAttention:
     def gluon_lanes_kernel(self):
         """The Gluon lane branches as launched on a GPU (as gluon_kernel); None without one."""
         return self._gluon("gluon_lanes", self.gluon_lanes_fn)
+
+    @property
+    def gluon_lanes_packed_kernel(self):
+        """The causal Gluon lanes over packed rows as launched on a GPU (as gluon_kernel); None without one."""
+        return self._gluon("gluon_lanes_packed", self.gluon_lanes_packed_fn)
 
     @property
     def gluon_raster_lanes_kernel(self):

@@ -11,7 +11,8 @@ import torch
 
 from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
-from .gluon_launch import gluon_lanes_launch, gluon_launch, gluon_packed_launch
+from .gluon_launch import gluon_lanes_launch, gluon_launch
+from .gluon_packed import gluon_lanes_packed_launch, gluon_packed_launch
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
 from .replay import Recorder, enabled, keep, lookup, recording_into, signature, split_dropout
@@ -91,9 +92,11 @@ def _forward(attn, q, k, v, packing, dropout=()) -> tuple[torch.Tensor, torch.Te
     with recording_into(recorder):      # copies of curve-ordered rows launch as they are made
         _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
                      packing, interpret, writes_all, clears, varlen, dropout)
-    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed forward's partial blocks
-    allocator = not interpret and bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma") or (
-        varlen and attn.gluon_packed_fn is not None and any(x[0] is attn.gluon_packed_kernel for x in launches)))
+    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed kernels' partial blocks
+    packed_gluon = [g for g in (attn.gluon_packed_kernel, attn.gluon_lanes_packed_kernel) if g is not None] \
+        if varlen and not interpret else []
+    allocator = not interpret and bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")
+                                       or any(x[0] is g for x in launches for g in packed_gluon))
     if allocator:
         ensure_descriptor_allocator()
     if record:
@@ -136,8 +139,12 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
         accumulate, clear = fused or not (writes_all or clears), clears
         for i in lanes:
             br = plan["branches"][i]
-            gluon = None if (interpret or varlen) else \
-                gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear, dropout)
+            if interpret:
+                gluon = None
+            elif varlen:
+                gluon = gluon_lanes_packed_launch(attn, q, k, v, out, lse, seqs, B, N, br, accumulate, clear, dropout)
+            else:
+                gluon = gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear, dropout)
             if gluon is not None:   # the same work as the lane kernel, in Gluon (sm90)
                 launches.append(gluon)
                 accumulate, clear = True, False

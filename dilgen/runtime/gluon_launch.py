@@ -11,13 +11,7 @@ are the lane s·w_i + o + r_i·j of segment s. A 64-row (queries) or 128-row (ke
 view is a TMA load of dilated rows. The dK/dV reads the other way round: keys through the
 lattice's view, each branch's query and dO lanes through (B·N/r_i, r_i·H, D). The descriptors are made on the host (made in the kernel,
 by each program, they cost A 1.724 -> 1.844 ms; bench/results/gluon_dilgen_check-2026-11-27-h200.json);
-a replay makes them again over the call's tensors (replay.Descriptor).
-
-Packed rows (runtime.varlen) take the same host descriptors over all the rows (B = 1,
-N = rows): sequence b's lane starting at row p0 is row p0 // r, column (p0 mod r)·H + h of a
-branch's view, whatever b's start. Only a lane's partial last block is read through a
-descriptor made in the kernel (common.jinja gluon_packed_helpers: _lane_box), which ends at
-the lane's last row."""
+a replay makes them again over the call's tensors (replay.Descriptor). Packed rows: runtime.gluon_packed."""
 from __future__ import annotations
 
 import torch
@@ -67,73 +61,6 @@ def gluon_launch(attn, q, k, v, out, lse, B: int, N: int, dropout: tuple = ()):
         return None
     return (attn.gluon_kernel, (N // 128, B * plan["num_heads"]),
             (*gluon_args(plan, q, k, v, out, lse, B, N), *dropout), OPTIONS)
-
-
-def _packed_takes(attn, fn, dropout: tuple, *tensors) -> bool:
-    """Whether a launch group of packed rows runs the Gluon kernel `fn`: no dropout, sm90, the
-    tensors contiguous and 16-byte aligned, and the rows a multiple of the lattice L (each
-    branch's view (rows/r, r*H_kv, D) then holds every row; TMA reads zeros past its end)."""
-    q = tensors[0]
-    return not (dropout or fn is None or q.shape[0] % attn.plan["query"]["lattice"] or q.device.type != "cuda"
-                or not _sm90(q.device) or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))
-
-
-def _packed_grid(plan: dict, B: int, N: int, heads: str = "num_heads") -> tuple:
-    """(L * tiles of 128 lattice rows of the longest sequence N, B sequences * the plan's
-    `heads`: query heads, or kv heads for the dK/dV)."""
-    L = plan["query"]["lattice"]
-    return L * -(-(-(-N // L)) // 128), B * plan[heads]
-
-
-def gluon_packed_launch(attn, q, k, v, out, lse, seqs: tuple, B: int, N: int, dropout: tuple = ()):
-    """(kernel, grid, args, options) of the Gluon forward over packed rows for one launch group
-    (`seqs`: its starts and lengths, B sequences, the longest N), or None when the group takes
-    the `tl` kernel (_packed_takes)."""
-    if not _packed_takes(attn, attn.gluon_packed_fn, dropout, q, k, v, out):
-        return None
-    return (attn.gluon_packed_kernel, _packed_grid(attn.plan, B, N),
-            gluon_packed_args(attn.plan, q, k, v, out, lse, seqs, q.shape[0]), OPTIONS)
-
-
-def gluon_packed_args(plan: dict, q, k, v, out, lse, seqs: tuple, rows: int) -> tuple:
-    """The packed forward's arguments: the fixed-length forward's descriptors over all the
-    rows (gluon_args at B = 1, N = rows), v and out (partial blocks, row-by-row stores), lse,
-    the group's starts and lengths, rows."""
-    return (*gluon_args(plan, q, k, v, out, lse, 1, rows)[:-2], v, out, lse, *seqs, rows)
-
-
-def gluon_dq_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dq, seqs: tuple, rows: int) -> tuple:
-    """The packed dQ's arguments: gluon_dq_args' descriptors at B = 1, N = rows, k and v,
-    lse, Delta, dq, the group's starts and lengths, rows."""
-    return (*gluon_dq_args(plan, q, k, v, grad_out, lse, delta, dq, 1, rows)[:-4], k, v, lse, delta, dq, *seqs, rows)
-
-
-def gluon_dkdv_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, rows: int) -> tuple:
-    """The packed dK/dV's arguments: gluon_dkdv_args' descriptors at B = 1, N = rows, q and dO,
-    lse, Delta, dk, dv, the group's starts and lengths, rows."""
-    return (*gluon_dkdv_args(plan, q, k, v, grad_out, lse, delta, dk, dv, 1, rows)[:-5], q, grad_out, lse, delta,
-            dk, dv, *seqs, rows)
-
-
-def gluon_dq_packed_launch(attn, q, k, v, grad_out, lse, delta, dq, seqs: tuple, B: int, N: int, dropout: tuple = ()):
-    """(kernel, grid, args, options) of the Gluon dQ over packed rows for one launch group, or
-    None (as gluon_packed_launch)."""
-    if not (attn.plan["config"].get("gluon_dq")
-            and _packed_takes(attn, attn.gluon_dq_packed_fn, dropout, q, k, v, grad_out, dq)):
-        return None
-    return (attn.gluon_dq_packed_kernel, _packed_grid(attn.plan, B, N),
-            gluon_dq_packed_args(attn.plan, q, k, v, grad_out, lse, delta, dq, seqs, q.shape[0]), OPTIONS)
-
-
-def gluon_dkdv_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, B: int, N: int):
-    """(kernel, grid, args, options) of the Gluon dK/dV over packed rows for one launch group,
-    or None (as gluon_packed_launch): program (c + L*t, b*H_kv + kvh)."""
-    plan = attn.plan
-    if not (plan["config"].get("gluon_dkdv")
-            and _packed_takes(attn, attn.gluon_dkdv_packed_fn, (), q, k, v, grad_out, dk, dv)):
-        return None
-    return (attn.gluon_dkdv_packed_kernel, _packed_grid(plan, B, N, "num_kv_heads"),
-            gluon_dkdv_packed_args(plan, q, k, v, grad_out, lse, delta, dk, dv, seqs, q.shape[0]), OPTIONS)
 
 
 def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumulate: bool, clear: bool = False,

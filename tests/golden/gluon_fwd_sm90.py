@@ -330,7 +330,7 @@ def gx_gluon_fwd_packed(q_desc, o_desc, k0, k1, k2, v0, v1, v2, V, Out, Lse, Seq
                      column ((s0 + u) mod L)*H + h (rows a multiple of L)
     k<i>, v<i>       branch i's keys as (rows/r, r*H_kv, D), as the fixed-length kernel's
     V, Out           v and out (rows, H_kv or H, D): a lane's partial last block of V, a tile's
-                     rows past its sequence's end (runtime/gluon_launch.py gluon_packed_launch)
+                     rows past its sequence's end (runtime/gluon_packed.py gluon_packed_launch)
     Lse              (H, rows)
     program          (d + L*t, b*H + h) as gx_gluon_fwd's; a tile past the sequence's end does nothing"""
     dtype: gl.constexpr = q_desc.dtype

@@ -386,5 +386,6 @@ attention = GeneratedAttention(SPEC, PLAN, forward_kernel=gla_fwd_kernel,
                                lane_kernel=gla_fwd_lanes,
                                curve_kernel=None,
                                gluon_lanes=gla_gluon_lanes,
+                               gluon_lanes_packed=gla_gluon_lanes_packed,
                                gluon_dkdv_lanes=gla_gluon_dkdv_lanes,
                                gluon_dq_lanes=gla_gluon_dq_lanes)

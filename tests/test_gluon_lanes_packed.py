@@ -1,0 +1,242 @@
+"""sm90's causal Gluon lanes over packed rows (templates/gluon_lanes.py.jinja `_lanes_packed`,
+runtime.gluon_packed gluon_lanes_packed_launch): on the CPU, which plans carry the kernel,
+when a launch takes it, that it compiles for sm90 and that `dilgen build` models it; on an
+sm90 GPU, packed causal batches against the float64 reference run on each sequence alone
+(outputs poisoned first), with short last segments, lanes that end inside a key block, tiles
+past a lane's end, and inf and NaN in the rows beside a sequence that must not reach it."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import triton
+
+import dilgen
+from dilgen.reference import differentiable_reference
+from dilgen.runtime import gluon_launch, gluon_packed
+
+from conftest import needs_gluon, on_sm90, rel_error
+
+CAUSAL = dict(num_heads=8, num_kv_heads=2, head_dim=128, segment_lengths=[512, 1024, 2048],
+              dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
+
+
+def _spec(name, **over):
+    return dilgen.Spec(name=name, **dict(CAUSAL, **over))
+
+
+def _module(tmp_path, spec, dropout=False):
+    from dilgen import codegen
+    from dilgen.planner import plan
+    from dilgen.targets import get_target
+    path = tmp_path / f"{spec.name}.py"
+    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": dropout})))
+    found = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(found)
+    found.loader.exec_module(mod)
+    return mod
+
+
+@needs_gluon
+def test_causal_plans_without_dropout_carry_the_packed_lanes(tmp_path):
+    mod = _module(tmp_path, _spec("lp_plain"))
+    assert mod.attention.gluon_lanes_packed_fn is mod.lp_plain_gluon_lanes_packed
+    dropped = _module(tmp_path, _spec("lp_drop"), dropout=True)
+    assert dropped.attention.gluon_lanes_packed_fn is None and not hasattr(dropped, "lp_drop_gluon_lanes_packed")
+    plain = _module(tmp_path, _spec("lp_nc", causal=False))     # no lane branch: the lattice's packed kernels
+    assert plain.attention.gluon_lanes_packed_fn is None and plain.attention.gluon_packed_fn is not None
+
+
+@needs_gluon
+def test_a_cpu_call_a_clearing_launch_or_rows_off_the_rate_take_the_tl_lanes(tmp_path):
+    attn = _module(tmp_path, _spec("lp_cpu")).attention
+    br = attn.plan["branches"][2]                 # w = 2048, r = 4
+    seqs = (torch.tensor([0], dtype=torch.int32), torch.tensor([64], dtype=torch.int32))
+
+    def launch(rows, device="cpu", clear=False):
+        q = torch.randn(rows, 8, 128, dtype=torch.bfloat16, device=device)
+        k = v = torch.randn(rows, 2, 128, dtype=torch.bfloat16, device=device)
+        return gluon_packed.gluon_lanes_packed_launch(attn, q, k, v, torch.empty_like(q),
+                                                      torch.empty(8, rows, device=device), seqs, 1, rows, br,
+                                                      True, clear)
+    assert launch(64) is None                                     # the CPU
+    if torch.cuda.is_available() and gluon_launch._sm90(torch.device("cuda")):
+        assert launch(64, "cuda") is not None
+        assert launch(64, "cuda", clear=True) is None             # a first launch writing the gaps: `tl`
+        assert launch(66, "cuda") is None                         # rows not a multiple of r = 4: `tl`
+
+
+@needs_gluon
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
+def test_compiles_for_sm90_without_a_gpu(tmp_path):
+    """Writing and merging: the PTX has the warpgroup MMAs, TMA loads through the host
+    descriptors and the descriptor a lane's last block of V is read through, made in the kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = _module(tmp_path, _spec("lp_ptx"))
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows}, 1, 128],{gl.NVMMASharedLayout.get_default_for([rows, 1, 128], gl.bfloat16)!r}>"
+    sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "V": "*bf16",
+           "Out": "*bf16", "Lse": "*fp32", "SeqStart": "*i32", "SeqLen": "*i32", "N": "i32",
+           "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
+    for merge in (False, True):
+        kernel = triton.compile(GluonASTSource(mod.lp_ptx_gluon_lanes_packed, sig, {(10,): 1024, (11,): 2, (12,): merge}),
+                                target=GPUTarget("cuda", 90, 32), options=dict(gluon_launch.OPTIONS))
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+        assert "tensormap.replace" in ptx
+        assert kernel.metadata.global_scratch_size >= 128
+
+
+@needs_gluon
+def test_build_models_the_packed_lanes_as_the_runtime_launches_them(cache_dir):
+    """`dilgen build`'s launch model has the packed lanes of every branch for a packed call of N
+    rows (the first, r = 1, writing; the others merging), and its MockTensor arguments give a
+    real call's specialization."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from dilgen.aot.binder import specialize
+    from dilgen.aot.launch_model import predicted_launches
+    from dilgen.compiler import build
+    from dilgen.runtime.grids import lane_order
+    from dilgen.targets import get_target
+    attn = build(_spec("lp_aot"), get_target("sm90"), {}).module.attention
+    model = [x for x in predicted_launches(attn, 4096) if x.role == "gluon_lanes_packed"]
+    assert len(model) == 3
+    assert len([x for x in predicted_launches(attn, 4097) if x.role == "gluon_lanes_packed"]) == 1   # r = 1 only
+    q, out = (torch.randn(4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(4096, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    seqs = (torch.tensor([0, 1000], dtype=torch.int32), torch.tensor([1000, 3096], dtype=torch.int32))
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    for n, (launch, i) in enumerate(zip(model, lane_order(attn.plan))):
+        br = attn.plan["branches"][i]
+        real = gluon_packed.gluon_lanes_packed_args(attn.plan, q, k, v, out, torch.empty(8, 4096), seqs, 4096, br,
+                                                    n > 0)
+        want = specialize(launch.source_fn, backend, real, gluon_launch.OPTIONS).desc
+        assert specialize(launch.source_fn, backend, launch.args, launch.launch_opts).desc == want, n
+
+
+# -- on an sm90 GPU ---------------------------------------------------------------------
+PACKED = [
+    # short sequences (a short last segment per branch), lanes ending inside a key block, a 7-row one
+    ("short_and_long", dict(), [1000, 4096, 389, 2178, 7, 518]),
+    ("head_base_mha", dict(head_base=4, num_kv_heads=8), [2051, 515, 1470]),
+    ("rate_8", dict(dilation_rates=[1, 2, 8]), [3001, 1100, 127, 4]),   # lanes of 119 to 120 keys
+]
+
+
+def _inputs(spec, total, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, spec.num_heads, spec.head_dim, generator=g)
+    k, v = (torch.randn(total, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
+    return [t.to(torch.bfloat16).cuda() for t in (q, k, v)]
+
+
+def _taken(monkeypatch):
+    from dilgen.runtime import forward
+    taken = []
+
+    def spy(*args, real=forward.gluon_lanes_packed_launch):
+        got = real(*args)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(forward, "gluon_lanes_packed_launch", spy)
+    return taken
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    assert cu[-1] % 4 == 0
+    return cu
+
+
+def _check_sequences(spec, q, k, v, out, lse, cu, skip=()):
+    for b in range(len(cu) - 1):
+        a, e = cu[b], cu[b + 1]
+        if e == a or b in skip:
+            continue
+        ro, rl = differentiable_reference(*(t[a:e].double().cpu().unsqueeze(0) for t in (q, k, v)), spec)
+        assert torch.isfinite(out[a:e]).all(), f"sequence {b}: non-finite or unwritten rows"
+        assert rel_error(out[a:e].cpu(), ro[0]) < 2e-2, f"sequence {b}"
+        assert (lse[:, a:e].cpu().double() - rl[0]).abs().max() < 0.4, f"sequence {b}: lse"
+
+
+@on_sm90
+@pytest.mark.parametrize("case", PACKED, ids=[c[0] for c in PACKED])
+def test_packed_causal_rows_match_the_float64_reference_on_sm90(case, monkeypatch):
+    name, over, lengths = case
+    spec = _spec("lp_" + name, **over)
+    cu = _cu(lengths)
+    taken = _taken(monkeypatch)
+    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
+    assert taken and all(taken), taken
+    _check_sequences(spec, q, k, v, out, lse, cu)
+
+
+@on_sm90
+def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
+    """Sequence 1 (389 rows) ends inside key blocks of every branch; the rows after it,
+    sequence 2's, hold inf and NaN in q, k and v. Every other sequence is exact, and the
+    gradients (the `tl` backward over the Gluon forward's lse) too."""
+    spec = _spec("lp_beside")
+    cu = [0, 1000, 1389, 2400, 4096]
+    taken = _taken(monkeypatch)
+    q, k, v = _inputs(spec, cu[-1], seed=11)
+    for t in (q, k, v):
+        t[1389:1395], t[1395:1400] = float("inf"), float("nan")
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out, lse = dilgen.compile(spec)(*leaves, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
+    assert taken and all(taken), taken
+    _check_sequences(spec, q, k, v, out.detach(), lse, cu, skip={2})
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype).cuda()
+    grad[1389:2400] = 0
+    (out * grad).sum().backward()
+    for b in (0, 1, 3):
+        a, e = cu[b], cu[b + 1]
+        ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        ro, _ = differentiable_reference(*ref_in, spec)
+        (ro[0] * grad[a:e].double().cpu()).sum().backward()
+        for mine, ref, what in zip((q, k, v), ref_in, "qkv"):
+            assert rel_error(mine.grad[a:e], ref.grad[0]) < 4e-2, f"sequence {b}: d{what}"
+
+
+@on_sm90
+def test_replays_and_a_cuda_graph_give_the_bits_of_a_fresh_call_on_sm90(monkeypatch):
+    """Packed causal calls of one layout replay the first one's launches with their own
+    offsets (the in-kernel descriptors in fresh scratch); a CUDA graph replays to the eager
+    call's bits."""
+    from dilgen.runtime import replay
+    spec = _spec("lp_replay")
+    kernel = dilgen.compile(spec)
+    taken = _taken(monkeypatch)
+
+    def step(q, k, v, cu):
+        return kernel(q, k, v, cu_seqlens=cu, return_lse=True)
+    for i, lens in enumerate(([1000, 389, 2711], [389, 2711, 1000], [2711, 1000, 389])):   # one layout
+        cu = torch.tensor(_cu(lens), dtype=torch.int32).cuda()
+        q, k, v = _inputs(spec, 4100, seed=30 + i)
+        got = step(q, k, v, cu)
+        replay.ENABLED = False
+        try:
+            want = step(q, k, v, cu)
+        finally:
+            replay.ENABLED = True
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+    assert taken and all(taken)
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(q, k, v, cu)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = step(q, k, v, cu)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
