@@ -24,9 +24,11 @@ from dilgen.targets import get_target
 from conftest import check_against_reference, forbid_dq_kernels, needs_gluon, on_sm90
 
 GOLDEN = Path(__file__).parent / "golden" / "gluon_lanes_sm90.py"           # the lanes
-GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # to the end: dK/dV and dq
+GOLDEN_BWD = Path(__file__).parent / "golden" / "gluon_lanes_bwd_sm90.py"   # dK/dV
+GOLDEN_DQ = Path(__file__).parent / "golden" / "gluon_lanes_dq_sm90.py"     # to the end: the lane dq
 MARK = "# ---- sm90: the lane branches in Gluon"
 MARK_BWD = "# ---- sm90: the dK, dV and dQ per branch in Gluon"
+MARK_DQ = "# ---- sm90: the lane dq per branch in Gluon"
 
 
 def _spec(**over):
@@ -118,14 +120,16 @@ def test_refused_by_name_where_it_cannot_run(over, tuning, why):
 def test_generated_source_is_golden_and_stable():
     text = codegen.emit(plan(_spec(), get_target("sm90")))
     assert text == codegen.emit(plan(_spec(), get_target("sm90")))
-    sections = ((GOLDEN, text[text.index(MARK):text.index(MARK_BWD)]), (GOLDEN_BWD, text[text.index(MARK_BWD):]))
+    sections = ((GOLDEN, text[text.index(MARK):text.index(MARK_BWD)]),
+                (GOLDEN_BWD, text[text.index(MARK_BWD):text.index(MARK_DQ)]), (GOLDEN_DQ, text[text.index(MARK_DQ):]))
     for golden, section in sections:
         if os.environ.get("DILGEN_UPDATE_GOLDEN") == "1":
             golden.write_text(section)
         assert section == golden.read_text(), (f"the Gluon lanes' source changed ({golden.name}); if on purpose, "
                                                "regenerate with DILGEN_UPDATE_GOLDEN=1 and review the diff")
     codegen.check_syntax(text)
-    assert "gluon_lanes=gla_gluon_lanes,\n" in text and "gluon_dq_lanes=gla_gluon_dq_lanes)" in text
+    assert "gluon_lanes=gla_gluon_lanes,\n" in text and "gluon_dq_lanes=gla_gluon_dq_lanes,\n" in text
+    assert "gluon_dq_lanes_packed=gla_gluon_dq_lanes_packed)" in text
     assert "gla_gluon_fwd" not in text
 
 

@@ -1,9 +1,10 @@
-"""sm90's causal Gluon lanes over packed rows (templates/gluon_lanes.py.jinja `_lanes_packed`,
-runtime.gluon_packed gluon_lanes_packed_launch): on the CPU, which plans carry the kernel,
-when a launch takes it, that it compiles for sm90 and that `dilgen build` models it; on an
-sm90 GPU, packed causal batches against the float64 reference run on each sequence alone
-(outputs poisoned first), with short last segments, lanes that end inside a key block, tiles
-past a lane's end, and inf and NaN in the rows beside a sequence that must not reach it."""
+"""sm90's causal Gluon lanes over packed rows, forward and backward (templates/gluon_lanes.py.jinja
+`_lanes_packed`, gluon_lanes_bwd.py.jinja `_dkdv_lanes_packed` and `_dq_lanes_packed`;
+runtime.gluon_packed): on the CPU, which plans carry the kernels, when a launch takes them,
+that they compile for sm90 and that `dilgen build` models them; on an sm90 GPU, packed causal
+batches against the float64 reference run on each sequence alone (outputs poisoned first),
+with short last segments, lanes that end inside a block, tiles past a lane's end, and inf
+and NaN in the rows beside a sequence that must not reach it."""
 from __future__ import annotations
 
 import importlib.util
@@ -42,8 +43,11 @@ def _module(tmp_path, spec, dropout=False):
 def test_causal_plans_without_dropout_carry_the_packed_lanes(tmp_path):
     mod = _module(tmp_path, _spec("lp_plain"))
     assert mod.attention.gluon_lanes_packed_fn is mod.lp_plain_gluon_lanes_packed
+    assert mod.attention.gluon_dkdv_lanes_packed_fn is mod.lp_plain_gluon_dkdv_lanes_packed
+    assert mod.attention.gluon_dq_lanes_packed_fn is mod.lp_plain_gluon_dq_lanes_packed
     dropped = _module(tmp_path, _spec("lp_drop"), dropout=True)
     assert dropped.attention.gluon_lanes_packed_fn is None and not hasattr(dropped, "lp_drop_gluon_lanes_packed")
+    assert dropped.attention.gluon_dkdv_lanes_packed_fn is None and dropped.attention.gluon_dq_lanes_packed_fn is None
     plain = _module(tmp_path, _spec("lp_nc", causal=False))     # no lane branch: the lattice's packed kernels
     assert plain.attention.gluon_lanes_packed_fn is None and plain.attention.gluon_packed_fn is not None
 
@@ -71,9 +75,9 @@ def test_a_cpu_call_a_clearing_launch_or_rows_off_the_rate_take_the_tl_lanes(tmp
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"),
                     reason="compiled under Triton 3.6, the GPU machines' version (CI's second run)")
 def test_compiles_for_sm90_without_a_gpu(tmp_path):
-    """Writing and merging: the PTX has the warpgroup MMAs, TMA loads through the host
-    descriptors and the descriptor a lane's last block of V is read through, made in the kernel."""
-    from triton.backends.compiler import GPUTarget
+    """The forward, dK/dV and dq, writing and adding: the PTX has the warpgroup MMAs, TMA loads
+    through the host descriptors and the descriptors a lane's last block is read through, made
+    in the kernel."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     mod = _module(tmp_path, _spec("lp_ptx"))
@@ -83,13 +87,27 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "V": "*bf16",
            "Out": "*bf16", "Lse": "*fp32", "SeqStart": "*i32", "SeqLen": "*i32", "N": "i32",
            "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
+    seqs = {"SeqStart": "*i32", "SeqLen": "*i32", "N": "i32", "W": "constexpr", "R": "constexpr"}
+    views = {"q_desc": desc(64), "do_desc": desc(64), "k_desc": desc(64), "v_desc": desc(64)}
+    dkdv = {**views, "Q": "*bf16", "DO": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16",
+            **seqs, "NO": "constexpr", "ACCUMULATE": "constexpr"}
+    dq = {**views, "K": "*bf16", "V": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", **seqs,
+          "ACCUMULATE": "constexpr"}
     for merge in (False, True):
-        kernel = triton.compile(GluonASTSource(mod.lp_ptx_gluon_lanes_packed, sig, {(10,): 1024, (11,): 2, (12,): merge}),
-                                target=GPUTarget("cuda", 90, 32), options=dict(gluon_launch.OPTIONS))
-        ptx = kernel.asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-        assert "tensormap.replace" in ptx
-        assert kernel.metadata.global_scratch_size >= 128
+        for fn, signature, consts in ((mod.lp_ptx_gluon_lanes_packed, sig, {(10,): 1024, (11,): 2, (12,): merge}),
+                                      (mod.lp_ptx_gluon_dkdv_lanes_packed, dkdv,
+                                       {(13,): 1024, (14,): 2, (15,): 2, (16,): merge}),
+                                      (mod.lp_ptx_gluon_dq_lanes_packed, dq, {(12,): 1024, (13,): 2, (14,): merge})):
+            _compiles(GluonASTSource(fn, signature, consts))
+
+
+def _compiles(source):
+    from triton.backends.compiler import GPUTarget
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(gluon_launch.OPTIONS))
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert "tensormap.replace" in ptx
+    assert kernel.metadata.global_scratch_size >= 128
 
 
 @needs_gluon
@@ -105,8 +123,11 @@ def test_build_models_the_packed_lanes_as_the_runtime_launches_them(cache_dir):
     from dilgen.runtime.grids import lane_order
     from dilgen.targets import get_target
     attn = build(_spec("lp_aot"), get_target("sm90"), {}).module.attention
-    model = [x for x in predicted_launches(attn, 4096) if x.role == "gluon_lanes_packed"]
+    launches = predicted_launches(attn, 4096)
+    model = [x for x in launches if x.role == "gluon_lanes_packed"]
     assert len(model) == 3
+    assert [x.role for x in launches].count("gluon_dkdv_lanes_packed") == 3
+    assert [x.role for x in launches].count("gluon_dq_lanes_packed") == 3
     assert len([x for x in predicted_launches(attn, 4097) if x.role == "gluon_lanes_packed"]) == 1   # r = 1 only
     q, out = (torch.randn(4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(4096, 2, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -136,15 +157,19 @@ def _inputs(spec, total, seed):
     return [t.to(torch.bfloat16).cuda() for t in (q, k, v)]
 
 
-def _taken(monkeypatch):
-    from dilgen.runtime import forward
+def _taken(monkeypatch, backward=False):
+    """(launcher, took Gluon) of each packed lane launch (forward; with `backward`, dK/dV and dq too)."""
+    from dilgen.runtime import backward as bwd, forward
     taken = []
-
-    def spy(*args, real=forward.gluon_lanes_packed_launch):
-        got = real(*args)
-        taken.append(got is not None)
-        return got
-    monkeypatch.setattr(forward, "gluon_lanes_packed_launch", spy)
+    spied = [(forward, "gluon_lanes_packed_launch")]
+    if backward:
+        spied += [(bwd, "gluon_dkdv_lanes_packed_launch"), (bwd, "gluon_dq_lanes_packed_launch")]
+    for module, name in spied:
+        def spy(*args, real=getattr(module, name), name=name):
+            got = real(*args)
+            taken.append((name, got is not None))
+            return got
+        monkeypatch.setattr(module, name, spy)
     return taken
 
 
@@ -176,33 +201,72 @@ def test_packed_causal_rows_match_the_float64_reference_on_sm90(case, monkeypatc
     taken = _taken(monkeypatch)
     q, k, v = _inputs(spec, cu[-1], seed=len(name))
     out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
-    assert taken and all(taken), taken
+    assert taken and all(t for _, t in taken), taken
     _check_sequences(spec, q, k, v, out, lse, cu)
 
 
 @on_sm90
 def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
     """Sequence 1 (389 rows) ends inside key blocks of every branch; the rows after it,
-    sequence 2's, hold inf and NaN in q, k and v. Every other sequence is exact, and the
-    gradients (the `tl` backward over the Gluon forward's lse) too."""
+    sequence 2's, hold inf and NaN in q, k, v and the output gradient. Every other sequence's
+    output and gradients (the Gluon dK/dV and dq) are exact."""
     spec = _spec("lp_beside")
     cu = [0, 1000, 1389, 2400, 4096]
-    taken = _taken(monkeypatch)
+    taken = _taken(monkeypatch, backward=True)
     q, k, v = _inputs(spec, cu[-1], seed=11)
     for t in (q, k, v):
         t[1389:1395], t[1395:1400] = float("inf"), float("nan")
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out, lse = dilgen.compile(spec)(*leaves, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
-    assert taken and all(taken), taken
     _check_sequences(spec, q, k, v, out.detach(), lse, cu, skip={2})
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype).cuda()
-    grad[1389:2400] = 0
+    grad[1389:1395], grad[1395:1400] = float("nan"), float("inf")
     (out * grad).sum().backward()
+    assert len(taken) == 3 * 3 and all(t for _, t in taken), taken     # per branch: forward, dK/dV, dq
     for b in (0, 1, 3):
         a, e = cu[b], cu[b + 1]
         ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
         ro, _ = differentiable_reference(*ref_in, spec)
         (ro[0] * grad[a:e].double().cpu()).sum().backward()
+        for mine, ref, what in zip((q, k, v), ref_in, "qkv"):
+            assert torch.isfinite(mine.grad[a:e]).all(), f"sequence {b}: d{what} not finite"
+            assert rel_error(mine.grad[a:e], ref.grad[0]) < 4e-2, f"sequence {b}: d{what}"
+
+
+GRADS = [
+    ("gqa_d128", dict(), [1500, 389, 2111, 1000, 4]),
+    ("mha_rate_8", dict(num_kv_heads=8, dilation_rates=[1, 2, 8]), [130, 3000, 2046, 7, 17]),
+    ("gqa_head_dim_64", dict(head_dim=64), [2600, 777, 1043, 4]),
+]
+
+
+@on_sm90
+@pytest.mark.parametrize("case", GRADS, ids=[c[0] for c in GRADS])
+def test_gradients_of_packed_causal_rows_on_sm90(case, monkeypatch):
+    """dq, dk, dv of every sequence against float64 through the Gluon dK/dV and lane dq of
+    every branch (head_dim 64: the forward and the dK/dV `tl`, the dq Gluon)."""
+    name, over, lengths = case
+    spec = _spec("lp_grad_" + name, **over)
+    cu = _cu(lengths)
+    if sum(lengths) % max(spec.dilation_rates):
+        pytest.fail("rows must be a multiple of every rate for Gluon to take every branch")
+    kernel = dilgen.compile(spec)
+    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    taken = _taken(monkeypatch, backward=True)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype).cuda()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = kernel(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    (out * grad).sum().backward()
+    attn = kernel.compiled_for(q.device).attention      # head_dim 64: its dK/dV (keys along rows) `tl`
+    wanted = ("dq",) + (("dkdv",) if attn.gluon_dkdv_lanes_packed_fn is not None else ())
+    bwd = [t for name, t in taken if any(f"_{x}_lanes" in name for x in wanted)]
+    assert bwd and all(bwd), taken
+    for b in range(len(lengths)):
+        a, e = cu[b], cu[b + 1]
+        ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        ro, _ = differentiable_reference(*ref_in, spec)
+        (ro[0] * grad[a:e].double().cpu()).sum().backward()
+        assert rel_error(out[a:e], ro[0]) < 2e-2, f"sequence {b}: out"
         for mine, ref, what in zip((q, k, v), ref_in, "qkv"):
             assert rel_error(mine.grad[a:e], ref.grad[0]) < 4e-2, f"sequence {b}: d{what}"
 
@@ -211,14 +275,16 @@ def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
 def test_replays_and_a_cuda_graph_give_the_bits_of_a_fresh_call_on_sm90(monkeypatch):
     """Packed causal calls of one layout replay the first one's launches with their own
     offsets (the in-kernel descriptors in fresh scratch); a CUDA graph replays to the eager
-    call's bits."""
+    call's bits. Forward and gradients."""
     from dilgen.runtime import replay
     spec = _spec("lp_replay")
     kernel = dilgen.compile(spec)
-    taken = _taken(monkeypatch)
+    taken = _taken(monkeypatch, backward=True)
 
     def step(q, k, v, cu):
-        return kernel(q, k, v, cu_seqlens=cu, return_lse=True)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = kernel(*leaves, cu_seqlens=cu, return_lse=True)
+        return (out, lse, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
     for i, lens in enumerate(([1000, 389, 2711], [389, 2711, 1000], [2711, 1000, 389])):   # one layout
         cu = torch.tensor(_cu(lens), dtype=torch.int32).cuda()
         q, k, v = _inputs(spec, 4100, seed=30 + i)
@@ -229,7 +295,7 @@ def test_replays_and_a_cuda_graph_give_the_bits_of_a_fresh_call_on_sm90(monkeypa
         finally:
             replay.ENABLED = True
         assert all(torch.equal(a, b) for a, b in zip(got, want)), i
-    assert taken and all(taken)
+    assert taken and all(t for _, t in taken), taken
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

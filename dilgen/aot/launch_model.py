@@ -136,7 +136,9 @@ def kernel_roles(attention) -> list[tuple[str, Callable, dict]]:
                                 ("gluon_forward_packed", "gluon_packed_fn", True),
                                 ("gluon_dkdv_packed", "gluon_dkdv_packed_fn", False),
                                 ("gluon_dq_packed", "gluon_dq_packed_fn", False),
-                                ("gluon_lanes_packed", "gluon_lanes_packed_fn", True)):
+                                ("gluon_lanes_packed", "gluon_lanes_packed_fn", True),
+                                ("gluon_dkdv_lanes_packed", "gluon_dkdv_lanes_packed_fn", False),
+                                ("gluon_dq_lanes_packed", "gluon_dq_lanes_packed_fn", False)):
         fn = getattr(attention, attr, None)
         if fn is not None:
             from ..runtime.gluon_launch import OPTIONS
@@ -192,8 +194,9 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             # a packed call of N rows (runtime/gluon_packed.py _packed_takes: N a multiple of L)
             if N % lattice == 0 and (role == "gluon_forward_packed" or plan["config"].get(role[:-len("_packed")])):
                 out.append(Launch(role, fn, _gluon_packed_args(plan, role, N, base), opts))
-        elif role == "gluon_lanes_packed":      # a packed call of N rows whose sequences cover them
-            out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_packed_args(plan, N, base))
+        elif role in ("gluon_lanes_packed", "gluon_dkdv_lanes_packed", "gluon_dq_lanes_packed"):
+            # a packed call of N rows whose sequences cover them
+            out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_packed_args(plan, role, N, base))
         elif role in ("gluon_lanes", "gluon_raster_lanes"):    # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_fwd_args(plan, role, N, base))
@@ -321,19 +324,30 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tup
     return out
 
 
-def _gluon_lanes_packed_args(plan: dict, N: int, base: dict) -> list[tuple]:
-    """The causal Gluon lanes over packed rows: per lane branch it takes (runtime/gluon_packed.py
-    gluon_lanes_packed_launch: not a first launch that clears, N a multiple of r), in launch
-    order, for a packing whose sequences cover the N rows (the first launch writes)."""
+def _gluon_lanes_packed_args(plan: dict, role: str, N: int, base: dict) -> list[tuple]:
+    """A causal plan's Gluon lanes, dK/dV and lane dq over packed rows: per branch they take
+    (runtime/gluon_packed.py: N a multiple of r, not a first launch that clears), in launch
+    order, for a packing whose sequences cover the N rows (so first launches write)."""
     import torch
-    from ..gluon_plan import gluon_lane_branch
-    from ..runtime.gluon_packed import gluon_lanes_packed_args
+    from ..gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
+    from ..runtime import gluon_packed as gp
     from ..runtime.grids import lane_order
     x, f32, seqs, out = _mock(base["dtype"]), _mock(torch.float32), (_mock(torch.int32), _mock(torch.int32)), []
     fused = any(not br["lanes"] for br in plan["branches"])
+    if role == "gluon_dkdv_lanes_packed":       # every branch, the first writing (Plan.dkdv_first_writes)
+        writes, group = plan.get("dkdv_first_writes", False), plan["num_heads"] // plan["num_kv_heads"]
+        for n, br in enumerate(plan["branches"]):
+            first = n == 0 and writes
+            if N % br["r"] == 0 and gluon_lanes_bwd_branch(br["w"], br["r"]) and not (first and br["r"] > group):
+                out.append(gp.gluon_dkdv_lanes_packed_args(plan, x, x, x, x, f32, f32, x, x, seqs, N, br, not first))
+        return out
     for n, i in enumerate(lane_order(plan)):
         br = plan["branches"][i]
         clears = n == 0 and not fused and plan.get("gap_lane") is not None
-        if not clears and N % br["r"] == 0 and gluon_lane_branch(br["w"], br["r"], plan["config"]["gluon_lanes"][0]):
-            out.append(gluon_lanes_packed_args(plan, x, x, x, x, f32, seqs, N, br, n > 0 or fused))
+        if clears or N % br["r"]:
+            continue
+        if role == "gluon_lanes_packed" and gluon_lane_branch(br["w"], br["r"], plan["config"]["gluon_lanes"][0]):
+            out.append(gp.gluon_lanes_packed_args(plan, x, x, x, x, f32, seqs, N, br, n > 0 or fused))
+        elif role == "gluon_dq_lanes_packed" and gluon_lanes_bwd_branch(br["w"], br["r"]):
+            out.append(gp.gluon_dq_lanes_packed_args(plan, x, x, x, x, f32, f32, x, seqs, N, br, n > 0 or fused))
     return out

@@ -45,7 +45,8 @@ class GeneratedAttention:
                  lane_kernel=None, decode_kernels=None, curve_kernel=None, gluon_kernel=None,
                  gluon_dkdv=None, gluon_dq=None, gluon_lanes=None, gluon_dkdv_lanes=None,
                  gluon_dq_lanes=None, gluon_raster_lanes=None, gluon_packed=None,
-                 gluon_dq_packed=None, gluon_dkdv_packed=None, gluon_lanes_packed=None) -> None:
+                 gluon_dq_packed=None, gluon_dkdv_packed=None, gluon_lanes_packed=None,
+                 gluon_dkdv_lanes_packed=None, gluon_dq_lanes_packed=None) -> None:
         if plan.get("fused_dkdv") and not any(b.get("fused_dkdv") for b in plan["branches"]):
             # a module generated before BranchIR.fused_dkdv: runtime.grids.dkdv_per_branch would
             # run every branch again after its fused dK/dV launch (dK, dV counted twice)
@@ -68,6 +69,8 @@ class GeneratedAttention:
         self.gluon_raster_lanes_fn = gluon_raster_lanes    # beside curve lanes, the raster ones (sm90) or None
         self.gluon_dkdv_lanes_fn = gluon_dkdv_lanes    # sm90's Gluon causal dK/dV per branch or None
         self.gluon_dq_lanes_fn = gluon_dq_lanes        # sm90's Gluon causal lane dq or None
+        self.gluon_dkdv_lanes_packed_fn = gluon_dkdv_lanes_packed   # ... over packed rows (sm90) or None
+        self.gluon_dq_lanes_packed_fn = gluon_dq_lanes_packed       # ... over packed rows (sm90) or None
         self.backward_kernels = backward_kernels   # {name: python function} or None
         self.decode_kernels = decode_kernels       # incremental decoding (decode.py) or None
         self._jitted: dict[Any, Any] = {}
@@ -175,6 +178,16 @@ class GeneratedAttention:
     def gluon_dq_lanes_kernel(self):
         """The Gluon causal lane dq as launched on a GPU (as gluon_kernel); None without one."""
         return self._gluon("gluon_dq_lanes", self.gluon_dq_lanes_fn)
+
+    @property
+    def gluon_dkdv_lanes_packed_kernel(self):
+        """The Gluon causal dK/dV per branch over packed rows (as gluon_kernel); None without one."""
+        return self._gluon("gluon_dkdv_lanes_packed", self.gluon_dkdv_lanes_packed_fn)
+
+    @property
+    def gluon_dq_lanes_packed_kernel(self):
+        """The Gluon causal lane dq over packed rows (as gluon_kernel); None without one."""
+        return self._gluon("gluon_dq_lanes_packed", self.gluon_dq_lanes_packed_fn)
 
     def _gluon(self, key: str, fn):
         if fn is None:

@@ -21,7 +21,8 @@ import torch
 from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch,
                            gluon_dq_lanes_launch)
-from .gluon_packed import gluon_dkdv_packed_launch, gluon_dq_packed_launch
+from .gluon_packed import (gluon_dkdv_lanes_packed_launch, gluon_dkdv_packed_launch, gluon_dq_lanes_packed_launch,
+                           gluon_dq_packed_launch)
 from .grids import dkdv_per_branch, lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison
@@ -162,9 +163,11 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
         if dq32 is not None:
             dq.copy_(dq32)
 
-    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed dQ's and dK/dV's partial blocks
+    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed kernels' partial blocks
+    packed_gluon = (attn.gluon_dq_packed_fn, attn.gluon_dkdv_packed_fn, attn.gluon_dkdv_lanes_packed_fn,
+                    attn.gluon_dq_lanes_packed_fn)
     allocator = bool((plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma")
-                     or (packing is not None and (attn.gluon_dq_packed_fn or attn.gluon_dkdv_packed_fn) is not None))
+                     or (packing is not None and any(fn is not None for fn in packed_gluon)))
     if run.interpret:
         with interpreting():
             launches()
@@ -243,9 +246,14 @@ class _Launches:
         accumulate, clear = not clears, clears
         for br in per_branch:
             w, r = br["w"], br["r"]
-            gluon = None if (self.interpret or at.varlen) else gluon_dkdv_lanes_launch(
-                self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, self.dropout,
-                self.dq32)
+            if self.interpret:
+                gluon = None
+            elif at.varlen:
+                gluon = gluon_dkdv_lanes_packed_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, seqs, B, N, br,
+                                                       accumulate, clear, self.dropout)
+            else:
+                gluon = gluon_dkdv_lanes_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate,
+                                                clear, self.dropout, self.dq32)
             if gluon is not None:   # the same work in Gluon (sm90)
                 self._run(*gluon)
                 accumulate, clear = True, False
@@ -297,8 +305,14 @@ class _Launches:
                 self.interpret, at.varlen, *self.dropout)
         for i in lanes:
             br = plan["branches"][i]
-            gluon = None if (self.interpret or at.varlen) else gluon_dq_lanes_launch(
-                self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear, self.dropout)
+            if self.interpret:
+                gluon = None
+            elif at.varlen:
+                gluon = gluon_dq_lanes_packed_launch(self.attn, q, k, v, grad_out, lse, delta, dq, seqs, B, N, br,
+                                                     accumulate, clear, self.dropout)
+            else:
+                gluon = gluon_dq_lanes_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear,
+                                              self.dropout)
             if gluon is not None:   # the same work in Gluon (sm90)
                 self._run(*gluon)
                 accumulate, clear = True, False

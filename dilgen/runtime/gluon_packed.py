@@ -10,7 +10,7 @@ read through a descriptor made in the kernel (common.jinja gluon_lane_box), whic
 lane's last row."""
 from __future__ import annotations
 
-from ..gluon_plan import gluon_lane_branch
+from ..gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
 from .gluon_launch import OPTIONS, _boxes, _sm90, gluon_args, gluon_dkdv_args, gluon_dq_args
 
 
@@ -111,3 +111,58 @@ def gluon_lanes_packed_args(plan: dict, q, k, v, out, lse, seqs: tuple, rows: in
     box, r, block = _boxes(plan, 1, rows), br["r"], plan["config"]["gluon_lanes"][0]
     return (box(q, "q", r), box(out, "q", r), box(k, "kv", r, block), box(v, "kv", r, block), v, out, lse,
             *seqs, rows, br["w"], r, bool(accumulate))
+
+
+def gluon_dkdv_lanes_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, B: int, N: int,
+                                   br: dict, accumulate: bool, clear: bool = False, dropout: tuple = ()):
+    """(kernel, grid, args, options) of a causal plan's Gluon dK/dV of branch `br` over packed
+    rows for one launch group, or None when it takes the `tl` per-branch kernel: a first
+    launch that must zero keys no head of a kv group keeps (clear with r > group), dropout, a
+    branch the Gluon lane backward leaves out, rows not a multiple of r, or _packed_takes.
+    Program ((s*NO + g0)*J + jt, b*H_kv + kvh), NO = min(group, r), J = w/r/128 key tiles."""
+    plan = attn.plan
+    w, r = br["w"], br["r"]
+    group = plan["num_heads"] // plan["num_kv_heads"]
+    if ((clear and r > group) or not gluon_lanes_bwd_branch(w, r)
+            or not _packed_takes(attn, attn.gluon_dkdv_lanes_packed_fn, dropout, q, k, v, grad_out, dk, dv, every=r)):
+        return None
+    return (attn.gluon_dkdv_lanes_packed_kernel, (-(-N // w) * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
+            gluon_dkdv_lanes_packed_args(plan, q, k, v, grad_out, lse, delta, dk, dv, seqs, q.shape[0], br, accumulate),
+            OPTIONS)
+
+
+def gluon_dkdv_lanes_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, rows: int, br: dict,
+                                 accumulate: bool) -> tuple:
+    """The packed dK/dV's arguments: gluon_dkdv_lanes_args' descriptors at B = 1, N = rows, q and
+    dO (a lane's partial blocks), lse, Delta, dk, dv, the group's starts and lengths, rows; the
+    constexprs w, r, NO and ACCUMULATE."""
+    box, w, r = _boxes(plan, 1, rows), br["w"], br["r"]
+    group = plan["num_heads"] // plan["num_kv_heads"]
+    return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), q, grad_out, lse, delta, dk, dv,
+            *seqs, rows, w, r, min(group, r), bool(accumulate))
+
+
+def gluon_dq_lanes_packed_launch(attn, q, k, v, grad_out, lse, delta, dq, seqs: tuple, B: int, N: int, br: dict,
+                                 accumulate: bool, clear: bool = False, dropout: tuple = ()):
+    """(kernel, grid, args, options) of a causal plan's Gluon lane dq of branch `br` over packed
+    rows for one launch group, or None when it takes the `tl` lane dq (a first launch that
+    clears, dropout, a branch the Gluon lane backward leaves out, rows not a multiple of r,
+    _packed_takes): program (s*T + t, b*H + h), T = w/r/128 query tiles."""
+    plan = attn.plan
+    w, r = br["w"], br["r"]
+    if (clear or not gluon_lanes_bwd_branch(w, r)
+            or not _packed_takes(attn, attn.gluon_dq_lanes_packed_fn, dropout, q, k, v, grad_out, dq, every=r)):
+        return None
+    return (attn.gluon_dq_lanes_packed_kernel, (-(-N // w) * (w // r // 128), B * plan["num_heads"]),
+            gluon_dq_lanes_packed_args(plan, q, k, v, grad_out, lse, delta, dq, seqs, q.shape[0], br, accumulate),
+            OPTIONS)
+
+
+def gluon_dq_lanes_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dq, seqs: tuple, rows: int, br: dict,
+                               accumulate: bool) -> tuple:
+    """The packed lane dq's arguments: gluon_dq_lanes_args' descriptors at B = 1, N = rows, k and
+    v (a lane's partial blocks), lse, Delta, dq, the group's starts and lengths, rows; the
+    constexprs w, r and ACCUMULATE."""
+    box, r = _boxes(plan, 1, rows), br["r"]
+    return (box(q, "q", r), box(grad_out, "q", r), box(k, "kv", r), box(v, "kv", r), k, v, lse, delta, dq, *seqs,
+            rows, br["w"], r, bool(accumulate))
