@@ -222,7 +222,7 @@ def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype).cuda()
     grad[1389:1395], grad[1395:1400] = float("nan"), float("inf")
     (out * grad).sum().backward()
-    assert len(taken) == 3 * 3 and all(t for _, t in taken), taken     # per branch: forward, dK/dV, dq
+    assert all(t for _, t in taken) and len({name for name, _ in taken}) == 3, taken   # forward, dK/dV, dq
     for b in (0, 1, 3):
         a, e = cu[b], cu[b + 1]
         ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
@@ -236,7 +236,7 @@ def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
 GRADS = [
     ("gqa_d128", dict(), [1500, 389, 2111, 1000, 4]),
     ("mha_rate_8", dict(num_kv_heads=8, dilation_rates=[1, 2, 8]), [130, 3000, 2046, 7, 17]),
-    ("gqa_head_dim_64", dict(head_dim=64), [2600, 777, 1043, 4]),
+    ("rate_8_past_the_group", dict(dilation_rates=[1, 4, 8]), [2600, 777, 1043, 4]),   # r = 8 > 4 heads a kv head
 ]
 
 
@@ -244,7 +244,7 @@ GRADS = [
 @pytest.mark.parametrize("case", GRADS, ids=[c[0] for c in GRADS])
 def test_gradients_of_packed_causal_rows_on_sm90(case, monkeypatch):
     """dq, dk, dv of every sequence against float64 through the Gluon dK/dV and lane dq of
-    every branch (head_dim 64: the forward and the dK/dV `tl`, the dq Gluon)."""
+    every branch."""
     name, over, lengths = case
     spec = _spec("lp_grad_" + name, **over)
     cu = _cu(lengths)
@@ -257,10 +257,7 @@ def test_gradients_of_packed_causal_rows_on_sm90(case, monkeypatch):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = kernel(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
     (out * grad).sum().backward()
-    attn = kernel.compiled_for(q.device).attention      # head_dim 64: its dK/dV (keys along rows) `tl`
-    wanted = ("dq",) + (("dkdv",) if attn.gluon_dkdv_lanes_packed_fn is not None else ())
-    bwd = [t for name, t in taken if any(f"_{x}_lanes" in name for x in wanted)]
-    assert bwd and all(bwd), taken
+    assert all(t for _, t in taken) and len({name for name, _ in taken}) == 3, taken
     for b in range(len(lengths)):
         a, e = cu[b], cu[b + 1]
         ref_in = [t.detach()[a:e].double().cpu().unsqueeze(0).requires_grad_() for t in (q, k, v)]
