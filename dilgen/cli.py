@@ -93,52 +93,6 @@ def parse_cu_seqlens(text: str) -> list[int]:
     return cu
 
 
-def packed_summary(plan, cu: list[int]) -> list[str]:
-    """The tiles of a packed batch (kernel(q, k, v, cu_seqlens=cu)), in words: each
-    sequence restarts the segments of every branch; one lane-kernel launch per branch
-    covers every sequence."""
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
-    longest = max(lengths)
-    bm = plan.config.lane_fwd[0]
-    lines = [f"  packed batch: {len(lengths)} sequence(s), {cu[-1]} rows, longest {longest} "
-             f"(cu_seqlens {','.join(map(str, cu))})"]
-    for s, (a, n) in enumerate(zip(cu, lengths)):
-        lines.append(f"    sequence {s}: rows [{a}, {a + n}), N = {n}" + ("  (empty)" if n == 0 else ""))
-        if n == 0:
-            continue
-        for b in plan.branches:
-            w, r = b.segment_length, b.dilation
-            full, tail = divmod(n, w)
-            segs = f"{full} x {w}" + (f" + {tail}" if tail else "") if full else f"1 short segment of {tail}"
-            tiles = full * -(-(-(-w // r)) // bm) + (-(-(-(-tail // r)) // bm) if tail else 0)
-            lines.append(f"      [{b.index}] w = {w}, r = {r}: {segs}; {tiles} query tile(s) of "
-                         f"{bm} lanes per head")
-    from .runtime.varlen import bucket_order    # the runtime's launch groups
-    order, groups = bucket_order(lengths)
-    lines.append(f"  launches: {len(groups)} group(s) of sequences of similar length, longest first; "
-                 f"each group runs the plan's launches once, its grid sized by its longest sequence")
-    for a, e, n in groups:
-        lines.append(f"    sequences {sorted(order[a:e])} (longest {n}): {e - a} x {plan.num_heads} "
-                     f"(sequence, head) programs per tile")
-    return lines + packed_kernels(plan, cu[-1])
-
-
-def packed_kernels(plan, rows: int) -> list[str]:
-    """Which of the plan's Gluon kernels a packed call of `rows` rows runs on sm90
-    (runtime.gluon_packed._packed_takes): those over the lattice branches, where the rows are a
-    multiple of the lattice L; dropout, lane branches and other row counts run `tl`."""
-    cfg, L = plan.config, plan.query.lattice
-    gluon = [name for name, on in (("forward", cfg.gluon_fwd), ("dK/dV", cfg.gluon_dkdv), ("dQ", cfg.gluon_dq)) if on]
-    if not gluon:
-        return []
-    if rows % L:
-        return [f"  on sm90: tl kernels, as the rows ({rows}) are not a multiple of L = {L} (the Gluon "
-                f"{', '.join(gluon)} read each branch's rows through (rows / r, r * H, D) views): append "
-                f"{L - rows % L} row(s) as one more sequence (its output unused) to run them"]
-    return [f"  on sm90: {', '.join(gluon)} in Gluon (the rows, {rows}, a multiple of L = {L}); with "
-            f"dropout, tl"]
-
-
 def ring_summary(plan, seq_len: int | None, cu: list[int] | None = None) -> list[str]:
     """The ring schedule in words, for N = seq_len (default: 64K tokens per rank), or for
     the packed row of offsets cu (kernel(q, k, v, cu_seqlens=cu) on every rank)."""
@@ -368,6 +322,7 @@ def cmd_explain(args) -> int:
         check_png_path(args.png)
     print(plan_summary(plan, args.seq_len, cu, dropout_plan))
     if cu is not None:
+        from .explain_packed import packed_summary
         print("\n".join(packed_summary(plan, cu)))
     if args.ring is not None:
         from .forecast import forecast_lines

@@ -256,7 +256,6 @@ def test_explain_bad_arguments(tmp_path):
 
 
 
-
 def test_explain_names_the_kernels_a_packing_runs_on_sm90(tmp_path):
     """The Gluon forward, dK/dV and dQ take packed rows whose count is a multiple of the
     lattice L; other counts run `tl`, and explain says how to get the Gluon ones."""
@@ -270,3 +269,18 @@ def test_explain_names_the_kernels_a_packing_runs_on_sm90(tmp_path):
     assert "append 3 row(s) as one more sequence" in out
     rc, out, _ = main_in_process("explain", path, "--arch", "sm80", "--cu-seqlens", "0,1000,9001")
     assert rc == 0 and "on sm90" not in out
+
+
+def test_explain_names_the_lane_kernels_a_causal_packing_runs_on_sm90(tmp_path):
+    """A causal plan's lanes, dK/dV and dq take packed rows whose count is a multiple of the
+    branch's r; a branch whose r does not divide them runs `tl`, and explain says how many rows
+    to append."""
+    spec = {"name": "ex_pkc", "segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4],
+            "num_heads": 16, "head_dim": 128, "causal": True}
+    path = write_spec(tmp_path, spec)
+    rc, out, _ = main_in_process("explain", path, "--arch", "sm90", "--cu-seqlens", "0,1000,9000")
+    assert rc == 0 and out.count("in Gluon; with dropout, tl") == 3, out
+    assert "lane branch [2]: lanes, dK/dV, dq in Gluon" in out
+    rc, out, _ = main_in_process("explain", path, "--arch", "sm90", "--cu-seqlens", "0,1000,9002")
+    assert rc == 0 and out.count("in Gluon; with dropout, tl") == 2, out
+    assert "lane branch [2]: tl, as the rows (9002) are not a multiple of r = 4: append 2 row(s)" in out

@@ -1,0 +1,81 @@
+"""The packed batch's lines of `dilgen explain --cu-seqlens`: its sequences, segments and tiles
+per branch, the runtime's launch groups, and which kernels a packed call runs on sm90
+(runtime.gluon_packed)."""
+from __future__ import annotations
+
+
+def packed_summary(plan, cu: list[int]) -> list[str]:
+    """The tiles of a packed batch (kernel(q, k, v, cu_seqlens=cu)), in words: each
+    sequence restarts the segments of every branch; one lane-kernel launch per branch
+    covers every sequence."""
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    longest = max(lengths)
+    bm = plan.config.lane_fwd[0]
+    lines = [f"  packed batch: {len(lengths)} sequence(s), {cu[-1]} rows, longest {longest} "
+             f"(cu_seqlens {','.join(map(str, cu))})"]
+    for s, (a, n) in enumerate(zip(cu, lengths)):
+        lines.append(f"    sequence {s}: rows [{a}, {a + n}), N = {n}" + ("  (empty)" if n == 0 else ""))
+        if n == 0:
+            continue
+        for b in plan.branches:
+            w, r = b.segment_length, b.dilation
+            full, tail = divmod(n, w)
+            segs = f"{full} x {w}" + (f" + {tail}" if tail else "") if full else f"1 short segment of {tail}"
+            tiles = full * -(-(-(-w // r)) // bm) + (-(-(-(-tail // r)) // bm) if tail else 0)
+            lines.append(f"      [{b.index}] w = {w}, r = {r}: {segs}; {tiles} query tile(s) of "
+                         f"{bm} lanes per head")
+    from .runtime.varlen import bucket_order    # the runtime's launch groups
+    order, groups = bucket_order(lengths)
+    lines.append(f"  launches: {len(groups)} group(s) of sequences of similar length, longest first; "
+                 f"each group runs the plan's launches once, its grid sized by its longest sequence")
+    for a, e, n in groups:
+        lines.append(f"    sequences {sorted(order[a:e])} (longest {n}): {e - a} x {plan.num_heads} "
+                     f"(sequence, head) programs per tile")
+    return lines + packed_kernels(plan, cu[-1])
+
+
+def packed_kernels(plan, rows: int) -> list[str]:
+    """Which of the plan's Gluon kernels a packed call of `rows` rows runs on sm90
+    (runtime.gluon_packed): those over the lattice branches, where the rows are a multiple of
+    the lattice L, and a causal plan's lanes, dK/dV and lane dq per branch, where the rows are a
+    multiple of its r; dropout and other row counts run `tl`."""
+    cfg, L = plan.config, plan.query.lattice
+    gluon = [name for name, on in (("forward", cfg.gluon_fwd), ("dK/dV", cfg.gluon_dkdv), ("dQ", cfg.gluon_dq)) if on]
+    lines = _packed_lanes(plan, rows)
+    if not gluon:
+        return lines
+    if rows % L:
+        return [f"  on sm90: tl kernels, as the rows ({rows}) are not a multiple of L = {L} (the Gluon "
+                f"{', '.join(gluon)} read each branch's rows through (rows / r, r * H, D) views): append "
+                f"{L - rows % L} row(s) as one more sequence (its output unused) to run them"] + lines
+    return [f"  on sm90: {', '.join(gluon)} in Gluon (the rows, {rows}, a multiple of L = {L}); with "
+            f"dropout, tl"] + lines
+
+
+def _packed_lanes(plan, rows: int) -> list[str]:
+    """packed_kernels' lines for a causal plan's lane branches (runtime.gluon_packed
+    gluon_lanes_packed_launch, gluon_dkdv_lanes_packed_launch, gluon_dq_lanes_packed_launch)."""
+    from .gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
+    cfg, lanes = plan.config, [b for b in plan.branches if b.lanes]
+    if not (plan.causal and lanes):
+        return []
+    fwd = cfg.gluon_lanes is not None and not cfg.gluon_curve_lanes
+    dkdv = bool(cfg.gluon_dkdv_lanes) and plan.gluon_dkdv_rows_first and not cfg.gluon_dkdv_dq
+    group = plan.num_heads // plan.num_kv_heads
+    lines = []
+    for n, b in enumerate(lanes):
+        w, r = b.segment_length, b.dilation
+        clears = n == 0 and plan.gap_lane is not None      # a first lane launch writing the gaps
+        bwd = cfg.gluon_lanes_bwd is not None and gluon_lanes_bwd_branch(w, r)
+        names = [name for name, on in (("lanes", fwd and not clears and gluon_lane_branch(w, r, cfg.gluon_lanes[0])),
+                                       ("dK/dV", dkdv and bwd and not (n == 0 and r > group)),
+                                       ("dq", bwd and not clears)) if on]
+        if not names:
+            lines.append(f"  on sm90, lane branch [{b.index}]: tl")
+        elif rows % r:
+            lines.append(f"  on sm90, lane branch [{b.index}]: tl, as the rows ({rows}) are not a multiple of "
+                         f"r = {r}: append {r - rows % r} row(s) as one more sequence to run its Gluon "
+                         f"{', '.join(names)}")
+        else:
+            lines.append(f"  on sm90, lane branch [{b.index}]: {', '.join(names)} in Gluon; with dropout, tl")
+    return lines
