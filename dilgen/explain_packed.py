@@ -57,8 +57,11 @@ def _packed_lanes(plan, rows: int) -> list[str]:
     gluon_lanes_packed_launch, gluon_dkdv_lanes_packed_launch, gluon_dq_lanes_packed_launch)."""
     from .gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
     cfg, lanes = plan.config, [b for b in plan.branches if b.lanes]
-    if not (plan.causal and lanes):
+    if not lanes:
         return []
+    if not plan.causal:
+        return [f"  on sm90, lane branch{'es' if len(lanes) > 1 else ''} {', '.join(f'[{b.index}]' for b in lanes)}: "
+                f"tl (the Gluon lanes over packed rows are a causal plan's)"]
     fwd = cfg.gluon_lanes is not None and not cfg.gluon_curve_lanes
     dkdv = bool(cfg.gluon_dkdv_lanes) and plan.gluon_dkdv_rows_first and not cfg.gluon_dkdv_dq
     group = plan.num_heads // plan.num_kv_heads

@@ -284,3 +284,7 @@ def test_explain_names_the_lane_kernels_a_causal_packing_runs_on_sm90(tmp_path):
     rc, out, _ = main_in_process("explain", path, "--arch", "sm90", "--cu-seqlens", "0,1000,9002")
     assert rc == 0 and out.count("in Gluon; with dropout, tl") == 2, out
     assert "lane branch [2]: tl, as the rows (9002) are not a multiple of r = 4: append 2 row(s)" in out
+    spec = dict(spec, name="ex_pke", causal=False, dilation_rates=[1, 2, 6])     # r = 6: a lane branch
+    rc, out, _ = main_in_process("explain", write_spec(tmp_path, spec, "e.json"), "--arch", "sm90",
+                                 "--cu-seqlens", "0,1000,9000")
+    assert rc == 0 and "on sm90, lane branch [2]: tl (the Gluon lanes over packed rows are a causal plan's)" in out
