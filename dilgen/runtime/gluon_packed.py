@@ -1,7 +1,8 @@
 """The launches of sm90's Gluon kernels over packed rows (runtime.varlen): the forward, dQ and
 dK/dV of the lattice branches (templates/gluon_fwd.py.jinja, gluon_dq.py.jinja,
-gluon_bwd.py.jinja: their `_packed` kernels) and a causal plan's lanes (gluon_lanes.py.jinja:
-`_lanes_packed`), and when a launch group takes them.
+gluon_bwd.py.jinja: their `_packed` kernels) and a causal plan's lanes, per-branch dK/dV and
+lane dq (gluon_lanes.py.jinja `_lanes_packed`, gluon_lanes_bwd.py.jinja `_dkdv_lanes_packed`,
+`_dq_lanes_packed`), and when a launch group takes them.
 
 Packed rows take the fixed-length kernels' host descriptors over all the rows (B = 1, N = rows;
 runtime.gluon_launch): sequence b's lane starting at row p0 is row p0 // r, column
