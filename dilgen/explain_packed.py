@@ -53,32 +53,38 @@ def packed_kernels(plan, rows: int) -> list[str]:
 
 
 def _packed_lanes(plan, rows: int) -> list[str]:
-    """packed_kernels' lines for a causal plan's lane branches (runtime.gluon_packed
-    gluon_lanes_packed_launch, gluon_dkdv_lanes_packed_launch, gluon_dq_lanes_packed_launch)."""
+    """packed_kernels' lines for a causal plan's lane branches and per-branch dK/dV (every
+    branch without a fused dK/dV; runtime.grids.dkdv_per_branch): runtime.gluon_packed
+    gluon_lanes_packed_launch, gluon_dkdv_lanes_packed_launch, gluon_dq_lanes_packed_launch."""
     from .gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
     cfg, lanes = plan.config, [b for b in plan.branches if b.lanes]
-    if not lanes:
-        return []
+    per_branch = lanes if plan.fused_dkdv else list(plan.branches)
     if not plan.causal:
         return [f"  on sm90, lane branch{'es' if len(lanes) > 1 else ''} {', '.join(f'[{b.index}]' for b in lanes)}: "
-                f"tl (the Gluon lanes over packed rows are a causal plan's)"]
+                f"tl (the Gluon lanes over packed rows are a causal plan's)"] if lanes else []
     fwd = cfg.gluon_lanes is not None and not cfg.gluon_curve_lanes
     dkdv = bool(cfg.gluon_dkdv_lanes) and plan.gluon_dkdv_rows_first and not cfg.gluon_dkdv_dq
     group = plan.num_heads // plan.num_kv_heads
     lines = []
-    for n, b in enumerate(lanes):
+    for b in plan.branches:
+        if b not in lanes and b not in per_branch:
+            continue
         w, r = b.segment_length, b.dilation
-        clears = n == 0 and plan.gap_lane is not None      # a first lane launch writing the gaps
+        first_lane = bool(lanes) and b is lanes[0]
+        clears = first_lane and plan.gap_lane is not None      # a first lane launch writing the gaps
         bwd = cfg.gluon_lanes_bwd is not None and gluon_lanes_bwd_branch(w, r)
-        names = [name for name, on in (("lanes", fwd and not clears and gluon_lane_branch(w, r, cfg.gluon_lanes[0])),
-                                       ("dK/dV", dkdv and bwd and not (n == 0 and r > group)),
-                                       ("dq", bwd and not clears)) if on]
+        names = [name for name, on in (
+            ("lanes", b in lanes and fwd and not clears and gluon_lane_branch(w, r, cfg.gluon_lanes[0])),
+            ("dK/dV", b in per_branch and dkdv and bwd
+                      and not (plan.dkdv_first_writes and b is per_branch[0] and r > group)),
+            ("dq", b in lanes and bwd and not clears)) if on]
+        what = "lane branch" if b in lanes else "branch"
         if not names:
-            lines.append(f"  on sm90, lane branch [{b.index}]: tl")
+            lines.append(f"  on sm90, {what} [{b.index}]: tl")
         elif rows % r:
-            lines.append(f"  on sm90, lane branch [{b.index}]: tl, as the rows ({rows}) are not a multiple of "
+            lines.append(f"  on sm90, {what} [{b.index}]: tl, as the rows ({rows}) are not a multiple of "
                          f"r = {r}: append {r - rows % r} row(s) as one more sequence to run its Gluon "
                          f"{', '.join(names)}")
         else:
-            lines.append(f"  on sm90, lane branch [{b.index}]: {', '.join(names)} in Gluon; with dropout, tl")
+            lines.append(f"  on sm90, {what} [{b.index}]: {', '.join(names)} in Gluon; with dropout, tl")
     return lines

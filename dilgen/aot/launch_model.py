@@ -331,12 +331,12 @@ def _gluon_lanes_packed_args(plan: dict, role: str, N: int, base: dict) -> list[
     import torch
     from ..gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
     from ..runtime import gluon_packed as gp
-    from ..runtime.grids import lane_order
+    from ..runtime.grids import dkdv_per_branch, lane_order
     x, f32, seqs, out = _mock(base["dtype"]), _mock(torch.float32), (_mock(torch.int32), _mock(torch.int32)), []
     fused = any(not br["lanes"] for br in plan["branches"])
-    if role == "gluon_dkdv_lanes_packed":       # every branch, the first writing (Plan.dkdv_first_writes)
+    if role == "gluon_dkdv_lanes_packed":       # the per-branch ones, the first writing (Plan.dkdv_first_writes)
         writes, group = plan.get("dkdv_first_writes", False), plan["num_heads"] // plan["num_kv_heads"]
-        for n, br in enumerate(plan["branches"]):
+        for n, br in enumerate(dkdv_per_branch(plan, bool(plan.get("fused_dkdv")), False)):
             first = n == 0 and writes
             if N % br["r"] == 0 and gluon_lanes_bwd_branch(br["w"], br["r"]) and not (first and br["r"] > group):
                 out.append(gp.gluon_dkdv_lanes_packed_args(plan, x, x, x, x, f32, f32, x, x, seqs, N, br, not first))
