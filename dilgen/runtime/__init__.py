@@ -9,6 +9,8 @@ it never plans or emits. One job per module, and a call's path goes down this li
     forward.py     the forward launches (fused lattice kernel, lane kernels)
     backward.py    the backward launches (preprocess, dK/dV, dQ)
     varlen.py      packings of packed and padded batches, their per-sequence tables
+    gluon_launch.py  sm90's Gluon launches over fixed-length rows (descriptors, when a call takes them)
+    gluon_packed.py  ... over packed rows (the lattice kernels' and a causal plan's lanes' packed twins)
     curve_rows.py  compact curve-ordered rows and causal block lists of Hilbert branches
     registry.py    the string keys torch ops hold, and the objects behind them
     launch.py      a kernel from generated source (JIT, AOT binary, interpreter, RepeatLauncher)
