@@ -7,8 +7,6 @@ with short last segments, lanes that end inside a block, tiles past a lane's end
 and NaN in the rows beside a sequence that must not reach it."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import triton
@@ -17,7 +15,7 @@ import dilgen
 from dilgen.reference import differentiable_reference
 from dilgen.runtime import gluon_launch, gluon_packed
 
-from conftest import needs_gluon, on_sm90, rel_error
+from conftest import compile_sm90, load_emitted, needs_gluon, on_sm90, rel_error
 
 CAUSAL = dict(num_heads=8, num_kv_heads=2, head_dim=128, segment_lengths=[512, 1024, 2048],
               dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
@@ -31,12 +29,7 @@ def _module(tmp_path, spec, dropout=False):
     from dilgen import codegen
     from dilgen.planner import plan
     from dilgen.targets import get_target
-    path = tmp_path / f"{spec.name}.py"
-    path.write_text(codegen.emit(plan(spec, get_target("sm90"), {"dropout": dropout})))
-    found = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(found)
-    found.loader.exec_module(mod)
-    return mod
+    return load_emitted(tmp_path / f"{spec.name}.py", codegen.emit(plan(spec, get_target("sm90"), {"dropout": dropout})))
 
 
 @needs_gluon
@@ -79,7 +72,6 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     through the host descriptors and the descriptors a lane's last block is read through, made
     in the kernel."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     mod = _module(tmp_path, _spec("lp_ptx"))
 
     def desc(rows):
@@ -98,16 +90,11 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
                                       (mod.lp_ptx_gluon_dkdv_lanes_packed, dkdv,
                                        {(13,): 1024, (14,): 2, (15,): 2, (16,): merge}),
                                       (mod.lp_ptx_gluon_dq_lanes_packed, dq, {(12,): 1024, (13,): 2, (14,): merge})):
-            _compiles(GluonASTSource(fn, signature, consts))
-
-
-def _compiles(source):
-    from triton.backends.compiler import GPUTarget
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(gluon_launch.OPTIONS))
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    assert "tensormap.replace" in ptx
-    assert kernel.metadata.global_scratch_size >= 128
+            kernel = compile_sm90(fn, signature, consts)
+            ptx = kernel.asm["ptx"]
+            assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+            assert "tensormap.replace" in ptx
+            assert kernel.metadata.global_scratch_size >= 128
 
 
 @needs_gluon
