@@ -16,16 +16,17 @@ from .stats import device_sync, loop_seconds, median_seconds
 KERNEL_RATES = ("twin_fused_tflops", "twin_bwd", "twin_lanes_tflops", "twin_causal_bwd", "window_tflops", "window_bwd")
 
 
-def measure_kernels(device, shape: dict, world_size: int, reps: int = 3) -> dict:
-    """The single-device rates on `shape` (B, H, N, D, dtype): the fused kernels (a raster,
-    non-causal spec) and the lane kernels (its causal twin), forward TFLOP/s (useful FLOPs,
-    schedule.useful_flops) and backward over forward; a window's rate: the fused kernel's on
-    N / world_size rows (a rank's), the rows a ring window runs."""
+def measure_kernels(device, shape: dict, world_size: int) -> dict:
+    """The single-device rates on `shape` (B, H, N, D, dtype; reps: a median's calls, default
+    3): the fused kernels (a raster, non-causal spec) and the lane kernels (its causal twin),
+    forward TFLOP/s (useful FLOPs, schedule.useful_flops) and backward over forward; a window's
+    rate: the fused kernel's on N / world_size rows (a rank's), the rows a ring window runs."""
     import torch
 
     from .compiler import compile as compile_spec
     from .schedule import useful_flops
     B, H, N, D = (shape[k] for k in ("B", "H", "N", "D"))
+    reps = shape.get("reps", 3)
     dtype = getattr(torch, shape.get("dtype", "bfloat16"))
     sync = device_sync(device)
 
@@ -115,7 +116,7 @@ def _ring_specs(P: int, shape: dict) -> list[tuple[dict, str, int, tuple[tuple[s
     return specs
 
 
-def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) -> dict:
+def measure_transports(group, device, shape: dict, rates: Rates) -> dict:
     """What a ring call adds over the model's kernels and links (_ring_specs): each transport's
     least time per call (its forward and fwd+bwd on a few rows), then each factor (the value
     that makes the model's fwd+bwd time, schedule.transport_costs under `rates` with those
@@ -128,6 +129,7 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
     from .runtime.ring import shard
     from .runtime.ring.costs import predicted_ms
     P, me, B = dist.get_world_size(group), dist.get_rank(group), shape["B"]
+    reps, floor_calls = shape.get("reps", 3), shape.get("floor_calls", 8)
     sync = device_sync(device)
     found = {}
     slowest = lambda seconds: _slowest([seconds], device, group)[0]    # noqa: E731 - every rank timed the same call
@@ -151,9 +153,10 @@ def measure_transports(group, device, shape: dict, rates: Rates, reps: int = 3) 
                 os.environ["DILGEN_RING_TRANSPORT"] = transport
                 step = lambda: torch.autograd.backward(  # noqa: E731
                     kernel(*leaves, group=group, chunk_order=order), dout)
-                # a floor (field None) is the least of 8 calls (each after a warm-up); a factor, the median
-                clock = (lambda fn: min(median_seconds(fn, sync, 1) for _ in range(8))) if field is None else \
-                    (lambda fn: median_seconds(fn, sync, reps))
+                # a floor (field None) is the least of floor_calls calls (each after a warm-up); a
+                # factor, the median of reps
+                clock = (lambda fn: min(median_seconds(fn, sync, 1) for _ in range(floor_calls))) \
+                    if field is None else (lambda fn: median_seconds(fn, sync, reps))
                 took = slowest(clock(step))
                 if field is None:            # the host's time for one call: the kernels take microseconds
                     with torch.no_grad():
@@ -182,8 +185,10 @@ def calibrate(group=None, device=None, *, shape: dict | None = None, link_bytes:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if shape is None:
+        # on the CPU Triton's interpreter runs the kernels: its times check the plumbing, not a
+        # machine, so each is timed on fewer calls
         shape = (dict(B=1, H=16, N=32768, D=128, dtype="bfloat16", ring_N=65536 * P) if device.type == "cuda"
-                 else dict(B=1, H=8, N=64, D=16, dtype="float32"))
+                 else dict(B=1, H=8, N=64, D=16, dtype="float32", reps=1, floor_calls=2))
     found = measure_kernels(device, shape, P)
     if on and P > 1:
         found |= measure_links(group, device if backend != "gloo" else torch.device("cpu"), link_bytes)

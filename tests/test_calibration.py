@@ -121,7 +121,7 @@ def test_calibrate_under_torchrun_measures_the_links(tmp_path):
         env["CUDA_VISIBLE_DEVICES"] = ""              # one GPU or none: both ranks on the CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "dilgen.cli", "calibrate", "--link-mib", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert f"x 2 ({backend})" in done.stdout and "link_gbytes_s" in done.stdout, done.stdout
     records = {(d["machine"]["world_size"], d["machine"]["backend"]): cal.Rates.from_json(d["rates"])
