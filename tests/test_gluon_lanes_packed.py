@@ -16,6 +16,7 @@ from dilgen.reference import differentiable_reference
 from dilgen.runtime import gluon_launch, gluon_packed
 
 from conftest import compile_sm90, load_emitted, needs_gluon, on_sm90, rel_error
+from packed_checks import check_sequences, offsets, packed_inputs
 
 CAUSAL = dict(num_heads=8, num_kv_heads=2, head_dim=128, segment_lengths=[512, 1024, 2048],
               dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
@@ -137,13 +138,6 @@ PACKED = [
 ]
 
 
-def _inputs(spec, total, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(total, spec.num_heads, spec.head_dim, generator=g)
-    k, v = (torch.randn(total, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
-    return [t.to(torch.bfloat16).cuda() for t in (q, k, v)]
-
-
 def _taken(monkeypatch, backward=False):
     """(launcher, took Gluon) of each packed lane launch (forward; with `backward`, dK/dV and dq too)."""
     from dilgen.runtime import backward as bwd, forward
@@ -160,36 +154,17 @@ def _taken(monkeypatch, backward=False):
     return taken
 
 
-def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    assert cu[-1] % 4 == 0
-    return cu
-
-
-def _check_sequences(spec, q, k, v, out, lse, cu, skip=()):
-    for b in range(len(cu) - 1):
-        a, e = cu[b], cu[b + 1]
-        if e == a or b in skip:
-            continue
-        ro, rl = differentiable_reference(*(t[a:e].double().cpu().unsqueeze(0) for t in (q, k, v)), spec)
-        assert torch.isfinite(out[a:e]).all(), f"sequence {b}: non-finite or unwritten rows"
-        assert rel_error(out[a:e].cpu(), ro[0]) < 2e-2, f"sequence {b}"
-        assert (lse[:, a:e].cpu().double() - rl[0]).abs().max() < 0.4, f"sequence {b}: lse"
-
-
 @on_sm90
 @pytest.mark.parametrize("case", PACKED, ids=[c[0] for c in PACKED])
 def test_packed_causal_rows_match_the_float64_reference_on_sm90(case, monkeypatch):
     name, over, lengths = case
     spec = _spec("lp_" + name, **over)
-    cu = _cu(lengths)
+    cu = offsets(lengths)
     taken = _taken(monkeypatch)
-    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    q, k, v = packed_inputs(spec, cu[-1], seed=len(name))
     out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
     assert taken and all(t for _, t in taken), taken
-    _check_sequences(spec, q, k, v, out, lse, cu)
+    check_sequences(spec, q, k, v, out, lse, cu)
 
 
 @on_sm90
@@ -200,12 +175,12 @@ def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
     spec = _spec("lp_beside")
     cu = [0, 1000, 1389, 2400, 4096]
     taken = _taken(monkeypatch, backward=True)
-    q, k, v = _inputs(spec, cu[-1], seed=11)
+    q, k, v = packed_inputs(spec, cu[-1], seed=11)
     for t in (q, k, v):
         t[1389:1395], t[1395:1400] = float("inf"), float("nan")
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out, lse = dilgen.compile(spec)(*leaves, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
-    _check_sequences(spec, q, k, v, out.detach(), lse, cu, skip={2})
+    check_sequences(spec, q, k, v, out.detach(), lse, cu, skip={2})
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype).cuda()
     grad[1389:1395], grad[1395:1400] = float("nan"), float("inf")
     (out * grad).sum().backward()
@@ -234,11 +209,11 @@ def test_gradients_of_packed_causal_rows_on_sm90(case, monkeypatch):
     every branch."""
     name, over, lengths = case
     spec = _spec("lp_grad_" + name, **over)
-    cu = _cu(lengths)
+    cu = offsets(lengths)
     if sum(lengths) % max(spec.dilation_rates):
         pytest.fail("rows must be a multiple of every rate for Gluon to take every branch")
     kernel = dilgen.compile(spec)
-    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    q, k, v = packed_inputs(spec, cu[-1], seed=len(name))
     taken = _taken(monkeypatch, backward=True)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype).cuda()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -270,8 +245,8 @@ def test_replays_and_a_cuda_graph_give_the_bits_of_a_fresh_call_on_sm90(monkeypa
         out, lse = kernel(*leaves, cu_seqlens=cu, return_lse=True)
         return (out, lse, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
     for i, lens in enumerate(([1000, 389, 2711], [389, 2711, 1000], [2711, 1000, 389])):   # one layout
-        cu = torch.tensor(_cu(lens), dtype=torch.int32).cuda()
-        q, k, v = _inputs(spec, 4100, seed=30 + i)
+        cu = torch.tensor(offsets(lens), dtype=torch.int32).cuda()
+        q, k, v = packed_inputs(spec, 4100, seed=30 + i)
         got = step(q, k, v, cu)
         replay.ENABLED = False
         try:

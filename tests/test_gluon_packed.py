@@ -18,6 +18,7 @@ from dilgen.reference import differentiable_reference
 from dilgen.runtime import gluon_launch, gluon_packed
 
 from conftest import needs_gluon, on_sm90, rel_error
+from packed_checks import check_sequences, offsets, packed_inputs
 
 SMALL = dict(num_heads=8, num_kv_heads=2, head_dim=128, segment_lengths=[512, 1024, 2048],
              dilation_rates=[1, 2, 4], dtype="bfloat16")
@@ -143,13 +144,6 @@ PACKED = [
 ]
 
 
-def _inputs(spec, total, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(total, spec.num_heads, spec.head_dim, generator=g)
-    k, v = (torch.randn(total, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
-    return [t.to(torch.bfloat16).cuda() for t in (q, k, v)]
-
-
 def _taken(monkeypatch):
     from dilgen.runtime import forward
     taken = []
@@ -162,32 +156,17 @@ def _taken(monkeypatch):
     return taken
 
 
-def _check_sequences(spec, q, k, v, out, lse, cu, skip=()):
-    for b in range(len(cu) - 1):
-        a, e = cu[b], cu[b + 1]
-        if e == a or b in skip:
-            continue
-        qq, kk, vv = (t[a:e].double().cpu().unsqueeze(0) for t in (q, k, v))
-        ro, rl = differentiable_reference(qq, kk, vv, spec)
-        assert torch.isfinite(out[a:e]).all(), f"sequence {b}: non-finite or unwritten rows"
-        assert rel_error(out[a:e].cpu(), ro[0]) < 2e-2, f"sequence {b}"
-        assert (lse[:, a:e].cpu().double() - rl[0]).abs().max() < 0.4, f"sequence {b}: lse"
-
-
 @on_sm90
 @pytest.mark.parametrize("case", PACKED, ids=[c[0] for c in PACKED])
 def test_packed_rows_match_the_float64_reference_on_sm90(case, monkeypatch):
     name, over, lengths = case
     spec = _spec("gp_" + name, **over)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    assert cu[-1] % 4 == 0
+    cu = offsets(lengths)
     taken = _taken(monkeypatch)
-    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    q, k, v = packed_inputs(spec, cu[-1], seed=len(name))
     out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
     assert taken and all(taken), taken
-    _check_sequences(spec, q, k, v, out, lse, cu)
+    check_sequences(spec, q, k, v, out, lse, cu)
 
 
 @on_sm90
@@ -197,11 +176,11 @@ def test_the_rows_beside_a_sequence_never_reach_it_on_sm90(monkeypatch):
     spec = _spec("gp_beside")
     cu = [0, 1000, 1389, 2400, 4096]
     taken = _taken(monkeypatch)
-    q, k, v = _inputs(spec, cu[-1], seed=11)
+    q, k, v = packed_inputs(spec, cu[-1], seed=11)
     k[1389:1400], v[1389:1400] = float("inf"), float("nan")
     out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
     assert taken and all(taken), taken
-    _check_sequences(spec, q, k, v, out, lse, cu, skip={2})
+    check_sequences(spec, q, k, v, out, lse, cu, skip={2})
 
 
 @on_sm90
@@ -239,12 +218,9 @@ def test_gradients_of_packed_rows_on_sm90(case, monkeypatch):
     from dilgen.runtime import backward
     name, over, lengths, bad = case
     spec = _spec("gp_grad_" + name, **over)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    assert cu[-1] % 4 == 0
+    cu = offsets(lengths)
     kernel = dilgen.compile(spec)
-    q, k, v = _inputs(spec, cu[-1], seed=len(name))
+    q, k, v = packed_inputs(spec, cu[-1], seed=len(name))
     taken = _taken(monkeypatch)
     for fn, cfg in (("gluon_dq_packed_launch", "gluon_dq"), ("gluon_dkdv_packed_launch", "gluon_dkdv")):
         if kernel.compiled_for(q.device).attention.plan["config"].get(cfg):    # else `tl` (explain says which)
@@ -291,7 +267,7 @@ def test_replays_and_a_cuda_graph_give_the_bits_of_a_fresh_call_on_sm90(monkeypa
         return (out, lse, *torch.autograd.grad(out, leaves, g))
     for i, lens in enumerate(([1000, 389, 2711], [389, 2711, 1000], [2711, 1000, 389])):   # one layout
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
-        q, k, v = _inputs(spec, 4100, seed=30 + i)
+        q, k, v = packed_inputs(spec, 4100, seed=30 + i)
         got = step(q, k, v, cu)
         replay.ENABLED = False
         try:
