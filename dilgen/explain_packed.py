@@ -63,7 +63,7 @@ def _packed_lanes(plan, rows: int) -> list[str]:
         return [f"  on sm90, lane branch{'es' if len(lanes) > 1 else ''} {', '.join(f'[{b.index}]' for b in lanes)}: "
                 f"tl (the Gluon lanes over packed rows are a causal plan's)"] if lanes else []
     fwd = cfg.gluon_lanes is not None and not cfg.gluon_curve_lanes
-    dkdv = bool(cfg.gluon_dkdv_lanes) and plan.gluon_dkdv_rows_first and not cfg.gluon_dkdv_dq
+    dkdv = bool(cfg.gluon_dkdv_lanes) and not cfg.gluon_dkdv_dq
     group = plan.num_heads // plan.num_kv_heads
     lines = []
     for b in plan.branches:

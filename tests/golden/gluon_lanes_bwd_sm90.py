@@ -72,8 +72,9 @@ def gla_gluon_dkdv_lanes_rows_block(it, at, dk, dv, k, v, q_smem, do_smem, pt_sm
     warpgroup's 64 keys, queries along rows: S = Q K^T, P = exp2(S*scale*log2(e) - lse*log2(e)),
     dV += P^T dO, dP = dO V^T, dS = P (dP - Delta), dK += dS^T Q; P^T and dS^T are read from
     shared memory.
-    The DIAGONAL block, of the keys' own lanes, masked to query lane >= key lane. PACKED: the query
-    lanes at or past `end` (the lane's end) read lse +inf and Delta 0, so that their P and dS are 0."""
+    The DIAGONAL block, of the keys' own lanes, masked to query lane >= key lane. PACKED: a query
+    lane past the lane's end reads the lse and Delta of its last one (`end`): finite, and its Q
+    and dO are zeros, so it adds nothing to dK and dV."""
     dtype: gl.constexpr = q_smem.dtype
     s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
     st = it % GLUON_LBWD_STAGES
@@ -83,8 +84,8 @@ def gla_gluon_dkdv_lanes_rows_block(it, at, dk, dv, k, v, q_smem, do_smem, pt_sm
     s_tok = warpgroup_mma(qj, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(doj, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PACKED:
-        lse = gl.expand_dims(gl.load(Lse + at, mask=at < end, other=float("inf")) * 1.4426950408889634, 1)
-        delta = gl.expand_dims(gl.load(Delta + at, mask=at < end, other=0.0), 1)
+        lse = gl.expand_dims(gl.load(Lse + gl.minimum(at, end)) * 1.4426950408889634, 1)
+        delta = gl.expand_dims(gl.load(Delta + gl.minimum(at, end)), 1)
     else:
         lse = gl.expand_dims(gl.load(Lse + at) * 1.4426950408889634, 1)
         delta = gl.expand_dims(gl.load(Delta + at), 1)
@@ -128,9 +129,9 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, 
     dv = gl.zeros([64, 128], gl.float32, layout=o_layout)
     o = (kvh * 4 + g0) % R
     k0 = jt * 128 + WG * 64
-    if PACKED:      # the producer's blocks; the lane's end as a position of the sequence
+    if PACKED:      # the producer's blocks; the lane's last query as a position of the sequence
         blocks = gl.maximum((cnt + 63) // 64, 2 * jt + 2)
-        end = s * W + o + R * cnt
+        end = s * W + o + R * (cnt - 1)
     else:
         blocks = W // R // 64
         end = 0
