@@ -13,6 +13,8 @@ for n in docs: cu.append(cu[-1] + n)
 spec = dilgen.Spec(name="p64", num_heads=32, num_kv_heads=32, head_dim=64, segment_lengths=[2048, 4096, 8192],
                    dilation_rates=[1, 2, 4], dtype="bfloat16", causal=True)
 kernel = dilgen.compile(spec)
+import dataclasses
+kernel_tl = dilgen.compile(dataclasses.replace(spec, name="p64tl"))
 g = torch.Generator().manual_seed(1)
 q, k, v = (torch.randn(total, 32, 64, generator=g).to(torch.bfloat16).cuda().requires_grad_() for _ in range(3))
 do = torch.randn(total, 32, 64, generator=g).to(torch.bfloat16).cuda()
@@ -21,10 +23,10 @@ real = bwd.gluon_dkdv_lanes_packed_launch
 taken = []
 def spy(*a):
     r = real(*a); taken.append(r is not None); return r
-def step(packed=True):
+def step(packed=True, kern=None):
     for t in (q, k, v): t.grad = None
     if packed:
-        o = kernel(q, k, v, cu_seqlens=cut)
+        o = (kern or kernel)(q, k, v, cu_seqlens=cut)
     else:
         o = kernel(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))[0]
     o.backward(do)
@@ -40,7 +42,8 @@ bwd.gluon_dkdv_lanes_packed_launch = spy
 res["varlen_gluon_dkdv_ms"] = timeit(step); res["gluon_taken"] = sum(taken); 
 grads_g = [t.grad.clone() for t in (q, k, v)]
 bwd.gluon_dkdv_lanes_packed_launch = lambda *a: None
-res["varlen_tl_dkdv_ms"] = timeit(step)
+taken.clear(); bwd.gluon_dkdv_lanes_packed_launch = lambda *a: taken.append("tl")
+res["varlen_tl_dkdv_ms"] = timeit(lambda: step(kern=kernel_tl)); res["tl_calls"] = len(taken)
 grads_t = [t.grad.clone() for t in (q, k, v)]
 res["rel_diff_gluon_vs_tl"] = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(grads_g, grads_t)]
 bwd.gluon_dkdv_lanes_packed_launch = real
