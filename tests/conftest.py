@@ -92,13 +92,28 @@ LONG_FIRST = ("tests/test_ring.py::test_ring_matches_single_device_reference[P2]
               "tests/test_context_parallel_trainer.py::test_example_check", "tests/test_context_parallel.py::test_p4")
 
 
-def _start_rank(item) -> int:
-    """Where a test starts: its LONG_FIRST position, else after all of them (a stable sort)."""
-    return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+# On a GPU the longest are others (35-210 s each on one H200 beside 13 workers,
+# bench/results/gpu_tests-2026-12-01-h200.json): the tuning fuzzer, the compiled
+# context-parallel steps and the sm90 Gluon checks.
+GPU_LONG_FIRST = ("tests/test_tuning_fuzz.py", "tests/test_context_parallel.py::test_p2_under_torch_compile",
+                  "tests/test_gluon_lanes_packed.py::test_gradients", "tests/test_gluon_lanes_packed.py::test_replays",
+                  "tests/test_gluon_lanes.py::test_replayed", "tests/test_host_path.py::test_a_replayed",
+                  "tests/test_gluon_lanes.py::test_matches_the_float64_reference_on_sm90",
+                  "tests/test_gluon_lanes_packed.py", "tests/test_gluon_dropout.py::test_gluon_dropout_lane_kernels",
+                  "tests/test_context_parallel.py", "tests/test_gluon_curve.py", "tests/test_gluon_packed.py",
+                  "tests/test_calibration.py::test_calibrate_under_torchrun", "tests/test_docs.py",
+                  "tests/test_context_parallel_trainer.py", "tests/test_ring.py::test_ring_matches_single_device_reference")
+
+
+def _start_rank(item, first=LONG_FIRST) -> int:
+    """Where a test starts: its position in `first`, else after all of them (a stable sort)."""
+    return next((i for i, prefix in enumerate(first) if item.nodeid.startswith(prefix)), len(first))
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_start_rank)
+    import torch
+    first = GPU_LONG_FIRST if torch.cuda.is_available() else LONG_FIRST
+    items.sort(key=lambda item: _start_rank(item, first))
 
 
 @pytest.fixture(autouse=True, scope="session")
