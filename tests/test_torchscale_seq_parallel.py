@@ -222,7 +222,7 @@ def reports(tmp_path_factory):
         ctx = mp.start_processes(rank_main, args=(P, _free_port(), str(out)), nprocs=P, join=False,
                                  start_method="forkserver")
         try:
-            join_ranks(ctx, 300, "the seq_parallel ranks")
+            join_ranks(ctx, 480, "the seq_parallel ranks")
             break
         except Exception as exc:  # noqa: BLE001 - a rank failed: its traceback
             errors = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.error.json"))]
