@@ -40,7 +40,7 @@ def test_p2_loss_and_every_gradient_equal_one_process(tmp_path):
     """cp.loss and cp.reduce_gradients, and the model's own loss (its part L_j: the forward
     passes the count of every rank's labels as num_items_in_batch); with the Llama's
     attention dropout 0.2 in training, the ring draws the one-process mask."""
-    results = cp_worker.spawn(2, LM_P2, tmp_path, timeout_s=300)
+    results = cp_worker.spawn(2, LM_P2, tmp_path, timeout_s=600)
     for case in LM_P2:
         _check(case, results[case["name"]])
     assert results["causal"][0]["order"] == "zigzag" and results["bidirectional"][0]["order"] == "contiguous"
@@ -50,7 +50,7 @@ LM_P4 = [{"name": "causal", "model": "causal"}, {"name": "bidirectional", "model
 
 
 def test_p4_loss_and_every_gradient_equal_one_process(tmp_path):
-    results = cp_worker.spawn(4, LM_P4, tmp_path, timeout_s=420)
+    results = cp_worker.spawn(4, LM_P4, tmp_path, timeout_s=600)
     for case in LM_P4:
         _check(case, results[case["name"]])
 
@@ -65,7 +65,7 @@ def test_p2_packed_rows_and_right_padding(tmp_path):
     contiguous chunks, sequences across the border; a causal model's right-padded row
     drops its mask (no token attends to later keys) and its padded labels. Both equal one
     process (the packed and the padded one-device kernels)."""
-    results = cp_worker.spawn(2, ROWS, tmp_path, timeout_s=300)
+    results = cp_worker.spawn(2, ROWS, tmp_path, timeout_s=600)
     for case in ROWS:
         _check(case, results[case["name"]])
 
@@ -83,7 +83,7 @@ def test_p2_under_torch_compile(case, tmp_path):
     ring_attention_dropout_fwd/bwd, drawing the one-process mask. One spawn per case: each
     compiles its model's forward and backward with inductor in both ranks (about 100 s on a
     busy 16-core GPU host, so three in one spawn outran its bound)."""
-    results = cp_worker.spawn(2, [case], tmp_path, timeout_s=480)
+    results = cp_worker.spawn(2, [case], tmp_path, timeout_s=600)
     _check(case, results[case["name"]])
     if case.get("bad_positions"):
         # position_ids that restart (no cu_seq_lens_q) or are a per-rank arange: a
@@ -99,7 +99,7 @@ def test_fsdp2_on_a_2x2_mesh(tmp_path):
     whole-sequence losses, and its gradients, on every rank (fully_shard averages the
     gradients over the 4 ranks: each backwards loss * cp.size)."""
     case = {"name": "fsdp", "kind": "fsdp"}
-    results = cp_worker.spawn(4, [case], tmp_path, timeout_s=360)["fsdp"]
+    results = cp_worker.spawn(4, [case], tmp_path, timeout_s=600)["fsdp"]
     assert [r["cp_rank"] for r in results] == [0, 1, 0, 1]
     _check(case, results, rows=4)
 
@@ -108,7 +108,7 @@ def test_refusals_on_every_rank(tmp_path):
     """What context parallelism does not take is refused in one line, the same on every
     rank (a per-rank mask is agreed on by an all-reduce, never one rank alone); what the
     one-device integration refuses stays refused."""
-    got = cp_worker.spawn(2, [{"name": "refusals", "kind": "refusals"}], tmp_path, timeout_s=360)["refusals"]
+    got = cp_worker.spawn(2, [{"name": "refusals", "kind": "refusals"}], tmp_path, timeout_s=600)["refusals"]
     assert got[0].keys() == got[1].keys()
     for key in got[0]:
         assert got[0][key] == got[1][key], key
