@@ -27,7 +27,7 @@ def test_trainer_step_equals_one_process(tmp_path):
     docstring), on both ranks."""
     pytest.importorskip("accelerate")
     case = {"name": "trainer", "kind": "trainer"}
-    got = cp_worker.spawn(2, [case], tmp_path, timeout_s=180)["trainer"]
+    got = cp_worker.spawn(2, [case], tmp_path, timeout_s=420)["trainer"]
     want = cp_worker.reference(case)
     for rank, result in enumerate(got):
         assert abs(result["loss"] - want["loss"]) <= 1e-5 * want["loss"], (rank, result["loss"], want["loss"])
@@ -43,7 +43,7 @@ def test_trainer_evaluates_the_loss_of_one_process_and_refuses_split_logits(tmp_
     one line on every rank."""
     pytest.importorskip("accelerate")
     case = {"name": "trainer_eval", "kind": "trainer_eval"}
-    got = cp_worker.spawn(2, [case], tmp_path, timeout_s=180)["trainer_eval"]
+    got = cp_worker.spawn(2, [case], tmp_path, timeout_s=420)["trainer_eval"]
     want = cp_worker.reference(case)["loss"]
     for rank, result in enumerate(got):
         assert abs(result["eval_loss"] - want) <= 1e-5 * want, (rank, result["eval_loss"], want)

@@ -385,12 +385,12 @@ CASES_P8 = [
 ]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("P, cases", [(2, CASES_P2), (4, CASES_P4),
                                       pytest.param(8, CASES_P8, marks=pytest.mark.slow)],
                          ids=["P2", "P4", "P8"])
 def test_ring_matches_single_device_reference(P, cases, tmp_path):
-    reports = _run_ring(P, cases, tmp_path, timeout_s=360)
+    reports = _run_ring(P, cases, tmp_path, timeout_s=600)
     fails = [f for r in reports for f in r["fails"]]
     assert not fails, "\n".join(fails)
     want = [c["name"] for c in cases if not c.get("expect_error")]
@@ -433,10 +433,10 @@ PACKED_P3 = [
 ]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(560)
 @pytest.mark.parametrize("P, cases", [(2, PACKED_P2), (3, PACKED_P3)], ids=["P2", "P3"])
 def test_packed_ring_matches_single_device_packed_call(P, cases, tmp_path):
-    reports = _run_ring(P, cases, tmp_path, timeout_s=240)
+    reports = _run_ring(P, cases, tmp_path, timeout_s=480)
     fails = [f for r in reports for f in r["fails"]]
     assert not fails, "\n".join(fails)
     want = [c["name"] for c in cases if not c.get("expect_error")]
