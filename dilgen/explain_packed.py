@@ -62,8 +62,7 @@ def _packed_lanes(plan, rows: int) -> list[str]:
     if not plan.causal:
         return [f"  on sm90, lane branch{'es' if len(lanes) > 1 else ''} {', '.join(f'[{b.index}]' for b in lanes)}: "
                 f"tl (the Gluon lanes over packed rows are a causal plan's)"] if lanes else []
-    fwd = cfg.gluon_lanes is not None and not cfg.gluon_curve_lanes
-    dkdv = bool(cfg.gluon_dkdv_lanes) and not cfg.gluon_dkdv_dq
+    fwd, dkdv, dq = (f"gluon_{name}_packed" in plan.gluon_packed_kernels for name in ("lanes", "dkdv_lanes", "dq_lanes"))
     group = plan.num_heads // plan.num_kv_heads
     lines = []
     for b in plan.branches:
@@ -72,12 +71,12 @@ def _packed_lanes(plan, rows: int) -> list[str]:
         w, r = b.segment_length, b.dilation
         first_lane = bool(lanes) and b is lanes[0]
         clears = first_lane and plan.gap_lane is not None      # a first lane launch writing the gaps
-        bwd = cfg.gluon_lanes_bwd is not None and gluon_lanes_bwd_branch(w, r)
+        bwd = gluon_lanes_bwd_branch(w, r)
         names = [name for name, on in (
             ("lanes", b in lanes and fwd and not clears and gluon_lane_branch(w, r, cfg.gluon_lanes[0])),
             ("dK/dV", b in per_branch and dkdv and bwd
                       and not (plan.dkdv_first_writes and b is per_branch[0] and r > group)),
-            ("dq", b in lanes and bwd and not clears)) if on]
+            ("dq", b in lanes and dq and bwd and not clears)) if on]
         what = "lane branch" if b in lanes else "branch"
         if not names:
             lines.append(f"  on sm90, {what} [{b.index}]: tl")

@@ -430,6 +430,22 @@ class Plan:
         shared memory (gluon_dkdv_dq), or the config asks (dkdv_rows_first); keys otherwise."""
         return self.dropout or self.config.gluon_dkdv_dq or self.config.dkdv_rows_first
 
+    @property
+    def gluon_packed_kernels(self) -> frozenset[str]:
+        """The Gluon kernels over packed rows (runtime.gluon_packed) the plan's module carries, by
+        GeneratedAttention's argument names: none under dropout (a packed dropout call runs `tl`);
+        the lattice kernels' beside their fixed-length ones; the lane kernels' for a causal plan
+        only, the lane forward's not over curve rows, the per-branch dK/dV's not where its blocks
+        add into a whole-sequence dQ (gluon_dkdv_dq)."""
+        cfg, causal = self.config, self.causal
+        if self.dropout:
+            return frozenset()
+        carried = {"gluon_packed": cfg.gluon_fwd, "gluon_dkdv_packed": cfg.gluon_dkdv, "gluon_dq_packed": cfg.gluon_dq,
+                   "gluon_lanes_packed": causal and cfg.gluon_lanes and not cfg.gluon_curve_lanes,
+                   "gluon_dkdv_lanes_packed": causal and cfg.gluon_dkdv_lanes and not cfg.gluon_dkdv_dq,
+                   "gluon_dq_lanes_packed": causal and cfg.gluon_lanes_bwd}
+        return frozenset(name for name, on in carried.items() if on)
+
     def to_json(self) -> dict:
         return {
             "fused_dkdv": self.fused_dkdv,

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 95ba97ae684742e1
+# template hash: c86629b69a324f3c
 # plan key:      ccccb1a8950afd95028c45a0c80a52bc4d2da59e38fae414b7e0f34229ce4d05
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

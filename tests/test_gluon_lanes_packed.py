@@ -46,6 +46,27 @@ def test_causal_plans_without_dropout_carry_the_packed_lanes(tmp_path):
     assert plain.attention.gluon_lanes_packed_fn is None and plain.attention.gluon_packed_fn is not None
 
 
+PACKED_FNS = ("gluon_packed", "gluon_dkdv_packed", "gluon_dq_packed", "gluon_lanes_packed", "gluon_dkdv_lanes_packed",
+              "gluon_dq_lanes_packed")
+
+
+@needs_gluon
+@pytest.mark.parametrize("over, tuning", [({}, {}), ({}, {"dropout": True}), ({"causal": False}, {}),
+                                          ({}, {"gluon_dkdv_dq": True}), ({"head_dim": 64, "num_kv_heads": 8}, {}),
+                                          ({}, {"gluon_dkdv_lanes": False})],
+                         ids=["causal", "dropout", "non_causal", "dkdv_adds_dq", "head_dim_64", "tl_dkdv"])
+def test_a_module_carries_the_packed_kernels_its_plan_names(over, tuning, tmp_path):
+    """Plan.gluon_packed_kernels is the one place that says which Gluon kernels over packed rows
+    a plan's module carries (the templates emit and pass exactly those)."""
+    from dilgen import codegen
+    from dilgen.planner import plan
+    from dilgen.targets import get_target
+    p = plan(_spec("pk", **over), get_target("sm90"), tuning)
+    attn = load_emitted(tmp_path / "pk.py", codegen.emit(p)).attention
+    assert {name for name in PACKED_FNS if getattr(attn, name + "_fn") is not None} == p.gluon_packed_kernels
+    assert bool(p.gluon_packed_kernels) != p.dropout
+
+
 @needs_gluon
 def test_a_cpu_call_a_clearing_launch_or_rows_off_the_rate_take_the_tl_lanes(tmp_path):
     attn = _module(tmp_path, _spec("lp_cpu")).attention
