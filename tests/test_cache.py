@@ -65,6 +65,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.ranks
 def test_eight_processes_compile_the_same_spec_at_once(tmp_path, monkeypatch):
     from dilgen.compiler import cache_key
     from dilgen.targets import INTERPRETER
@@ -201,6 +202,7 @@ def _race_worker(root: str, key: str, rounds: int, barrier, wid: int, queue) -> 
     queue.put(errors)
 
 
+@pytest.mark.ranks
 def test_eight_processes_repairing_a_damaged_entry_never_read_a_bad_file(tmp_path):
     root = tmp_path / "cache"
     key = cache.make_key(test="repair-race")

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 import dilgen
@@ -82,6 +83,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.ranks
 def test_four_processes_compile_while_the_folder_is_deleted(tmp_path):
     root = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILGEN_")}

@@ -113,6 +113,7 @@ def test_ranks_pricing_with_different_rates_are_refused_by_name():
     assert "different cost-model rates" in message and "dilgen calibrate" in message, message
 
 
+@pytest.mark.ranks
 def test_calibrate_under_torchrun_measures_the_links(tmp_path):
     import torch
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"      # calibrate's own choice
@@ -135,6 +136,7 @@ def test_calibrate_under_torchrun_measures_the_links(tmp_path):
     assert set(records[1, "none"].measured) == set(measure.KERNEL_RATES)
 
 
+@pytest.mark.ranks
 def test_calibrate_spec_under_torchrun_times_the_specs_ring_call(tmp_path):
     """`dilgen calibrate --spec` over two ranks: the record for two ranks holds the spec's rate on a
     rank's rows and its ring call's own factor (Rates.windows); one process's, its rate alone."""

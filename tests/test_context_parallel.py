@@ -36,6 +36,7 @@ LM_P2 = [{"name": "causal", "model": "causal"}, {"name": "bidirectional", "model
          {"name": "attention_dropout", "model": "causal", "dropout": 0.2}]
 
 
+@pytest.mark.ranks
 def test_p2_loss_and_every_gradient_equal_one_process(tmp_path):
     """cp.loss and cp.reduce_gradients, and the model's own loss (its part L_j: the forward
     passes the count of every rank's labels as num_items_in_batch); with the Llama's
@@ -49,6 +50,7 @@ def test_p2_loss_and_every_gradient_equal_one_process(tmp_path):
 LM_P4 = [{"name": "causal", "model": "causal"}, {"name": "bidirectional", "model": "bidirectional"}]
 
 
+@pytest.mark.ranks
 def test_p4_loss_and_every_gradient_equal_one_process(tmp_path):
     results = cp_worker.spawn(4, LM_P4, tmp_path, timeout_s=600)
     for case in LM_P4:
@@ -59,6 +61,7 @@ ROWS = [{"name": "packed", "batch": "packed"}, {"name": "packed_offsets", "batch
         {"name": "right_padded", "batch": "right_padded"}]
 
 
+@pytest.mark.ranks
 def test_p2_packed_rows_and_right_padding(tmp_path):
     """DataCollatorWithFlattening's packed row (position_ids that restart, and with
     return_flash_attn_kwargs its cu_seq_lens_q) runs on the packed ring, split in
@@ -75,6 +78,7 @@ COMPILED = [{"name": "compiled", "compile": True, "bad_positions": True},
             {"name": "compiled_dropout", "compile": True, "dropout": 0.2}]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case", COMPILED, ids=[c["name"] for c in COMPILED])
 def test_p2_under_torch_compile(case, tmp_path):
     """torch.compile(model, fullgraph=True) of a context-parallel model, on the default
@@ -93,6 +97,7 @@ def test_p2_under_torch_compile(case, tmp_path):
                 assert got is not None and "not each rank's global positions" in got, (key, rank, got)
 
 
+@pytest.mark.ranks
 def test_fsdp2_on_a_2x2_mesh(tmp_path):
     """FSDP2 (fully_shard over the 4 ranks of a dp x cp = 2 x 2 mesh, gloo on the CPU) with
     the ring over each dp replica's cp pair: the mean over the two replicas of their
@@ -104,6 +109,7 @@ def test_fsdp2_on_a_2x2_mesh(tmp_path):
     _check(case, results, rows=4)
 
 
+@pytest.mark.ranks
 def test_refusals_on_every_rank(tmp_path):
     """What context parallelism does not take is refused in one line, the same on every
     rank (a per-rank mask is agreed on by an all-reduce, never one rank alone); what the

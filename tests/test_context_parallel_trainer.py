@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_context_parallel.py"
 
 
+@pytest.mark.ranks
 def test_trainer_step_equals_one_process(tmp_path):
     """One SGD step of ContextParallelTrainer on two sequences of 64 tokens split over 2
     ranks: the logged loss is the mean over every token, and the step is one process's
@@ -36,6 +37,7 @@ def test_trainer_step_equals_one_process(tmp_path):
         assert errors[worst] <= 1e-5, (rank, worst, errors[worst])
 
 
+@pytest.mark.ranks
 def test_trainer_evaluates_the_loss_of_one_process_and_refuses_split_logits(tmp_path):
     """Trainer.evaluate under context parallelism: eval_loss is the mean over every token of
     the batch (one process's), not a rank's share; compute_metrics and predict(), which
@@ -68,6 +70,7 @@ def test_trainer_refuses_what_it_cannot_keep_exact(tmp_path):
         ContextParallelTrainer(model=model, args=args, train_dataset=[], context_parallel=None)
 
 
+@pytest.mark.ranks
 def test_example_check_under_torchrun():
     """`torchrun --nproc-per-node 2 examples/train_context_parallel.py --cpu --check`: three
     AdamW steps of a tiny model over 2 gloo ranks against one process, loss and every

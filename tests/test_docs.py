@@ -110,7 +110,8 @@ def _cases():
         blocks = blocks_of(path)
         for ranks in sorted({b.ranks for b in blocks}):
             group = [b for b in blocks if b.ranks == ranks]
-            yield pytest.param(group, id=path.name if ranks == 1 else f"{path.name}-{ranks}ranks")
+            yield pytest.param(group, id=path.name if ranks == 1 else f"{path.name}-{ranks}ranks",
+                               marks=() if ranks == 1 else pytest.mark.ranks)
 
 
 @pytest.mark.parametrize("blocks", list(_cases()))

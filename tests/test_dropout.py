@@ -259,6 +259,7 @@ def test_the_ring_groups_name_every_worker_case():
     assert named == {c[0] for c in dropout_ring_worker.CASES} | {"packed_spanning"}
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("group", sorted(RING_GROUPS))
 def test_the_ring_draws_one_devices_mask_on_every_transport(tmp_path, group):
     """P = 2 under torchrun (NCCL on 2 GPUs, else gloo): the local, recut and hybrid transports (each piece at its

@@ -385,6 +385,7 @@ CASES_P8 = [
 ]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("P, cases", [(2, CASES_P2), (4, CASES_P4),
                                       pytest.param(8, CASES_P8, marks=pytest.mark.slow)],
@@ -433,6 +434,7 @@ PACKED_P3 = [
 ]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(560)
 @pytest.mark.parametrize("P, cases", [(2, PACKED_P2), (3, PACKED_P3)], ids=["P2", "P3"])
 def test_packed_ring_matches_single_device_packed_call(P, cases, tmp_path):
@@ -465,6 +467,7 @@ def _refused_run(mode: str, tmp_path, P: int = 2) -> list[tuple[int, str]]:
     raise AssertionError("unreachable")
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(600)
 def test_refused_ring_call_leaves_nothing_pending(tmp_path):
     """Issue 35: rank 0 alone passes an fp16 q to a float32 ring spec. Every rank raises the

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import ring_worker
 from proc_tree import free_port as _free_port, run_together  # noqa: E402
 
-pytestmark = pytest.mark.slow     # long runs (several processes, whole flows): -m "not slow" skips them
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]     # each starts ranks: -m "not slow" skips them
 
 ROOT = Path(__file__).resolve().parents[1]
 P = 4

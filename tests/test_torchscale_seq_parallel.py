@@ -257,6 +257,7 @@ def _rows(t, rank):
     return t[:, rank * c:(rank + 1) * c]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", list(CASES))
 def test_seq_parallel_equals_one_process(reports, name, monkeypatch):
     out, dx, grads = _one_process(name, monkeypatch)
@@ -275,6 +276,7 @@ def test_seq_parallel_equals_one_process(reports, name, monkeypatch):
         assert [r[name]["out"].shape[1] for r in reports] == [23, 22]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", DROPOUT_CASES)
 def test_seq_parallel_draws_the_one_process_dropout_mask(reports, name):
     """With attention dropout while training, every rank's rows (and input gradients) are the
@@ -290,6 +292,7 @@ def test_seq_parallel_draws_the_one_process_dropout_mask(reports, name):
         assert tm.rel_error(ring["out"].double(), plain.double()) > 1e-2, (name, rank)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_seq_parallel_refusals_are_one_line_on_every_rank(reports, name):
     kind, words = REFUSALS[name]
