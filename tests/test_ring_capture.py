@@ -102,6 +102,7 @@ def test_what_a_capture_cannot_run_is_refused(capturing, what):
     assert dist.gathers == 0
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a captured NCCL ring needs 2 GPUs")
 def test_every_transport_replays_what_it_runs_eagerly_on_two_gpus(tmp_path):
     """torchrun P = 2 over NCCL (tests/ring_capture_worker.py): each transport's forward and

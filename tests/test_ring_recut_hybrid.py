@@ -155,6 +155,7 @@ LANE_CASES = [
 ]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(400)
 def test_lane_windows_match_the_single_device_reference(tmp_path):
     """Every rank's out, lse and gradients against the float64 reference, with the remote
