@@ -16,7 +16,6 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E4
 
 import dilgen.integrations.transformers as hf  # noqa: E402
 
-from conftest import rel_error  # noqa: E402
 from test_transformers_zoo import PATTERN, _build, _ids, _one_line  # noqa: E402
 
 

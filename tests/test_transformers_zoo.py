@@ -4,8 +4,6 @@ every refusal's advice, followed, works. Tiny models built from configs (nothing
 downloaded), Triton's interpreter on the CPU."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
