@@ -26,11 +26,19 @@ def _spec(name, **over):
     return dilgen.Spec(name=name, **dict(CAUSAL, **over))
 
 
-def _module(tmp_path, spec, dropout=False):
-    from dilgen import codegen
+def _plan(spec, tuning: dict):
     from dilgen.planner import plan
     from dilgen.targets import get_target
-    return load_emitted(tmp_path / f"{spec.name}.py", codegen.emit(plan(spec, get_target("sm90"), {"dropout": dropout})))
+    return plan(spec, get_target("sm90"), tuning)
+
+
+def _emitted(tmp_path, spec, plan):
+    from dilgen import codegen
+    return load_emitted(tmp_path / f"{spec.name}.py", codegen.emit(plan))
+
+
+def _module(tmp_path, spec, dropout=False):
+    return _emitted(tmp_path, spec, _plan(spec, {"dropout": dropout}))
 
 
 @needs_gluon
@@ -58,11 +66,9 @@ PACKED_FNS = ("gluon_packed", "gluon_dkdv_packed", "gluon_dq_packed", "gluon_lan
 def test_a_module_carries_the_packed_kernels_its_plan_names(over, tuning, tmp_path):
     """Plan.gluon_packed_kernels is the one place that says which Gluon kernels over packed rows
     a plan's module carries (the templates emit and pass exactly those)."""
-    from dilgen import codegen
-    from dilgen.planner import plan
-    from dilgen.targets import get_target
-    p = plan(_spec("pk", **over), get_target("sm90"), tuning)
-    attn = load_emitted(tmp_path / "pk.py", codegen.emit(p)).attention
+    spec = _spec("pk", **over)
+    p = _plan(spec, tuning)
+    attn = _emitted(tmp_path, spec, p).attention
     assert {name for name in PACKED_FNS if getattr(attn, name + "_fn") is not None} == p.gluon_packed_kernels
     assert bool(p.gluon_packed_kernels) != p.dropout
 
