@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -445,6 +446,21 @@ class Plan:
                    "gluon_dkdv_lanes_packed": causal and cfg.gluon_dkdv_lanes and not cfg.gluon_dkdv_dq,
                    "gluon_dq_lanes_packed": causal and cfg.gluon_lanes_bwd}
         return frozenset(name for name, on in carried.items() if on)
+
+    @property
+    def delta_step(self) -> int:
+        """The backward's preprocess computes Delta only at rows p = (h + head_base) mod m + k*m of
+        head h, m = this (1: every row). With every branch a lane branch of r_i > 1 (gap_lane),
+        raster rows, head offsets "mod" (t mod r_i == (h + head_base) mod r_i, LongNet Eq. 13-15)
+        and m = gcd(r_i) dividing every w_i, a row kept by branch i satisfies n mod m ==
+        (h + head_base) mod m, since its segment starts at a multiple of w_i; no kernel reads
+        Delta of the other rows (config D: 3/4 of them). One device, fixed-length calls only (a
+        packed sequence or a ring chunk starts anywhere: the runtime passes 1 there)."""
+        if (self.gap_lane is None or self.tables or self.row_order is not None or self.ring.ring_size != 1
+                or any(b.head_offset is not None or b.keep_map is not None for b in self.branches)):
+            return 1
+        m = math.gcd(*(b.dilation for b in self.branches))
+        return m if m > 1 and all(b.segment_length % m == 0 for b in self.branches) else 1
 
     def to_json(self) -> dict:
         return {

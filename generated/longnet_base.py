@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: c86629b69a324f3c
+# template hash: 212e6bfeef1b51b8
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -374,13 +374,17 @@ def longnet_base_bwd_preprocess(
     stride_dob, stride_don, stride_doh,
     stride_lb, stride_lh,
     HAS_DLSE: tl.constexpr,
+    STEP: tl.constexpr,
 ):
-    """Delta[b, h, p] = sum_d dO * O  (- dlse when lse has a gradient), float32."""
+    """Delta[b, h, p] = sum_d dO * O  (- dlse when lse has a gradient), float32, at the rows
+    p = h mod STEP + k * STEP of head h (STEP: Plan.delta_step; every row when 1)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     p = pid_n * BWD_PRE_BLOCK + tl.arange(0, BWD_PRE_BLOCK)
+    if STEP > 1:
+        p = h % STEP + p * STEP
     valid = p < N
     offs_d = tl.arange(0, HEAD_DIM)
     rows = p.to(tl.int64)[:, None]
@@ -1149,7 +1153,7 @@ BACKWARD_KERNELS = {
     "dkdv_fused": longnet_base_bwd_dkdv_fused,  # replaces the per-branch dkdv launches of the fused kernel's branches
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 64,
+        "pre_block": 64, "delta_step": 1, "dq_block_m": 128, "kv_block_n": 128, "kv_block_m": 64,
         "lane_dq_block_m": 128,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},

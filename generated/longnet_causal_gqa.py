@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: c86629b69a324f3c
+# template hash: 212e6bfeef1b51b8
 # plan key:      ccccb1a8950afd95028c45a0c80a52bc4d2da59e38fae414b7e0f34229ce4d05
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -523,13 +523,17 @@ def longnet_causal_gqa_bwd_preprocess(
     stride_dob, stride_don, stride_doh,
     stride_lb, stride_lh,
     HAS_DLSE: tl.constexpr,
+    STEP: tl.constexpr,
 ):
-    """Delta[b, h, p] = sum_d dO * O  (- dlse when lse has a gradient), float32."""
+    """Delta[b, h, p] = sum_d dO * O  (- dlse when lse has a gradient), float32, at the rows
+    p = h mod STEP + k * STEP of head h (STEP: Plan.delta_step; every row when 1)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 16).to(tl.int64)
     h = pid_bh % 16
     p = pid_n * BWD_PRE_BLOCK + tl.arange(0, BWD_PRE_BLOCK)
+    if STEP > 1:
+        p = h % STEP + p * STEP
     valid = p < N
     offs_d = tl.arange(0, HEAD_DIM)
     rows = p.to(tl.int64)[:, None]
@@ -1386,7 +1390,7 @@ BACKWARD_KERNELS = {
     "dq_lanes": longnet_causal_gqa_bwd_dq_lanes,  # dQ of the lane branches, after "dq"
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 64, "kv_block_n": 64, "kv_block_m": 32,
+        "pre_block": 64, "delta_step": 1, "dq_block_m": 64, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 64,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},

@@ -11,6 +11,7 @@ import torch
 import dilgen
 from dilgen.compiler import Kernel
 from dilgen.planner import plan
+from dilgen.runtime.interpreter import interpreting
 from dilgen.targets import INTERPRETER
 
 from conftest import check_against_reference
@@ -42,6 +43,11 @@ CASES = [
     ("all_noncausal_short_last", dict(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4]), (1, 150),
      {"lanes": "all"}),
     ("all_no_branch_keeps", dict(segment_lengths=[8], dilation_rates=[3]), (1, 40), {"lanes": "all"}),
+    # no r = 1 branch, every branch as lanes: Delta only at rows n = h mod gcd(r) (Plan.delta_step 2)
+    ("all_noncausal_no_r1_gqa_short_last", dict(segment_lengths=[32, 64], dilation_rates=[2, 4], num_heads=4,
+                                                num_kv_heads=2), (2, 150), {"lanes": "all"}),
+    ("all_causal_no_r1_head_base", dict(segment_lengths=[16, 64], dilation_rates=[4, 8], causal=True,
+                                        head_base=1), (1, 100), {"lanes": "all"}),
     ("bf16_mix", dict(segment_lengths=[32, 100], dilation_rates=[2, 6], dtype="bfloat16", num_heads=6,
                       causal=True), (1, 160), None),
     ("tma_ws_all_causal_gqa", dict(segment_lengths=[32, 64], dilation_rates=[2, 4], causal=True, num_heads=4,
@@ -93,6 +99,42 @@ def test_lane_branches_forward_and_gradients(case):
         assert p.fused_dkdv and p.query.lattice == 1, "the case must run the fused dK/dV beside it"
         assert [b.fused_dkdv for b in p.branches] == [True, False]      # r = 8 does not divide L = 1
     check_against_reference(spec, batch, n, tuning, name)
+
+
+def test_the_preprocess_computes_delta_at_the_kept_rows_only():
+    """Plan.delta_step m: with every branch a lane branch of r > 1 in raster order, head h's rows
+    n = (h + head_base) mod m + k m get Delta = rowsum(dO * O) and no other row is written (it
+    stays NaN); m = 1 where a branch keeps rows of every residue or the rows are not raster."""
+    def step(tuning=None, **fields):
+        spec = dilgen.Spec(name="l_step", **{"num_heads": 4, "head_dim": 16, "dtype": "float32", **fields})
+        return plan(spec, INTERPRETER, tuning).delta_step
+    lanes = {"lanes": "all"}
+    assert step(lanes, segment_lengths=[16, 64], dilation_rates=[4, 16]) == 4
+    assert step(lanes, segment_lengths=[24, 48], dilation_rates=[4, 6]) == 2
+    assert step(lanes, segment_lengths=[16, 64], dilation_rates=[4, 16], head_base=3) == 4
+    assert step(lanes, segment_lengths=[16, 64], dilation_rates=[1, 4]) == 1            # r = 1 keeps every row
+    assert step(lanes, segment_lengths=[18, 64], dilation_rates=[4, 16]) == 1           # 4 does not divide 18
+    assert step(lanes, segment_lengths=[16, 64], dilation_rates=[4, 16], head_offsets="block") == 1
+    assert step(lanes, segment_lengths=[16, 64], dilation_rates=[4, 16], hilbert={"scope": "segment"}) == 1
+    assert step(lanes, segment_lengths=[16, 64], dilation_rates=[4, 16], ring_size=2) == 1
+    assert step(None, segment_lengths=[16, 64], dilation_rates=[4, 16]) == 1            # the fused kernel's classes
+
+    spec = dilgen.Spec(name="l_delta_rows", num_heads=4, head_dim=16, dtype="float32", segment_lengths=[16, 64],
+                       dilation_rates=[4, 8], head_base=1)
+    attn = Kernel(spec, None, lanes).compiled_for(torch.device("cpu")).attention
+    m = attn.backward_kernels["config"]["delta_step"]
+    assert m == 4
+    B, N, H, D = 2, 100, 4, 16
+    out, dout = torch.randn(B, N, H, D), torch.randn(B, N, H, D)
+    delta = torch.full((B, H, N), float("nan"))
+    pre = attn._kernel(True, source_fn=attn.backward_kernels["preprocess"])
+    grid = (-(-(-(-N // m)) // attn.backward_kernels["config"]["pre_block"]), B * H)
+    with interpreting():
+        pre[grid](out, dout, delta, delta, N, *out.stride()[:3], *dout.stride()[:3], *delta.stride()[:2], False, m)
+    want = (out * dout).sum(-1).transpose(1, 2)
+    kept = (torch.arange(N)[None, :] % m == (torch.arange(H)[:, None] + 1) % m).expand(B, H, N)
+    torch.testing.assert_close(delta[kept], want[kept])
+    assert delta[~kept].isnan().all()
 
 
 def test_the_plan_refuses_a_fused_dkdv_branch_it_cannot_take():

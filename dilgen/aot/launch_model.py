@@ -203,9 +203,10 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N, base))
-        elif role == "preprocess":
+        elif role == "preprocess":      # STEP: Plan.delta_step for fixed-length calls, 1 for packed ones
             for has_dlse in (True, False):
-                add(role, fn, opts, HAS_DLSE=has_dlse)
+                for step in sorted({1, attention.backward_kernels["config"].get("delta_step", 1)}):
+                    add(role, fn, opts, HAS_DLSE=has_dlse, STEP=step)
         elif role == "curve_rows":
             # per curve_rows branch: k and v (kv heads), q and dO, lse and Delta (query heads)
             H, Hkv, D = base["H"], base["Hkv"], base["D"]

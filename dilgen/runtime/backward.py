@@ -214,10 +214,12 @@ class _Launches:
             kernel[grid](*args, **options)
 
     def preprocess(self, out, dlse, has_dlse) -> None:
+        """Delta at the rows a branch keeps (Plan.delta_step, fixed-length calls), else every row."""
         at = self.at
-        self._launch("preprocess", (math.ceil(at.rows / self.conf["pre_block"]), at.pre_b * self.H),
+        step = 1 if at.varlen else self.conf.get("delta_step", 1)
+        self._launch("preprocess", (math.ceil(math.ceil(at.rows / step) / self.conf["pre_block"]), at.pre_b * self.H),
             out, self.grad_out, dlse, self.delta, at.rows, *at.o, *at.do, *at.l,
-            has_dlse)
+            has_dlse, step)
 
     def dkdv(self, seqs, B: int, N: int, dk, dv, clears: bool) -> None:
         """The fused launch covers the fused kernel's branches; per-branch launches the rest

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: c86629b69a324f3c
+# template hash: 212e6bfeef1b51b8
 # plan key:      da2f97b0fac77c88a13597d37d12a112727c9794da2a587de65a6a306ab15514
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -521,13 +521,17 @@ def slide_tiles_bwd_preprocess(
     stride_dob, stride_don, stride_doh,
     stride_lb, stride_lh,
     HAS_DLSE: tl.constexpr,
+    STEP: tl.constexpr,
 ):
-    """Delta[b, h, p] = sum_d dO * O  (- dlse when lse has a gradient), float32."""
+    """Delta[b, h, p] = sum_d dO * O  (- dlse when lse has a gradient), float32, at the rows
+    p = h mod STEP + k * STEP of head h (STEP: Plan.delta_step; every row when 1)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // 8).to(tl.int64)
     h = pid_bh % 8
     p = pid_n * BWD_PRE_BLOCK + tl.arange(0, BWD_PRE_BLOCK)
+    if STEP > 1:
+        p = h % STEP + p * STEP
     valid = p < N
     offs_d = tl.arange(0, HEAD_DIM)
     rows = p.to(tl.int64)[:, None]
@@ -1209,7 +1213,7 @@ BACKWARD_KERNELS = {
     "dq_lanes": slide_tiles_bwd_dq_lanes,  # dQ of the lane branches, after "dq"
     # launch parameters for dilgen.runtime.backward (not a kernel)
     "config": {
-        "pre_block": 64, "dq_block_m": 128, "kv_block_n": 64, "kv_block_m": 32,
+        "pre_block": 64, "delta_step": 1, "dq_block_m": 128, "kv_block_n": 64, "kv_block_m": 32,
         "lane_dq_block_m": 128,
         "fused_dkdv": True,
         "launch": {"preprocess": {"num_warps": 4, "num_stages": 1},

@@ -161,7 +161,7 @@ def _backward(run: RingRun, q, k, v, out, lse, grad_out, grad_lse):
             out, grad_out, dlse, delta, n_loc,
             out.stride(0), out.stride(1), out.stride(2),
             grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *l_strides,
-            has_dlse, **launch["preprocess"])
+            has_dlse, 1, **launch["preprocess"])
 
     def compute(step, keys):
         """dQ of my queries and partial dK, dV of this step's keys; returns the partial
