@@ -254,6 +254,9 @@ class KernelConfig:
     # lane branches that read no curve table (an r = 1 branch: a permutation inside a segment
     # leaves its keys alone), which the curve kernel cannot take
     gluon_raster_lanes: bool = False
+    # with gluon_lanes: its launches go with programmatic dependent launch (common.gdc), so a
+    # launch's programs start while the one before it drains its last wave
+    gluon_pdl: bool = False
     # sm90: a causal spec's per-branch dK/dV and lane dq as the Gluon kernels of
     # templates/gluon_lanes_bwd.py.jinja (the Gluon dK/dV's and dQ's shapes), their stages
     gluon_lanes_bwd: int | None = None
@@ -297,6 +300,8 @@ class KernelConfig:
             raise ValueError("KernelConfig.gluon_curve_lanes needs gluon_lanes (its curve lanes are that kernel's)")
         if self.gluon_raster_lanes and not self.gluon_curve_lanes:
             raise ValueError("KernelConfig.gluon_raster_lanes needs gluon_curve_lanes (it runs beside that kernel)")
+        if self.gluon_pdl and not self.gluon_lanes:
+            raise ValueError("KernelConfig.gluon_pdl needs gluon_lanes (it is how their launches go)")
         if self.gluon_dkdv_dq and not self.gluon_dkdv_lanes:
             raise ValueError("KernelConfig.gluon_dkdv_dq needs gluon_dkdv_lanes (its dQ is that kernel's)")
         if self.gluon_exp2 not in (0, 2, 4, 8):
@@ -326,6 +331,7 @@ class KernelConfig:
                 **({"gluon_lanes": list(self.gluon_lanes)} if self.gluon_lanes else {}),
                 **({"gluon_curve_lanes": True} if self.gluon_curve_lanes else {}),
                 **({"gluon_raster_lanes": True} if self.gluon_raster_lanes else {}),
+                **({"gluon_pdl": True} if self.gluon_pdl else {}),
                 **({"gluon_lanes_bwd": self.gluon_lanes_bwd} if self.gluon_lanes_bwd else {}),
                 **({"gluon_dkdv_lanes": True} if self.gluon_dkdv_lanes else {}),
                 **({"gluon_dkdv_dq": True} if self.gluon_dkdv_dq else {}),

@@ -23,7 +23,7 @@ import sympy
 from . import ir
 from .dropout_plan import DROPOUT_GLUON_DQ_DIMS, dropout_refusal, dropout_tuning
 from .gluon_plan import (gluon_curve_lanes, gluon_dkdv, gluon_dkdv_dq, gluon_dkdv_lanes, gluon_dkdv_prefetch,
-                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_raster_lanes,
+                         gluon_dq, gluon_exp2, gluon_fwd, gluon_lanes, gluon_lanes_bwd, gluon_pdl, gluon_raster_lanes,
                          gluon_split, lanes_bwd_in_place_of_fused)
 from .spec import Spec, SpecError, default_grid
 from .support import unsupported_by_kernels
@@ -98,7 +98,7 @@ TUNABLE = ("block_m", "block_n", "num_warps", "num_stages", "bwd_kv", "bwd_dq",
            "lane_fwd", "lane_dq", "lanes", "lane_tma", "lane_ws", "lane_dq_tma", "lane_tiles_fastest", "fused_dkdv", "decode",
            "curve_rows", "fused_tma", "fused_ws", "fold_scale", "bwd_tma", "lattice_group",
            "dual_chain", "gluon_fwd", "gluon_dkdv", "gluon_dq", "gluon_lanes",
-           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_curve_lanes", "gluon_raster_lanes", "gluon_exp2", "dropout",
+           "gluon_lanes_bwd", "gluon_dkdv_lanes", "gluon_curve_lanes", "gluon_raster_lanes", "gluon_pdl", "gluon_exp2", "dropout",
            "dkdv_rows_first", "gluon_dkdv_prefetch", "gluon_dkdv_dq")
 LANES_CHOICES = ("auto", "all", "none", "split")
 
@@ -145,6 +145,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     gluon["gluon_curve_lanes"] = gluon_curve_lanes(spec, branches, query_order, tuning, gluon["gluon_lanes"])
     gluon["gluon_raster_lanes"] = gluon_raster_lanes(spec, target, branches, tuning, gluon["gluon_lanes"],
                                                      gluon["gluon_curve_lanes"], dropout)
+    gluon["gluon_pdl"] = gluon_pdl(spec, target, tuning, gluon["gluon_lanes"], dropout)
     gluon["gluon_dkdv_dq"] = gluon_dkdv_dq(spec, gluon["gluon_dkdv_lanes"], tuning)
     gluon["gluon_dkdv_prefetch"] = gluon_dkdv_prefetch(spec, tiles.tile_d, gluon["gluon_dkdv"], tuning)
     gluon["gluon_exp2"] = gluon_exp2(spec, target, tiles, gluon, tuning)

@@ -227,6 +227,8 @@ class Target:
     # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; the same bits. H200,
     # F causal forward 1.42 -> 1.26 ms (bench/results/forward_raster_lanes-2026-11-29-h200.json)
     gluon_raster_lanes_default: bool = False
+    # The Gluon lane launches with programmatic dependent launch (KernelConfig.gluon_pdl)
+    gluon_pdl_default: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
                    every_row_kept: bool = True) -> str:

@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: 212e6bfeef1b51b8
+# template hash: 9a577b88ceab7356
 # plan key:      ccccb1a8950afd95028c45a0c80a52bc4d2da59e38fae414b7e0f34229ce4d05
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1741,6 +1741,7 @@ def longnet_causal_gqa_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.c
     else:
         lse_rows = Lse + (b * 16 + h).to(gl.int64) * N + rows
     if ACCUMULATE:  # merge with the launches before this one (common.merge_partial)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)     # their rows are final (programmatic dependent launch)
         if PACKED:
             lse_acc = gl.load(lse_rows, mask=real, other=float("-inf"))
         else:
@@ -1867,6 +1868,13 @@ def longnet_causal_gqa_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, 
     mt = n_tiles - 1 - gl.program_id(0) % n_tiles
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
+    # programmatic dependent launch (KernelConfig.gluon_pdl, common.gdc): a launch that writes
+    # first touches no memory before the kernel before it has ended; a merging one reads only q,
+    # k and v (final before the first launch of the chain started) until its consumers wait at
+    # the merge. Either lets the next launch start its programs once all of its own have started.
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     q_smem = gl.allocate_shared_memory(dtype, [2, GLUON_LANE_ROWS, 1, 128], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [GLUON_LANE_STAGES, GLUON_LANE_KEYS, 1, 128], v_desc.layout)

@@ -169,6 +169,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= get_target("sm90").smem_bytes
+        _assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=True)
     box = desc(64)     # the lane backward: adding, and (no r = 1 branch) writing and clearing the gaps
     views = {"q_desc": box, "do_desc": box, "k_desc": box, "v_desc": box, "Lse": "*fp32", "Delta": "*fp32"}
     dkdv = {**views, "DK": "*bf16", "DV": "*bf16", "N": "i32", "W": "constexpr", "R": "constexpr", "NO": "constexpr",
@@ -180,8 +181,41 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path, over):
                                                                   (13,): clear}),
                                 (mod.gla_gluon_dq_lanes, dq, {(8,): 4096, (9,): 2, (10,): merge, (11,): clear})):
             kernel = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": 4, "maxnreg": 168})
+                                    options={"num_warps": 4, "maxnreg": 168, "launch_pdl": True})
             assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= get_target("sm90").smem_bytes
+            assert kernel.metadata.launch_pdl
+            _assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=False)
+
+
+def _assert_waits_before_touching_outputs(ttgir: str, merge: bool, forward: bool) -> None:
+    """Programmatic dependent launch (KernelConfig.gluon_pdl, common.gdc): a Gluon lane kernel lets
+    the next launch start (launch_dependents, once, at its top) and waits for the launch before it
+    (griddepcontrol.wait): a writing launch at its top, before any load or store; a merging one
+    (merge) in every partition that stores, before its first store and, in the forward, before its
+    first plain load (of out, lse). What it reads before (q, k, v by TMA; in the backward dO too, and
+    lse and Delta by plain loads) is final since the chain's first launch waited at its top."""
+    import re
+    lines = ttgir.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"\s*(default \{|partition\d+\()", line)]
+    assert starts, "a warp-specialized kernel"
+    regions = [lines[:starts[0]]] + [lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])]
+
+    def first(region, pattern):
+        return next((i for i, line in enumerate(region) if re.search(pattern, line)), None)
+    wait, trigger = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+    load, store = r"= tt\.load |async_tma_copy_global_to_local", r"tt\.store |async_tma_copy_local_to_global|tt\.atomic|async_tma_reduce"
+    top = regions[0]
+    assert sum(trigger in line for line in ttgir.splitlines()) == 1 and first(top, trigger) is not None
+    assert first(top, load) is None and first(top, store) is None
+    if not merge:
+        assert first(top, wait) is not None and first(top, wait) < first(top, trigger)
+        return
+    assert first(top, wait) is None
+    for region in regions[1:]:
+        s = first(region, store)
+        if s is not None:
+            w, plain = first(region, wait), first(region, r"= tt\.load ")
+            assert w is not None and w < s and (not forward or plain is None or w < plain), "a merge before its wait"
 
 
 @needs_gluon

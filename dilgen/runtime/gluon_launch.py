@@ -78,7 +78,7 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
                 or not _takes(attn, attn.gluon_raster_lanes_fn, N, q, k, v, out)):
             return None
         return (attn.gluon_raster_lanes_kernel, (N // br["w"] * (br["w"] // br["r"] // 128), B * plan["num_heads"]),
-                gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear), OPTIONS)
+                gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear), lane_options(plan))
     if (tile is None or not gluon_lane_branch(br["w"], br["r"], tile[0])
             or (curve and (clear or dropout))
             or not _takes(attn, attn.gluon_lanes_fn, N, q, k, v, out)):
@@ -93,7 +93,7 @@ def gluon_lanes_launch(attn, q, k, v, out, lse, B: int, N: int, br: dict, accumu
         return attn.gluon_lanes_kernel, grid, gluon_curve_lanes_args(plan, q, kc, vc, out, lse, fwd, B, N, br,
                                                                      accumulate, lists), OPTIONS
     return (attn.gluon_lanes_kernel, grid,
-            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear, dropout), OPTIONS)
+            gluon_lanes_args(plan, q, k, v, out, lse, B, N, br, accumulate, clear, dropout), lane_options(plan))
 
 
 def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int, br: dict,
@@ -113,7 +113,7 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
     return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
             gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, dropout,
                                   dq32),
-            OPTIONS)
+            OPTIONS if dq32 is not None else lane_options(plan))
 
 
 def gluon_dkdv_dq_taken(attn, q, k, v, grad_out, N: int) -> bool:
@@ -136,7 +136,8 @@ def gluon_dq_lanes_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: in
         return None
     w, r = br["w"], br["r"]
     return (attn.gluon_dq_lanes_kernel, (N // w * (w // r // 128), B * plan["num_heads"]),
-            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear, dropout), OPTIONS)
+            gluon_dq_lanes_args(plan, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear, dropout),
+            lane_options(plan))
 
 
 def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: int):
@@ -152,6 +153,14 @@ def gluon_dkdv_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int, N: in
 # 12 warps (two consumer warpgroups, a producer warp's group) at 168 registers a thread:
 # one program per SM, the consumers at 240 registers, the producer at 24
 OPTIONS = {"num_warps": 4, "maxnreg": 168}
+PDL_OPTIONS = {**OPTIONS, "launch_pdl": True}
+
+
+def lane_options(plan) -> dict:
+    """The launch options of the Gluon lane kernels over raster rows (forward, dK/dV, dq): with
+    programmatic dependent launch where the plan says (KernelConfig.gluon_pdl; the kernels wait
+    where they must, common.gdc), except a dK/dV that adds dQ (its launches all add)."""
+    return PDL_OPTIONS if plan["config"].get("gluon_pdl") else OPTIONS
 
 
 def gluon_dq_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, dropout: tuple = ()):

@@ -162,6 +162,8 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, 
             it, dk, dv = gla_gluon_dkdv_lanes_rows_block(
                 it, head + at, dk, dv, k, v, q_smem, do_smem, pt, dst, ready, empty, Lse, Delta,
                 s_layout, False, head + end, PACKED)
+    if ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)     # the launch before has added its share (programmatic dependent launch)
     keys = s * W + o + R * (k0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout)))
     dcols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
     if PACKED:      # the sequence's keys from row s0; lanes past the lane's end (cnt) not stored
@@ -262,6 +264,9 @@ def gla_gluon_dkdv_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, N,
     s = gl.program_id(0) // (J * NO)
     b = gl.program_id(1) // 4
     kvh = gl.program_id(1) % 4
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     k_smem = gl.allocate_shared_memory(dtype, [2, 64, 1, 128], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 64, 1, 128], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [GLUON_LBWD_STAGES, 64, 1, 128], q_desc.layout)

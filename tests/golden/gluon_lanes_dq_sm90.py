@@ -124,6 +124,8 @@ def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CL
         st = (2 * mt + 1) % GLUON_LBWD_STAGES
         mbarrier.wait(ready.index(st), ((2 * mt + 1) // GLUON_LBWD_STAGES) & 1)
         mbarrier.arrive(empty.index(st), count=1)
+    if ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)     # the launch before has added its share (programmatic dependent launch)
     out_rows = s * W + o + R * (q0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout)))
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
     if PACKED:
@@ -217,6 +219,9 @@ def gla_gluon_dq_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, N, W: gl
     mt = T - 1 - gl.program_id(0) % T
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     q_smem = gl.allocate_shared_memory(dtype, [2, 64, 1, 128], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, 64, 1, 128], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [GLUON_LBWD_STAGES, 64, 1, 128], k_desc.layout)
