@@ -227,7 +227,10 @@ class Target:
     # kernel of their own (KernelConfig.gluon_raster_lanes), not `tl`; the same bits. H200,
     # F causal forward 1.42 -> 1.26 ms (bench/results/forward_raster_lanes-2026-11-29-h200.json)
     gluon_raster_lanes_default: bool = False
-    # The Gluon lane launches with programmatic dependent launch (KernelConfig.gluon_pdl)
+    # The Gluon lane launches with programmatic dependent launch (KernelConfig.gluon_pdl): a
+    # launch's programs compute while the one before it drains. H200, the same bits: A causal
+    # forward 0.954 -> 0.928 ms, fwd+bwd 4.084 -> 3.962; D fwd+bwd 2.054 -> 2.002
+    # (bench/results/pdl_delta-2026-12-02-h200.json)
     gluon_pdl_default: bool = False
 
     def lanes_mode(self, causal: bool, lattice: int, head_dim: int = 128,
@@ -272,7 +275,7 @@ SM90 = Target("sm90", 90, 227 * 1024, 128, True, causal_max_lattice=1, lane_tma=
               gluon_lanes_default=(64, 128), gluon_lanes_bwd_default=(64, 128), gluon_lanes_bwd_no_r1=(128,),
               gluon_lanes_bwd_no_r1_lane=1024,
               gluon_dkdv_lanes=True, gluon_exp2=((64, 8),), gluon_bwd_beside_lanes=True,
-              gluon_raster_lanes_default=True, split_wide_lattice=True)
+              gluon_raster_lanes_default=True, split_wide_lattice=True, gluon_pdl_default=True)
 SM80 = Target("sm80", 80, 163 * 1024, 128, False)
 INTERPRETER = Target("interpreter", None, 1 << 30, 64, False)
 TARGETS_BY_NAME: dict[str, Target] = {t.name: t for t in (SM90, SM80, INTERPRETER)}

@@ -3,7 +3,7 @@
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
 # template hash: 9a577b88ceab7356
-# plan key:      ccccb1a8950afd95028c45a0c80a52bc4d2da59e38fae414b7e0f34229ce4d05
+# plan key:      77f58fdc1945ab6cde8bb809ac81e0b8cb679e00f0b70547752188bbb1924e03
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -95,6 +95,7 @@ PLAN = {
         "dot_precision": None,
         "fold_scale": True,
         "gluon_lanes": [128, 3],
+        "gluon_pdl": True,
         "l2_bytes": 52428800,
         "lane_dq": [64, 32, 4, 3],
         "lane_fwd": [128, 128, 8, 3],

@@ -3,7 +3,7 @@
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
 # template hash: 9a577b88ceab7356
-# plan key:      a01c2a279e8fb8d916c6d0a0893cec765231aa5be555e2202d1d66ecc070e566
+# plan key:      61d4322692215600834788e32ffbc374a2c5ebce5800c9ba38f2c1b9e3ca687c
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
 
@@ -92,6 +92,7 @@ PLAN = {
         "gluon_exp2": 8,
         "gluon_fwd": [128, 3],
         "gluon_lanes": [128, 3],
+        "gluon_pdl": True,
         "l2_bytes": 52428800,
         "lane_dq": [128, 64, 4, 3],
         "lane_fwd": [128, 64, 8, 3],

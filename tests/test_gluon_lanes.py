@@ -295,14 +295,14 @@ def test_launch_model_has_a_gluon_lane_launch_per_branch(cache_dir):
 def test_build_compiles_each_gluon_lane_kernel_as_the_runtime_specializes_it(cache_dir):
     """`dilgen build` compiles a binary per branch of each of the three kernels; the model's
     launch at batch 1 specializes as a call's real arguments at batch 2 do (the branch's w, r
-    and ACCUMULATE are constexprs of both)."""
+    and ACCUMULATE are constexprs of both), with the runtime's launch options (launch_pdl)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from dilgen.aot.binder import specialize
     from dilgen.aot.build import compile_job, plan_jobs
     from dilgen.compiler import build
     from dilgen.aot.launch_model import predicted_launches
-    from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_lanes_args
+    from dilgen.runtime.gluon_launch import gluon_dkdv_lanes_args, lane_options
     spec = _spec(name="gla_build", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2)
     compiled = build(spec, get_target("sm90"))
     jobs, skipped = plan_jobs(compiled, get_target("sm90"), [1024])
@@ -318,7 +318,9 @@ def test_build_compiles_each_gluon_lane_kernel_as_the_runtime_specializes_it(cac
     real = gluon_dkdv_lanes_args(attn.plan, q, k, v, do, torch.randn(2, 4, 1024), torch.randn(2, 4, 1024),
                                  torch.empty_like(k), torch.empty_like(v), 2, 1024, attn.plan["branches"][1], True)
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    want = specialize(attn.gluon_dkdv_lanes_fn, backend, real, OPTIONS)
+    opts = lane_options(attn.plan)       # as runtime/gluon_launch.py launches it: sm90 with PDL
+    assert opts["launch_pdl"] and model.launch_opts == opts
+    want = specialize(attn.gluon_dkdv_lanes_fn, backend, real, opts)
     assert specialize(attn.gluon_dkdv_lanes_fn, backend, model.args, model.launch_opts).desc == want.desc
 
 
