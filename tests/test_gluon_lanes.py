@@ -38,6 +38,30 @@ def _spec(**over):
     return dilgen.Spec(**fields)
 
 
+def test_lane_launches_go_with_pdl_where_what_they_read_first_is_final():
+    """KernelConfig.gluon_pdl (sm90's default with the Gluon lanes, not a dropout plan's, a tuning
+    declines it): the lane forward and dq launch with programmatic dependent launch; the dK/dV only
+    where its first launch writes (Plan.dkdv_first_writes; else that launch adds, right after the
+    preprocess whose Delta it reads before its wait) and adds no dQ."""
+    from dilgen.runtime.gluon_launch import OPTIONS, PDL_OPTIONS, lane_options
+    sm90 = get_target("sm90")
+    p = plan(_spec(), sm90)
+    assert p.config.gluon_pdl and p.dkdv_first_writes
+    assert not plan(_spec(), sm90, {"gluon_pdl": False}).config.gluon_pdl
+    assert not plan(_spec(), get_target("sm80")).config.gluon_pdl
+    with pytest.raises(SpecError, match="gluon_pdl cannot run here: no branch runs in the Gluon lanes"):
+        plan(_spec(), sm90, {"gluon_pdl": True, "gluon_lanes": False})
+    with pytest.raises(SpecError, match="gluon_pdl takes true or false"):
+        plan(_spec(), sm90, {"gluon_pdl": 1})
+    assert not plan(_spec(), sm90, {"dropout": True}).config.gluon_pdl
+    js = p.to_json()
+    assert lane_options(js) == lane_options(js, dkdv=True) == PDL_OPTIONS and PDL_OPTIONS["launch_pdl"]
+    assert lane_options({**js, "dkdv_first_writes": False}, dkdv=True) == OPTIONS
+    assert lane_options({**js, "dkdv_first_writes": False}) == PDL_OPTIONS
+    assert lane_options({**js, "config": {**js["config"], "gluon_dkdv_dq": True}}, dkdv=True) == OPTIONS
+    assert lane_options(plan(_spec(), sm90, {"gluon_pdl": False}).to_json()) == OPTIONS
+
+
 @needs_gluon
 def test_default_for_causal_lanes_and_taken_when_asked():
     sm90 = get_target("sm90")

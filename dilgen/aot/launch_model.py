@@ -206,8 +206,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
                 from ..runtime.gluon_launch import lane_options
-                if role == "gluon_dq_lanes" or not plan["config"].get("gluon_dkdv_dq"):
-                    opts = dict(lane_options(plan))
+                opts = dict(lane_options(plan, dkdv=role == "gluon_dkdv_lanes"))
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N, base))
         elif role == "preprocess":      # STEP: Plan.delta_step for fixed-length calls, 1 for packed ones
             for has_dlse in (True, False):

@@ -113,7 +113,7 @@ def gluon_dkdv_lanes_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, B: int,
     return (attn.gluon_dkdv_lanes_kernel, (N // w * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
             gluon_dkdv_lanes_args(plan, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate, clear, dropout,
                                   dq32),
-            OPTIONS if dq32 is not None else lane_options(plan))
+            OPTIONS if dq32 is not None else lane_options(plan, dkdv=True))
 
 
 def gluon_dkdv_dq_taken(attn, q, k, v, grad_out, N: int) -> bool:
@@ -156,11 +156,16 @@ OPTIONS = {"num_warps": 4, "maxnreg": 168}
 PDL_OPTIONS = {**OPTIONS, "launch_pdl": True}
 
 
-def lane_options(plan) -> dict:
+def lane_options(plan, dkdv: bool = False) -> dict:
     """The launch options of the Gluon lane kernels over raster rows (forward, dK/dV, dq): with
     programmatic dependent launch where the plan says (KernelConfig.gluon_pdl; the kernels wait
-    where they must, common.gdc), except a dK/dV that adds dQ (its launches all add)."""
-    return PDL_OPTIONS if plan["config"].get("gluon_pdl") else OPTIONS
+    where they must, common.gdc). What a merging or adding launch reads before its wait (q, k,
+    v, dO, lse, Delta) was written before the launch before it started, but for a dK/dV whose
+    first launch adds (no Plan.dkdv_first_writes, or gluon_dkdv_dq: every launch adds): that one
+    follows the preprocess that writes Delta, so the plan's dK/dV launches go without it."""
+    cfg = plan["config"]
+    adds_first = dkdv and (cfg.get("gluon_dkdv_dq") or not plan.get("dkdv_first_writes"))
+    return PDL_OPTIONS if cfg.get("gluon_pdl") and not adds_first else OPTIONS
 
 
 def gluon_dq_launch(attn, q, k, v, grad_out, lse, delta, dq, B: int, N: int, dropout: tuple = ()):
