@@ -44,4 +44,5 @@ def kernel_families(plan) -> str:
           if cfg.gluon_lanes_bwd and len(lane_rest) < len(lanes) else "tl lanes"]
     parts.append("dQ in the dK/dV (TMA reduce-adds into float32)" if cfg.gluon_dkdv_dq else "dQ " + ", ".join(x for x in dq if x))
     gluon = cfg.gluon_fwd or cfg.gluon_dkdv or cfg.gluon_dq or cfg.gluon_lanes or cfg.gluon_lanes_bwd
-    return ", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
+    return (", ".join(parts) + ("; Gluon for whole segments on sm90, tl otherwise" if gluon else "")
+            + ("; the Gluon lane launches overlap (programmatic dependent launch)" if cfg.gluon_pdl else ""))

@@ -60,6 +60,7 @@ def test_lane_launches_go_with_pdl_where_what_they_read_first_is_final():
     assert lane_options({**js, "dkdv_first_writes": False}) == PDL_OPTIONS
     assert lane_options({**js, "config": {**js["config"], "gluon_dkdv_dq": True}}, dkdv=True) == OPTIONS
     assert lane_options(plan(_spec(), sm90, {"gluon_pdl": False}).to_json()) == OPTIONS
+    assert kernel_families(p).endswith("; the Gluon lane launches overlap (programmatic dependent launch)")
 
 
 @needs_gluon
