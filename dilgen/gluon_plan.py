@@ -146,7 +146,7 @@ def gluon_pdl(spec: Spec, target: Target, tuning: dict, lanes_tile, dropout: boo
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_pdl takes true or false (asked: {want!r})")
     why = ("no branch runs in the Gluon lanes" if not lanes_tile else
-           "a dropout plan's launches read the seed the call draws" if dropout else None)
+           "a dropout plan's lane launches go without it (not yet timed and checked on a GPU)" if dropout else None)
     if want and why is not None and "gluon_pdl" in tuning:
         raise SpecError(f"{spec.name}: tuning gluon_pdl cannot run here: {why}")
     return bool(want) and why is None

@@ -54,6 +54,8 @@ def test_lane_launches_go_with_pdl_where_what_they_read_first_is_final():
     with pytest.raises(SpecError, match="gluon_pdl takes true or false"):
         plan(_spec(), sm90, {"gluon_pdl": 1})
     assert not plan(_spec(), sm90, {"dropout": True}).config.gluon_pdl
+    with pytest.raises(SpecError, match="gluon_pdl cannot run here: a dropout plan's lane launches go without it"):
+        plan(_spec(), sm90, {"dropout": True, "gluon_lanes": True, "gluon_pdl": True})
     js = p.to_json()
     assert lane_options(js) == lane_options(js, dkdv=True) == PDL_OPTIONS and PDL_OPTIONS["launch_pdl"]
     assert lane_options({**js, "dkdv_first_writes": False}, dkdv=True) == OPTIONS
