@@ -232,7 +232,7 @@ def _assert_waits_before_touching_outputs(ttgir: str, merge: bool, forward: bool
     wait, trigger = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     load, store = r"= tt\.load |async_tma_copy_global_to_local", r"tt\.store |async_tma_copy_local_to_global|tt\.atomic|async_tma_reduce"
     top = regions[0]
-    assert sum(trigger in line for line in ttgir.splitlines()) == 1 and first(top, trigger) is not None
+    assert sum(trigger in line for line in lines) == 1 and first(top, trigger) is not None
     assert first(top, load) is None and first(top, store) is None
     if not merge:
         assert first(top, wait) is not None and first(top, wait) < first(top, trigger)

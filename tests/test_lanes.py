@@ -5,6 +5,8 @@ with a wide lattice), run in their own launch over their kept lanes and merge in
 outputs poisoned (conftest), on the CPU (interpreter) or the GPU."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -128,7 +130,7 @@ def test_the_preprocess_computes_delta_at_the_kept_rows_only():
     out, dout = torch.randn(B, N, H, D), torch.randn(B, N, H, D)
     delta = torch.full((B, H, N), float("nan"))
     pre = attn._kernel(True, source_fn=attn.backward_kernels["preprocess"])
-    grid = (-(-(-(-N // m)) // attn.backward_kernels["config"]["pre_block"]), B * H)
+    grid = (math.ceil(math.ceil(N / m) / attn.backward_kernels["config"]["pre_block"]), B * H)
     with interpreting():
         pre[grid](out, dout, delta, delta, N, *out.stride()[:3], *dout.stride()[:3], *delta.stride()[:2], False, m)
     want = (out * dout).sum(-1).transpose(1, 2)

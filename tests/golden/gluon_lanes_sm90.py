@@ -302,10 +302,6 @@ def gla_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr
     mt = n_tiles - 1 - gl.program_id(0) % n_tiles
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
-    # programmatic dependent launch (KernelConfig.gluon_pdl, common.gdc): a launch that writes
-    # first touches no memory before the kernel before it has ended; a merging one reads only q,
-    # k and v (final before the first launch of the chain started) until its consumers wait at
-    # the merge. Either lets the next launch start its programs once all of its own have started.
     if not ACCUMULATE:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
