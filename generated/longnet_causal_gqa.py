@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: e575a539365cb83b
+# template hash: a38d854285395c2b
 # plan key:      77f58fdc1945ab6cde8bb809ac81e0b8cb679e00f0b70547752188bbb1924e03
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1918,6 +1918,9 @@ def longnet_causal_gqa_gluon_lanes_packed(q_desc, o_desc, k_desc, v_desc, V, Out
     mt = n_tiles - 1 - gl.program_id(0) % n_tiles
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     s0 = gl.load(SeqStart + b)
     n = gl.load(SeqLen + b)
     # the lane's keys: offset o = h mod R of the segment's min(n - s*W, W) rows

@@ -98,7 +98,9 @@ def test_a_cpu_call_a_clearing_launch_or_rows_off_the_rate_take_the_tl_lanes(tmp
 def test_compiles_for_sm90_without_a_gpu(tmp_path):
     """The forward, dK/dV and dq, writing and adding: the PTX has the warpgroup MMAs, TMA loads
     through the host descriptors and the descriptors a lane's last block is read through, made
-    in the kernel."""
+    in the kernel; under programmatic dependent launch each waits where the fixed-length lanes do
+    (a writing one before it reads even the group's starts)."""
+    from test_gluon_lanes import _assert_waits_before_touching_outputs
     from triton.experimental.gluon import language as gl
     mod = _module(tmp_path, _spec("lp_ptx"))
 
@@ -118,11 +120,13 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
                                       (mod.lp_ptx_gluon_dkdv_lanes_packed, dkdv,
                                        {(13,): 1024, (14,): 2, (15,): 2, (16,): merge}),
                                       (mod.lp_ptx_gluon_dq_lanes_packed, dq, {(12,): 1024, (13,): 2, (14,): merge})):
-            kernel = compile_sm90(fn, signature, consts)
+            kernel = compile_sm90(fn, signature, consts, **gluon_launch.lane_options(mod.attention.plan))
             ptx = kernel.asm["ptx"]
             assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
             assert "tensormap.replace" in ptx
-            assert kernel.metadata.global_scratch_size >= 128
+            assert kernel.metadata.global_scratch_size >= 128 and kernel.metadata.launch_pdl
+            _assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=fn is mod.lp_ptx_gluon_lanes_packed,
+                                                  packed=True)
 
 
 @needs_gluon
@@ -144,6 +148,8 @@ def test_build_models_the_packed_lanes_as_the_runtime_launches_them(cache_dir):
     assert [x.role for x in launches].count("gluon_dkdv_lanes_packed") == 3
     assert [x.role for x in launches].count("gluon_dq_lanes_packed") == 3
     assert len([x for x in predicted_launches(attn, 4097) if x.role == "gluon_lanes_packed"]) == 1   # r = 1 only
+    assert all(x.launch_opts == gluon_launch.lane_options(attn.plan, dkdv=x.role == "gluon_dkdv_lanes_packed")
+               and x.launch_opts.get("launch_pdl") for x in launches if x.role.endswith("lanes_packed"))
     q, out = (torch.randn(4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(4096, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     seqs = (torch.tensor([0, 1000], dtype=torch.int32), torch.tensor([1000, 3096], dtype=torch.int32))
@@ -152,7 +158,7 @@ def test_build_models_the_packed_lanes_as_the_runtime_launches_them(cache_dir):
         br = attn.plan["branches"][i]
         real = gluon_packed.gluon_lanes_packed_args(attn.plan, q, k, v, out, torch.empty(8, 4096), seqs, 4096, br,
                                                     n > 0)
-        want = specialize(launch.source_fn, backend, real, gluon_launch.OPTIONS).desc
+        want = specialize(launch.source_fn, backend, real, gluon_launch.lane_options(attn.plan)).desc
         assert specialize(launch.source_fn, backend, launch.args, launch.launch_opts).desc == want, n
 
 

@@ -195,7 +195,9 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
             if N % lattice == 0 and (role == "gluon_forward_packed" or plan["config"].get(role[:-len("_packed")])):
                 out.append(Launch(role, fn, _gluon_packed_args(plan, role, N, base), opts))
         elif role in ("gluon_lanes_packed", "gluon_dkdv_lanes_packed", "gluon_dq_lanes_packed"):
-            # a packed call of N rows whose sequences cover them
+            # a packed call of N rows whose sequences cover them; options as the raster lanes'
+            from ..runtime.gluon_launch import lane_options
+            opts = dict(lane_options(plan, dkdv=role == "gluon_dkdv_lanes_packed"))
             out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_packed_args(plan, role, N, base))
         elif role in ("gluon_lanes", "gluon_raster_lanes"):    # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):

@@ -8,11 +8,12 @@ Packed rows take the fixed-length kernels' host descriptors over all the rows (B
 runtime.gluon_launch): sequence b's lane starting at row p0 is row p0 // r, column
 (p0 mod r)·H + h of a branch's view, whatever b's start. Only a lane's partial last block is
 read through a descriptor made in the kernel (common.jinja gluon_lane_box), which ends at the
-lane's last row."""
+lane's last row. The lane launches go as the fixed-length ones (gluon_launch.lane_options: with
+programmatic dependent launch where the plan says); the lattice launches without it."""
 from __future__ import annotations
 
 from ..gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
-from .gluon_launch import OPTIONS, _boxes, _sm90, gluon_args, gluon_dkdv_args, gluon_dq_args
+from .gluon_launch import OPTIONS, _boxes, _sm90, gluon_args, gluon_dkdv_args, gluon_dq_args, lane_options
 
 
 def _packed_takes(attn, fn, dropout: tuple, *tensors, every: int = 0) -> bool:
@@ -101,7 +102,7 @@ def gluon_lanes_packed_launch(attn, q, k, v, out, lse, seqs: tuple, B: int, N: i
             or not _packed_takes(attn, attn.gluon_lanes_packed_fn, dropout, q, k, v, out, every=r)):
         return None
     return (attn.gluon_lanes_packed_kernel, (-(-N // w) * (w // r // 128), B * plan["num_heads"]),
-            gluon_lanes_packed_args(plan, q, k, v, out, lse, seqs, q.shape[0], br, accumulate), OPTIONS)
+            gluon_lanes_packed_args(plan, q, k, v, out, lse, seqs, q.shape[0], br, accumulate), lane_options(plan))
 
 
 def gluon_lanes_packed_args(plan: dict, q, k, v, out, lse, seqs: tuple, rows: int, br: dict,
@@ -129,7 +130,7 @@ def gluon_dkdv_lanes_packed_launch(attn, q, k, v, grad_out, lse, delta, dk, dv, 
         return None
     return (attn.gluon_dkdv_lanes_packed_kernel, (-(-N // w) * min(group, r) * (w // r // 128), B * plan["num_kv_heads"]),
             gluon_dkdv_lanes_packed_args(plan, q, k, v, grad_out, lse, delta, dk, dv, seqs, q.shape[0], br, accumulate),
-            OPTIONS)
+            lane_options(plan, dkdv=True))
 
 
 def gluon_dkdv_lanes_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dk, dv, seqs: tuple, rows: int, br: dict,
@@ -156,7 +157,7 @@ def gluon_dq_lanes_packed_launch(attn, q, k, v, grad_out, lse, delta, dq, seqs: 
         return None
     return (attn.gluon_dq_lanes_packed_kernel, (-(-N // w) * (w // r // 128), B * plan["num_heads"]),
             gluon_dq_lanes_packed_args(plan, q, k, v, grad_out, lse, delta, dq, seqs, q.shape[0], br, accumulate),
-            OPTIONS)
+            lane_options(plan))
 
 
 def gluon_dq_lanes_packed_args(plan: dict, q, k, v, grad_out, lse, delta, dq, seqs: tuple, rows: int, br: dict,

@@ -314,6 +314,9 @@ def gla_gluon_dkdv_lanes_packed(q_desc, do_desc, k_desc, v_desc, Q, DO, Lse, Del
     s = gl.program_id(0) // (J * NO)
     b = gl.program_id(1) // 4
     kvh = gl.program_id(1) % 4
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     s0 = gl.load(SeqStart + b)
     n = gl.load(SeqLen + b)
     o = (kvh * 4 + g0) % R

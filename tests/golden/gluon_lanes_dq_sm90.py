@@ -264,6 +264,9 @@ def gla_gluon_dq_lanes_packed(q_desc, do_desc, k_desc, v_desc, K, V, Lse, Delta,
     mt = T - 1 - gl.program_id(0) % T
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     s0 = gl.load(SeqStart + b)
     n = gl.load(SeqLen + b)
     cnt = gl.maximum(gl.minimum(n - s * W, W) - h % R + R - 1, 0) // R     # the lane's queries

@@ -351,6 +351,9 @@ def gla_gluon_lanes_packed(q_desc, o_desc, k_desc, v_desc, V, Out, Lse, SeqStart
     mt = n_tiles - 1 - gl.program_id(0) % n_tiles
     b = gl.program_id(1) // 16
     h = gl.program_id(1) % 16
+    if not ACCUMULATE:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     s0 = gl.load(SeqStart + b)
     n = gl.load(SeqLen + b)
     # the lane's keys: offset o = h mod R of the segment's min(n - s*W, W) rows
