@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: a38d854285395c2b
+# template hash: 4ac73687c048cb7e
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1232,7 +1232,10 @@ def longnet_base_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, BN
 @gluon.jit
 def longnet_base_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
     """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
-    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row. It is written to the
+    launch's global scratch, which under programmatic dependent launch may be the scratch of the
+    launch before, still running: the program first waits for that launch to end."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     D: gl.constexpr = like.block_shape[2]
     heads = like.shape[1] // R
     return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],

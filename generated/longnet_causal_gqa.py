@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm90
-# template hash: a38d854285395c2b
+# template hash: 4ac73687c048cb7e
 # plan key:      77f58fdc1945ab6cde8bb809ac81e0b8cb679e00f0b70547752188bbb1924e03
 """Dilated attention `longnet_causal_gqa` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1589,7 +1589,10 @@ def longnet_causal_gqa_gluon_lanes_exp2(x):
 @gluon.jit
 def longnet_causal_gqa_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
     """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
-    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row. It is written to the
+    launch's global scratch, which under programmatic dependent launch may be the scratch of the
+    launch before, still running: the program first waits for that launch to end."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     D: gl.constexpr = like.block_shape[2]
     heads = like.shape[1] // R
     return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],

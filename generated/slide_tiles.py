@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: a38d854285395c2b
+# template hash: 4ac73687c048cb7e
 # plan key:      61d4322692215600834788e32ffbc374a2c5ebce5800c9ba38f2c1b9e3ca687c
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.
@@ -1365,7 +1365,10 @@ def slide_tiles_gluon_real_keys(t, last0, tail0, BN: gl.constexpr):
 @gluon.jit
 def slide_tiles_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
     """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
-    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row. It is written to the
+    launch's global scratch, which under programmatic dependent launch may be the scratch of the
+    launch before, still running: the program first waits for that launch to end."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     D: gl.constexpr = like.block_shape[2]
     heads = like.shape[1] // R
     return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],

@@ -221,7 +221,9 @@ def _assert_waits_before_touching_outputs(ttgir: str, merge: bool, forward: bool
     (merge) in every partition that stores, before its first store and, in the forward, before its
     first plain load (of out, lse). What it reads before (q, k, v by TMA; in the backward dO too, and
     lse and Delta by plain loads; over packed rows (packed) the launch group's starts and lengths
-    at its top) is final since the chain's first launch waited at its top."""
+    at its top) is final since the chain's first launch waited at its top. A descriptor made in
+    the kernel (packed) is written to the launch's global scratch, which may be the one the
+    launch before still reads: in a merging launch the wait comes before it too."""
     import re
     lines = ttgir.splitlines()
     starts = [i for i, line in enumerate(lines) if re.match(r"\s*(default \{|partition\d+\()", line)]
@@ -233,6 +235,11 @@ def _assert_waits_before_touching_outputs(ttgir: str, merge: bool, forward: bool
     wait, trigger = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     load, store = r"= tt\.load |async_tma_copy_global_to_local", r"tt\.store |async_tma_copy_local_to_global|tt\.atomic|async_tma_reduce"
     top = regions[0]
+    for region in regions:      # a descriptor written to the global scratch, which may be the launch before's
+        made = first(region, "ttng.tensormap_create")
+        assert made is None or (first(region, wait) is not None and first(region, wait) < made) \
+            or (not merge and region is not top), "a descriptor made before the wait"
+    assert packed or not any("ttng.tensormap_create" in line for line in lines)
     assert sum(trigger in line for line in lines) == 1 and first(top, trigger) is not None
     assert first(top, store) is None and (packed or first(top, load) is None)
     if not merge:

@@ -212,7 +212,9 @@ def _scratch(nbytes: int, stream, overlapping: bool) -> torch.Tensor:
     """`nbytes` of global scratch for a launch on `stream`, the current stream (a handle,
     unique across devices while the stream lives). A fresh buffer is freed once the launch is
     queued: the caching allocator hands it only to later work on this stream, as with
-    Triton's own allocator."""
+    Triton's own allocator. Later work that overlaps this launch (programmatic dependent
+    launch: `overlapping`) may get the same memory, so a kernel launched that way waits for the
+    launch before it ends before it writes its scratch (common.jinja gluon_lane_box)."""
     if overlapping or torch._C._cuda_isCurrentStreamCapturing():
         return torch.empty(nbytes, dtype=torch.int8, device="cuda")
     buf = _SCRATCH.get(stream)

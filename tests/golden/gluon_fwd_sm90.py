@@ -60,7 +60,10 @@ def gx_gluon_real_keys(t, last0, tail0, last1, tail1, last2, tail2, BN: gl.const
 @gluon.jit
 def gx_gluon_lane_box(X, p0, head, cnt, R: gl.constexpr, like):
     """A descriptor over one lane of X (rows, heads, D), head `head`: its rows p0 + R*j for
-    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row."""
+    j < cnt, in `like`'s boxes; TMA reads zeros past the lane's last row. It is written to the
+    launch's global scratch, which under programmatic dependent launch may be the scratch of the
+    launch before, still running: the program first waits for that launch to end."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     D: gl.constexpr = like.block_shape[2]
     heads = like.shape[1] // R
     return tma.make_tensor_descriptor(X + (p0.to(gl.int64) * heads + head) * D, [cnt, 1, D], [R * heads * D, D, 1],
