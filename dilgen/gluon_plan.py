@@ -137,7 +137,7 @@ def gluon_raster_lanes(spec: Spec, target: Target, branches, tuning: dict, lanes
     return bool(want) and why is None
 
 
-def gluon_pdl(spec: Spec, target: Target, tuning: dict, lanes_tile, dropout: bool) -> bool:
+def gluon_pdl(spec: Spec, target: Target, tuning: dict, lanes_tile) -> bool:
     """KernelConfig.gluon_pdl: the Gluon lane launches go with programmatic dependent launch
     (a merging launch's programs compute while the launch before it drains, and wait for it
     only at the merge): the tuning's `gluon_pdl`, untuned the target's gluon_pdl_default;
@@ -145,8 +145,7 @@ def gluon_pdl(spec: Spec, target: Target, tuning: dict, lanes_tile, dropout: boo
     want = tuning.get("gluon_pdl", target.gluon_pdl_default)
     if not isinstance(want, bool):
         raise SpecError(f"{spec.name}: tuning gluon_pdl takes true or false (asked: {want!r})")
-    why = ("no branch runs in the Gluon lanes" if not lanes_tile else
-           "a dropout plan's lane launches go without it (not yet timed and checked on a GPU)" if dropout else None)
+    why = "no branch runs in the Gluon lanes" if not lanes_tile else None
     if want and why is not None and "gluon_pdl" in tuning:
         raise SpecError(f"{spec.name}: tuning gluon_pdl cannot run here: {why}")
     return bool(want) and why is None

@@ -145,7 +145,7 @@ def plan(spec: Spec, target: Target, tuning: dict | None = None) -> ir.Plan:
     gluon["gluon_curve_lanes"] = gluon_curve_lanes(spec, branches, query_order, tuning, gluon["gluon_lanes"])
     gluon["gluon_raster_lanes"] = gluon_raster_lanes(spec, target, branches, tuning, gluon["gluon_lanes"],
                                                      gluon["gluon_curve_lanes"], dropout)
-    gluon["gluon_pdl"] = gluon_pdl(spec, target, tuning, gluon["gluon_lanes"], dropout)
+    gluon["gluon_pdl"] = gluon_pdl(spec, target, tuning, gluon["gluon_lanes"])
     gluon["gluon_dkdv_dq"] = gluon_dkdv_dq(spec, gluon["gluon_dkdv_lanes"], tuning)
     gluon["gluon_dkdv_prefetch"] = gluon_dkdv_prefetch(spec, tiles.tile_d, gluon["gluon_dkdv"], tuning)
     gluon["gluon_exp2"] = gluon_exp2(spec, target, tiles, gluon, tuning)

@@ -128,6 +128,7 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     shares reach the float32 buffer by TMA reduce-adds (the template's _dq_add), and by nothing
     else, in the target's shared memory."""
     import re
+    from test_gluon_lanes import _assert_waits_before_touching_outputs
     from triton.experimental.gluon import language as gl
     spec = _spec(f"gdl_{head_dim}_{int(causal)}_{int(adds_dq)}", head_dim=head_dim, causal=causal)
     tuning = {"dropout": True, "gluon_dkdv_lanes": True, **({"gluon_dkdv_dq": True} if adds_dq else {})}
@@ -139,7 +140,9 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
               if adds_dq else {}), "N": "i32",
            **{x: "constexpr" for x in ("W", "R", "NO", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
-                          {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False, "BI": 1})
+                          {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False, "BI": 1}, launch_pdl=True)
+    if not adds_dq:     # its blocks add dQ as they go: runtime.gluon_launch.lane_options launches it without PDL
+        _assert_waits_before_touching_outputs(kernel.asm["ttgir"], True, forward=False)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
@@ -151,7 +154,10 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
 @needs_gluon
 def test_the_dropout_lane_forward_and_dq_compile_for_sm90_without_a_gpu(tmp_path):
     """Under both CI Tritons: the causal lane forward and dq with the forward's coins (their
-    conversions trivial, the template's assert_trivial)."""
+    conversions trivial, the template's assert_trivial), writing and merging, each waiting for
+    the launch before where the lanes without dropout do (programmatic dependent launch: the
+    coins' seed and offsets are inputs, final before the chain's first launch)."""
+    from test_gluon_lanes import _assert_waits_before_touching_outputs
     from triton.experimental.gluon import language as gl
     spec = _spec("gdf_c", causal=True)
     p = plan(spec, get_target("sm90"), {"dropout": True, "gluon_lanes": True})
@@ -164,10 +170,13 @@ def test_the_dropout_lane_forward_and_dq_compile_for_sm90_without_a_gpu(tmp_path
              "Lse": "*fp32", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
     dq = {**{x: desc(64) for x in ("q_desc", "do_desc", "k_desc", "v_desc")}, "Lse": "*fp32", "Delta": "*fp32",
           "DQ": "*bf16", "N": "i32", **{x: "constexpr" for x in ("W", "R", "ACCUMULATE", "CLEAR", "BI")}, **DROP_ARGS}
+    assert p.config.gluon_pdl
     for role, sig, consts in (("lanes", lanes, {"CLEAR": False}), ("dq_lanes", dq, {"CLEAR": False})):
-        kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_{role}"), sig,
-                              {"W": 4096, "R": 2, "ACCUMULATE": True, "BI": 1, **consts})
-        assert "wgmma.mma_async" in kernel.asm["ptx"] and "-845247145" in kernel.asm["ptx"], role
+        for merge in (True, False):
+            kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_{role}"), sig,
+                                  {"W": 4096, "R": 2, "ACCUMULATE": merge, "BI": 1, **consts}, launch_pdl=True)
+            assert "wgmma.mma_async" in kernel.asm["ptx"] and "-845247145" in kernel.asm["ptx"], role
+            _assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=role == "lanes")
 
 
 @needs_gluon
@@ -238,7 +247,7 @@ def test_the_launch_models_dropout_lane_kernels_specialize_as_the_runtimes(cache
     from dilgen.aot.launch_model import predicted_launches
     from dilgen.compiler import build
     from dilgen.runtime.dropout_call import dropout_args
-    from dilgen.runtime.gluon_launch import OPTIONS, gluon_dkdv_lanes_args, gluon_dq_lanes_args, gluon_lanes_args
+    from dilgen.runtime.gluon_launch import gluon_dkdv_lanes_args, gluon_dq_lanes_args, gluon_lanes_args, lane_options
     spec = _spec("gdf_aot", segment_lengths=[256, 512], dilation_rates=[1, 2], num_heads=4, num_kv_heads=2,
                  causal=True)
     attn = build(spec, get_target("sm90"), {"dropout": True, "gluon_lanes": True}).module.attention
@@ -260,7 +269,9 @@ def test_the_launch_models_dropout_lane_kernels_specialize_as_the_runtimes(cache
         assert len(launches) == 2, role                  # one per branch, the first writing
         for model, br, accumulate in zip(launches, plan_["branches"], (False, True)):
             want = specialize(fn, backend, model.args, model.launch_opts).desc
-            assert specialize(fn, backend, args(br, accumulate), OPTIONS).desc == want, (role, br["index"])
+            opts = lane_options(plan_, dkdv=role == "gluon_dkdv_lanes")     # as runtime.gluon_launch launches them
+            assert opts["launch_pdl"] == (role != "gluon_dkdv_lanes" or bool(plan_["dkdv_first_writes"]))
+            assert specialize(fn, backend, args(br, accumulate), opts).desc == want, (role, br["index"])
 
 
 @needs_gluon
