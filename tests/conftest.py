@@ -185,6 +185,47 @@ def compile_sm90(fn, signature: dict, constants: dict | None = None, **options):
                           options={"num_warps": 4, "maxnreg": 168, **options})
 
 
+def assert_waits_before_touching_outputs(ttgir: str, merge: bool, forward: bool, packed: bool = False) -> None:
+    """Programmatic dependent launch (KernelConfig.gluon_pdl, common.gdc): a Gluon lane kernel lets
+    the next launch start (launch_dependents, once, at its top) and waits for the launch before it
+    (griddepcontrol.wait): a writing launch at its top, before any load or store; a merging one
+    (merge) in every partition that stores, before its first store and, in the forward, before its
+    first plain load of a tensor (of out, lse). What it reads before (q, k, v by TMA; in the
+    backward dO too, and lse and Delta by plain loads; over packed rows (packed) the launch
+    group's starts and lengths at its top; under dropout the coins' seed and streams, scalar
+    loads) is final since the chain's first launch waited at its top. A descriptor made in the
+    kernel (packed) is written to the launch's global scratch, which may be the one the launch
+    before still reads: in a merging launch the wait comes before it too."""
+    import re
+    lines = ttgir.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"\s*(default \{|partition\d+\()", line)]
+    assert starts, "a warp-specialized kernel"
+    regions = [lines[:starts[0]]] + [lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])]
+
+    def first(region, pattern):
+        return next((i for i, line in enumerate(region) if re.search(pattern, line)), None)
+    wait, trigger = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+    load, store = r"= tt\.load |async_tma_copy_global_to_local", r"tt\.store |async_tma_copy_local_to_global|tt\.atomic|async_tma_reduce"
+    top = regions[0]
+    for region in regions:      # a descriptor written to the global scratch, which may be the launch before's
+        made = first(region, "ttng.tensormap_create")
+        assert made is None or (first(region, wait) is not None and first(region, wait) < made) \
+            or (not merge and region is not top), "a descriptor made before the wait"
+    assert packed or not any("ttng.tensormap_create" in line for line in lines)
+    assert sum(trigger in line for line in lines) == 1 and first(top, trigger) is not None
+    assert first(top, store) is None and (packed or first(top, load) is None)
+    if not merge:
+        assert first(top, wait) is not None and first(top, wait) < first(top, trigger)
+        assert first(top, load) is None or first(top, wait) < first(top, load)
+        return
+    assert first(top, wait) is None
+    for region in regions[1:]:
+        s = first(region, store)
+        if s is not None:
+            w, plain = first(region, wait), first(region, r"= tt\.load [^:]*: tensor<")
+            assert w is not None and w < s and (not forward or plain is None or w < plain), "a merge before its wait"
+
+
 def forbid_dq_kernels(monkeypatch) -> None:
     """A backward whose dQ comes from its dK/dV (gluon_dkdv_dq) launches no dq kernel: any
     launch of one fails the test."""

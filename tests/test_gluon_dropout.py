@@ -14,7 +14,8 @@ from dilgen import codegen
 from dilgen.planner import plan
 from dilgen.targets import get_target
 
-from conftest import TOL, compile_sm90, forbid_dq_kernels, load_emitted, needs_gluon, on_sm90, rel_error
+from conftest import (TOL, assert_waits_before_touching_outputs, compile_sm90, forbid_dq_kernels, load_emitted, needs_gluon,
+                      on_sm90, rel_error)
 
 SMALL = dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048], dilation_rates=[1, 2, 4])
 DROP_ARGS = dict(seed_ptr="*i64", drop_cut="i32", drop_scale="fp32", drop_n="i32", drop_pos0="i32",
@@ -128,7 +129,6 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     shares reach the float32 buffer by TMA reduce-adds (the template's _dq_add), and by nothing
     else, in the target's shared memory."""
     import re
-    from test_gluon_lanes import _assert_waits_before_touching_outputs
     from triton.experimental.gluon import language as gl
     spec = _spec(f"gdl_{head_dim}_{int(causal)}_{int(adds_dq)}", head_dim=head_dim, causal=causal)
     tuning = {"dropout": True, "gluon_dkdv_lanes": True, **({"gluon_dkdv_dq": True} if adds_dq else {})}
@@ -142,7 +142,7 @@ def test_the_dropout_lane_dkdv_compiles_for_sm90_without_a_gpu(tmp_path, head_di
     kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_dkdv_lanes"), sig,
                           {"W": 4096, "R": 2, "NO": 2, "ACCUMULATE": True, "CLEAR": False, "BI": 1}, launch_pdl=True)
     if not adds_dq:     # its blocks add dQ as they go: runtime.gluon_launch.lane_options launches it without PDL
-        _assert_waits_before_touching_outputs(kernel.asm["ttgir"], True, forward=False)
+        assert_waits_before_touching_outputs(kernel.asm["ttgir"], True, forward=False)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "-845247145" in ptx     # Philox's round multiplier B, as an s32
     assert re.search(r"fence\.proxy\.async[^\n]*\n(?:[^\n]*\n){0,3}?\s*bar\.sync\s+\d+, 128;", ptx)
@@ -157,7 +157,6 @@ def test_the_dropout_lane_forward_and_dq_compile_for_sm90_without_a_gpu(tmp_path
     conversions trivial, the template's assert_trivial), writing and merging, each waiting for
     the launch before where the lanes without dropout do (programmatic dependent launch: the
     coins' seed and offsets are inputs, final before the chain's first launch)."""
-    from test_gluon_lanes import _assert_waits_before_touching_outputs
     from triton.experimental.gluon import language as gl
     spec = _spec("gdf_c", causal=True)
     p = plan(spec, get_target("sm90"), {"dropout": True, "gluon_lanes": True})
@@ -176,7 +175,7 @@ def test_the_dropout_lane_forward_and_dq_compile_for_sm90_without_a_gpu(tmp_path
             kernel = compile_sm90(getattr(mod, f"{spec.name}_gluon_{role}"), sig,
                                   {"W": 4096, "R": 2, "ACCUMULATE": merge, "BI": 1, **consts}, launch_pdl=True)
             assert "wgmma.mma_async" in kernel.asm["ptx"] and "-845247145" in kernel.asm["ptx"], role
-            _assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=role == "lanes")
+            assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=role == "lanes")
 
 
 @needs_gluon

@@ -15,7 +15,7 @@ import dilgen
 from dilgen.reference import differentiable_reference
 from dilgen.runtime import gluon_launch, gluon_packed
 
-from conftest import compile_sm90, load_emitted, needs_gluon, on_sm90, rel_error
+from conftest import assert_waits_before_touching_outputs, compile_sm90, load_emitted, needs_gluon, on_sm90, rel_error
 from packed_checks import check_sequences, offsets, packed_inputs
 
 CAUSAL = dict(num_heads=8, num_kv_heads=2, head_dim=128, segment_lengths=[512, 1024, 2048],
@@ -100,7 +100,6 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     through the host descriptors and the descriptors a lane's last block is read through, made
     in the kernel; under programmatic dependent launch each waits where the fixed-length lanes do
     (a writing one before it reads even the group's starts)."""
-    from test_gluon_lanes import _assert_waits_before_touching_outputs
     from triton.experimental.gluon import language as gl
     mod = _module(tmp_path, _spec("lp_ptx"))
 
@@ -125,7 +124,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
             assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
             assert "tensormap.replace" in ptx
             assert kernel.metadata.global_scratch_size >= 128 and kernel.metadata.launch_pdl
-            _assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=fn is mod.lp_ptx_gluon_lanes_packed,
+            assert_waits_before_touching_outputs(kernel.asm["ttgir"], merge, forward=fn is mod.lp_ptx_gluon_lanes_packed,
                                                   packed=True)
 
 

@@ -162,6 +162,7 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
     first use)."""
     import inspect
     import torch
+    from ..runtime.gluon_launch import lane_options
     from ..runtime.grids import dkdv_per_branch, lane_grid, lane_order, lattice_group_tiles
     plan = attention.plan
     N = int(seq_len)
@@ -196,18 +197,15 @@ def predicted_launches(attention, seq_len: int) -> list[Launch]:
                 out.append(Launch(role, fn, _gluon_packed_args(plan, role, N, base), opts))
         elif role in ("gluon_lanes_packed", "gluon_dkdv_lanes_packed", "gluon_dq_lanes_packed"):
             # a packed call of N rows whose sequences cover them; options as the raster lanes'
-            from ..runtime.gluon_launch import lane_options
             opts = dict(lane_options(plan, dkdv=role == "gluon_dkdv_lanes_packed"))
             out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_packed_args(plan, role, N, base))
         elif role in ("gluon_lanes", "gluon_raster_lanes"):    # per lane branch, as runtime/forward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..runtime.gluon_launch import lane_options      # raster rows: maybe with PDL
                 if role == "gluon_raster_lanes" or not plan["config"].get("gluon_curve_lanes"):
-                    opts = dict(lane_options(plan))
+                    opts = dict(lane_options(plan))     # raster rows: maybe with PDL
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_fwd_args(plan, role, N, base))
         elif role in ("gluon_dkdv_lanes", "gluon_dq_lanes"):     # as runtime/backward.py launches them
             if all(N % br["w"] == 0 for br in plan["branches"]):
-                from ..runtime.gluon_launch import lane_options
                 opts = dict(lane_options(plan, dkdv=role == "gluon_dkdv_lanes"))
                 out.extend(Launch(role, fn, args, opts) for args in _gluon_lanes_bwd_args(plan, role, N, base))
         elif role == "preprocess":      # STEP: Plan.delta_step for fixed-length calls, 1 for packed ones
