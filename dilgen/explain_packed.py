@@ -56,7 +56,7 @@ def _packed_lanes(plan, rows: int) -> list[str]:
     """packed_kernels' lines for a causal plan's lane branches and per-branch dK/dV (every
     branch without a fused dK/dV; runtime.grids.dkdv_per_branch): runtime.gluon_packed
     gluon_lanes_packed_launch, gluon_dkdv_lanes_packed_launch, gluon_dq_lanes_packed_launch."""
-    from .gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
+    from .gluon_plan import gluon_rows_lane_branch, gluon_rows_lanes_bwd_branch
     cfg, lanes = plan.config, [b for b in plan.branches if b.lanes]
     per_branch = lanes if plan.fused_dkdv else list(plan.branches)
     if not plan.causal:
@@ -71,19 +71,13 @@ def _packed_lanes(plan, rows: int) -> list[str]:
         w, r = b.segment_length, b.dilation
         first_lane = bool(lanes) and b is lanes[0]
         clears = first_lane and plan.gap_lane is not None      # a first lane launch writing the gaps
-        bwd = gluon_lanes_bwd_branch(w, r)
+        bwd = gluon_rows_lanes_bwd_branch(w, r) and rows >= r
         names = [name for name, on in (
-            ("lanes", b in lanes and fwd and not clears and gluon_lane_branch(w, r, cfg.gluon_lanes[0])),
+            ("lanes", b in lanes and fwd and not clears and rows >= r and gluon_rows_lane_branch(w, r, cfg.gluon_lanes[0])),
             ("dK/dV", b in per_branch and dkdv and bwd
                       and not (plan.dkdv_first_writes and b is per_branch[0] and r > group)),
             ("dq", b in lanes and dq and bwd and not clears)) if on]
         what = "lane branch" if b in lanes else "branch"
-        if not names:
-            lines.append(f"  on sm90, {what} [{b.index}]: tl")
-        elif rows % r:
-            lines.append(f"  on sm90, {what} [{b.index}]: tl, as the rows ({rows}) are not a multiple of "
-                         f"r = {r}: append {r - rows % r} row(s) as one more sequence to run its Gluon "
-                         f"{', '.join(names)}")
-        else:
-            lines.append(f"  on sm90, {what} [{b.index}]: {', '.join(names)} in Gluon; with dropout, tl")
+        lines.append(f"  on sm90, {what} [{b.index}]: " + (f"{', '.join(names)} in Gluon; with dropout, tl" if names
+                                                           else "tl"))
     return lines

@@ -157,6 +157,14 @@ def gluon_lane_branch(w: int, r: int, keys: int) -> bool:
     return w % r == 0 and (w // r) % 128 == 0 and (w // r) % keys == 0
 
 
+def gluon_rows_lane_branch(w: int, r: int, keys: int) -> bool:
+    """Whether the Gluon lanes over rows that start anywhere (the `_lanes_packed` kernel:
+    packed rows, and a fixed-length call's branches with r not dividing w) take branch (w, r):
+    gluon_lane_branch's, and r not dividing w with at least 128 lanes a segment (LongNet's
+    r = 6 and 12: lane o of a segment holds ceil((w - o) / r) rows, its last tile partial)."""
+    return gluon_lane_branch(w, r, keys) or (w % r != 0 and w // r >= 128)
+
+
 # The Gluon lane backward's key blocks (templates/gluon_lanes_bwd.py.jinja: 128 query lanes by
 # 64 key lanes a step)
 LANES_BWD_KEYS = 64
@@ -196,6 +204,12 @@ def gluon_lanes_bwd(spec: Spec, target: Target, tiles, branches, query_order, fu
                             f"w / r a multiple of 128 (segment length {bad[0].segment_length}, r = {bad[0].dilation})")
         return None
     return stages
+
+
+def gluon_rows_lanes_bwd_branch(w: int, r: int) -> bool:
+    """gluon_rows_lane_branch for the Gluon lane backward over rows that start anywhere (the
+    `_dkdv_lanes_packed` and `_dq_lanes_packed` kernels)."""
+    return gluon_rows_lane_branch(w, r, LANES_BWD_KEYS)
 
 
 def lanes_bwd_without_r1(spec: Spec, target: Target, tile_d: int, dropout: bool) -> bool:

@@ -3,7 +3,7 @@ its lane branches, dK/dV and dQ, each `tl` or Gluon, and the branches a Gluon pe
 kernel leaves to `tl`."""
 from __future__ import annotations
 
-from .gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
+from .gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch, gluon_rows_lane_branch, gluon_rows_lanes_bwd_branch
 
 
 def _tl_beside(branches: list) -> str:
@@ -26,16 +26,27 @@ def kernel_families(plan) -> str:
         plan.branches[i].segment_length, plan.branches[i].dilation, cfg.gluon_lanes[0])]
     curve = [i for i in gluon_lanes if plan.branches[i].curve_rows] if cfg.gluon_curve_lanes else []
     raster = [i for i in gluon_lanes if i not in curve and (cfg.gluon_raster_lanes or not cfg.gluon_curve_lanes)]
-    for name, which in (("Gluon", raster), ("Gluon curve", curve),     # curve: Hilbert lanes' compact copies
-                        ("tl", [i for i in lanes if i not in raster + curve])):
+    # r not dividing w: the lanes over rows that start anywhere (a causal plan's packed lanes,
+    # runtime.gluon_packed.gluon_lanes_rows_launches), but for a first launch writing the gaps
+    rows_lanes = [i for i in lanes if i not in gluon_lanes and i != plan.gap_lane
+                  and "gluon_lanes_packed" in plan.gluon_packed_kernels
+                  and gluon_rows_lane_branch(plan.branches[i].segment_length, plan.branches[i].dilation,
+                                             cfg.gluon_lanes[0])]
+    for name, which in (("Gluon", raster), ("Gluon over rows", rows_lanes),
+                        ("Gluon curve", curve),     # curve: Hilbert lanes' compact copies
+                        ("tl", [i for i in lanes if i not in raster + curve + rows_lanes])):
         if which:
             parts.append(f"lanes {name} (branch{'es' if len(which) > 1 else ''} {', '.join(map(str, which))})")
-    # the Gluon lane backward takes the branches gluon_lanes_bwd_branch admits, `tl` the rest
-    rest = [b.index for b in plan.branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)]
-    lane_rest = [i for i in lanes if i in rest]
+    # the Gluon lane backward takes the branches gluon_lanes_bwd_branch admits, a causal plan's
+    # over rows those with r not dividing w (gluon_rows_lanes_bwd_branch), `tl` the rest
+    def rest(kernel: str) -> list:
+        return [b.index for b in plan.branches if not gluon_lanes_bwd_branch(b.segment_length, b.dilation)
+                and not (kernel in plan.gluon_packed_kernels and b.index != plan.gap_lane
+                         and gluon_rows_lanes_bwd_branch(b.segment_length, b.dilation))]
+    lane_rest = [i for i in lanes if i in rest("gluon_dq_lanes_packed")]
     rows = ", queries along rows" if plan.gluon_dkdv_rows_first else ""
     parts.append(f"dK/dV Gluon ({cfg.gluon_dkdv} stages)" if cfg.gluon_dkdv else
-                 f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages{rows}{_tl_beside(rest)})"
+                 f"dK/dV Gluon (per branch, {cfg.gluon_lanes_bwd} stages{rows}{_tl_beside(rest('gluon_dkdv_lanes_packed'))})"
                  if cfg.gluon_dkdv_lanes else
                  "dK/dV tl (" + ("fused" if plan.fused_dkdv else "per branch") + ")")
     dq = [f"Gluon ({cfg.gluon_dq} stages)" if cfg.gluon_dq else

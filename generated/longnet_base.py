@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm90
-# template hash: 4ac73687c048cb7e
+# template hash: 5ccc3b8d44825b2c
 # plan key:      0f041f68354e5ad797a65ef39cda4fef8e798b08c128122ce549c3227cb57127
 """Dilated attention `longnet_base` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

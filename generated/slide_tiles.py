@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm90
-# template hash: 4ac73687c048cb7e
+# template hash: 5ccc3b8d44825b2c
 # plan key:      61d4322692215600834788e32ffbc374a2c5ebce5800c9ba38f2c1b9e3ca687c
 """Dilated attention `slide_tiles` for sm90: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

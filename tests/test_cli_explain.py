@@ -272,9 +272,9 @@ def test_explain_names_the_kernels_a_packing_runs_on_sm90(tmp_path):
 
 
 def test_explain_names_the_lane_kernels_a_causal_packing_runs_on_sm90(tmp_path):
-    """A causal plan's lanes, dK/dV and dq take packed rows whose count is a multiple of the
-    branch's r; a branch whose r does not divide them runs `tl`, and explain says how many rows
-    to append."""
+    """A causal plan's lanes, dK/dV and dq take packed rows whatever their count (rows past a
+    multiple of the branch's r through boxes of their own), and LongNet's r = 6 not dividing w;
+    a non-causal plan's lane branches run `tl`."""
     spec = {"name": "ex_pkc", "segment_lengths": [2048, 4096, 8192], "dilation_rates": [1, 2, 4],
             "num_heads": 16, "head_dim": 128, "causal": True}
     path = write_spec(tmp_path, spec)
@@ -282,8 +282,10 @@ def test_explain_names_the_lane_kernels_a_causal_packing_runs_on_sm90(tmp_path):
     assert rc == 0 and out.count("in Gluon; with dropout, tl") == 3, out
     assert "lane branch [2]: lanes, dK/dV, dq in Gluon" in out
     rc, out, _ = main_in_process("explain", path, "--arch", "sm90", "--cu-seqlens", "0,1000,9002")
-    assert rc == 0 and out.count("in Gluon; with dropout, tl") == 2, out
-    assert "lane branch [2]: tl, as the rows (9002) are not a multiple of r = 4: append 2 row(s)" in out
+    assert rc == 0 and out.count("in Gluon; with dropout, tl") == 3, out
+    rc, out, _ = main_in_process("explain", write_spec(tmp_path, dict(spec, name="ex_pk6", dilation_rates=[1, 2, 6]),
+                                                       "c6.json"), "--arch", "sm90", "--cu-seqlens", "0,1000,9001")
+    assert rc == 0 and "lane branch [2]: lanes, dK/dV, dq in Gluon" in out, out
     spec = dict(spec, name="ex_pke", causal=False, dilation_rates=[1, 2, 6])     # r = 6: a lane branch
     rc, out, _ = main_in_process("explain", write_spec(tmp_path, spec, "e.json"), "--arch", "sm90",
                                  "--cu-seqlens", "0,1000,9000")

@@ -117,8 +117,10 @@ def test_default_for_causal_lanes_and_taken_when_asked():
     assert "dK/dV Gluon (per branch, 4 stages)" in kernel_families(keys)
     assert "dQ Gluon lanes (4 stages; tl for branch 1)" in kernel_families(part)
     e_causal = _spec(num_kv_heads=16, segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 6, 12])
-    assert plan(e_causal, sm90).config.gluon_lanes_bwd == 4          # config E causal: r = 6, 12 in `tl`
-    assert "tl for branches 3, 4" in kernel_families(plan(e_causal, sm90))
+    assert plan(e_causal, sm90).config.gluon_lanes_bwd == 4          # config E causal: r = 6, 12 over rows
+    names = kernel_families(plan(e_causal, sm90))
+    assert "lanes Gluon over rows (branches 3, 4)" in names and "tl for" not in names and "tl lanes" not in names
+    assert "tl for branches 3, 4" in kernel_families(plan(e_causal, sm90, {"dropout": True}))   # no packed kernels
     with pytest.raises(SpecError, match="gluon_lanes_bwd cannot run here: no branch has r . w with w / r a multiple"):
         plan(_spec(segment_lengths=[64, 512], dilation_rates=[1, 8]), sm90, {"gluon_lanes_bwd": True})
 
@@ -334,11 +336,16 @@ GPU_CASES = [
      {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True}),
     ("head_dim_64_exp2_4", dict(SMALL, num_heads=8, num_kv_heads=8, head_dim=64), (1, 4096),
      {"lanes": "all", "gluon_lanes": True, "gluon_lanes_bwd": True, "gluon_exp2": 4}),
-    # LongNet's r = 6 does not divide w: that branch runs the `tl` lane kernel after the Gluon one
+    # LongNet's r = 6 and 12 do not divide w: causal, those branches run the lanes, dK/dV and dq
+    # over rows that start anywhere (the packed kernels, a sequence per batch item) after the
+    # Gluon ones, their lanes of 341 or 342 rows and N not a multiple of r (rows past the views'
+    # N // r rows)
     ("rate_6_mixed", dict(num_heads=4, num_kv_heads=2, segment_lengths=[512, 2048], dilation_rates=[1, 6]),
      (1, 2048), {}),
     ("longnet_rates_mixed", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048, 4096],
                                  dilation_rates=[1, 2, 6, 12]), (1, 4096), {}),
+    ("longnet_rates_batch_mixed", dict(num_heads=8, num_kv_heads=2, segment_lengths=[512, 1024, 2048],
+                                       dilation_rates=[1, 2, 6], head_base=4), (3, 2048), {}),
     # no r = 1 branch: the first launch writes "no branch" (0, -inf) into the other offsets' rows,
     # and where the Gluon lane backward is asked for, its first launches 0 into the rows and keys
     # no branch keeps (config D's shape: r past the group); non-causal, in place of the fused dK/dV
@@ -380,11 +387,12 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
     spec = _spec(name="gla_" + name, **over)
     from dilgen.runtime import backward
     taken = {}
-    for module, launch in ((forward, "gluon_lanes_launch"), (backward, "gluon_dkdv_lanes_launch"),
-                           (backward, "gluon_dq_lanes_launch")):
-        def spy(*args, real=getattr(module, launch), launch=launch):
-            got = real(*args)
-            taken.setdefault(launch, []).append(got is not None)
+    for module, launch, key in ((forward, "gluon_lanes_launch", None), (backward, "gluon_dkdv_lanes_launch", None),
+                                (backward, "gluon_dq_lanes_launch", None), (forward, "one_sequence_launches", "rows_fwd"),
+                                (backward, "one_sequence_launches", "rows_bwd")):
+        def spy(*args, real=getattr(module, launch), key=key or launch, **kw):
+            got = real(*args, **kw)
+            taken.setdefault(key, []).append(got is not None and got != [])
             return got
         monkeypatch.setattr(module, launch, spy)
     if tuning.get("gluon_dkdv_dq"):
@@ -392,14 +400,17 @@ def test_matches_the_float64_reference_on_sm90(case, monkeypatch):
     check_against_reference(spec, B, N, tuning, name)
     if tuning.get("gluon_dkdv_dq"):     # every branch's dK/dV in Gluon, adding dQ; no dq launch at all
         assert all(taken["gluon_dkdv_lanes_launch"]) and "gluon_dq_lanes_launch" not in taken, taken
-    elif name == "rate_6_mixed":      # L = 1: the fused dK/dV, so no Gluon lane backward; r = 6's forward `tl`
+    elif name == "rate_6_mixed":      # L = 1: the fused dK/dV, so no Gluon lane backward; r = 6's forward over rows
         assert taken["gluon_lanes_launch"] == [True, False] and not any(taken["gluon_dkdv_lanes_launch"]) \
-            and taken["gluon_dq_lanes_launch"] == [False, False], taken
-    elif name.endswith("_mixed"):   # r = 6, 12 (w / r no whole tile) in the `tl` kernels after the Gluon ones
+            and taken["gluon_dq_lanes_launch"] == [False, False] and taken["rows_fwd"] == [True] \
+            and not any(taken.get("rows_bwd", [])), taken
+    elif name.endswith("_mixed"):   # r = 6, 12: forward, dK/dV and dq over rows, a sequence per batch item
         want = [r in (1, 2) for r in over["dilation_rates"]]
         assert all(taken[x] == want for x in ("gluon_lanes_launch", "gluon_dkdv_lanes_launch",
                                                "gluon_dq_lanes_launch")), taken
+        assert taken["rows_fwd"] == [True] * want.count(False) and taken["rows_bwd"] == [True] * (2 * want.count(False))
     else:
+        taken.pop("rows_fwd", None), taken.pop("rows_bwd", None)     # r | w: no branch runs over rows
         assert len(taken) == 3 and all(all(t) == (not name.endswith("_tl")) for t in taken.values()), taken
 
 

@@ -74,7 +74,7 @@ def test_a_module_carries_the_packed_kernels_its_plan_names(over, tuning, tmp_pa
 
 
 @needs_gluon
-def test_a_cpu_call_a_clearing_launch_or_rows_off_the_rate_take_the_tl_lanes(tmp_path):
+def test_a_cpu_call_a_clearing_launch_or_fewer_rows_than_the_rate_take_the_tl_lanes(tmp_path):
     attn = _module(tmp_path, _spec("lp_cpu")).attention
     br = attn.plan["branches"][2]                 # w = 2048, r = 4
     seqs = (torch.tensor([0], dtype=torch.int32), torch.tensor([64], dtype=torch.int32))
@@ -89,7 +89,8 @@ def test_a_cpu_call_a_clearing_launch_or_rows_off_the_rate_take_the_tl_lanes(tmp
     if torch.cuda.is_available() and gluon_launch._sm90(torch.device("cuda")):
         assert launch(64, "cuda") is not None
         assert launch(64, "cuda", clear=True) is None             # a first launch writing the gaps: `tl`
-        assert launch(66, "cuda") is None                         # rows not a multiple of r = 4: `tl`
+        assert launch(66, "cuda") is not None                     # rows past the views' 66 // 4: in-kernel boxes
+        assert launch(3, "cuda") is None                          # fewer rows than r = 4: `tl`
 
 
 @needs_gluon
@@ -105,20 +106,20 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
 
     def desc(rows):
         return f"tensordesc<bf16[{rows}, 1, 128],{gl.NVMMASharedLayout.get_default_for([rows, 1, 128], gl.bfloat16)!r}>"
-    sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "V": "*bf16",
-           "Out": "*bf16", "Lse": "*fp32", "SeqStart": "*i32", "SeqLen": "*i32", "N": "i32",
+    sig = {"q_desc": desc(64), "o_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "Q": "*bf16",
+           "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "SeqStart": "*i32", "SeqLen": "*i32", "N": "i32",
            "W": "constexpr", "R": "constexpr", "ACCUMULATE": "constexpr"}
     seqs = {"SeqStart": "*i32", "SeqLen": "*i32", "N": "i32", "W": "constexpr", "R": "constexpr"}
     views = {"q_desc": desc(64), "do_desc": desc(64), "k_desc": desc(64), "v_desc": desc(64)}
-    dkdv = {**views, "Q": "*bf16", "DO": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16",
+    dkdv = {**views, "Q": "*bf16", "DO": "*bf16", "K": "*bf16", "V": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16",
             **seqs, "NO": "constexpr", "ACCUMULATE": "constexpr"}
-    dq = {**views, "K": "*bf16", "V": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", **seqs,
+    dq = {**views, "Q": "*bf16", "DO": "*bf16", "K": "*bf16", "V": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "DQ": "*bf16", **seqs,
           "ACCUMULATE": "constexpr"}
     for merge in (False, True):
-        for fn, signature, consts in ((mod.lp_ptx_gluon_lanes_packed, sig, {(10,): 1024, (11,): 2, (12,): merge}),
+        for fn, signature, consts in ((mod.lp_ptx_gluon_lanes_packed, sig, {(12,): 1024, (13,): 2, (14,): merge}),
                                       (mod.lp_ptx_gluon_dkdv_lanes_packed, dkdv,
-                                       {(13,): 1024, (14,): 2, (15,): 2, (16,): merge}),
-                                      (mod.lp_ptx_gluon_dq_lanes_packed, dq, {(12,): 1024, (13,): 2, (14,): merge})):
+                                       {(15,): 1024, (16,): 2, (17,): 2, (18,): merge}),
+                                      (mod.lp_ptx_gluon_dq_lanes_packed, dq, {(14,): 1024, (15,): 2, (16,): merge})):
             kernel = compile_sm90(fn, signature, consts, **gluon_launch.lane_options(mod.attention.plan))
             ptx = kernel.asm["ptx"]
             assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
@@ -146,7 +147,8 @@ def test_build_models_the_packed_lanes_as_the_runtime_launches_them(cache_dir):
     assert len(model) == 3
     assert [x.role for x in launches].count("gluon_dkdv_lanes_packed") == 3
     assert [x.role for x in launches].count("gluon_dq_lanes_packed") == 3
-    assert len([x for x in predicted_launches(attn, 4097) if x.role == "gluon_lanes_packed"]) == 1   # r = 1 only
+    assert len([x for x in predicted_launches(attn, 4097) if x.role == "gluon_lanes_packed"]) == 3   # rows off r too
+    assert [x.role for x in predicted_launches(attn, 4097)].count("gluon_dq_lanes_packed") == 3
     assert all(x.launch_opts == gluon_launch.lane_options(attn.plan, dkdv=x.role == "gluon_dkdv_lanes_packed")
                and x.launch_opts.get("launch_pdl") for x in launches if x.role.endswith("lanes_packed"))
     q, out = (torch.randn(4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -167,6 +169,10 @@ PACKED = [
     ("short_and_long", dict(), [1000, 4096, 389, 2178, 7, 518]),
     ("head_base_mha", dict(head_base=4, num_kv_heads=8), [2051, 515, 1470]),
     ("rate_8", dict(dilation_rates=[1, 2, 8]), [3001, 1100, 127, 4]),   # lanes of 119 to 120 keys
+    # rows not a multiple of r (4,099): the lanes reaching past the views' rows // r
+    ("rows_off_the_rate", dict(), [1000, 2051, 389, 659]),
+    # LongNet's r = 6 does not divide w = 2048 (lanes of 341 or 342 rows), 3,999 rows
+    ("longnet_rate_6", dict(dilation_rates=[1, 2, 6]), [2500, 1103, 389, 7]),
 ]
 
 
@@ -191,7 +197,7 @@ def _taken(monkeypatch, backward=False):
 def test_packed_causal_rows_match_the_float64_reference_on_sm90(case, monkeypatch):
     name, over, lengths = case
     spec = _spec("lp_" + name, **over)
-    cu = offsets(lengths)
+    cu = offsets(lengths, multiple=1)   # the lanes take rows that r does not divide
     taken = _taken(monkeypatch)
     q, k, v = packed_inputs(spec, cu[-1], seed=len(name))
     out, lse = dilgen.compile(spec)(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True)
@@ -233,6 +239,10 @@ GRADS = [
     ("rate_8_past_the_group", dict(dilation_rates=[1, 4, 8]), [2600, 777, 1043, 4]),   # r = 8 > 4 heads a kv head
     # head_dim 64: no lane branch (the fused `tl` forward and dq); the Gluon dK/dV per branch, keys along rows
     ("head_dim_64", dict(head_dim=64), [1500, 389, 2111, 1000, 4]),
+    # rows not a multiple of r (4,099; 3,999 with LongNet's r = 6 not dividing w = 2048): the
+    # blocks reaching past the views' rows // r through boxes of their own
+    ("rows_off_the_rate", dict(), [1000, 2051, 389, 659]),
+    ("longnet_rate_6", dict(dilation_rates=[1, 2, 6]), [2500, 1103, 389, 7]),
 ]
 
 
@@ -243,9 +253,7 @@ def test_gradients_of_packed_causal_rows_on_sm90(case, monkeypatch):
     every branch (head_dim 64: the dK/dV, its plan having no lane branch)."""
     name, over, lengths = case
     spec = _spec("lp_grad_" + name, **over)
-    cu = offsets(lengths)
-    if sum(lengths) % max(spec.dilation_rates):
-        pytest.fail("rows must be a multiple of every rate for Gluon to take every branch")
+    cu = offsets(lengths, multiple=1)
     kernel = dilgen.compile(spec)
     q, k, v = packed_inputs(spec, cu[-1], seed=len(name))
     taken = _taken(monkeypatch, backward=True)

@@ -115,6 +115,8 @@ def test_the_check_catches_a_32_bit_segment_start():
 LONG_CASES = {   # spec fields at 16 heads of 128 (row stride 2048): rows past 2^20 overflow int32
     "causal_lanes": dict(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4], causal=True),
     "r_not_dividing_w": dict(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 6]),
+    # causal: r = 6 runs the Gluon lanes over rows (rows past the views' N // 6 too) on sm90
+    "causal_r_not_dividing_w": dict(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 6], causal=True),
 }
 
 

@@ -332,10 +332,12 @@ def _gluon_lanes_bwd_args(plan: dict, role: str, N: int, base: dict) -> list[tup
 
 def _gluon_lanes_packed_args(plan: dict, role: str, N: int, base: dict) -> list[tuple]:
     """A causal plan's Gluon lanes, dK/dV and lane dq over packed rows: per branch they take
-    (runtime/gluon_packed.py: N a multiple of r, not a first launch that clears), in launch
-    order, for a packing whose sequences cover the N rows (so first launches write)."""
+    (runtime/gluon_packed.py: at least r rows, not a first launch that clears), in launch
+    order, for a packing whose sequences cover the N rows (so first launches write). They also
+    model a fixed-length call's branches with r not dividing w, one sequence of N rows a launch
+    (gluon_packed.one_sequence_launches)."""
     import torch
-    from ..gluon_plan import gluon_lane_branch, gluon_lanes_bwd_branch
+    from ..gluon_plan import gluon_rows_lane_branch, gluon_rows_lanes_bwd_branch
     from ..runtime import gluon_packed as gp
     from ..runtime.grids import dkdv_per_branch, lane_order
     x, f32, seqs, out = _mock(base["dtype"]), _mock(torch.float32), (_mock(torch.int32), _mock(torch.int32)), []
@@ -344,16 +346,16 @@ def _gluon_lanes_packed_args(plan: dict, role: str, N: int, base: dict) -> list[
         writes, group = plan.get("dkdv_first_writes", False), plan["num_heads"] // plan["num_kv_heads"]
         for n, br in enumerate(dkdv_per_branch(plan, bool(plan.get("fused_dkdv")), False)):
             first = n == 0 and writes
-            if N % br["r"] == 0 and gluon_lanes_bwd_branch(br["w"], br["r"]) and not (first and br["r"] > group):
+            if N >= br["r"] and gluon_rows_lanes_bwd_branch(br["w"], br["r"]) and not (first and br["r"] > group):
                 out.append(gp.gluon_dkdv_lanes_packed_args(plan, x, x, x, x, f32, f32, x, x, seqs, N, br, not first))
         return out
     for n, i in enumerate(lane_order(plan)):
         br = plan["branches"][i]
         clears = n == 0 and not fused and plan.get("gap_lane") is not None
-        if clears or N % br["r"]:
+        if clears or N < br["r"]:
             continue
-        if role == "gluon_lanes_packed" and gluon_lane_branch(br["w"], br["r"], plan["config"]["gluon_lanes"][0]):
+        if role == "gluon_lanes_packed" and gluon_rows_lane_branch(br["w"], br["r"], plan["config"]["gluon_lanes"][0]):
             out.append(gp.gluon_lanes_packed_args(plan, x, x, x, x, f32, seqs, N, br, n > 0 or fused))
-        elif role == "gluon_dq_lanes_packed" and gluon_lanes_bwd_branch(br["w"], br["r"]):
+        elif role == "gluon_dq_lanes_packed" and gluon_rows_lanes_bwd_branch(br["w"], br["r"]):
             out.append(gp.gluon_dq_lanes_packed_args(plan, x, x, x, x, f32, f32, x, seqs, N, br, n > 0 or fused))
     return out

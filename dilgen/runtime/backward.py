@@ -22,6 +22,7 @@ from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch,
                            gluon_dq_lanes_launch)
 from .gluon_packed import (gluon_dkdv_lanes_packed_launch, gluon_dkdv_packed_launch, gluon_dq_lanes_packed_launch,
+                           one_sequence_launches,
                            gluon_dq_packed_launch)
 from .grids import dkdv_per_branch, lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
@@ -164,10 +165,11 @@ def _backward(attn, q, k, v, out, lse, grad_out, grad_lse, packing, dropout=()):
             dq.copy_(dq32)
 
     # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed kernels' partial blocks
-    packed_gluon = (attn.gluon_dq_packed_fn, attn.gluon_dkdv_packed_fn, attn.gluon_dkdv_lanes_packed_fn,
-                    attn.gluon_dq_lanes_packed_fn)
+    # (the packed lanes also run a fixed-length call's branches with r not dividing w)
+    packed_gluon = (attn.gluon_dq_packed_fn, attn.gluon_dkdv_packed_fn) if packing is not None else ()
     allocator = bool((plan["config"].get("lane_dq_tma") and lanes) or plan["config"].get("bwd_tma")
-                     or (packing is not None and any(fn is not None for fn in packed_gluon)))
+                     or any(fn is not None for fn in (*packed_gluon, attn.gluon_dkdv_lanes_packed_fn,
+                                                      attn.gluon_dq_lanes_packed_fn)))
     if run.interpret:
         with interpreting():
             launches()
@@ -256,6 +258,14 @@ class _Launches:
             else:
                 gluon = gluon_dkdv_lanes_launch(self.attn, q, k, v, grad_out, lse, delta, dk, dv, B, N, br, accumulate,
                                                 clear, self.dropout, self.dq32)
+                if gluon is None and self.dq32 is None:     # r not dividing w: over rows, a sequence per batch item
+                    rows = one_sequence_launches(gluon_dkdv_lanes_packed_launch, self.attn, B, N, br, q, k, v,
+                                                 grad_out, lse, delta, dk, dv, tail=(accumulate, clear, self.dropout))
+                    for launch in rows:
+                        self._run(*launch)
+                    if rows:
+                        accumulate, clear = True, False
+                        continue
             if gluon is not None:   # the same work in Gluon (sm90)
                 self._run(*gluon)
                 accumulate, clear = True, False
@@ -315,6 +325,14 @@ class _Launches:
             else:
                 gluon = gluon_dq_lanes_launch(self.attn, q, k, v, grad_out, lse, delta, dq, B, N, br, accumulate, clear,
                                               self.dropout)
+                if gluon is None:   # r not dividing w: over rows, a sequence per batch item
+                    rows = one_sequence_launches(gluon_dq_lanes_packed_launch, self.attn, B, N, br, q, k, v, grad_out,
+                                                 lse, delta, dq, tail=(accumulate, clear, self.dropout))
+                    for launch in rows:
+                        self._run(*launch)
+                    if rows:
+                        accumulate, clear = True, False
+                        continue
             if gluon is not None:   # the same work in Gluon (sm90)
                 self._run(*gluon)
                 accumulate, clear = True, False

@@ -12,7 +12,7 @@ import torch
 from .checks import check_inputs, check_zero_pad
 from .curve_rows import lane_key_args
 from .gluon_launch import gluon_lanes_launch, gluon_launch
-from .gluon_packed import gluon_lanes_packed_launch, gluon_packed_launch
+from .gluon_packed import gluon_lanes_packed_launch, gluon_packed_launch, one_sequence_launches
 from .grids import lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .launch import ensure_descriptor_allocator, poison, run_launches
 from .replay import Recorder, enabled, keep, lookup, recording_into, signature, split_dropout
@@ -92,9 +92,10 @@ def _forward(attn, q, k, v, packing, dropout=()) -> tuple[torch.Tensor, torch.Te
     with recording_into(recorder):      # copies of curve-ordered rows launch as they are made
         _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables, strides,
                      packing, interpret, writes_all, clears, varlen, dropout)
-    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed kernels' partial blocks
-    packed_gluon = [g for g in (attn.gluon_packed_kernel, attn.gluon_lanes_packed_kernel) if g is not None] \
-        if varlen and not interpret else []
+    # device-side tensor descriptors: the `tl` TMA kernels', the Gluon packed kernels' partial
+    # blocks (the packed lanes also run a fixed-length call's branches with r not dividing w)
+    packed_gluon = [] if interpret else [g for g in (attn.gluon_packed_kernel if varlen else None,
+                                                     attn.gluon_lanes_packed_kernel) if g is not None]
     allocator = not interpret and bool((cfg.get("lane_tma") and lanes) or cfg.get("fused_tma")
                                        or any(x[0] is g for x in launches for g in packed_gluon))
     if allocator:
@@ -140,13 +141,16 @@ def _launch_list(attn, launches, groups, q, k, v, out, lse, class_order, tables,
         for i in lanes:
             br = plan["branches"][i]
             if interpret:
-                gluon = None
+                gluon = []
             elif varlen:
-                gluon = gluon_lanes_packed_launch(attn, q, k, v, out, lse, seqs, B, N, br, accumulate, clear, dropout)
+                gluon = [gluon_lanes_packed_launch(attn, q, k, v, out, lse, seqs, B, N, br, accumulate, clear, dropout)]
             else:
-                gluon = gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear, dropout)
-            if gluon is not None:   # the same work as the lane kernel, in Gluon (sm90)
-                launches.append(gluon)
+                gluon = [gluon_lanes_launch(attn, q, k, v, out, lse, B, N, br, accumulate, clear, dropout)]
+                if gluon[0] is None:    # r not dividing w: the packed lanes, a sequence per batch item
+                    gluon = one_sequence_launches(gluon_lanes_packed_launch, attn, B, N, br, q, k, v, out, lse,
+                                                  tail=(accumulate, clear, dropout))
+            if gluon and gluon[0] is not None:   # the same work as the lane kernel, in Gluon (sm90)
+                launches.extend(gluon)
                 accumulate, clear = True, False
                 continue
             n_seg, n_tiles = lane_grid(br, N, cfg["lane_fwd"][0])

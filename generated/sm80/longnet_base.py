@@ -2,7 +2,7 @@
 # spec:          longnet_base
 # spec key:      95e9f8aba21f707f2218825cf3bacd92a18af098dec78f5d084e7f1c3ba95b32
 # target:        sm80
-# template hash: 4ac73687c048cb7e
+# template hash: 5ccc3b8d44825b2c
 # plan key:      dcbcd68e7e8fefaee2af5f2c778f3de9132c2cf6107f75987eaabd5f3c24100f
 """Dilated attention `longnet_base` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

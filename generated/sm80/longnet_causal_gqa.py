@@ -2,7 +2,7 @@
 # spec:          longnet_causal_gqa
 # spec key:      6f11bd0eb5f914081783c2df158b6f037e1f02c806114345623c00bb6ca9a582
 # target:        sm80
-# template hash: 4ac73687c048cb7e
+# template hash: 5ccc3b8d44825b2c
 # plan key:      40ea52297d4e736abe11ba6212246bc1cfed20f198778d09af3da8f5fe334736
 """Dilated attention `longnet_causal_gqa` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -2,7 +2,7 @@
 # spec:          slide_tiles
 # spec key:      cd3b2029133f361b71291656d15a255e539a8bcd643e207a6b34f82996d2a25b
 # target:        sm80
-# template hash: 4ac73687c048cb7e
+# template hash: 5ccc3b8d44825b2c
 # plan key:      da2f97b0fac77c88a13597d37d12a112727c9794da2a587de65a6a306ab15514
 """Dilated attention `slide_tiles` for sm80: every branch of LongNet Eq. 10 in one
 launch, one online softmax over the union of the branches' key sets.

@@ -15,7 +15,7 @@ def gla_gluon_dkdv_lanes_produce(p, PACKED: gl.constexpr):
     through descriptors that end there (zeros)."""
     if PACKED:
         (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem, s0, cnt, Q, DO) = p
+         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem, s0, cnt, Q, DO, K, V) = p
         o = (kvh * 4 + g0) % R
         p0 = s0 + s * W + o
         row0 = p0 // R
@@ -32,16 +32,26 @@ def gla_gluon_dkdv_lanes_produce(p, PACKED: gl.constexpr):
         blocks = W // R // 64
     mbarrier.expect(kv_bar, 4 * 64 * 128 * 2)
     for wg in gl.static_range(2):
-        tma_load(k_desc, [row0 + jt * 128 + wg * 64, kcol, 0], kv_bar, k_smem.index(wg))
-        tma_load(v_desc, [row0 + jt * 128 + wg * 64, kcol, 0], kv_bar, v_smem.index(wg))
+        if PACKED:
+            if row0 + gl.minimum(jt * 128 + wg * 64 + 64, cnt) > N // R:   # lanes past the views' rows
+                tma_load(gla_gluon_lane_box(K, p0, kvh, cnt, R, k_desc), [jt * 128 + wg * 64, 0, 0], kv_bar,
+                         k_smem.index(wg))
+                tma_load(gla_gluon_lane_box(V, p0, kvh, cnt, R, v_desc), [jt * 128 + wg * 64, 0, 0], kv_bar,
+                         v_smem.index(wg))
+            else:
+                tma_load(k_desc, [row0 + jt * 128 + wg * 64, kcol, 0], kv_bar, k_smem.index(wg))
+                tma_load(v_desc, [row0 + jt * 128 + wg * 64, kcol, 0], kv_bar, v_smem.index(wg))
+        else:
+            tma_load(k_desc, [row0 + jt * 128 + wg * 64, kcol, 0], kv_bar, k_smem.index(wg))
+            tma_load(v_desc, [row0 + jt * 128 + wg * 64, kcol, 0], kv_bar, v_smem.index(wg))
     it = jt * 0
     for g in range(g0, 4, NO):
         for j in range(2 * jt, blocks):
             st = it % GLUON_LBWD_STAGES
             mbarrier.wait(empty.index(st), ((it // GLUON_LBWD_STAGES) & 1) ^ 1)   # both consumers let go of it
             mbarrier.expect(ready.index(st), 2 * 64 * 128 * 2)
-            if PACKED:
-                if (j + 1) * 64 > cnt:
+            if PACKED:      # through the lane's own boxes past its last lane or past the views' rows
+                if (j + 1) * 64 > cnt or row0 + (j + 1) * 64 > N // R:
                     tma_load(gla_gluon_lane_box(Q, p0, kvh * 4 + g, cnt, R, q_desc), [j * 64, 0, 0], ready.index(st),
                              q_smem.index(st))
                     tma_load(gla_gluon_lane_box(DO, p0, kvh * 4 + g, cnt, R, do_desc), [j * 64, 0, 0],
@@ -117,7 +127,7 @@ def gla_gluon_dkdv_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, 
     (ACCUMULATE) or written (CLEAR: and the gap keys zeroed), dK times the softmax scale. PACKED: the keys of the producer's lane, lse and Delta (H, rows) from row s0."""
     if PACKED:
         (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem, s0, cnt, Q, DO) = p
+         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem, s0, cnt, Q, DO, K, V) = p
     else:
         (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
          b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem) = p
@@ -297,18 +307,20 @@ def gla_gluon_dkdv_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, N,
 
 
 @gluon.jit
-def gla_gluon_dkdv_lanes_packed(q_desc, do_desc, k_desc, v_desc, Q, DO, Lse, Delta, DK, DV, SeqStart, SeqLen, N,
+def gla_gluon_dkdv_lanes_packed(q_desc, do_desc, k_desc, v_desc, Q, DO, K, V, Lse, Delta, DK, DV, SeqStart, SeqLen, N,
                               W: gl.constexpr, R: gl.constexpr, NO: gl.constexpr, ACCUMULATE: gl.constexpr):
     """The dK/dV of a branch over packed rows (runtime.varlen): gla_gluon_dkdv_lanes' work for
     sequence b of the launch group, rows SeqStart[b] + [0, SeqLen[b]), its last segment maybe
     short (its lanes end early).
-    q_desc ... v_desc  the views of gla_gluon_dkdv_lanes over all N packed rows (B = 1; N a multiple of R)
-    Q, DO            q and dO (N, H, D): a query block past its lane's end (runtime/gluon_packed.py)
+    q_desc ... v_desc  the views of gla_gluon_dkdv_lanes over all N packed rows (B = 1), N // R rows;
+                     W need not be a multiple of R (a lane of ceil((W - o) / R) keys)
+    Q, DO, K, V      q, dO, k, v (N, H or H_kv, D): a block past its lane's end or reaching past the
+                     views' N // R rows (N not a multiple of R) (runtime/gluon_packed.py)
     Lse, Delta       (H, N) float32; DK, DV (N, H_kv, D): added into (ACCUMULATE) or written
     program          ((s*NO + g0)*J + jt, b*H_kv + kvh) as gla_gluon_dkdv_lanes'; a key tile past its
                      lane's end does nothing"""
     dtype: gl.constexpr = k_desc.dtype
-    J: gl.constexpr = W // R // 128
+    J: gl.constexpr = (W + 128 * R - 1) // (128 * R)     # ceil(ceil(W / R) / 128) key tiles
     jt = gl.program_id(0) % J
     g0 = (gl.program_id(0) // J) % NO
     s = gl.program_id(0) // (J * NO)
@@ -340,7 +352,7 @@ def gla_gluon_dkdv_lanes_packed(q_desc, do_desc, k_desc, v_desc, Q, DO, Lse, Del
     ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ps_layout)
     fence_async_shared()
     p = (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem, s0, cnt, Q, DO)
+         b, kvh, s, g0, jt, N, W, R, NO, pt_smem, ds_smem, s0, cnt, Q, DO, K, V)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_dkdv_lanes_packed_add0, (p,)), (gla_gluon_dkdv_lanes_packed_add1, (p,)),
                             (gla_gluon_dkdv_lanes_packed_producer, (p,))], [4, 1], [240, 24])

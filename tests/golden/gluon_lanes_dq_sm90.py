@@ -9,7 +9,7 @@ def gla_gluon_dq_lanes_produce(p, PACKED: gl.constexpr):
     lane's last key read through descriptors that end there (zeros)."""
     if PACKED:
         (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
-         b, h, s, mt, N, W, R, s0, cnt, K, V) = p
+         b, h, s, mt, N, W, R, s0, cnt, Q, DO, K, V) = p
         p0 = s0 + s * W + h % R
         row0 = p0 // R
         qcol = (p0 % R) * 16 + h
@@ -22,14 +22,24 @@ def gla_gluon_dq_lanes_produce(p, PACKED: gl.constexpr):
         kcol = (h % R) * 4 + h // 4
     for wg in gl.static_range(2):
         mbarrier.expect(q_bars.index(wg), 2 * 64 * 128 * 2)
-        tma_load(q_desc, [row0 + mt * 128 + wg * 64, qcol, 0], q_bars.index(wg), q_smem.index(wg))
-        tma_load(do_desc, [row0 + mt * 128 + wg * 64, qcol, 0], q_bars.index(wg), do_smem.index(wg))
+        if PACKED:
+            if row0 + gl.minimum(mt * 128 + wg * 64 + 64, cnt) > N // R:   # lanes past the views' rows
+                tma_load(gla_gluon_lane_box(Q, p0, h, cnt, R, q_desc), [mt * 128 + wg * 64, 0, 0], q_bars.index(wg),
+                         q_smem.index(wg))
+                tma_load(gla_gluon_lane_box(DO, p0, h, cnt, R, do_desc), [mt * 128 + wg * 64, 0, 0], q_bars.index(wg),
+                         do_smem.index(wg))
+            else:
+                tma_load(q_desc, [row0 + mt * 128 + wg * 64, qcol, 0], q_bars.index(wg), q_smem.index(wg))
+                tma_load(do_desc, [row0 + mt * 128 + wg * 64, qcol, 0], q_bars.index(wg), do_smem.index(wg))
+        else:
+            tma_load(q_desc, [row0 + mt * 128 + wg * 64, qcol, 0], q_bars.index(wg), q_smem.index(wg))
+            tma_load(do_desc, [row0 + mt * 128 + wg * 64, qcol, 0], q_bars.index(wg), do_smem.index(wg))
     for t in range(2 * mt + 2):
         st = t % GLUON_LBWD_STAGES
         mbarrier.wait(empty.index(st), ((t // GLUON_LBWD_STAGES) & 1) ^ 1)   # both consumers let go of it
         mbarrier.expect(ready.index(st), 2 * 64 * 128 * 2)
-        if PACKED:
-            if (t + 1) * 64 > cnt:
+        if PACKED:      # through the lane's own boxes past its last key or past the views' rows
+            if (t + 1) * 64 > cnt or row0 + (t + 1) * 64 > N // R:
                 tma_load(gla_gluon_lane_box(K, p0, h // 4, cnt, R, k_desc), [t * 64, 0, 0], ready.index(st),
                          k_smem.index(st))
                 tma_load(gla_gluon_lane_box(V, p0, h // 4, cnt, R, v_desc), [t * 64, 0, 0], ready.index(st),
@@ -93,7 +103,7 @@ def gla_gluon_dq_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CL
     lse, Delta (H, rows) and dQ's rows from row s0, lanes past the lane's end (cnt) not stored."""
     if PACKED:
         (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
-         b, h, s, mt, N, W, R, s0, cnt, K, V) = p
+         b, h, s, mt, N, W, R, s0, cnt, Q, DO, K, V) = p
     else:
         (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
          b, h, s, mt, N, W, R) = p
@@ -249,17 +259,19 @@ def gla_gluon_dq_lanes(q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, N, W: gl
 
 
 @gluon.jit
-def gla_gluon_dq_lanes_packed(q_desc, do_desc, k_desc, v_desc, K, V, Lse, Delta, DQ, SeqStart, SeqLen, N,
+def gla_gluon_dq_lanes_packed(q_desc, do_desc, k_desc, v_desc, Q, DO, K, V, Lse, Delta, DQ, SeqStart, SeqLen, N,
                             W: gl.constexpr, R: gl.constexpr, ACCUMULATE: gl.constexpr):
     """The lane dq of a branch over packed rows (runtime.varlen): gla_gluon_dq_lanes' work for
     sequence b of the launch group, rows SeqStart[b] + [0, SeqLen[b]), its last segment maybe
     short.
-    q_desc ... v_desc  the views of gla_gluon_dq_lanes over all N packed rows (B = 1; N a multiple of R)
-    K, V             k and v (N, H_kv, D): a key block past its lane's end (runtime/gluon_packed.py)
+    q_desc ... v_desc  the views of gla_gluon_dq_lanes over all N packed rows (B = 1), N // R rows; W need
+                     not be a multiple of R
+    Q, DO, K, V      q, dO, k, v (N, H or H_kv, D): a block past its lane's end or reaching past the
+                     views' N // R rows (runtime/gluon_packed.py)
     Lse, Delta       (H, N) float32; DQ (N, H, D): added into (ACCUMULATE) or written
     program          (s*T + t, b*H + h) as gla_gluon_dq_lanes'; a tile past its lane's end does nothing"""
     dtype: gl.constexpr = q_desc.dtype
-    T: gl.constexpr = W // R // 128
+    T: gl.constexpr = (W + 128 * R - 1) // (128 * R)     # ceil(ceil(W / R) / 128) query tiles
     s = gl.program_id(0) // T
     mt = T - 1 - gl.program_id(0) % T
     b = gl.program_id(1) // 16
@@ -286,7 +298,7 @@ def gla_gluon_dq_lanes_packed(q_desc, do_desc, k_desc, v_desc, K, V, Lse, Delta,
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
     p = (q_desc, do_desc, k_desc, v_desc, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, q_bars, ready, empty,
-         b, h, s, mt, N, W, R, s0, cnt, K, V)
+         b, h, s, mt, N, W, R, s0, cnt, Q, DO, K, V)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_dq_lanes_packed_add0, (p,)), (gla_gluon_dq_lanes_packed_add1, (p,)),
                             (gla_gluon_dq_lanes_packed_producer, (p,))], [4, 1], [240, 24])

@@ -42,34 +42,48 @@ def gla_gluon_lanes_produce(p, PACKED: gl.constexpr):
     and 0 times another sequence's non-finite value would not be)."""
     if PACKED:
         (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-         b, h, s, mt, N, W, R, s0, cnt, V) = p
+         b, h, s, mt, N, W, R, s0, cnt, Q, K, V) = p
         p0 = s0 + s * W + h % R
         row0 = p0 // R
         qcol = (p0 % R) * 16 + h
         kcol = (p0 % R) * 4 + h // 4
+        for wg in gl.static_range(2):
+            j0 = mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS
+            mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
+            if row0 + gl.minimum(j0 + GLUON_LANE_ROWS, cnt) > N // R:    # lanes past the views' N // R rows
+                tma_load(gla_gluon_lane_box(Q, p0, h, cnt, R, q_desc), [j0, 0, 0], q_bars.index(wg), q_smem.index(wg))
+            else:
+                tma_load(q_desc, [row0 + j0, qcol, 0], q_bars.index(wg), q_smem.index(wg))
     else:
         (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
          b, h, s, mt, N, W, R) = p
         row0 = b * (N // R) + s * (W // R)
         qcol = (h % R) * 16 + h
         kcol = (h % R) * 4 + h // 4
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
-        tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS, qcol, 0], q_bars.index(wg),
-                 q_smem.index(wg))
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bars.index(wg), GLUON_LANE_ROWS * 128 * 2)
+            tma_load(q_desc, [row0 + mt * (2 * GLUON_LANE_ROWS) + wg * GLUON_LANE_ROWS, qcol, 0], q_bars.index(wg),
+                     q_smem.index(wg))
     for t in range((mt + 1) * (2 * GLUON_LANE_ROWS) // GLUON_LANE_KEYS):
         st = t % GLUON_LANE_STAGES
         mbarrier.wait(kv_empty.index(st), ((t // GLUON_LANE_STAGES) & 1) ^ 1)   # both consumers let go of it
         mbarrier.expect(k_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
-        tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
-        mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
-        if PACKED:
-            if (t + 1) * GLUON_LANE_KEYS > cnt:
+        if PACKED:      # through the lane's own box past its last key (V) or past the views' rows
+            past = row0 + gl.minimum((t + 1) * GLUON_LANE_KEYS, cnt) > N // R
+            if past:
+                tma_load(gla_gluon_lane_box(K, p0, h // 4, cnt, R, k_desc), [t * GLUON_LANE_KEYS, 0, 0],
+                         k_ready.index(st), k_smem.index(st))
+            else:
+                tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
+            if past or (t + 1) * GLUON_LANE_KEYS > cnt:
                 tma_load(gla_gluon_lane_box(V, p0, h // 4, cnt, R, v_desc), [t * GLUON_LANE_KEYS, 0, 0],
                          v_ready.index(st), v_smem.index(st))
             else:
                 tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
         else:
+            tma_load(k_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), GLUON_LANE_KEYS * 128 * 2)
             tma_load(v_desc, [row0 + t * GLUON_LANE_KEYS, kcol, 0], v_ready.index(st), v_smem.index(st))
 
 
@@ -120,7 +134,7 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR
     end (cnt) not stored; the causal mask keeps every key past it from a stored row."""
     if PACKED:
         (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-         b, h, s, mt, N, W, R, s0, cnt, V) = p
+         b, h, s, mt, N, W, R, s0, cnt, Q, K, V) = p
     else:
         (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
          b, h, s, mt, N, W, R) = p
@@ -198,10 +212,10 @@ def gla_gluon_lanes_consume(p, WG: gl.constexpr, ACCUMULATE: gl.constexpr, CLEAR
         out = (out_acc + out * gl.expand_dims(w_new, 1)) / gl.expand_dims(total, 1)
         lse = top + gl.log(total)
     if PACKED:
-        if q0 + GLUON_LANE_ROWS <= cnt:
+        p0 = s0 + s * W + h % R
+        if q0 + GLUON_LANE_ROWS <= cnt and p0 // R + q0 + GLUON_LANE_ROWS <= N // R:   # within the lane and the view
             q_smem.index(WG).reshape([GLUON_LANE_ROWS, 128]).store(out.to(dtype))
             fence_async_shared()
-            p0 = s0 + s * W + h % R
             tma_store(o_desc, [p0 // R + q0, (p0 % R) * 16 + h, 0], q_smem.index(WG))
         else:
             gl.store(Out + offs, out.to(dtype), mask=gl.expand_dims(real, 1))
@@ -336,20 +350,22 @@ def gla_gluon_lanes(q_desc, o_desc, k_desc, v_desc, Out, Lse, N, W: gl.constexpr
 
 
 @gluon.jit
-def gla_gluon_lanes_packed(q_desc, o_desc, k_desc, v_desc, V, Out, Lse, SeqStart, SeqLen, N, W: gl.constexpr,
+def gla_gluon_lanes_packed(q_desc, o_desc, k_desc, v_desc, Q, K, V, Out, Lse, SeqStart, SeqLen, N, W: gl.constexpr,
                          R: gl.constexpr, ACCUMULATE: gl.constexpr):
     """The lanes over packed rows (runtime.varlen): the same work for sequence b of the launch
     group, rows SeqStart[b] + [0, SeqLen[b]), its segments from its first row, the last one
     maybe short (SPEC 2.1: its lanes end early).
-    q_desc, o_desc   q and out as (N/R, R*H, D), N all the packed rows (a multiple of R): the lane
-                     starting at row p0 is the rows p0 // R + j, column (p0 mod R)*H + h
-    k_desc, v_desc   k and v as (N/R, R*H_kv, D); boxes of 128
-    V, Out           v and out (N, H_kv or H, D): a block past the lane's last key, the lanes of a
-                     tile past it (runtime/gluon_packed.py)
+    q_desc, o_desc   q and out as (N // R, R*H, D), N all the packed rows: the lane starting at
+                     row p0 is the rows p0 // R + j, column (p0 mod R)*H + h; W need not be a
+                     multiple of R (LongNet's r = 6, 12: a lane then holds ceil((w - o) / R) rows)
+    k_desc, v_desc   k and v as (N // R, R*H_kv, D); boxes of 128
+    Q, K, V, Out     q, k, v and out (N, H or H_kv, D): blocks reaching past the views' N // R rows
+                     (N not a multiple of R) read and store through them, as do a block past the
+                     lane's last key (V) and the lanes of a tile past it (runtime/gluon_packed.py)
     Lse              (H, N)
     program          (s*T + t, b*H + h) as gla_gluon_lanes'; a tile past its lane's end does nothing"""
     dtype: gl.constexpr = q_desc.dtype
-    n_tiles: gl.constexpr = W // R // (2 * GLUON_LANE_ROWS)
+    n_tiles: gl.constexpr = (W + 2 * GLUON_LANE_ROWS * R - 1) // (2 * GLUON_LANE_ROWS * R)     # ceil(ceil(W / R) / 128)
     s = gl.program_id(0) // n_tiles
     mt = n_tiles - 1 - gl.program_id(0) % n_tiles
     b = gl.program_id(1) // 16
@@ -378,7 +394,7 @@ def gla_gluon_lanes_packed(q_desc, o_desc, k_desc, v_desc, V, Out, Lse, SeqStart
         mbarrier.init(kv_empty.index(i), count=2)
     fence_async_shared()
     p = (q_desc, o_desc, k_desc, v_desc, Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-         b, h, s, mt, N, W, R, s0, cnt, V)
+         b, h, s, mt, N, W, R, s0, cnt, Q, K, V)
     if ACCUMULATE:
         gl.warp_specialize([(gla_gluon_lanes_packed_add0, (p,)), (gla_gluon_lanes_packed_add1, (p,)),
                             (gla_gluon_lanes_packed_producer, (p,))], [4, 1], [240, 24])
