@@ -27,7 +27,7 @@ def kernel_families(plan) -> str:
     curve = [i for i in gluon_lanes if plan.branches[i].curve_rows] if cfg.gluon_curve_lanes else []
     raster = [i for i in gluon_lanes if i not in curve and (cfg.gluon_raster_lanes or not cfg.gluon_curve_lanes)]
     # r not dividing w: the lanes over rows that start anywhere (a causal plan's packed lanes,
-    # runtime.gluon_packed.gluon_lanes_rows_launches), but for a first launch writing the gaps
+    # runtime.gluon_packed.one_sequence_launches), but for a first launch writing the gaps
     rows_lanes = [i for i in lanes if i not in gluon_lanes and i != plan.gap_lane
                   and "gluon_lanes_packed" in plan.gluon_packed_kernels
                   and gluon_rows_lane_branch(plan.branches[i].segment_length, plan.branches[i].dilation,

@@ -22,8 +22,7 @@ from .curve_rows import copy_rows, lane_key_args, uses_curve_rows
 from .gluon_launch import (gluon_dkdv_dq_taken, gluon_dkdv_launch, gluon_dkdv_lanes_launch, gluon_dq_launch,
                            gluon_dq_lanes_launch)
 from .gluon_packed import (gluon_dkdv_lanes_packed_launch, gluon_dkdv_packed_launch, gluon_dq_lanes_packed_launch,
-                           one_sequence_launches,
-                           gluon_dq_packed_launch)
+                           gluon_dq_packed_launch, one_sequence_launches)
 from .grids import dkdv_per_branch, lane_grid, lane_launch_grid, lane_order, lattice_group_tiles
 from .interpreter import interpreting
 from .launch import ensure_descriptor_allocator, poison

@@ -120,7 +120,7 @@ def gluon_lanes_packed_args(plan: dict, q, k, v, out, lse, seqs: tuple, rows: in
 
 def one_sequence(attn, N: int, device) -> tuple:
     """(starts, lengths) of one sequence of N rows on `device`, made once: a fixed-length call
-    runs the lanes over rows that start anywhere per batch item (gluon_lanes_rows_launches)."""
+    runs the lanes over rows that start anywhere per batch item (one_sequence_launches)."""
     key = (N, "one_sequence", str(device))
     hit = attn._device_tensors.get(key)
     if hit is None:
@@ -135,8 +135,9 @@ def one_sequence_launches(launch, attn, B: int, N: int, br: dict, *tensors, tail
     (gluon_lanes_packed_launch, gluon_dkdv_lanes_packed_launch or gluon_dq_lanes_packed_launch)
     over one sequence per batch item, tensors[i][b] ((N, H, D) rows, (H, N) lse and Delta),
     one launch each, `tail` its arguments after the branch; [] when it does not take the
-    branch and the `tl` kernel runs it."""
-    if br["w"] % br["r"] == 0:
+    branch and the `tl` kernel runs it, and for a call with a short segment (Gluon takes whole
+    segments of a fixed-length call, as gluon_launch._takes: short_segments "zero_pad" pads them)."""
+    if br["w"] % br["r"] == 0 or any(N % b["w"] for b in attn.plan["branches"]):
         return []
     seqs = one_sequence(attn, N, tensors[0].device)
     launches = [launch(attn, *(t[b] for t in tensors), seqs, 1, N, br, *tail) for b in range(B)]
