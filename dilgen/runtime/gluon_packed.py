@@ -2,13 +2,16 @@
 dK/dV of the lattice branches (templates/gluon_fwd.py.jinja, gluon_dq.py.jinja,
 gluon_bwd.py.jinja: their `_packed` kernels) and a causal plan's lanes, per-branch dK/dV and
 lane dq (gluon_lanes.py.jinja `_lanes_packed`, gluon_lanes_bwd.py.jinja `_dkdv_lanes_packed`,
-`_dq_lanes_packed`), and when a launch group takes them.
+`_dq_lanes_packed`), and when a launch group takes them. The lane kernels also run a
+fixed-length causal call's branches whose r does not divide w, one sequence per batch item
+(one_sequence_launches): a lane that starts anywhere is what they take.
 
 Packed rows take the fixed-length kernels' host descriptors over all the rows (B = 1, N = rows;
 runtime.gluon_launch): sequence b's lane starting at row p0 is row p0 // r, column
-(p0 mod r)·H + h of a branch's view, whatever b's start. Only a lane's partial last block is
-read through a descriptor made in the kernel (common.jinja gluon_lane_box), which ends at the
-lane's last row. The lane launches go as the fixed-length ones (gluon_launch.lane_options: with
+(p0 mod r)·H + h of a branch's view, whatever b's start. The views hold rows // r rows; a
+lane's partial last block, and a block reaching past the views' rows (rows not a multiple of
+r), is read, and stored row by row, through a descriptor made in the kernel (common.jinja
+gluon_lane_box), which ends at the lane's last row. The lane launches go as the fixed-length ones (gluon_launch.lane_options: with
 programmatic dependent launch where the plan says); the lattice launches without it."""
 from __future__ import annotations
 
